@@ -1,3 +1,14 @@
 //! dflash: an inference engine for DFlash speculative decoding.
+//!
+//! Data flow (one module per step):
+//! [`config`] -> [`source`] (files, weights) -> [`archs`] (target families over shared
+//! [`nn`] layers) -> [`draft`] (the block-diffusion draft) -> [`engine`] (decode loop) ->
+//! [`sampling`] / [`stats`].
+pub mod archs;
+pub mod config;
 pub mod error;
+pub mod nn;
+pub mod source;
+pub mod testing;
+
 pub use error::{Error, Result};

@@ -1,0 +1,295 @@
+//! The dense decoder shared by the attention-only families (llama, qwen3, and later gemma3):
+//! embeddings -> N x (norm, attention, residual, norm, gated MLP, residual) -> norm -> LM head.
+//!
+//! A family file builds a [`DecoderSpec`] from its config and calls [`DecoderModel::load`];
+//! the differences between families are fields of the spec, not copies of this code.
+
+use super::{ForwardOutput, LayerCache, Logits, TargetCache, TargetInfo, TargetModel};
+use crate::config::{LayerType, TargetConfig};
+use crate::nn::{attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, RmsNorm, Rope, RopeTables};
+use crate::source::Weights;
+use crate::{Error, Result};
+use candle_core::{DType, Tensor};
+
+/// What distinguishes one dense family from another.
+#[derive(Debug, Clone)]
+pub struct DecoderSpec {
+    pub family: &'static str,
+    /// Per-head q/k RMSNorm before RoPE.
+    pub qk_norm: bool,
+    /// Norm weights stored as `w` of `x * (1 + w)` (HF Gemma).
+    pub norm_add_one: bool,
+    /// Gemma-style sandwich norms (post-attention, pre/post-feedforward).
+    pub sandwich_norms: bool,
+    /// Embedding output multiplied by this (Gemma: sqrt(hidden)).
+    pub embed_scale: Option<f64>,
+    /// Final logits softcapping `cap * tanh(x / cap)`.
+    pub final_softcap: Option<f64>,
+    /// Softmax scale; None = head_dim^-0.5.
+    pub attn_scale: Option<f64>,
+    /// RoPE for sliding layers when it differs from the global one (Gemma 3 local base).
+    pub sliding_rope: Option<crate::config::RopeConfig>,
+}
+
+impl DecoderSpec {
+    pub fn new(family: &'static str) -> Self {
+        Self {
+            family,
+            qk_norm: false,
+            norm_add_one: false,
+            sandwich_norms: false,
+            embed_scale: None,
+            final_softcap: None,
+            attn_scale: None,
+            sliding_rope: None,
+        }
+    }
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: RmsNorm,
+    /// Sandwich norms: (pre-feedforward, post-feedforward).
+    ff_norms: Option<(RmsNorm, RmsNorm)>,
+    mlp: GatedMlp,
+    kind: LayerType,
+}
+
+pub struct DecoderModel {
+    info: TargetInfo,
+    embed_tokens: Tensor,
+    embed_scale: Option<f64>,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    /// LM head shares the embedding table.
+    tied: bool,
+    rope_full: Rope,
+    rope_sliding: Rope,
+    sliding_window: Option<usize>,
+    final_softcap: Option<f64>,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl DecoderModel {
+    /// Load HF tensor names (`model.embed_tokens`, `model.layers.{i}.…`, `model.norm`, `lm_head`).
+    pub fn load(cfg: &TargetConfig, w: &Weights, spec: DecoderSpec) -> Result<Self> {
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
+        let embed_tokens = w.get("model.embed_tokens.weight", (v, h))?;
+        let eps = cfg.rms_norm_eps;
+        let norm = |name: &str, dim| RmsNorm::load(w, name, dim, eps, spec.norm_add_one);
+        let attn_spec = AttentionSpec {
+            hidden: h,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            bias: cfg.attention_bias,
+            qk_norm: spec.qk_norm,
+            qk_norm_add_one: spec.norm_add_one,
+            eps,
+            scale: spec.attn_scale.unwrap_or((cfg.head_dim as f64).powf(-0.5)),
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let ff_norms = if spec.sandwich_norms {
+                Some((
+                    norm(&format!("{p}.pre_feedforward_layernorm.weight"), h)?,
+                    norm(&format!("{p}.post_feedforward_layernorm.weight"), h)?,
+                ))
+            } else {
+                None
+            };
+            layers.push(Layer {
+                input_norm: norm(&format!("{p}.input_layernorm.weight"), h)?,
+                attn: Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?,
+                post_attn_norm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                ff_norms,
+                mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.mlp_bias, act)?,
+                kind: cfg.layer_types[i],
+            });
+        }
+        // Tied checkpoints may still carry a copy of the head; prefer it when present.
+        let (lm_head, tied) = match (cfg.tie_word_embeddings, w.contains("lm_head.weight")) {
+            (true, false) => (Linear::dense(embed_tokens.clone(), None), true),
+            _ => (Linear::load(w, "lm_head", h, v, false)?, false),
+        };
+        let rope_full = Rope::new(&cfg.rope, cfg.head_dim);
+        let rope_sliding = Rope::new(spec.sliding_rope.as_ref().unwrap_or(&cfg.rope), cfg.head_dim);
+        let info = TargetInfo {
+            family: spec.family,
+            model_type: cfg.model_type.clone(),
+            num_layers: cfg.num_hidden_layers,
+            hidden_size: h,
+            vocab_size: v,
+            max_position: cfg.max_position_embeddings,
+            dtype: w.dtype,
+            device: w.device.clone(),
+            weight_bytes: 0,
+        };
+        let mut m = Self {
+            info,
+            embed_tokens,
+            embed_scale: spec.embed_scale,
+            norm: norm("model.norm.weight", h)?,
+            layers,
+            lm_head,
+            tied,
+            rope_full,
+            rope_sliding,
+            sliding_window: cfg.sliding_window,
+            final_softcap: spec.final_softcap,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+        };
+        m.info.weight_bytes = m.weight_bytes();
+        Ok(m)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
+        let lin = |l: &Linear| match l {
+            Linear::Dense { weight, bias } => t(weight) + bias.as_ref().map_or(0, t),
+            Linear::Quant { weight, .. } => match weight {
+                candle_core::quantized::QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+                candle_core::quantized::QMatMul::Tensor(x) | candle_core::quantized::QMatMul::TensorF16(x) => t(x),
+            },
+        };
+        let mut b = t(&self.embed_tokens) + t(&self.norm.weight);
+        if !self.tied {
+            b += lin(&self.lm_head);
+        }
+        for l in &self.layers {
+            b += [&l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj, &l.attn.o_proj, &l.mlp.gate, &l.mlp.up, &l.mlp.down]
+                .iter()
+                .map(|x| lin(x))
+                .sum::<usize>();
+        }
+        b
+    }
+
+    fn forward_inner(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        cache: &mut TargetCache,
+        taps: &[usize],
+        logits: Logits,
+    ) -> Result<ForwardOutput> {
+        let n = tokens.len();
+        let dev = &self.info.device;
+        let dt = self.info.dtype;
+        let ids = Tensor::from_slice(tokens, n, dev)?;
+        let mut h = self.embed(&ids)?;
+        let t_full = self.rope_full.tables(start, n, dev, dt)?;
+        let t_slide = self.rope_sliding.tables(start, n, dev, dt)?;
+        let k_len = start + n;
+        let mask_full = if n > 1 { attention_mask(n, start, k_len, true, None, dt, dev)? } else { None };
+        let mask_slide = attention_mask(n, start, k_len, true, self.sliding_window, dt, dev)?;
+        let mut tapped: Vec<Option<Tensor>> = vec![None; taps.len()];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let LayerCache::Kv(kv) = &mut cache.layers[i];
+            let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
+                LayerType::Full => (&self.rope_full, &t_full, mask_full.as_ref()),
+                LayerType::Sliding => (&self.rope_sliding, &t_slide, mask_slide.as_ref()),
+            };
+            let x = layer.input_norm.forward(&h)?;
+            let a = layer.attn.forward(&x, rope, tables, kv, mask)?;
+            h = match &layer.ff_norms {
+                None => {
+                    let h1 = (h + a)?;
+                    let m = layer.mlp.forward(&layer.post_attn_norm.forward(&h1)?)?;
+                    (h1 + m)?
+                }
+                Some((pre_ff, post_ff)) => {
+                    let h1 = (h + layer.post_attn_norm.forward(&a)?)?;
+                    let m = layer.mlp.forward(&pre_ff.forward(&h1)?)?;
+                    (h1 + post_ff.forward(&m)?)?
+                }
+            };
+            for (slot, &t) in taps.iter().enumerate() {
+                if t == i {
+                    tapped[slot] = Some(h.clone());
+                }
+            }
+        }
+        let taps_out = if taps.is_empty() {
+            None
+        } else {
+            let parts: Vec<Tensor> = tapped.into_iter().map(|t| t.expect("tap indices validated")).collect();
+            Some(Tensor::cat(&parts, 1)?)
+        };
+        let logits = match logits {
+            Logits::None => None,
+            Logits::Last => Some(self.lm_head(&self.norm.forward(&h.narrow(0, n - 1, 1)?)?)?),
+            Logits::All => Some(self.lm_head(&self.norm.forward(&h)?)?),
+        };
+        Ok(ForwardOutput { logits, taps: taps_out })
+    }
+}
+
+impl TargetModel for DecoderModel {
+    fn info(&self) -> &TargetInfo {
+        &self.info
+    }
+
+    fn new_cache(&self, capacity: usize) -> Result<TargetCache> {
+        let layers = (0..self.layers.len())
+            .map(|_| Ok(LayerCache::Kv(KvCache::new(self.kv_heads, self.head_dim, capacity, self.info.dtype, &self.info.device)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(TargetCache::new(layers, capacity))
+    }
+
+    fn forward(&self, tokens: &[u32], start: usize, cache: &mut TargetCache, taps: &[usize], logits: Logits) -> Result<ForwardOutput> {
+        if tokens.is_empty() {
+            return Err(Error::input("forward: no tokens"));
+        }
+        if start != cache.len() {
+            return Err(Error::input(format!("forward: start position {start} != cached length {}", cache.len())));
+        }
+        if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
+            return Err(Error::input(format!("tap layer {bad} out of range: the target has {} layers", self.layers.len())));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.info.vocab_size) {
+            return Err(Error::input(format!("token id {bad} out of range: vocab size is {}", self.info.vocab_size)));
+        }
+        if start + tokens.len() > cache.capacity() {
+            return Err(Error::input(format!(
+                "context overflow: {start} cached + {} new positions exceed the context size {}",
+                tokens.len(),
+                cache.capacity()
+            )));
+        }
+        match self.forward_inner(tokens, start, cache, taps, logits) {
+            Ok(out) => {
+                cache.advance(tokens.len());
+                Ok(out)
+            }
+            Err(e) => {
+                // Layers that already appended must forget the partial step.
+                cache.truncate(start).ok();
+                Err(e)
+            }
+        }
+    }
+
+    fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
+        let h = self.embed_tokens.index_select(tokens, 0)?;
+        Ok(match self.embed_scale {
+            // HF casts the scale to the compute dtype before multiplying.
+            Some(s) => (h * s)?,
+            None => h,
+        })
+    }
+
+    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        let l = self.lm_head.forward(hidden)?.to_dtype(DType::F32)?;
+        Ok(match self.final_softcap {
+            Some(c) => ((l / c)?.tanh()? * c)?,
+            None => l,
+        })
+    }
+}

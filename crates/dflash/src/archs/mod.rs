@@ -1,0 +1,173 @@
+//! Target families and the target-model interface the engine drives.
+//!
+//! Third step of the data flow: config -> sources/loading -> **archs** -> draft -> engine.
+//! A family is chosen from `model_type` by an exact table ([`FAMILIES`]); each family file
+//! maps config keys and tensor names onto shared layers (`nn/`).
+
+pub mod decoder;
+pub mod llama;
+pub mod qwen3;
+
+use crate::config::TargetConfig;
+use crate::nn::KvCache;
+use crate::source::{ModelSource, Weights};
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// Which logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// None (e.g. a draft-only prefill).
+    None,
+    /// Only the last position (prefill, plain decoding).
+    Last,
+    /// Every position (verify).
+    All,
+}
+
+/// What a target forward pass returns.
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// `[rows, vocab]` f32: rows = 1 for [`Logits::Last`], all positions for [`Logits::All`].
+    pub logits: Option<Tensor>,
+    /// `[positions, taps.len() * hidden]` in the compute dtype, taps concatenated in the
+    /// requested order; None when no taps were requested.
+    pub taps: Option<Tensor>,
+}
+
+/// Static facts about a loaded target.
+#[derive(Debug, Clone)]
+pub struct TargetInfo {
+    pub family: &'static str,
+    pub model_type: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    pub max_position: usize,
+    pub dtype: DType,
+    pub device: Device,
+    /// Bytes of weights held.
+    pub weight_bytes: usize,
+}
+
+/// The per-sequence state of a target, owned by the engine: one entry per layer.
+pub struct TargetCache {
+    pub layers: Vec<LayerCache>,
+    len: usize,
+    capacity: usize,
+}
+
+/// The state one layer keeps between forward passes.
+pub enum LayerCache {
+    /// Attention keys and values.
+    Kv(KvCache),
+}
+
+impl TargetCache {
+    pub fn new(layers: Vec<LayerCache>, capacity: usize) -> Self {
+        Self { layers, len: 0, capacity }
+    }
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// Drop every position at or after `len` (after a partial acceptance). O(1) for KV layers.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(Error::input(format!("cannot truncate a cache of {} positions to {len}", self.len)));
+        }
+        for l in &mut self.layers {
+            match l {
+                LayerCache::Kv(kv) => kv.truncate(len),
+            }
+        }
+        self.len = len;
+        Ok(())
+    }
+    /// Called by the model after a forward of `n` positions.
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Kv(kv) => kv.bytes(),
+            })
+            .sum()
+    }
+}
+
+/// The interface every target family implements. The engine calls nothing else.
+pub trait TargetModel: Send + Sync {
+    fn info(&self) -> &TargetInfo;
+
+    /// A fresh cache able to hold `capacity` positions.
+    fn new_cache(&self, capacity: usize) -> Result<TargetCache>;
+
+    /// Run `tokens` at positions `start ..` (`start` must equal `cache.len()`), appending them
+    /// to the cache. `taps` are 0-based decoder layer indices whose OUTPUT (the residual stream
+    /// after the layer's MLP add, before the final norm) is returned, concatenated in order.
+    fn forward(&self, tokens: &[u32], start: usize, cache: &mut TargetCache, taps: &[usize], logits: Logits)
+        -> Result<ForwardOutput>;
+
+    /// Token embeddings `[n, hidden]` (including the family's embedding scale), for the draft.
+    fn embed(&self, tokens: &Tensor) -> Result<Tensor>;
+
+    /// LM head on hidden states that are already normalized: `[n, hidden] -> [n, vocab]` f32
+    /// (with the family's logit post-processing, e.g. softcapping).
+    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor>;
+}
+
+/// Options for loading a target.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { dtype: DType::F32, device: Device::Cpu }
+    }
+}
+
+/// A family: its `model_type` names and its loader.
+pub struct Family {
+    pub name: &'static str,
+    pub model_types: &'static [&'static str],
+    pub load: fn(&TargetConfig, &Weights) -> Result<Box<dyn TargetModel>>,
+}
+
+/// The family registry: exact `model_type` matches only.
+pub const FAMILIES: &[Family] = &[
+    Family { name: "qwen3", model_types: &["qwen3"], load: qwen3::load },
+    Family { name: "llama", model_types: &["llama"], load: llama::load },
+];
+
+pub fn supported_model_types() -> Vec<&'static str> {
+    FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect()
+}
+
+pub fn family_for(cfg: &TargetConfig) -> Result<&'static Family> {
+    FAMILIES.iter().find(|f| f.model_types.contains(&cfg.model_type.as_str())).ok_or_else(|| Error::UnsupportedArch {
+        model_type: cfg.model_type.clone(),
+        file: cfg.file.clone(),
+        supported: supported_model_types().join(", "),
+    })
+}
+
+/// Load a target model from a resolved source.
+pub fn load_target(src: &ModelSource, opts: &LoadOptions) -> Result<(TargetConfig, Box<dyn TargetModel>)> {
+    let cfg = TargetConfig::from_file(&src.config)?;
+    let fam = family_for(&cfg)?;
+    let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?;
+    let model = (fam.load)(&cfg, &w)?;
+    Ok((cfg, model))
+}

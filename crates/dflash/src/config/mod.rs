@@ -1,0 +1,308 @@
+//! Config parsing: `config.json` of a target model -> [`TargetConfig`].
+//!
+//! First step of the data flow (config -> sources/loading -> archs -> draft -> engine).
+//! Tolerant of transformers 4 and 5 spellings (`rope_theta` + `rope_scaling` or
+//! `rope_parameters`; `torch_dtype` or `dtype`; `head_dim` explicit or derived). Every error
+//! names the file and the field.
+
+pub mod draft;
+pub mod rope;
+
+pub use rope::{RopeConfig, RopeKind};
+
+use crate::{Error, Result};
+use serde_json::Value;
+use std::path::Path;
+
+/// Typed access to a JSON object with errors that name the file and field.
+pub struct Fields<'a> {
+    pub file: &'a str,
+    pub obj: &'a serde_json::Map<String, Value>,
+    /// Prefix for field names in errors (e.g. `dflash_config.`).
+    pub prefix: String,
+}
+
+impl<'a> Fields<'a> {
+    pub fn new(file: &'a str, v: &'a Value) -> Result<Self> {
+        let obj = v
+            .as_object()
+            .ok_or_else(|| Error::config(file, "<root>", "expected a JSON object"))?;
+        Ok(Self { file, obj, prefix: String::new() })
+    }
+    pub fn sub(&self, key: &str) -> Result<Option<Fields<'a>>> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(o)) => Ok(Some(Fields {
+                file: self.file,
+                obj: o,
+                prefix: format!("{}{}.", self.prefix, key),
+            })),
+            Some(_) => Err(self.err(key, "expected an object")),
+        }
+    }
+    pub fn err(&self, key: &str, msg: impl Into<String>) -> Error {
+        Error::config(self.file, format!("{}{}", self.prefix, key), msg)
+    }
+    pub fn has(&self, key: &str) -> bool {
+        !matches!(self.obj.get(key), None | Some(Value::Null))
+    }
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v),
+        }
+    }
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| self.err(key, format!("expected a non-negative integer, found {v}"))),
+        }
+    }
+    pub fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?.ok_or_else(|| self.err(key, "missing (required)"))
+    }
+    /// A required positive integer.
+    pub fn pos_usize(&self, key: &str) -> Result<usize> {
+        let x = self.usize(key)?;
+        if x == 0 {
+            return Err(self.err(key, "must be > 0"));
+        }
+        Ok(x)
+    }
+    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(key, format!("expected a number, found {v}"))),
+        }
+    }
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(key, format!("expected true/false, found {v}"))),
+        }
+    }
+    pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.err(key, format!("expected a string, found {v}"))),
+        }
+    }
+    pub fn opt_usize_list(&self, key: &str) -> Result<Option<Vec<usize>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64()
+                        .map(|x| x as usize)
+                        .ok_or_else(|| self.err(key, format!("expected integers, found {x}")))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => Err(self.err(key, format!("expected a list of integers, found {v}"))),
+        }
+    }
+    pub fn opt_str_list(&self, key: &str) -> Result<Option<Vec<String>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_str()
+                        .map(String::from)
+                        .ok_or_else(|| self.err(key, format!("expected strings, found {x}")))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => Err(self.err(key, format!("expected a list of strings, found {v}"))),
+        }
+    }
+    /// An id that may be an int or a list of ints (`eos_token_id`).
+    pub fn opt_id_list(&self, key: &str) -> Result<Vec<u32>> {
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Number(n)) => n
+                .as_u64()
+                .map(|x| vec![x as u32])
+                .ok_or_else(|| self.err(key, "expected a token id")),
+            Some(Value::Array(_)) => {
+                Ok(self.opt_usize_list(key)?.unwrap_or_default().into_iter().map(|x| x as u32).collect())
+            }
+            Some(v) => Err(self.err(key, format!("expected a token id or a list of ids, found {v}"))),
+        }
+    }
+}
+
+/// Read and parse a JSON file, with errors naming the file.
+pub fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| {
+        Error::config(path.display().to_string(), "<root>", format!("invalid JSON: {e}"))
+    })
+}
+
+/// The kind of attention a layer does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerType {
+    Full,
+    Sliding,
+}
+
+impl LayerType {
+    pub fn parse(f: &Fields, key: &str, s: &str) -> Result<Self> {
+        match s {
+            "full_attention" => Ok(LayerType::Full),
+            "sliding_attention" => Ok(LayerType::Sliding),
+            other => Err(f.err(key, format!("unknown layer type `{other}` (expected full_attention or sliding_attention)"))),
+        }
+    }
+}
+
+/// Hyper-parameters of a decoder-only target model, family-independent part.
+#[derive(Debug, Clone)]
+pub struct TargetConfig {
+    pub file: String,
+    pub model_type: String,
+    pub architectures: Vec<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub hidden_act: String,
+    pub rope: RopeConfig,
+    /// Checkpoint dtype as declared (`torch_dtype` / `dtype`), if any.
+    pub dtype: Option<String>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub sliding_window: Option<usize>,
+    pub layer_types: Vec<LayerType>,
+    /// The raw JSON for family-specific fields.
+    pub raw: Value,
+}
+
+impl TargetConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let v = read_json(path)?;
+        Self::from_value(&path.display().to_string(), v)
+    }
+
+    pub fn from_value(file: &str, v: Value) -> Result<Self> {
+        // Multimodal configs (e.g. gemma3 / qwen3_5 VL) nest the language model.
+        let f = Fields::new(file, &v)?;
+        let text = f.sub("text_config")?;
+        let f = match &text {
+            Some(t) => Fields { file, obj: t.obj, prefix: "text_config.".into() },
+            None => f,
+        };
+        let model_type = f
+            .opt_str("model_type")?
+            .ok_or_else(|| f.err("model_type", "missing (required to pick the model family)"))?
+            .to_string();
+        let hidden_size = f.pos_usize("hidden_size")?;
+        let num_attention_heads = f.pos_usize("num_attention_heads")?;
+        let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(f.err(
+                "num_key_value_heads",
+                format!("{num_key_value_heads} must divide num_attention_heads = {num_attention_heads}"),
+            ));
+        }
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(d) if d > 0 => d,
+            Some(_) => return Err(f.err("head_dim", "must be > 0")),
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(f.err(
+                        "head_dim",
+                        format!("missing, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}"),
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(f.err("head_dim", format!("{head_dim} must be even for RoPE")));
+        }
+        let num_hidden_layers = f.pos_usize("num_hidden_layers")?;
+        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(4096);
+        let rope = RopeConfig::parse(&f, max_position_embeddings)?;
+        let sliding_window = f.opt_usize("sliding_window")?;
+        let layer_types = match f.opt_str_list("layer_types")? {
+            Some(l) => {
+                if l.len() != num_hidden_layers {
+                    return Err(f.err(
+                        "layer_types",
+                        format!("has {} entries, num_hidden_layers is {num_hidden_layers}", l.len()),
+                    ));
+                }
+                l.iter().map(|s| LayerType::parse(&f, "layer_types", s)).collect::<Result<_>>()?
+            }
+            None => vec![LayerType::Full; num_hidden_layers],
+        };
+        if layer_types.contains(&LayerType::Sliding) && sliding_window.is_none() {
+            return Err(f.err("sliding_window", "missing, but layer_types has sliding_attention layers"));
+        }
+        let dtype = match f.opt_str("dtype")? {
+            Some(d) => Some(d.to_string()),
+            None => f.opt_str("torch_dtype")?.map(String::from),
+        };
+        let rms_norm_eps = f
+            .opt_f64("rms_norm_eps")?
+            .or(f.opt_f64("layer_norm_eps")?)
+            .or(f.opt_f64("norm_eps")?)
+            .unwrap_or(1e-6);
+        let cfg = TargetConfig {
+            file: file.to_string(),
+            architectures: f.opt_str_list("architectures")?.unwrap_or_default(),
+            intermediate_size: f.pos_usize("intermediate_size")?,
+            vocab_size: f.pos_usize("vocab_size")?,
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias: f.opt_bool("attention_bias")?.unwrap_or(false),
+            mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
+            hidden_act: f
+                .opt_str("hidden_act")?
+                .or(f.opt_str("hidden_activation")?)
+                .unwrap_or("silu")
+                .to_string(),
+            bos_token_id: f.opt_usize("bos_token_id")?.map(|x| x as u32),
+            eos_token_ids: f.opt_id_list("eos_token_id")?,
+            model_type,
+            hidden_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps,
+            max_position_embeddings,
+            rope,
+            dtype,
+            sliding_window,
+            layer_types,
+            raw: v.clone(),
+        };
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests;

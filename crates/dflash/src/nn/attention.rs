@@ -1,0 +1,139 @@
+//! Grouped-query attention with optional per-head q/k RMSNorm, RoPE at absolute positions,
+//! causal or sliding-window masks at an offset, and the engine-owned KV cache.
+//!
+//! Batch 1: queries are laid out `[kv_heads, n_rep * q_len, head_dim]` so that every query
+//! head of a group shares its K/V head without copying K/V (`repeat_kv` is never needed).
+
+use super::{KvCache, Linear, Rope, RopeTables, RmsNorm};
+use crate::source::Weights;
+use crate::Result;
+use candle_core::{DType, Device, Tensor};
+
+/// Shapes and options of one attention layer.
+#[derive(Debug, Clone)]
+pub struct AttentionSpec {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub bias: bool,
+    /// Per-head RMSNorm on q and k before RoPE (qwen3, gemma3, the DFlash draft).
+    pub qk_norm: bool,
+    pub qk_norm_add_one: bool,
+    pub eps: f64,
+    /// Softmax scale (head_dim^-0.5 unless the family says otherwise).
+    pub scale: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    pub spec: AttentionSpec,
+}
+
+impl Attention {
+    /// Load `{prefix}.{q,k,v,o}_proj` and, with `qk_norm`, `{prefix}.{q,k}_norm`.
+    pub fn load(w: &Weights, prefix: &str, spec: AttentionSpec) -> Result<Self> {
+        let (h, qd, kd) = (spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim);
+        let lin = |n: &str, i, o, b| Linear::load(w, &format!("{prefix}.{n}"), i, o, b);
+        let norm = |n: &str| RmsNorm::load(w, &format!("{prefix}.{n}.weight"), spec.head_dim, spec.eps, spec.qk_norm_add_one);
+        Ok(Self {
+            q_proj: lin("q_proj", h, qd, spec.bias)?,
+            k_proj: lin("k_proj", h, kd, spec.bias)?,
+            v_proj: lin("v_proj", h, kd, spec.bias)?,
+            o_proj: lin("o_proj", qd, h, spec.bias)?,
+            q_norm: if spec.qk_norm { Some(norm("q_norm")?) } else { None },
+            k_norm: if spec.qk_norm { Some(norm("k_norm")?) } else { None },
+            spec,
+        })
+    }
+
+    /// Queries for `x [n, hidden]`: projected, normed, roped: `[heads, n, head_dim]`.
+    pub fn queries(&self, x: &Tensor, rope: &Rope, t: &RopeTables) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let q = self.q_proj.forward(x)?.reshape((n, self.spec.heads, self.spec.head_dim))?;
+        let q = match &self.q_norm {
+            Some(norm) => norm.forward(&q)?,
+            None => q,
+        };
+        rope.apply(&q.transpose(0, 1)?.contiguous()?, t)
+    }
+
+    /// Keys and values for `x [n, hidden]`: `[kv_heads, n, head_dim]` each (keys normed, roped).
+    pub fn keys_values(&self, x: &Tensor, rope: &Rope, t: &RopeTables) -> Result<(Tensor, Tensor)> {
+        let n = x.dim(0)?;
+        let (kvh, d) = (self.spec.kv_heads, self.spec.head_dim);
+        let k = self.k_proj.forward(x)?.reshape((n, kvh, d))?;
+        let k = match &self.k_norm {
+            Some(norm) => norm.forward(&k)?,
+            None => k,
+        };
+        let k = rope.apply(&k.transpose(0, 1)?.contiguous()?, t)?;
+        let v = self.v_proj.forward(x)?.reshape((n, kvh, d))?.transpose(0, 1)?.contiguous()?;
+        Ok((k, v))
+    }
+
+    /// Self-attention of `x [n, hidden]` whose rows sit at the positions of `t`, appending its
+    /// K/V to `cache` and attending over everything cached. `mask [n, cache_len + n]` or None.
+    pub fn forward(&self, x: &Tensor, rope: &Rope, t: &RopeTables, cache: &mut KvCache, mask: Option<&Tensor>) -> Result<Tensor> {
+        let q = self.queries(x, rope, t)?;
+        let (k, v) = self.keys_values(x, rope, t)?;
+        let (k, v) = cache.append(&k, &v)?;
+        let o = sdpa(&q, &k, &v, mask, self.spec.scale)?;
+        self.o_proj.forward(&o)
+    }
+}
+
+/// Scaled dot-product attention. `q [heads, n, d]`, `k/v [kv_heads, L, d]` (views allowed),
+/// `mask [n, L]` additive (0 / -inf). Returns `[n, heads * d]`.
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+    let (heads, n, d) = q.dims3()?;
+    let (kvh, l, _) = k.dims3()?;
+    let rep = heads / kvh;
+    let vd = v.dim(2)?;
+    // [heads, n, d] -> [kv_heads, rep * n, d]: heads of a group are adjacent.
+    let q = (q * scale)?.reshape((kvh, rep * n, d))?;
+    let scores = q.matmul(&k.t()?)?; // [kvh, rep*n, L]
+    let scores = match mask {
+        Some(m) => scores.reshape((kvh, rep, n, l))?.broadcast_add(m)?.reshape((kvh, rep * n, l))?,
+        None => scores,
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    let o = probs.matmul(v)?; // [kvh, rep*n, vd]
+    Ok(o.reshape((heads, n, vd))?.transpose(0, 1)?.contiguous()?.reshape((n, heads * vd))?)
+}
+
+/// Additive mask for `n` queries at positions `q_start ..` over keys at positions `0 .. k_len`.
+/// `causal`: a key after the query is hidden. `window`: a key is visible iff
+/// `q - window < k` (sliding attention). Returns None when nothing is masked.
+pub fn attention_mask(
+    n: usize,
+    q_start: usize,
+    k_len: usize,
+    causal: bool,
+    window: Option<usize>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Option<Tensor>> {
+    let mut any = false;
+    let mut m = vec![0f32; n * k_len];
+    for i in 0..n {
+        let qp = q_start + i;
+        for kp in 0..k_len {
+            let hidden = (causal && kp > qp) || window.is_some_and(|w| kp + w <= qp);
+            if hidden {
+                m[i * k_len + kp] = f32::NEG_INFINITY;
+                any = true;
+            }
+        }
+    }
+    if !any {
+        return Ok(None);
+    }
+    Ok(Some(Tensor::from_vec(m, (n, k_len), device)?.to_dtype(dtype)?))
+}

@@ -1,0 +1,75 @@
+//! A preallocated, in-place KV cache for one attention layer with O(1) truncation.
+//!
+//! Keys and values live in `[kv_heads, capacity, head_dim]` buffers; appending writes rows
+//! `len .. len + n` in place; `truncate(n)` only moves the length. Readers get views of the
+//! first `len` rows, so nothing is copied per step.
+
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    k: Tensor,
+    v: Tensor,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    pub fn new(kv_heads: usize, head_dim: usize, capacity: usize, dtype: DType, device: &Device) -> Result<Self> {
+        Self::with_dims(kv_heads, head_dim, head_dim, capacity, dtype, device)
+    }
+
+    /// Keys and values of different widths (MLA-style caches).
+    pub fn with_dims(
+        kv_heads: usize,
+        k_dim: usize,
+        v_dim: usize,
+        capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let k = Tensor::zeros((kv_heads, capacity, k_dim), dtype, device)?;
+        let v = Tensor::zeros((kv_heads, capacity, v_dim), dtype, device)?;
+        Ok(Self { k, v, len: 0, capacity })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Append `k [kv_heads, n, k_dim]`, `v [kv_heads, n, v_dim]`; return views of all rows.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let n = k.dim(1)?;
+        if self.len + n > self.capacity {
+            return Err(Error::input(format!(
+                "context overflow: {} cached + {n} new positions exceed the KV cache capacity {}; raise the context size or shorten the prompt",
+                self.len, self.capacity
+            )));
+        }
+        self.k.slice_set(&k.contiguous()?, 1, self.len)?;
+        self.v.slice_set(&v.contiguous()?, 1, self.len)?;
+        self.len += n;
+        Ok((self.k.narrow(1, 0, self.len)?, self.v.narrow(1, 0, self.len)?))
+    }
+
+    /// Views of the cached rows.
+    pub fn view(&self) -> Result<(Tensor, Tensor)> {
+        Ok((self.k.narrow(1, 0, self.len)?, self.v.narrow(1, 0, self.len)?))
+    }
+
+    /// Forget every row at or after `len`. O(1).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    pub fn bytes(&self) -> usize {
+        (self.k.elem_count() + self.v.elem_count()) * self.k.dtype().size_in_bytes()
+    }
+}

@@ -1,0 +1,18 @@
+//! Shared layers, written once and used by every target family and by the draft:
+//! linear (dense or quantized), RMSNorm, RoPE, attention with a croppable KV cache, gated MLP.
+//!
+//! Activations are 2-D `[tokens, features]` (batch 1): the engine decodes one sequence.
+
+pub mod attention;
+pub mod kv_cache;
+pub mod linear;
+pub mod mlp;
+pub mod norm;
+pub mod rope;
+
+pub use attention::{attention_mask, Attention, AttentionSpec};
+pub use kv_cache::KvCache;
+pub use linear::Linear;
+pub use mlp::{Activation, GatedMlp};
+pub use norm::RmsNorm;
+pub use rope::{Rope, RopeTables};

@@ -1,0 +1,30 @@
+//! RMSNorm. Gemma-style `(1 + w)` weights are folded into `w` at load time, so the forward
+//! pass is the same for every family.
+
+use crate::source::Weights;
+use crate::Result;
+use candle_core::Tensor;
+
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f32,
+}
+
+impl RmsNorm {
+    /// Load `{name}` of shape `[dim]`; `add_one` for HF Gemma checkpoints that store `w`
+    /// of an `x * (1 + w)` norm.
+    pub fn load(w: &Weights, name: &str, dim: usize, eps: f64, add_one: bool) -> Result<Self> {
+        let mut weight = w.get(name, dim)?;
+        if add_one {
+            weight = (weight + 1.0)?;
+        }
+        Ok(Self { weight, eps: eps as f32 })
+    }
+
+    /// Normalize over the last dimension.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
+        Ok(candle_nn::ops::rms_norm(&x, &self.weight, self.eps)?)
+    }
+}

@@ -1,0 +1,63 @@
+//! Rotary position embeddings, rotate-half ("neox") layout, at absolute positions.
+//!
+//! cos/sin rows are computed per forward for exactly the positions it covers (no
+//! max-position table), so long contexts cost nothing up front.
+
+use crate::config::RopeConfig;
+use crate::Result;
+use candle_core::{DType, Device, Tensor};
+
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f32>,
+    /// Multiplies cos and sin (yarn's attention factor; 1 otherwise).
+    scale: f32,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+}
+
+/// cos/sin for a run of consecutive positions: `[len, rotary_dim / 2]` each.
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    pub cos: Tensor,
+    pub sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(cfg: &RopeConfig, head_dim: usize) -> Self {
+        let (inv_freq, scale) = cfg.inv_freq(head_dim);
+        Self { rotary_dim: 2 * inv_freq.len(), inv_freq, scale, head_dim }
+    }
+
+    /// Tables for positions `start .. start + len`.
+    pub fn tables(&self, start: usize, len: usize, device: &Device, dtype: DType) -> Result<RopeTables> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(len * half);
+        let mut sin = Vec::with_capacity(len * half);
+        for p in start..start + len {
+            for &f in &self.inv_freq {
+                // HF multiplies position and inverse frequency in float32.
+                let a = (p as f32) * f;
+                cos.push(a.cos() * self.scale);
+                sin.push(a.sin() * self.scale);
+            }
+        }
+        let cos = Tensor::from_vec(cos, (len, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (len, half), device)?.to_dtype(dtype)?;
+        Ok(RopeTables { cos, sin })
+    }
+
+    /// Rotate `x [heads, len, head_dim]` (contiguous) by the tables of its positions.
+    pub fn apply(&self, x: &Tensor, t: &RopeTables) -> Result<Tensor> {
+        let x4 = x.unsqueeze(0)?;
+        let out = if self.rotary_dim == self.head_dim {
+            candle_nn::rotary_emb::rope(&x4, &t.cos, &t.sin)?
+        } else {
+            let rot = x4.narrow(3, 0, self.rotary_dim)?.contiguous()?;
+            let pass = x4.narrow(3, self.rotary_dim, self.head_dim - self.rotary_dim)?;
+            let rot = candle_nn::rotary_emb::rope(&rot, &t.cos, &t.sin)?;
+            Tensor::cat(&[&rot, &pass], 3)?
+        };
+        Ok(out.squeeze(0)?)
+    }
+}

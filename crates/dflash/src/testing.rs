@@ -1,0 +1,195 @@
+//! Tiny random-weight models for tests, benchmarks and the no-download demo.
+//!
+//! Weights come from a seeded PRNG (splitmix64 + Box-Muller) so that the same seed gives the
+//! same model on every machine and crate version. Files are written exactly like a Hugging
+//! Face checkpoint (`config.json` + `model.safetensors`), so they go through the real loader.
+
+use crate::{Error, Result};
+use candle_core::{Device, Tensor};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Deterministic PRNG (splitmix64).
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.uniform().max(1e-300);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.uniform() * n as f64) as usize % n.max(1)
+    }
+}
+
+/// A tensor builder with a seeded PRNG.
+pub struct TensorFactory {
+    pub rng: Rng,
+    pub tensors: HashMap<String, Tensor>,
+}
+
+impl TensorFactory {
+    pub fn new(seed: u64) -> Self {
+        Self { rng: Rng::new(seed), tensors: HashMap::new() }
+    }
+    pub fn normal(&mut self, name: &str, shape: &[usize], std: f64) -> Result<()> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| (self.rng.normal() * std) as f32).collect();
+        self.tensors.insert(name.to_string(), Tensor::from_vec(v, shape, &Device::Cpu)?);
+        Ok(())
+    }
+    /// Norm weights uniform in [lo, hi].
+    pub fn uniform(&mut self, name: &str, shape: &[usize], lo: f64, hi: f64) -> Result<()> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| (lo + (hi - lo) * self.rng.uniform()) as f32).collect();
+        self.tensors.insert(name.to_string(), Tensor::from_vec(v, shape, &Device::Cpu)?);
+        Ok(())
+    }
+    pub fn save(&self, path: &Path) -> Result<()> {
+        candle_core::safetensors::save(&self.tensors, path).map_err(|e| Error::weights(path.display().to_string(), e.to_string()))
+    }
+}
+
+/// Shape of a tiny target.
+#[derive(Debug, Clone)]
+pub struct TinyTarget {
+    /// `qwen3` or `llama`.
+    pub model_type: String,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub tied: bool,
+    pub seed: u64,
+    /// Extra config entries (rope scaling etc.).
+    pub extra: Value,
+    /// Multiply the LM-head rows of these tokens, making the model low-entropy (so that a
+    /// draft sharing the head agrees often).
+    pub dominant: Vec<(u32, f64)>,
+}
+
+impl TinyTarget {
+    pub fn qwen3(seed: u64) -> Self {
+        Self {
+            model_type: "qwen3".into(),
+            vocab: 128,
+            hidden: 64,
+            intermediate: 128,
+            layers: 4,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            tied: false,
+            seed,
+            extra: json!({}),
+            dominant: vec![],
+        }
+    }
+    pub fn llama(seed: u64) -> Self {
+        Self {
+            model_type: "llama".into(),
+            heads: 4,
+            kv_heads: 1,
+            head_dim: 16,
+            tied: true,
+            extra: json!({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+            ..Self::qwen3(seed)
+        }
+    }
+
+    pub fn config(&self) -> Value {
+        let mut c = json!({
+            "model_type": self.model_type,
+            "architectures": [if self.model_type == "qwen3" { "Qwen3ForCausalLM" } else { "LlamaForCausalLM" }],
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 2048,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": self.tied,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        });
+        if let (Some(o), Some(e)) = (c.as_object_mut(), self.extra.as_object()) {
+            for (k, v) in e {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        c
+    }
+
+    /// Write `config.json` + `model.safetensors` into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut f = TensorFactory::new(self.seed);
+        let (h, v, i, d) = (self.hidden, self.vocab, self.intermediate, self.head_dim);
+        let std = 0.1;
+        f.normal("model.embed_tokens.weight", &[v, h], 1.0)?;
+        for l in 0..self.layers {
+            let p = format!("model.layers.{l}");
+            f.uniform(&format!("{p}.input_layernorm.weight"), &[h], 0.5, 1.5)?;
+            f.uniform(&format!("{p}.post_attention_layernorm.weight"), &[h], 0.5, 1.5)?;
+            f.normal(&format!("{p}.self_attn.q_proj.weight"), &[self.heads * d, h], std)?;
+            f.normal(&format!("{p}.self_attn.k_proj.weight"), &[self.kv_heads * d, h], std)?;
+            f.normal(&format!("{p}.self_attn.v_proj.weight"), &[self.kv_heads * d, h], std)?;
+            f.normal(&format!("{p}.self_attn.o_proj.weight"), &[h, self.heads * d], std)?;
+            if self.model_type == "qwen3" {
+                f.uniform(&format!("{p}.self_attn.q_norm.weight"), &[d], 0.5, 1.5)?;
+                f.uniform(&format!("{p}.self_attn.k_norm.weight"), &[d], 0.5, 1.5)?;
+            }
+            f.normal(&format!("{p}.mlp.gate_proj.weight"), &[i, h], std)?;
+            f.normal(&format!("{p}.mlp.up_proj.weight"), &[i, h], std)?;
+            f.normal(&format!("{p}.mlp.down_proj.weight"), &[h, i], std)?;
+        }
+        f.uniform("model.norm.weight", &[h], 0.5, 1.5)?;
+        let head_name = if self.tied { "model.embed_tokens.weight" } else { "lm_head.weight" };
+        if !self.tied {
+            f.normal("lm_head.weight", &[v, h], 0.3)?;
+        }
+        if !self.dominant.is_empty() {
+            let t = f.tensors[head_name].clone();
+            let mut rows = t.to_vec2::<f32>()?;
+            for &(tok, scale) in &self.dominant {
+                for x in rows[tok as usize].iter_mut() {
+                    *x *= scale as f32;
+                }
+            }
+            let flat: Vec<f32> = rows.into_iter().flatten().collect();
+            f.tensors.insert(head_name.to_string(), Tensor::from_vec(flat, (v, h), &Device::Cpu)?);
+        }
+        f.save(&dir.join("model.safetensors"))?;
+        write_json(&dir.join("config.json"), &self.config())
+    }
+}
+
+pub fn write_json(path: &Path, v: &Value) -> Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(v).expect("json")).map_err(|e| Error::io(path, e))
+}
