@@ -6,9 +6,13 @@
 //! [`sampling`] / [`stats`].
 pub mod archs;
 pub mod config;
+pub mod draft;
+pub mod engine;
 pub mod error;
 pub mod nn;
+pub mod sampling;
 pub mod source;
+pub mod stats;
 pub mod testing;
 
 pub use error::{Error, Result};

@@ -86,6 +86,10 @@ pub struct TinyTarget {
     /// Multiply the LM-head rows of these tokens, making the model low-entropy (so that a
     /// draft sharing the head agrees often).
     pub dominant: Vec<(u32, f64)>,
+    /// Zero the final norm: every logit is 0, so the target always picks token 0.
+    pub zero_final_norm: bool,
+    /// Zero the LM-head row of token 0 (and only that row).
+    pub zero_head_row0: bool,
 }
 
 impl TinyTarget {
@@ -103,6 +107,8 @@ impl TinyTarget {
             seed,
             extra: json!({}),
             dominant: vec![],
+            zero_final_norm: false,
+            zero_head_row0: false,
         }
     }
     pub fn llama(seed: u64) -> Self {
@@ -169,10 +175,21 @@ impl TinyTarget {
             f.normal(&format!("{p}.mlp.up_proj.weight"), &[i, h], std)?;
             f.normal(&format!("{p}.mlp.down_proj.weight"), &[h, i], std)?;
         }
-        f.uniform("model.norm.weight", &[h], 0.5, 1.5)?;
+        if self.zero_final_norm {
+            f.uniform("model.norm.weight", &[h], 0.0, 0.0)?;
+        } else {
+            f.uniform("model.norm.weight", &[h], 0.5, 1.5)?;
+        }
         let head_name = if self.tied { "model.embed_tokens.weight" } else { "lm_head.weight" };
         if !self.tied {
             f.normal("lm_head.weight", &[v, h], 0.3)?;
+        }
+        if self.zero_head_row0 {
+            let t = f.tensors[head_name].clone();
+            let mut rows = t.to_vec2::<f32>()?;
+            rows[0].iter_mut().for_each(|x| *x = 0.0);
+            let flat: Vec<f32> = rows.into_iter().flatten().collect();
+            f.tensors.insert(head_name.to_string(), Tensor::from_vec(flat, (v, h), &Device::Cpu)?);
         }
         if !self.dominant.is_empty() {
             let t = f.tensors[head_name].clone();
@@ -192,4 +209,102 @@ impl TinyTarget {
 
 pub fn write_json(path: &Path, v: &Value) -> Result<()> {
     std::fs::write(path, serde_json::to_string_pretty(v).expect("json")).map_err(|e| Error::io(path, e))
+}
+
+/// Shape of a tiny z-lab format DFlash draft for a given target.
+#[derive(Debug, Clone)]
+pub struct TinyDraft {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub mask_token_id: u32,
+    pub target_layer_ids: Vec<usize>,
+    pub num_target_layers: usize,
+    /// `layer_types` entries (None = all full attention) and the window.
+    pub layer_types: Option<Vec<&'static str>>,
+    pub sliding_window: usize,
+    pub seed: u64,
+    /// Zero the final norm: the draft then always proposes token 0.
+    pub zero_final_norm: bool,
+}
+
+impl TinyDraft {
+    /// A draft for `t` with `layers` layers tapping `taps`.
+    pub fn for_target(t: &TinyTarget, layers: usize, taps: Vec<usize>, block_size: usize, seed: u64) -> Self {
+        Self {
+            hidden: t.hidden,
+            intermediate: 96,
+            layers,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            block_size,
+            mask_token_id: (t.vocab - 1) as u32,
+            target_layer_ids: taps,
+            num_target_layers: t.layers,
+            layer_types: None,
+            sliding_window: 8,
+            seed,
+            zero_final_norm: false,
+        }
+    }
+
+    pub fn config(&self, vocab: usize) -> Value {
+        let mut c = json!({
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids},
+            "num_target_layers": self.num_target_layers,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 2048,
+            "vocab_size": vocab,
+            "tie_word_embeddings": false,
+            "hidden_act": "silu",
+        });
+        if let Some(lt) = &self.layer_types {
+            c["layer_types"] = json!(lt);
+            c["sliding_window"] = json!(self.sliding_window);
+            c["use_sliding_window"] = json!(true);
+        }
+        c
+    }
+
+    pub fn write(&self, dir: &Path, vocab: usize) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut f = TensorFactory::new(self.seed);
+        let (h, i, d) = (self.hidden, self.intermediate, self.head_dim);
+        let k = self.target_layer_ids.len();
+        f.normal("fc.weight", &[h, k * h], 0.1)?;
+        f.uniform("hidden_norm.weight", &[h], 0.5, 1.5)?;
+        let (lo, hi) = if self.zero_final_norm { (0.0, 0.0) } else { (0.5, 1.5) };
+        f.uniform("norm.weight", &[h], lo, hi)?;
+        for l in 0..self.layers {
+            let p = format!("layers.{l}");
+            f.uniform(&format!("{p}.input_layernorm.weight"), &[h], 0.5, 1.5)?;
+            f.uniform(&format!("{p}.post_attention_layernorm.weight"), &[h], 0.5, 1.5)?;
+            f.normal(&format!("{p}.self_attn.q_proj.weight"), &[self.heads * d, h], 0.1)?;
+            f.normal(&format!("{p}.self_attn.k_proj.weight"), &[self.kv_heads * d, h], 0.1)?;
+            f.normal(&format!("{p}.self_attn.v_proj.weight"), &[self.kv_heads * d, h], 0.1)?;
+            f.normal(&format!("{p}.self_attn.o_proj.weight"), &[h, self.heads * d], 0.1)?;
+            f.uniform(&format!("{p}.self_attn.q_norm.weight"), &[d], 0.5, 1.5)?;
+            f.uniform(&format!("{p}.self_attn.k_norm.weight"), &[d], 0.5, 1.5)?;
+            f.normal(&format!("{p}.mlp.gate_proj.weight"), &[i, h], 0.1)?;
+            f.normal(&format!("{p}.mlp.up_proj.weight"), &[i, h], 0.1)?;
+            f.normal(&format!("{p}.mlp.down_proj.weight"), &[h, i], 0.1)?;
+        }
+        f.save(&dir.join("model.safetensors"))?;
+        write_json(&dir.join("config.json"), &self.config(vocab))
+    }
 }

@@ -171,6 +171,15 @@ impl DecoderModel {
         b
     }
 
+    /// Final norm, LM head, softcapping.
+    fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let l = self.lm_head(&self.norm.forward(h)?)?;
+        Ok(match self.final_softcap {
+            Some(c) => ((l / c)?.tanh()? * c)?,
+            None => l,
+        })
+    }
+
     fn forward_inner(
         &self,
         tokens: &[u32],
@@ -184,6 +193,9 @@ impl DecoderModel {
         let dt = self.info.dtype;
         let ids = Tensor::from_slice(tokens, n, dev)?;
         let mut h = self.embed(&ids)?;
+        if let Some(s) = self.embed_scale {
+            h = (h * s)?;
+        }
         let t_full = self.rope_full.tables(start, n, dev, dt)?;
         let t_slide = self.rope_sliding.tables(start, n, dev, dt)?;
         let k_len = start + n;
@@ -224,8 +236,8 @@ impl DecoderModel {
         };
         let logits = match logits {
             Logits::None => None,
-            Logits::Last => Some(self.lm_head(&self.norm.forward(&h.narrow(0, n - 1, 1)?)?)?),
-            Logits::All => Some(self.lm_head(&self.norm.forward(&h)?)?),
+            Logits::Last => Some(self.logits(&h.narrow(0, n - 1, 1)?)?),
+            Logits::All => Some(self.logits(&h)?),
         };
         Ok(ForwardOutput { logits, taps: taps_out })
     }
@@ -277,19 +289,10 @@ impl TargetModel for DecoderModel {
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
-        let h = self.embed_tokens.index_select(tokens, 0)?;
-        Ok(match self.embed_scale {
-            // HF casts the scale to the compute dtype before multiplying.
-            Some(s) => (h * s)?,
-            None => h,
-        })
+        Ok(self.embed_tokens.index_select(tokens, 0)?)
     }
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        let l = self.lm_head.forward(hidden)?.to_dtype(DType::F32)?;
-        Ok(match self.final_softcap {
-            Some(c) => ((l / c)?.tanh()? * c)?,
-            None => l,
-        })
+        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
     }
 }

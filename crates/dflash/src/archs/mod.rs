@@ -117,11 +117,12 @@ pub trait TargetModel: Send + Sync {
     fn forward(&self, tokens: &[u32], start: usize, cache: &mut TargetCache, taps: &[usize], logits: Logits)
         -> Result<ForwardOutput>;
 
-    /// Token embeddings `[n, hidden]` (including the family's embedding scale), for the draft.
+    /// Raw rows of the token embedding table `[n, hidden]` (no family embedding scale: the
+    /// draft applies its own `input_embedding_scale`, as the reference does).
     fn embed(&self, tokens: &Tensor) -> Result<Tensor>;
 
-    /// LM head on hidden states that are already normalized: `[n, hidden] -> [n, vocab]` f32
-    /// (with the family's logit post-processing, e.g. softcapping).
+    /// The LM head projection alone on already-normalized hidden states:
+    /// `[n, hidden] -> [n, vocab]` f32 (no softcapping: the draft applies its own).
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor>;
 }
 

@@ -1,0 +1,153 @@
+//! DFlash draft configs (spec section 5). The z-lab format is a Qwen3-style config plus
+//! `block_size` (top level or in `dflash_config`), `dflash_config.mask_token_id`,
+//! `dflash_config.target_layer_ids` and `num_target_layers`.
+
+use super::{read_json, Fields, TargetConfig};
+use crate::{Error, Result};
+use serde_json::Value;
+use std::path::Path;
+
+#[derive(Debug, Clone)]
+pub struct DraftConfig {
+    pub file: String,
+    /// The draft's own transformer layers (hidden size, heads, rope, layer types...).
+    pub layers: TargetConfig,
+    pub block_size: usize,
+    pub mask_token_id: u32,
+    /// Target decoder layers tapped (0-based, output of the layer), in concatenation order.
+    /// None until resolved against the target when the config does not list them.
+    pub target_layer_ids: Option<Vec<usize>>,
+    pub num_target_layers: Option<usize>,
+    /// Multiplies the (raw) target embeddings of the block (`input_embedding_scale`, 1.0).
+    pub input_embedding_scale: f64,
+    /// Multiplies the draft logits (`output_multiplier`, 1.0).
+    pub output_multiplier: f64,
+    /// `cap * tanh(logits / cap)` on the draft logits when set.
+    pub final_logit_softcapping: Option<f64>,
+}
+
+/// Default taps for `n` draft layers over `l` target layers: n == 1 -> [l / 2], else
+/// round(1 + i * (l - 4) / (n - 1)) for i in 0..n, rounding half to even.
+pub fn default_taps(n: usize, l: usize) -> Vec<usize> {
+    if n <= 1 {
+        return vec![l / 2];
+    }
+    (0..n)
+        .map(|i| {
+            let x = 1.0 + i as f64 * (l as f64 - 4.0) / (n as f64 - 1.0);
+            round_half_even(x).max(0.0) as usize
+        })
+        .collect()
+}
+
+fn round_half_even(x: f64) -> f64 {
+    let r = x.round();
+    if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+        r - x.signum()
+    } else {
+        r
+    }
+}
+
+impl DraftConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let v = read_json(path)?;
+        Self::from_value(&path.display().to_string(), v)
+    }
+
+    pub fn from_value(file: &str, v: Value) -> Result<Self> {
+        let f = Fields::new(file, &v)?;
+        let dc = f.sub("dflash_config")?;
+        let block_size = match dc.as_ref().map(|d| d.opt_usize("block_size")).transpose()?.flatten() {
+            Some(b) => b,
+            None => f.opt_usize("block_size")?.ok_or_else(|| {
+                f.err("block_size", "missing (looked at the top level and in dflash_config); a DFlash draft must say its block size")
+            })?,
+        };
+        if !(1..=64).contains(&block_size) {
+            return Err(f.err("block_size", format!("{block_size} is out of range 1..=64")));
+        }
+        let mask_token_id = match dc.as_ref().map(|d| d.opt_usize("mask_token_id")).transpose()?.flatten() {
+            Some(m) => m,
+            None => f.opt_usize("mask_token_id")?.ok_or_else(|| {
+                f.err("dflash_config.mask_token_id", "missing: a DFlash draft needs the id of its mask token")
+            })?,
+        } as u32;
+        let target_layer_ids = match dc.as_ref().map(|d| d.opt_usize_list("target_layer_ids")).transpose()?.flatten() {
+            Some(t) => Some(t),
+            None => f.opt_usize_list("target_layer_ids")?,
+        };
+        if let Some(t) = &target_layer_ids {
+            if t.is_empty() {
+                return Err(f.err("dflash_config.target_layer_ids", "is empty"));
+            }
+        }
+        let num_target_layers = f.opt_usize("num_target_layers")?;
+        if f.opt_str_list("architectures")?.unwrap_or_default().iter().any(|a| a == "DFlash2DraftModel") {
+            return Err(f.err(
+                "architectures",
+                "DFlash2DraftModel (convolutional draft with a candidate selector) is not supported; supported: DFlashDraftModel",
+            ));
+        }
+        // Every DFlash value: dflash_config first, then the top level.
+        let num = |key: &str| -> Result<Option<f64>> {
+            match dc.as_ref().map(|d| d.opt_f64(key)).transpose()?.flatten() {
+                Some(x) => Ok(Some(x)),
+                None => f.opt_f64(key),
+            }
+        };
+        let input_embedding_scale = num("input_embedding_scale")?.unwrap_or(1.0);
+        let output_multiplier = num("output_multiplier")?.unwrap_or(1.0);
+        let final_logit_softcapping = num("final_logit_softcapping")?.filter(|c| *c > 0.0);
+        let layers = TargetConfig::from_value(file, v.clone())?;
+        Ok(DraftConfig {
+            file: file.to_string(),
+            layers,
+            block_size,
+            mask_token_id,
+            target_layer_ids,
+            num_target_layers,
+            input_embedding_scale,
+            output_multiplier,
+            final_logit_softcapping,
+        })
+    }
+
+    /// The taps to use with a target of `target_layers` layers.
+    pub fn taps(&self, target_layers: usize) -> Vec<usize> {
+        match &self.target_layer_ids {
+            Some(t) => t.clone(),
+            None => default_taps(self.layers.num_hidden_layers, self.num_target_layers.unwrap_or(target_layers)),
+        }
+    }
+
+    /// Check the draft against a target; every mismatch names both values.
+    pub fn validate_against(&self, target: &TargetConfig, target_name: &str) -> Result<Vec<usize>> {
+        let mm = |msg: String| Error::Mismatch { draft: self.file.clone(), target: target_name.to_string(), msg };
+        if self.layers.hidden_size != target.hidden_size {
+            return Err(mm(format!(
+                "draft hidden_size {} != target hidden_size {}",
+                self.layers.hidden_size, target.hidden_size
+            )));
+        }
+        if let Some(n) = self.num_target_layers {
+            if n != target.num_hidden_layers {
+                return Err(mm(format!(
+                    "draft num_target_layers {n} != target num_hidden_layers {}",
+                    target.num_hidden_layers
+                )));
+            }
+        }
+        let taps = self.taps(target.num_hidden_layers);
+        if let Some(&t) = taps.iter().find(|&&t| t >= target.num_hidden_layers) {
+            return Err(mm(format!("tap layer {t} >= target num_hidden_layers {}", target.num_hidden_layers)));
+        }
+        if self.mask_token_id as usize >= target.vocab_size {
+            return Err(mm(format!(
+                "mask_token_id {} >= target vocab_size {}",
+                self.mask_token_id, target.vocab_size
+            )));
+        }
+        Ok(taps)
+    }
+}

@@ -84,16 +84,11 @@ impl RopeConfig {
                     .ok_or_else(|| s.err("original_max_position_embeddings", "missing (llama3 rope)"))?,
             },
             "yarn" => {
-                let mut factor = factor(s)?;
-                // HF: when `original_max_position_embeddings` is given, the factor used is
-                // max_position_embeddings / original (DeepSeek-V3 style configs).
-                let original = match s.opt_f64("original_max_position_embeddings")? {
-                    Some(o) => {
-                        factor = max_pos as f64 / o;
-                        o
-                    }
-                    None => max_pos as f64,
-                };
+                let factor = factor(s)?;
+                // transformers 5.17 uses the explicit factor even when
+                // max_position_embeddings / original_max_position_embeddings differs
+                // (checked by the qwen3_yarn_tied golden).
+                let original = s.opt_f64("original_max_position_embeddings")?.unwrap_or(max_pos as f64);
                 RopeKind::Yarn {
                     factor,
                     original_max_position: original,

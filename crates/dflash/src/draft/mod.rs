@@ -1,0 +1,211 @@
+//! The DFlash block-diffusion draft (spec section 2): one architecture for every published
+//! draft. Conditioned on target hidden-state taps, it proposes a whole block in one pass.
+//!
+//! Fourth step of the data flow: config -> sources -> archs -> **draft** -> engine.
+//!
+//! Per call, given new context rows `ctx_in [S, K*H]` (taps of newly committed target
+//! positions) and a block `[last token, MASK x ]` at positions `start .. start+Q`:
+//! `ctx = hidden_norm(fc(ctx_in))` once; per layer, context K/V come from the layer's own
+//! k/v projections (+ k_norm, RoPE at their absolute positions) and are cached; block rows
+//! attend to all cached context plus the whole block (full layers: non-causal; sliding
+//! layers: causal + window). The draft borrows the target's embedding and LM head.
+
+use crate::archs::TargetModel;
+use crate::config::draft::DraftConfig;
+use crate::config::LayerType;
+use crate::nn::{attention::sdpa, attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, RmsNorm, Rope};
+use crate::source::Weights;
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+
+struct DraftLayer {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: RmsNorm,
+    mlp: GatedMlp,
+    kind: LayerType,
+}
+
+pub struct DraftModel {
+    pub cfg: DraftConfig,
+    /// Target layers tapped, in concatenation order (resolved against the target).
+    pub taps: Vec<usize>,
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<DraftLayer>,
+    norm: RmsNorm,
+    rope: Rope,
+    dtype: DType,
+    device: Device,
+}
+
+/// The draft's per-sequence state: projected context K/V per layer. Block rows are never
+/// kept, so a rejection needs no draft rollback.
+pub struct DraftCache {
+    layers: Vec<KvCache>,
+}
+
+impl DraftCache {
+    /// Context positions held.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.len())
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl DraftModel {
+    /// Load a z-lab format draft (`fc`, `hidden_norm`, `layers.*`, `norm`). `taps` come from
+    /// [`DraftConfig::validate_against`]. A checkpoint with tensors the model does not use is
+    /// an error listing them.
+    pub fn load(cfg: DraftConfig, taps: Vec<usize>, w: &Weights) -> Result<Self> {
+        let c = &cfg.layers;
+        let h = c.hidden_size;
+        let k = taps.len();
+        let eps = c.rms_norm_eps;
+        let act = Activation::parse(&cfg.file, &c.hidden_act)?;
+        let spec = AttentionSpec {
+            hidden: h,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            bias: c.attention_bias,
+            qk_norm: true,
+            qk_norm_add_one: false,
+            eps,
+            scale: (c.head_dim as f64).powf(-0.5),
+        };
+        let fc = Linear::load(w, "fc", k * h, h, false).map_err(|e| match e {
+            Error::Weights { file, msg } if msg.contains("has shape") => Error::Weights {
+                file,
+                msg: format!("{msg}: fc input width must be taps ({k}) x hidden ({h}) = {}", k * h),
+            },
+            e => e,
+        })?;
+        let mut layers = Vec::new();
+        for i in 0..c.num_hidden_layers {
+            let p = format!("layers.{i}");
+            layers.push(DraftLayer {
+                input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), h, eps, false)?,
+                attn: Attention::load(w, &format!("{p}.self_attn"), spec.clone())?,
+                post_attn_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), h, eps, false)?,
+                mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, c.intermediate_size, c.mlp_bias, act)?,
+                kind: c.layer_types[i],
+            });
+        }
+        let model = Self {
+            fc,
+            hidden_norm: RmsNorm::load(w, "hidden_norm.weight", h, eps, false)?,
+            norm: RmsNorm::load(w, "norm.weight", h, eps, false)?,
+            rope: Rope::new(&c.rope, c.head_dim),
+            layers,
+            taps,
+            dtype: w.dtype,
+            device: w.device.clone(),
+            cfg,
+        };
+        let unused = w.unused();
+        if !unused.is_empty() {
+            return Err(Error::weights(
+                model.cfg.file.clone(),
+                format!("{} tensors not used by the DFlash draft: {}", unused.len(), unused.join(", ")),
+            ));
+        }
+        Ok(model)
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+    pub fn mask_token_id(&self) -> u32 {
+        self.cfg.mask_token_id
+    }
+
+    pub fn new_cache(&self, capacity: usize) -> Result<DraftCache> {
+        let c = &self.cfg.layers;
+        let layers = (0..self.layers.len())
+            .map(|_| KvCache::new(c.num_key_value_heads, c.head_dim, capacity, self.dtype, &self.device))
+            .collect::<Result<_>>()?;
+        Ok(DraftCache { layers })
+    }
+
+    /// Draft logits for block rows 1..Q: `[Q-1, vocab]` f32.
+    ///
+    /// `ctx_in [S, K*H]` are the taps of the target positions `cache.len() .. start` (they
+    /// are appended to the cache); `block` holds Q ids at positions `start .. start + Q`.
+    pub fn forward(
+        &self,
+        target: &dyn TargetModel,
+        ctx_in: &Tensor,
+        block: &[u32],
+        start: usize,
+        cache: &mut DraftCache,
+    ) -> Result<Tensor> {
+        let q = block.len();
+        let s = ctx_in.dim(0)?;
+        let ctx_start = cache.len();
+        if ctx_start + s != start {
+            return Err(Error::input(format!(
+                "draft: context rows cover positions {ctx_start}..{} but the block starts at {start}",
+                ctx_start + s
+            )));
+        }
+        if q < 2 {
+            return Err(Error::input("draft: a block needs at least 2 positions"));
+        }
+        let dev = &self.device;
+        let ctx = self.hidden_norm.forward(&self.fc.forward(&ctx_in.to_dtype(self.dtype)?)?)?;
+        let ids = Tensor::from_slice(block, q, dev)?;
+        let mut h = target.embed(&ids)?.to_dtype(self.dtype)?;
+        if self.cfg.input_embedding_scale != 1.0 {
+            h = (h * self.cfg.input_embedding_scale)?;
+        }
+        let t_ctx = self.rope.tables(ctx_start, s, dev, self.dtype)?;
+        let t_blk = self.rope.tables(start, q, dev, self.dtype)?;
+        let window = self.cfg.layers.sliding_window;
+        let mask_sliding = attention_mask(q, start, start + q, true, window, self.dtype, dev)?;
+        for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let x = layer.input_norm.forward(&h)?;
+            let a = &layer.attn;
+            if s > 0 {
+                let (kc, vc) = a.keys_values(&ctx, &self.rope, &t_ctx)?;
+                kv.append(&kc, &vc)?;
+            }
+            let qb = a.queries(&x, &self.rope, &t_blk)?;
+            let (kb, vb) = a.keys_values(&x, &self.rope, &t_blk)?;
+            // Block K/V go into the cache only for this call: written in place, then dropped.
+            let (k, v) = kv.append(&kb, &vb)?;
+            let mask = match layer.kind {
+                LayerType::Full => None,
+                LayerType::Sliding => mask_sliding.as_ref(),
+            };
+            let o = sdpa(&qb, &k, &v, mask, a.spec.scale);
+            kv.truncate(start);
+            h = (h + a.o_proj.forward(&o?)?)?;
+            h = (&h + layer.mlp.forward(&layer.post_attn_norm.forward(&h)?)?)?;
+        }
+        let out = self.norm.forward(&h.narrow(0, 1, q - 1)?)?;
+        let mut logits = target.lm_head(&out.to_dtype(target.info().dtype)?)?;
+        if self.cfg.output_multiplier != 1.0 {
+            logits = (logits * self.cfg.output_multiplier)?;
+        }
+        if let Some(c) = self.cfg.final_logit_softcapping {
+            logits = ((logits / c)?.tanh()? * c)?;
+        }
+        Ok(logits)
+    }
+}
+
+/// Resolve, validate against the target and load a draft.
+pub fn load_draft(
+    src: &crate::source::ModelSource,
+    target: &crate::config::TargetConfig,
+    target_name: &str,
+    opts: &crate::archs::LoadOptions,
+) -> Result<DraftModel> {
+    let cfg = DraftConfig::from_file(&src.config)?;
+    let taps = cfg.validate_against(target, target_name)?;
+    let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?;
+    DraftModel::load(cfg, taps, &w)
+}

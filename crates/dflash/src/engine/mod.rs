@@ -1,0 +1,278 @@
+//! The decode loop (spec section 4), for plain decoding and DFlash speculative decoding.
+//!
+//! Last step of the data flow: config -> sources -> archs -> draft -> **engine**.
+//!
+//! ```text
+//! prefill target on the prompt (with taps); first token = sample(last logits)
+//! loop: block = [last, MASK x (q-1)]; draft fills block[1..]; target verifies the block
+//!       (all-position logits + taps); a = leading matches; commit block[1..=a] + bonus;
+//!       crop the target cache to start + a + 1; the draft gets the taps of rows 0..=a.
+//! ```
+//! With no draft or a block size of 1, the same loop is plain autoregressive decoding.
+
+use crate::archs::{Logits, TargetCache, TargetModel};
+use crate::draft::{DraftCache, DraftModel};
+use crate::sampling::{argmax, Sampler, SamplingParams};
+use crate::stats::GenerationStats;
+use crate::{Error, Result};
+use candle_core::{Tensor, D};
+use serde::Serialize;
+use std::time::Instant;
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// A generated stop token ends generation (it is kept in the output).
+    pub stop_ids: Vec<u32>,
+    /// Verify block size; None = the draft's; 1 = plain decoding.
+    pub block_size: Option<usize>,
+    /// Record each cycle's block and acceptance.
+    pub trace: bool,
+}
+
+impl GenerateRequest {
+    pub fn new(prompt_ids: Vec<u32>, max_tokens: usize) -> Self {
+        Self { prompt_ids, max_tokens, sampling: SamplingParams::greedy(), stop_ids: vec![], block_size: None, trace: false }
+    }
+}
+
+/// One verify cycle, for `--trace`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepTrace {
+    /// The ids verified: last committed token + the draft's proposals.
+    pub block_ids: Vec<u32>,
+    /// Draft tokens accepted (0..q-1).
+    pub accepted: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerateOutput {
+    /// Generated ids, prompt excluded.
+    pub output_ids: Vec<u32>,
+    pub stats: GenerationStats,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<Vec<StepTrace>>,
+}
+
+/// What the token callback tells the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Stop,
+}
+
+pub struct Engine {
+    pub target: Box<dyn TargetModel>,
+    pub draft: Option<DraftModel>,
+    /// Largest context (prompt + generated) a generation may reach.
+    pub max_context: usize,
+}
+
+impl Engine {
+    pub fn new(target: Box<dyn TargetModel>, draft: Option<DraftModel>) -> Self {
+        let max_context = target.info().max_position;
+        Self { target, draft, max_context }
+    }
+
+    /// The block size a request will run with.
+    pub fn block_size(&self, req: &GenerateRequest) -> usize {
+        match (&self.draft, req.block_size) {
+            (None, _) => 1,
+            (Some(d), None) => d.block_size(),
+            (Some(_), Some(b)) => b.max(1),
+        }
+    }
+
+    /// Generate; `on_tokens` receives each batch of newly committed ids and may stop early.
+    pub fn generate(&self, req: &GenerateRequest, on_tokens: &mut dyn FnMut(&[u32]) -> Flow) -> Result<GenerateOutput> {
+        req.sampling.validate()?;
+        let p = req.prompt_ids.len();
+        if p == 0 {
+            return Err(Error::input("empty prompt: nothing to condition on"));
+        }
+        if p >= self.max_context {
+            return Err(Error::input(format!(
+                "context overflow: the prompt has {p} tokens, the context size is {}; shorten the prompt",
+                self.max_context
+            )));
+        }
+        let q_max = self.block_size(req);
+        if q_max > 64 {
+            return Err(Error::input(format!("block size {q_max} is larger than 64")));
+        }
+        let draft = self.draft.as_ref().filter(|_| q_max > 1);
+        let taps: &[usize] = draft.map_or(&[], |d| &d.taps);
+        let capacity = (p + req.max_tokens + q_max).min(self.max_context);
+        let target = self.target.as_ref();
+        let mut tcache: TargetCache = target.new_cache(capacity)?;
+        let mut dcache: Option<DraftCache> = draft.map(|d| d.new_cache(capacity)).transpose()?;
+        let mut sampler = Sampler::new(req.sampling.clone());
+        let mut stats = GenerationStats {
+            mode: if draft.is_some() { "dflash" } else { "plain" }.into(),
+            block_size: q_max,
+            prompt_tokens: p,
+            ..Default::default()
+        };
+        let mut steps = req.trace.then(Vec::new);
+        let mut out: Vec<u32> = Vec::new();
+
+        // Prefill.
+        let t0 = Instant::now();
+        let pre = target.forward(&req.prompt_ids, 0, &mut tcache, taps, Logits::Last)?;
+        let first = self.choose(&pre.logits.expect("prefill logits"), &mut sampler)?[0];
+        let prefill_s = t0.elapsed().as_secs_f64();
+        stats.ttft_ms = prefill_s * 1e3;
+        stats.prefill_tok_s = p as f64 / prefill_s;
+        let mut ctx_rows: Option<Tensor> = pre.taps;
+        let mut start = p;
+        let mut last = first;
+        let mut draft_tokens = 0usize;
+        let (_, mut finish) = self.commit(&[first], req, &mut out, on_tokens);
+
+        let decode_t0 = Instant::now();
+        let mut excluded_s = 0.0; // the first draft call (draft prefill) is not decode time
+        let mut first_draft = true;
+        while finish.is_none() {
+            let room = capacity.saturating_sub(start);
+            if room == 0 {
+                finish = Some("context");
+                break;
+            }
+            let q = q_max.min(req.max_tokens - out.len()).min(room);
+            let mut block = vec![last];
+            if let (Some(d), Some(dc), true) = (draft, dcache.as_mut(), q > 1) {
+                let td = Instant::now();
+                block.resize(q, d.mask_token_id());
+                let ctx = ctx_rows.take().expect("context rows from the previous step");
+                let logits = d.forward(target, &ctx, &block, start, dc)?;
+                let props: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+                block[1..].copy_from_slice(&props);
+                let dt = td.elapsed().as_secs_f64();
+                if first_draft {
+                    excluded_s = dt;
+                    first_draft = false;
+                } else {
+                    stats.draft_ms += dt * 1e3;
+                }
+            }
+            let tv = Instant::now();
+            let fw = target.forward(&block, start, &mut tcache, taps, Logits::All)?;
+            let logits = fw.logits.expect("verify logits");
+            // Target choices row by row; stop sampling at the first mismatch.
+            let post = self.choose_until_mismatch(&logits, &block, &mut sampler)?;
+            let a = post.len() - 1;
+            stats.verify_ms += tv.elapsed().as_secs_f64() * 1e3;
+            tcache.truncate(start + a + 1)?;
+            if let Some(t) = fw.taps {
+                // Taps of the committed rows 0..=a become the draft's next context rows (a
+                // single-token step without a draft call keeps accumulating them).
+                let new = t.narrow(0, 0, a + 1)?;
+                ctx_rows = Some(match ctx_rows.take() {
+                    Some(prev) => Tensor::cat(&[&prev, &new], 0)?,
+                    None => new,
+                });
+            }
+            if let Some(s) = steps.as_mut() {
+                s.push(StepTrace { block_ids: block.clone(), accepted: a });
+            }
+            let mut commit: Vec<u32> = block[1..=a].to_vec();
+            commit.push(post[a]);
+            start += a + 1;
+            last = post[a];
+            stats.acceptance_lengths.push(a + 1);
+            let (pushed, f) = self.commit(&commit, req, &mut out, on_tokens);
+            // Tokens cut after a stop were never committed: they do not count as drafted.
+            draft_tokens += pushed.min(a);
+            finish = f;
+        }
+        let decode_s = (decode_t0.elapsed().as_secs_f64() - excluded_s).max(1e-9);
+        stats.generated_tokens = out.len();
+        stats.decode_ms = decode_s * 1e3;
+        stats.decode_tok_s = out.len().saturating_sub(1) as f64 / decode_s;
+        stats.finish_reason = finish.unwrap_or("length").into();
+        stats.finish(draft_tokens);
+        Ok(GenerateOutput { output_ids: out, stats, steps })
+    }
+
+    /// Append committed ids, honouring stop tokens (cut after the first) and max tokens.
+    fn commit(
+        &self,
+        ids: &[u32],
+        req: &GenerateRequest,
+        out: &mut Vec<u32>,
+        on_tokens: &mut dyn FnMut(&[u32]) -> Flow,
+    ) -> (usize, Option<&'static str>) {
+        let mut n = 0;
+        let mut finish = None;
+        for &t in ids {
+            if out.len() >= req.max_tokens {
+                finish = Some("length");
+                break;
+            }
+            out.push(t);
+            n += 1;
+            if req.stop_ids.contains(&t) {
+                finish = Some("stop");
+                break;
+            }
+        }
+        if finish.is_none() && out.len() >= req.max_tokens {
+            finish = Some("length");
+        }
+        if n > 0 && on_tokens(&out[out.len() - n..]) == Flow::Stop && finish.is_none() {
+            finish = Some("cancelled");
+        }
+        (n, finish)
+    }
+
+    /// Target choice for every row of `logits [rows, vocab]`.
+    fn choose(&self, logits: &Tensor, sampler: &mut Sampler) -> Result<Vec<u32>> {
+        if sampler.params.is_greedy() {
+            return Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?);
+        }
+        let rows = logits.to_vec2::<f32>()?;
+        Ok(rows.iter().map(|r| sampler.sample(r)).collect())
+    }
+
+    /// Target choices `post[0..=a]` where `a` is the number of accepted draft tokens:
+    /// `block[i] == post[i-1]` for i in 1..=a, and `post[a]` is the bonus token.
+    fn choose_until_mismatch(&self, logits: &Tensor, block: &[u32], sampler: &mut Sampler) -> Result<Vec<u32>> {
+        let q = block.len();
+        let mut post = Vec::with_capacity(q);
+        if sampler.params.is_greedy() {
+            let all = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            for i in 0..q {
+                post.push(all[i]);
+                if i + 1 >= q || block[i + 1] != all[i] {
+                    break;
+                }
+            }
+        } else {
+            let rows = logits.to_vec2::<f32>()?;
+            for i in 0..q {
+                let t = sampler.sample(&rows[i]);
+                post.push(t);
+                if i + 1 >= q || block[i + 1] != t {
+                    break;
+                }
+            }
+        }
+        Ok(post)
+    }
+}
+
+/// Greedy continuation by full recomputation (no cache reuse): the reference the tests
+/// compare the engine against. O(n^2); for tiny models only.
+pub fn greedy_by_recompute(target: &dyn TargetModel, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..n {
+        let mut c = target.new_cache(seq.len())?;
+        let out = target.forward(&seq, 0, &mut c, &[], Logits::Last)?;
+        let row = out.logits.expect("logits").squeeze(0)?.to_vec1::<f32>()?;
+        seq.push(argmax(&row));
+    }
+    Ok(seq[prompt.len()..].to_vec())
+}

@@ -1,0 +1,194 @@
+//! Token choice from target logits: greedy, or a sample from the temperature / top-k /
+//! top-p / min-p processed distribution with a seeded PRNG.
+//!
+//! The draft is always greedy; the target samples. In the speculative loop a draft token is
+//! accepted iff it equals the target's own sample at that position (sample-and-compare), so
+//! every committed token is a true sample of the target distribution: lossless at any T.
+
+use crate::testing::Rng;
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0 }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+    /// Reject values no sampler can honour, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(Error::input(format!("temperature must be a finite number >= 0, got {}", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::input(format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::input(format!("min_p must be in [0, 1], got {}", self.min_p)));
+        }
+        Ok(())
+    }
+}
+
+/// First index of the maximum (ties -> lowest id, like torch.argmax).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut bv = f32::NEG_INFINITY;
+    for (i, &v) in row.iter().enumerate() {
+        if v > bv {
+            bv = v;
+            best = i;
+        }
+    }
+    best as u32
+}
+
+pub struct Sampler {
+    pub params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = Rng::new(params.seed);
+        Self { params, rng }
+    }
+
+    /// The processed distribution as (token, probability) pairs, probabilities summing to 1,
+    /// sorted by descending probability.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        let p = &self.params;
+        let t = p.temperature.max(1e-6);
+        let maxl = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, &l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, ((l - maxl) / t).exp()))
+            .collect();
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, |a, b| b.1.total_cmp(&a.1));
+            cand.truncate(p.top_k);
+        }
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let total: f32 = cand.iter().map(|c| c.1).sum();
+        for c in cand.iter_mut() {
+            c.1 /= total;
+        }
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            let mut keep = cand.len();
+            for (i, c) in cand.iter().enumerate() {
+                cum += c.1;
+                if cum >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep.max(1));
+        }
+        if p.min_p > 0.0 {
+            let thr = cand[0].1 * p.min_p;
+            cand.retain(|c| c.1 >= thr);
+        }
+        let total: f32 = cand.iter().map(|c| c.1).sum();
+        for c in cand.iter_mut() {
+            c.1 /= total;
+        }
+        cand
+    }
+
+    /// Choose the next token from one row of logits.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        let dist = self.distribution(logits);
+        let u = self.rng.uniform() as f32;
+        let mut cum = 0.0;
+        for &(tok, pr) in &dist {
+            cum += pr;
+            if u < cum {
+                return tok;
+            }
+        }
+        dist.last().map(|d| d.0).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_first_max() {
+        assert_eq!(argmax(&[0.0, 3.0, 3.0, -1.0]), 1);
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&[0.5, 0.1, 2.0]), 2);
+    }
+
+    #[test]
+    fn filters_compose() {
+        let logits = [2.0f32, 1.0, 0.0, -1.0, -2.0];
+        let s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 3, ..Default::default() });
+        let d = s.distribution(&logits);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert!((d.iter().map(|x| x.1).sum::<f32>() - 1.0).abs() < 1e-6);
+        // softmax of [2,1,0] = [.665, .245, .090]: top_p 0.8 keeps two
+        let s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.8, ..Default::default() });
+        assert_eq!(s.distribution(&logits).len(), 2);
+        // min_p 0.3: keep p >= 0.3 * p_max
+        let s = Sampler::new(SamplingParams { temperature: 1.0, min_p: 0.3, ..Default::default() });
+        let d = s.distribution(&logits);
+        assert_eq!(d.len(), 2, "{d:?}");
+        // low temperature sharpens
+        let s = Sampler::new(SamplingParams { temperature: 0.1, ..Default::default() });
+        assert!(s.distribution(&logits)[0].1 > 0.99);
+    }
+
+    #[test]
+    fn sampling_is_seeded_and_follows_the_distribution() {
+        let logits = [1.0f32, 0.0, 0.5, -0.5];
+        let params = SamplingParams { temperature: 0.8, seed: 42, ..Default::default() };
+        let a: Vec<u32> = { let mut s = Sampler::new(params.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
+        let b: Vec<u32> = { let mut s = Sampler::new(params.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
+        assert_eq!(a, b);
+        let mut s = Sampler::new(params.clone());
+        let n = 40_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            counts[s.sample(&logits) as usize] += 1;
+        }
+        for (tok, p) in s.distribution(&logits) {
+            let f = counts[tok as usize] as f32 / n as f32;
+            assert!((f - p).abs() < 0.015, "token {tok}: freq {f} vs p {p}");
+        }
+    }
+
+    #[test]
+    fn invalid_params_are_named() {
+        let e = SamplingParams { top_p: 0.0, ..Default::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("top_p"));
+        let e = SamplingParams { temperature: -1.0, ..Default::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("temperature"));
+    }
+}

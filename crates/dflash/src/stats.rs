@@ -1,0 +1,86 @@
+//! Per-generation statistics, named as the ecosystem reports them.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GenerationStats {
+    /// "dflash" or "plain".
+    pub mode: String,
+    /// Why the engine decoded plainly although a draft was loaded, if it did.
+    pub fallback_reason: Option<String>,
+    pub block_size: usize,
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Time to the first generated token (prefill + first sample), ms.
+    pub ttft_ms: f64,
+    pub prefill_tok_s: f64,
+    /// Generated tokens after the first, per second, measured after prefill and excluding the
+    /// first draft call (which also prefills the draft's context cache).
+    pub decode_tok_s: f64,
+    pub decode_ms: f64,
+    /// Draft and verify time summed over cycles, ms.
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    /// Decode cycles (target forward passes after prefill).
+    pub cycles: usize,
+    /// Committed tokens per cycle (accepted draft tokens + the bonus).
+    pub acceptance_lengths: Vec<usize>,
+    /// Mean acceptance length (tau), counting the bonus.
+    pub tau: f64,
+    /// Tokens that came from the draft / tokens generated.
+    pub acceptance_ratio: f64,
+    /// `histogram[k]` = cycles that committed k tokens (index 0 unused).
+    pub histogram: Vec<usize>,
+    /// Peak resident memory of the process, bytes (Linux VmHWM), if known.
+    pub peak_memory_bytes: Option<u64>,
+    /// "stop" (a stop token), "length" (max tokens), "context" (context size), "cancelled".
+    pub finish_reason: String,
+}
+
+impl GenerationStats {
+    /// Fill the derived fields from the raw counts.
+    pub fn finish(&mut self, draft_tokens: usize) {
+        let n = self.acceptance_lengths.len();
+        self.cycles = n;
+        self.tau = if n > 0 { self.acceptance_lengths.iter().sum::<usize>() as f64 / n as f64 } else { 0.0 };
+        self.acceptance_ratio =
+            if self.generated_tokens > 0 { draft_tokens as f64 / self.generated_tokens as f64 } else { 0.0 };
+        let maxl = self.acceptance_lengths.iter().copied().max().unwrap_or(0).max(self.block_size);
+        let mut h = vec![0; maxl + 1];
+        for &a in &self.acceptance_lengths {
+            h[a] += 1;
+        }
+        self.histogram = h;
+        self.peak_memory_bytes = peak_rss_bytes();
+    }
+
+    /// One human line for stderr.
+    pub fn line(&self) -> String {
+        let mut s = format!(
+            "[{}] prompt {} tok, prefill {:.1} tok/s, TTFT {:.1} ms, generated {} tok, decode {:.2} tok/s",
+            self.mode, self.prompt_tokens, self.prefill_tok_s, self.ttft_ms, self.generated_tokens, self.decode_tok_s
+        );
+        if self.mode == "dflash" {
+            s += &format!(
+                ", block {}, tau {:.2}, acceptance {:.1}%, cycles {}",
+                self.block_size,
+                self.tau,
+                100.0 * self.acceptance_ratio,
+                self.cycles
+            );
+        }
+        if let Some(r) = &self.fallback_reason {
+            s += &format!(" (plain decoding: {r})");
+        }
+        s += &format!(", finish: {}", self.finish_reason);
+        s
+    }
+}
+
+/// Peak resident set size (Linux `VmHWM`).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
