@@ -1,3 +1,4 @@
 //! dflash: an inference engine for DFlash speculative decoding.
 pub mod error;
+pub mod tokenizer;
 pub use error::{Error, Result};
