@@ -9,11 +9,19 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A config file is malformed or a field is missing / out of range.
     #[error("{file}: field `{field}`: {msg}")]
-    Config { file: String, field: String, msg: String },
+    Config {
+        file: String,
+        field: String,
+        msg: String,
+    },
 
     /// A file could not be read.
     #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, #[source] source: std::io::Error },
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 
     /// Model weights are missing, truncated, of the wrong shape or dtype.
     #[error("weights {file}: {msg}")]
@@ -21,11 +29,19 @@ pub enum Error {
 
     /// The config names an architecture this build does not support.
     #[error("unsupported architecture `{model_type}` in {file}; supported: {supported}")]
-    UnsupportedArch { model_type: String, file: String, supported: String },
+    UnsupportedArch {
+        model_type: String,
+        file: String,
+        supported: String,
+    },
 
     /// A model reference (path or hub repo id) could not be resolved.
     #[error("model `{repo}`: {cause}; {hint}")]
-    Hub { repo: String, cause: String, hint: String },
+    Hub {
+        repo: String,
+        cause: String,
+        hint: String,
+    },
 
     /// Tokenizer loading, encoding or decoding failed.
     #[error("tokenizer {file}: {msg}")]
@@ -37,7 +53,11 @@ pub enum Error {
 
     /// A target and a draft do not fit together.
     #[error("draft {draft} does not fit target {target}: {msg}")]
-    Mismatch { draft: String, target: String, msg: String },
+    Mismatch {
+        draft: String,
+        target: String,
+        msg: String,
+    },
 
     /// Bad generation input (empty prompt, context overflow, invalid sampling values).
     #[error("{0}")]
@@ -49,16 +69,30 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn config(file: impl Into<String>, field: impl Into<String>, msg: impl Into<String>) -> Self {
-        Error::Config { file: file.into(), field: field.into(), msg: msg.into() }
+    pub fn config(
+        file: impl Into<String>,
+        field: impl Into<String>,
+        msg: impl Into<String>,
+    ) -> Self {
+        Error::Config {
+            file: file.into(),
+            field: field.into(),
+            msg: msg.into(),
+        }
     }
     pub fn weights(file: impl Into<String>, msg: impl Into<String>) -> Self {
-        Error::Weights { file: file.into(), msg: msg.into() }
+        Error::Weights {
+            file: file.into(),
+            msg: msg.into(),
+        }
     }
     pub fn input(msg: impl Into<String>) -> Self {
         Error::Input(msg.into())
     }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io {
+            path: path.into(),
+            source,
+        }
     }
 }

@@ -3,8 +3,9 @@
 //! Data flow (one module per step):
 //! [`config`] -> [`source`] (files, weights) -> [`archs`] (target families over shared
 //! [`nn`] layers) -> [`draft`] (the block-diffusion draft) -> [`engine`] (decode loop) ->
-//! [`sampling`] / [`stats`].
+//! [`sampling`] / [`stats`]. Text in and out: [`tokenizer`], [`chat`].
 pub mod archs;
+pub mod chat;
 pub mod config;
 pub mod draft;
 pub mod engine;
@@ -14,5 +15,6 @@ pub mod sampling;
 pub mod source;
 pub mod stats;
 pub mod testing;
+pub mod tokenizer;
 
 pub use error::{Error, Result};

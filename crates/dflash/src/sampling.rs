@@ -23,7 +23,13 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+        }
     }
 }
 
@@ -37,13 +43,22 @@ impl SamplingParams {
     /// Reject values no sampler can honour, naming the field.
     pub fn validate(&self) -> Result<()> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(Error::input(format!("temperature must be a finite number >= 0, got {}", self.temperature)));
+            return Err(Error::input(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::input(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(Error::input(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(Error::input(format!("min_p must be in [0, 1], got {}", self.min_p)));
+            return Err(Error::input(format!(
+                "min_p must be in [0, 1], got {}",
+                self.min_p
+            )));
         }
         Ok(())
     }
@@ -149,28 +164,53 @@ mod tests {
     #[test]
     fn filters_compose() {
         let logits = [2.0f32, 1.0, 0.0, -1.0, -2.0];
-        let s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 3, ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 3,
+            ..Default::default()
+        });
         let d = s.distribution(&logits);
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert!((d.iter().map(|x| x.1).sum::<f32>() - 1.0).abs() < 1e-6);
         // softmax of [2,1,0] = [.665, .245, .090]: top_p 0.8 keeps two
-        let s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.8, ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.8,
+            ..Default::default()
+        });
         assert_eq!(s.distribution(&logits).len(), 2);
         // min_p 0.3: keep p >= 0.3 * p_max
-        let s = Sampler::new(SamplingParams { temperature: 1.0, min_p: 0.3, ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.3,
+            ..Default::default()
+        });
         let d = s.distribution(&logits);
         assert_eq!(d.len(), 2, "{d:?}");
         // low temperature sharpens
-        let s = Sampler::new(SamplingParams { temperature: 0.1, ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            temperature: 0.1,
+            ..Default::default()
+        });
         assert!(s.distribution(&logits)[0].1 > 0.99);
     }
 
     #[test]
     fn sampling_is_seeded_and_follows_the_distribution() {
         let logits = [1.0f32, 0.0, 0.5, -0.5];
-        let params = SamplingParams { temperature: 0.8, seed: 42, ..Default::default() };
-        let a: Vec<u32> = { let mut s = Sampler::new(params.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(params.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
+        let params = SamplingParams {
+            temperature: 0.8,
+            seed: 42,
+            ..Default::default()
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(params.clone());
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(params.clone());
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
         let mut s = Sampler::new(params.clone());
         let n = 40_000;
@@ -186,9 +226,21 @@ mod tests {
 
     #[test]
     fn invalid_params_are_named() {
-        let e = SamplingParams { top_p: 0.0, ..Default::default() }.validate().unwrap_err().to_string();
+        let e = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("top_p"));
-        let e = SamplingParams { temperature: -1.0, ..Default::default() }.validate().unwrap_err().to_string();
+        let e = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("temperature"));
     }
 }

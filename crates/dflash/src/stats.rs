@@ -42,10 +42,23 @@ impl GenerationStats {
     pub fn finish(&mut self, draft_tokens: usize) {
         let n = self.acceptance_lengths.len();
         self.cycles = n;
-        self.tau = if n > 0 { self.acceptance_lengths.iter().sum::<usize>() as f64 / n as f64 } else { 0.0 };
-        self.acceptance_ratio =
-            if self.generated_tokens > 0 { draft_tokens as f64 / self.generated_tokens as f64 } else { 0.0 };
-        let maxl = self.acceptance_lengths.iter().copied().max().unwrap_or(0).max(self.block_size);
+        self.tau = if n > 0 {
+            self.acceptance_lengths.iter().sum::<usize>() as f64 / n as f64
+        } else {
+            0.0
+        };
+        self.acceptance_ratio = if self.generated_tokens > 0 {
+            draft_tokens as f64 / self.generated_tokens as f64
+        } else {
+            0.0
+        };
+        let maxl = self
+            .acceptance_lengths
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(self.block_size);
         let mut h = vec![0; maxl + 1];
         for &a in &self.acceptance_lengths {
             h[a] += 1;

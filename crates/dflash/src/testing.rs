@@ -47,23 +47,31 @@ pub struct TensorFactory {
 
 impl TensorFactory {
     pub fn new(seed: u64) -> Self {
-        Self { rng: Rng::new(seed), tensors: HashMap::new() }
+        Self {
+            rng: Rng::new(seed),
+            tensors: HashMap::new(),
+        }
     }
     pub fn normal(&mut self, name: &str, shape: &[usize], std: f64) -> Result<()> {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| (self.rng.normal() * std) as f32).collect();
-        self.tensors.insert(name.to_string(), Tensor::from_vec(v, shape, &Device::Cpu)?);
+        self.tensors
+            .insert(name.to_string(), Tensor::from_vec(v, shape, &Device::Cpu)?);
         Ok(())
     }
     /// Norm weights uniform in [lo, hi].
     pub fn uniform(&mut self, name: &str, shape: &[usize], lo: f64, hi: f64) -> Result<()> {
         let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| (lo + (hi - lo) * self.rng.uniform()) as f32).collect();
-        self.tensors.insert(name.to_string(), Tensor::from_vec(v, shape, &Device::Cpu)?);
+        let v: Vec<f32> = (0..n)
+            .map(|_| (lo + (hi - lo) * self.rng.uniform()) as f32)
+            .collect();
+        self.tensors
+            .insert(name.to_string(), Tensor::from_vec(v, shape, &Device::Cpu)?);
         Ok(())
     }
     pub fn save(&self, path: &Path) -> Result<()> {
-        candle_core::safetensors::save(&self.tensors, path).map_err(|e| Error::weights(path.display().to_string(), e.to_string()))
+        candle_core::safetensors::save(&self.tensors, path)
+            .map_err(|e| Error::weights(path.display().to_string(), e.to_string()))
     }
 }
 
@@ -162,11 +170,32 @@ impl TinyTarget {
         for l in 0..self.layers {
             let p = format!("model.layers.{l}");
             f.uniform(&format!("{p}.input_layernorm.weight"), &[h], 0.5, 1.5)?;
-            f.uniform(&format!("{p}.post_attention_layernorm.weight"), &[h], 0.5, 1.5)?;
-            f.normal(&format!("{p}.self_attn.q_proj.weight"), &[self.heads * d, h], std)?;
-            f.normal(&format!("{p}.self_attn.k_proj.weight"), &[self.kv_heads * d, h], std)?;
-            f.normal(&format!("{p}.self_attn.v_proj.weight"), &[self.kv_heads * d, h], std)?;
-            f.normal(&format!("{p}.self_attn.o_proj.weight"), &[h, self.heads * d], std)?;
+            f.uniform(
+                &format!("{p}.post_attention_layernorm.weight"),
+                &[h],
+                0.5,
+                1.5,
+            )?;
+            f.normal(
+                &format!("{p}.self_attn.q_proj.weight"),
+                &[self.heads * d, h],
+                std,
+            )?;
+            f.normal(
+                &format!("{p}.self_attn.k_proj.weight"),
+                &[self.kv_heads * d, h],
+                std,
+            )?;
+            f.normal(
+                &format!("{p}.self_attn.v_proj.weight"),
+                &[self.kv_heads * d, h],
+                std,
+            )?;
+            f.normal(
+                &format!("{p}.self_attn.o_proj.weight"),
+                &[h, self.heads * d],
+                std,
+            )?;
             if self.model_type == "qwen3" {
                 f.uniform(&format!("{p}.self_attn.q_norm.weight"), &[d], 0.5, 1.5)?;
                 f.uniform(&format!("{p}.self_attn.k_norm.weight"), &[d], 0.5, 1.5)?;
@@ -180,7 +209,11 @@ impl TinyTarget {
         } else {
             f.uniform("model.norm.weight", &[h], 0.5, 1.5)?;
         }
-        let head_name = if self.tied { "model.embed_tokens.weight" } else { "lm_head.weight" };
+        let head_name = if self.tied {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
         if !self.tied {
             f.normal("lm_head.weight", &[v, h], 0.3)?;
         }
@@ -189,7 +222,10 @@ impl TinyTarget {
             let mut rows = t.to_vec2::<f32>()?;
             rows[0].iter_mut().for_each(|x| *x = 0.0);
             let flat: Vec<f32> = rows.into_iter().flatten().collect();
-            f.tensors.insert(head_name.to_string(), Tensor::from_vec(flat, (v, h), &Device::Cpu)?);
+            f.tensors.insert(
+                head_name.to_string(),
+                Tensor::from_vec(flat, (v, h), &Device::Cpu)?,
+            );
         }
         if !self.dominant.is_empty() {
             let t = f.tensors[head_name].clone();
@@ -200,7 +236,10 @@ impl TinyTarget {
                 }
             }
             let flat: Vec<f32> = rows.into_iter().flatten().collect();
-            f.tensors.insert(head_name.to_string(), Tensor::from_vec(flat, (v, h), &Device::Cpu)?);
+            f.tensors.insert(
+                head_name.to_string(),
+                Tensor::from_vec(flat, (v, h), &Device::Cpu)?,
+            );
         }
         f.save(&dir.join("model.safetensors"))?;
         write_json(&dir.join("config.json"), &self.config())
@@ -208,7 +247,8 @@ impl TinyTarget {
 }
 
 pub fn write_json(path: &Path, v: &Value) -> Result<()> {
-    std::fs::write(path, serde_json::to_string_pretty(v).expect("json")).map_err(|e| Error::io(path, e))
+    std::fs::write(path, serde_json::to_string_pretty(v).expect("json"))
+        .map_err(|e| Error::io(path, e))
 }
 
 /// Shape of a tiny z-lab format DFlash draft for a given target.
@@ -234,7 +274,13 @@ pub struct TinyDraft {
 
 impl TinyDraft {
     /// A draft for `t` with `layers` layers tapping `taps`.
-    pub fn for_target(t: &TinyTarget, layers: usize, taps: Vec<usize>, block_size: usize, seed: u64) -> Self {
+    pub fn for_target(
+        t: &TinyTarget,
+        layers: usize,
+        taps: Vec<usize>,
+        block_size: usize,
+        seed: u64,
+    ) -> Self {
         Self {
             hidden: t.hidden,
             intermediate: 96,
@@ -288,16 +334,41 @@ impl TinyDraft {
         let k = self.target_layer_ids.len();
         f.normal("fc.weight", &[h, k * h], 0.1)?;
         f.uniform("hidden_norm.weight", &[h], 0.5, 1.5)?;
-        let (lo, hi) = if self.zero_final_norm { (0.0, 0.0) } else { (0.5, 1.5) };
+        let (lo, hi) = if self.zero_final_norm {
+            (0.0, 0.0)
+        } else {
+            (0.5, 1.5)
+        };
         f.uniform("norm.weight", &[h], lo, hi)?;
         for l in 0..self.layers {
             let p = format!("layers.{l}");
             f.uniform(&format!("{p}.input_layernorm.weight"), &[h], 0.5, 1.5)?;
-            f.uniform(&format!("{p}.post_attention_layernorm.weight"), &[h], 0.5, 1.5)?;
-            f.normal(&format!("{p}.self_attn.q_proj.weight"), &[self.heads * d, h], 0.1)?;
-            f.normal(&format!("{p}.self_attn.k_proj.weight"), &[self.kv_heads * d, h], 0.1)?;
-            f.normal(&format!("{p}.self_attn.v_proj.weight"), &[self.kv_heads * d, h], 0.1)?;
-            f.normal(&format!("{p}.self_attn.o_proj.weight"), &[h, self.heads * d], 0.1)?;
+            f.uniform(
+                &format!("{p}.post_attention_layernorm.weight"),
+                &[h],
+                0.5,
+                1.5,
+            )?;
+            f.normal(
+                &format!("{p}.self_attn.q_proj.weight"),
+                &[self.heads * d, h],
+                0.1,
+            )?;
+            f.normal(
+                &format!("{p}.self_attn.k_proj.weight"),
+                &[self.kv_heads * d, h],
+                0.1,
+            )?;
+            f.normal(
+                &format!("{p}.self_attn.v_proj.weight"),
+                &[self.kv_heads * d, h],
+                0.1,
+            )?;
+            f.normal(
+                &format!("{p}.self_attn.o_proj.weight"),
+                &[h, self.heads * d],
+                0.1,
+            )?;
             f.uniform(&format!("{p}.self_attn.q_norm.weight"), &[d], 0.5, 1.5)?;
             f.uniform(&format!("{p}.self_attn.k_norm.weight"), &[d], 0.5, 1.5)?;
             f.normal(&format!("{p}.mlp.gate_proj.weight"), &[i, h], 0.1)?;

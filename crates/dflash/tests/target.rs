@@ -23,24 +23,49 @@ fn incremental_decoding_equals_full_forward() {
         let m = load(dir.path());
         let toks = ids(spec.seed, 40, spec.vocab);
         let mut c = m.new_cache(64).unwrap();
-        let full = m.forward(&toks, 0, &mut c, &[], Logits::All).unwrap().logits.unwrap();
+        let full = m
+            .forward(&toks, 0, &mut c, &[], Logits::All)
+            .unwrap()
+            .logits
+            .unwrap();
         // prefill 7, then one token at a time
         let mut c = m.new_cache(64).unwrap();
-        let mut rows = vec![m.forward(&toks[..7], 0, &mut c, &[], Logits::All).unwrap().logits.unwrap()];
+        let mut rows = vec![m
+            .forward(&toks[..7], 0, &mut c, &[], Logits::All)
+            .unwrap()
+            .logits
+            .unwrap()];
         for (i, t) in toks.iter().enumerate().skip(7) {
-            rows.push(m.forward(&[*t], i, &mut c, &[], Logits::Last).unwrap().logits.unwrap());
+            rows.push(
+                m.forward(&[*t], i, &mut c, &[], Logits::Last)
+                    .unwrap()
+                    .logits
+                    .unwrap(),
+            );
         }
         let inc = candle_core::Tensor::cat(&rows, 0).unwrap();
         let d = max_abs_diff(&full, &inc);
-        assert!(d < 1e-4, "{}: incremental vs full max diff {d}", spec.model_type);
+        assert!(
+            d < 1e-4,
+            "{}: incremental vs full max diff {d}",
+            spec.model_type
+        );
         // blocks of 1..16 after a truncate: forward garbage, truncate it, then the real block
         for q in 1..=16usize {
             let mut c = m.new_cache(64).unwrap();
-            m.forward(&toks[..10], 0, &mut c, &[], Logits::None).unwrap();
-            let junk: Vec<u32> = toks[..q].iter().map(|t| (t + 1) % spec.vocab as u32).collect();
+            m.forward(&toks[..10], 0, &mut c, &[], Logits::None)
+                .unwrap();
+            let junk: Vec<u32> = toks[..q]
+                .iter()
+                .map(|t| (t + 1) % spec.vocab as u32)
+                .collect();
             m.forward(&junk, 10, &mut c, &[], Logits::None).unwrap();
             c.truncate(10).unwrap();
-            let out = m.forward(&toks[10..10 + q], 10, &mut c, &[], Logits::All).unwrap().logits.unwrap();
+            let out = m
+                .forward(&toks[10..10 + q], 10, &mut c, &[], Logits::All)
+                .unwrap()
+                .logits
+                .unwrap();
             let d = max_abs_diff(&out, &full.narrow(0, 10, q).unwrap());
             assert!(d < 1e-4, "{} block {q}: {d}", spec.model_type);
             assert_eq!(c.len(), 10 + q);
@@ -63,7 +88,11 @@ fn last_layer_tap_is_pre_norm_residual() {
         let tap = out.taps.unwrap();
         assert_eq!(tap.dims(), &[12, spec.hidden]);
         // Final norm from the checkpoint
-        let st = candle_core::safetensors::load(dir.path().join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+        let st = candle_core::safetensors::load(
+            dir.path().join("model.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
         let w = &st["model.norm.weight"];
         let normed = candle_nn::ops::rms_norm(&tap, w, 1e-6).unwrap();
         let d = max_abs_diff(&m.lm_head(&normed).unwrap(), &out.logits.unwrap());
@@ -81,22 +110,40 @@ fn tap_k_is_output_of_layer_k() {
     let toks = ids(4, 9, spec.vocab);
     let mut c = m.new_cache(16).unwrap();
     let taps = [2usize, 0, 1];
-    let out = m.forward(&toks, 0, &mut c, &taps, Logits::None).unwrap().taps.unwrap();
+    let out = m
+        .forward(&toks, 0, &mut c, &taps, Logits::None)
+        .unwrap()
+        .taps
+        .unwrap();
     assert_eq!(out.dims(), &[9, 3 * spec.hidden]);
     for (slot, &k) in taps.iter().enumerate() {
         let cut = tempfile::tempdir().unwrap();
-        std::fs::copy(dir.path().join("model.safetensors"), cut.path().join("model.safetensors")).unwrap();
+        std::fs::copy(
+            dir.path().join("model.safetensors"),
+            cut.path().join("model.safetensors"),
+        )
+        .unwrap();
         let mut cfg = spec.config();
         cfg["num_hidden_layers"] = (k + 1).into();
         dflash::testing::write_json(&cut.path().join("config.json"), &cfg).unwrap();
         let mc = load(cut.path());
         let mut c2 = mc.new_cache(16).unwrap();
-        let want = mc.forward(&toks, 0, &mut c2, &[k], Logits::None).unwrap().taps.unwrap();
+        let want = mc
+            .forward(&toks, 0, &mut c2, &[k], Logits::None)
+            .unwrap()
+            .taps
+            .unwrap();
         let got = out.narrow(1, slot * spec.hidden, spec.hidden).unwrap();
         assert!(max_abs_diff(&got, &want) < 1e-5, "tap {k}");
         // and it is NOT the output of the previous layer (the test can tell them apart)
         if k > 0 {
-            let prev = out.narrow(1, taps.iter().position(|&t| t == k - 1).unwrap() * spec.hidden, spec.hidden).unwrap();
+            let prev = out
+                .narrow(
+                    1,
+                    taps.iter().position(|&t| t == k - 1).unwrap() * spec.hidden,
+                    spec.hidden,
+                )
+                .unwrap();
             assert!(max_abs_diff(&got, &prev) > 1e-2);
         }
     }
@@ -109,13 +156,25 @@ fn forward_errors_are_reported_not_panics() {
     spec.write(dir.path()).unwrap();
     let m = load(dir.path());
     let mut c = m.new_cache(8).unwrap();
-    let e = m.forward(&[1, 2, 3], 0, &mut c, &[9], Logits::Last).unwrap_err().to_string();
+    let e = m
+        .forward(&[1, 2, 3], 0, &mut c, &[9], Logits::Last)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("tap layer 9"), "{e}");
-    let e = m.forward(&[1, 999], 0, &mut c, &[], Logits::Last).unwrap_err().to_string();
+    let e = m
+        .forward(&[1, 999], 0, &mut c, &[], Logits::Last)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("token id 999"), "{e}");
-    let e = m.forward(&[1; 9], 0, &mut c, &[], Logits::Last).unwrap_err().to_string();
+    let e = m
+        .forward(&[1; 9], 0, &mut c, &[], Logits::Last)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("context overflow"), "{e}");
-    let e = m.forward(&[1], 3, &mut c, &[], Logits::Last).unwrap_err().to_string();
+    let e = m
+        .forward(&[1], 3, &mut c, &[], Logits::Last)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("start position 3"), "{e}");
     assert_eq!(c.len(), 0);
 }

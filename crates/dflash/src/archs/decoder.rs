@@ -6,7 +6,10 @@
 
 use super::{ForwardOutput, LayerCache, Logits, TargetCache, TargetInfo, TargetModel};
 use crate::config::{LayerType, TargetConfig};
-use crate::nn::{attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, RmsNorm, Rope, RopeTables};
+use crate::nn::{
+    attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, RmsNorm, Rope,
+    RopeTables,
+};
 use crate::source::Weights;
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
@@ -108,7 +111,14 @@ impl DecoderModel {
                 attn: Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?,
                 post_attn_norm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 ff_norms,
-                mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.mlp_bias, act)?,
+                mlp: GatedMlp::load(
+                    w,
+                    &format!("{p}.mlp"),
+                    h,
+                    cfg.intermediate_size,
+                    cfg.mlp_bias,
+                    act,
+                )?,
                 kind: cfg.layer_types[i],
             });
         }
@@ -118,7 +128,10 @@ impl DecoderModel {
             _ => (Linear::load(w, "lm_head", h, v, false)?, false),
         };
         let rope_full = Rope::new(&cfg.rope, cfg.head_dim);
-        let rope_sliding = Rope::new(spec.sliding_rope.as_ref().unwrap_or(&cfg.rope), cfg.head_dim);
+        let rope_sliding = Rope::new(
+            spec.sliding_rope.as_ref().unwrap_or(&cfg.rope),
+            cfg.head_dim,
+        );
         let info = TargetInfo {
             family: spec.family,
             model_type: cfg.model_type.clone(),
@@ -155,7 +168,8 @@ impl DecoderModel {
             Linear::Dense { weight, bias } => t(weight) + bias.as_ref().map_or(0, t),
             Linear::Quant { weight, .. } => match weight {
                 candle_core::quantized::QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-                candle_core::quantized::QMatMul::Tensor(x) | candle_core::quantized::QMatMul::TensorF16(x) => t(x),
+                candle_core::quantized::QMatMul::Tensor(x)
+                | candle_core::quantized::QMatMul::TensorF16(x) => t(x),
             },
         };
         let mut b = t(&self.embed_tokens) + t(&self.norm.weight);
@@ -163,10 +177,18 @@ impl DecoderModel {
             b += lin(&self.lm_head);
         }
         for l in &self.layers {
-            b += [&l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj, &l.attn.o_proj, &l.mlp.gate, &l.mlp.up, &l.mlp.down]
-                .iter()
-                .map(|x| lin(x))
-                .sum::<usize>();
+            b += [
+                &l.attn.q_proj,
+                &l.attn.k_proj,
+                &l.attn.v_proj,
+                &l.attn.o_proj,
+                &l.mlp.gate,
+                &l.mlp.up,
+                &l.mlp.down,
+            ]
+            .iter()
+            .map(|x| lin(x))
+            .sum::<usize>();
         }
         b
     }
@@ -199,7 +221,11 @@ impl DecoderModel {
         let t_full = self.rope_full.tables(start, n, dev, dt)?;
         let t_slide = self.rope_sliding.tables(start, n, dev, dt)?;
         let k_len = start + n;
-        let mask_full = if n > 1 { attention_mask(n, start, k_len, true, None, dt, dev)? } else { None };
+        let mask_full = if n > 1 {
+            attention_mask(n, start, k_len, true, None, dt, dev)?
+        } else {
+            None
+        };
         let mask_slide = attention_mask(n, start, k_len, true, self.sliding_window, dt, dev)?;
         let mut tapped: Vec<Option<Tensor>> = vec![None; taps.len()];
         for (i, layer) in self.layers.iter().enumerate() {
@@ -231,7 +257,10 @@ impl DecoderModel {
         let taps_out = if taps.is_empty() {
             None
         } else {
-            let parts: Vec<Tensor> = tapped.into_iter().map(|t| t.expect("tap indices validated")).collect();
+            let parts: Vec<Tensor> = tapped
+                .into_iter()
+                .map(|t| t.expect("tap indices validated"))
+                .collect();
             Some(Tensor::cat(&parts, 1)?)
         };
         let logits = match logits {
@@ -239,7 +268,10 @@ impl DecoderModel {
             Logits::Last => Some(self.logits(&h.narrow(0, n - 1, 1)?)?),
             Logits::All => Some(self.logits(&h)?),
         };
-        Ok(ForwardOutput { logits, taps: taps_out })
+        Ok(ForwardOutput {
+            logits,
+            taps: taps_out,
+        })
     }
 }
 
@@ -250,23 +282,47 @@ impl TargetModel for DecoderModel {
 
     fn new_cache(&self, capacity: usize) -> Result<TargetCache> {
         let layers = (0..self.layers.len())
-            .map(|_| Ok(LayerCache::Kv(KvCache::new(self.kv_heads, self.head_dim, capacity, self.info.dtype, &self.info.device)?)))
+            .map(|_| {
+                Ok(LayerCache::Kv(KvCache::new(
+                    self.kv_heads,
+                    self.head_dim,
+                    capacity,
+                    self.info.dtype,
+                    &self.info.device,
+                )?))
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(TargetCache::new(layers, capacity))
     }
 
-    fn forward(&self, tokens: &[u32], start: usize, cache: &mut TargetCache, taps: &[usize], logits: Logits) -> Result<ForwardOutput> {
+    fn forward(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        cache: &mut TargetCache,
+        taps: &[usize],
+        logits: Logits,
+    ) -> Result<ForwardOutput> {
         if tokens.is_empty() {
             return Err(Error::input("forward: no tokens"));
         }
         if start != cache.len() {
-            return Err(Error::input(format!("forward: start position {start} != cached length {}", cache.len())));
+            return Err(Error::input(format!(
+                "forward: start position {start} != cached length {}",
+                cache.len()
+            )));
         }
         if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
-            return Err(Error::input(format!("tap layer {bad} out of range: the target has {} layers", self.layers.len())));
+            return Err(Error::input(format!(
+                "tap layer {bad} out of range: the target has {} layers",
+                self.layers.len()
+            )));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.info.vocab_size) {
-            return Err(Error::input(format!("token id {bad} out of range: vocab size is {}", self.info.vocab_size)));
+            return Err(Error::input(format!(
+                "token id {bad} out of range: vocab size is {}",
+                self.info.vocab_size
+            )));
         }
         if start + tokens.len() > cache.capacity() {
             return Err(Error::input(format!(

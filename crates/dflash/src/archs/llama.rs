@@ -8,5 +8,9 @@ use crate::source::Weights;
 use crate::Result;
 
 pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
-    Ok(Box::new(DecoderModel::load(cfg, w, DecoderSpec::new("llama"))?))
+    Ok(Box::new(DecoderModel::load(
+        cfg,
+        w,
+        DecoderSpec::new("llama"),
+    )?))
 }

@@ -65,7 +65,11 @@ pub enum LayerCache {
 
 impl TargetCache {
     pub fn new(layers: Vec<LayerCache>, capacity: usize) -> Self {
-        Self { layers, len: 0, capacity }
+        Self {
+            layers,
+            len: 0,
+            capacity,
+        }
     }
     /// Positions held.
     pub fn len(&self) -> usize {
@@ -80,7 +84,10 @@ impl TargetCache {
     /// Drop every position at or after `len` (after a partial acceptance). O(1) for KV layers.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len > self.len {
-            return Err(Error::input(format!("cannot truncate a cache of {} positions to {len}", self.len)));
+            return Err(Error::input(format!(
+                "cannot truncate a cache of {} positions to {len}",
+                self.len
+            )));
         }
         for l in &mut self.layers {
             match l {
@@ -114,8 +121,14 @@ pub trait TargetModel: Send + Sync {
     /// Run `tokens` at positions `start ..` (`start` must equal `cache.len()`), appending them
     /// to the cache. `taps` are 0-based decoder layer indices whose OUTPUT (the residual stream
     /// after the layer's MLP add, before the final norm) is returned, concatenated in order.
-    fn forward(&self, tokens: &[u32], start: usize, cache: &mut TargetCache, taps: &[usize], logits: Logits)
-        -> Result<ForwardOutput>;
+    fn forward(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        cache: &mut TargetCache,
+        taps: &[usize],
+        logits: Logits,
+    ) -> Result<ForwardOutput>;
 
     /// Raw rows of the token embedding table `[n, hidden]` (no family embedding scale: the
     /// draft applies its own `input_embedding_scale`, as the reference does).
@@ -135,7 +148,10 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, device: Device::Cpu }
+        Self {
+            dtype: DType::F32,
+            device: Device::Cpu,
+        }
     }
 }
 
@@ -148,24 +164,41 @@ pub struct Family {
 
 /// The family registry: exact `model_type` matches only.
 pub const FAMILIES: &[Family] = &[
-    Family { name: "qwen3", model_types: &["qwen3"], load: qwen3::load },
-    Family { name: "llama", model_types: &["llama"], load: llama::load },
+    Family {
+        name: "qwen3",
+        model_types: &["qwen3"],
+        load: qwen3::load,
+    },
+    Family {
+        name: "llama",
+        model_types: &["llama"],
+        load: llama::load,
+    },
 ];
 
 pub fn supported_model_types() -> Vec<&'static str> {
-    FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect()
+    FAMILIES
+        .iter()
+        .flat_map(|f| f.model_types.iter().copied())
+        .collect()
 }
 
 pub fn family_for(cfg: &TargetConfig) -> Result<&'static Family> {
-    FAMILIES.iter().find(|f| f.model_types.contains(&cfg.model_type.as_str())).ok_or_else(|| Error::UnsupportedArch {
-        model_type: cfg.model_type.clone(),
-        file: cfg.file.clone(),
-        supported: supported_model_types().join(", "),
-    })
+    FAMILIES
+        .iter()
+        .find(|f| f.model_types.contains(&cfg.model_type.as_str()))
+        .ok_or_else(|| Error::UnsupportedArch {
+            model_type: cfg.model_type.clone(),
+            file: cfg.file.clone(),
+            supported: supported_model_types().join(", "),
+        })
 }
 
 /// Load a target model from a resolved source.
-pub fn load_target(src: &ModelSource, opts: &LoadOptions) -> Result<(TargetConfig, Box<dyn TargetModel>)> {
+pub fn load_target(
+    src: &ModelSource,
+    opts: &LoadOptions,
+) -> Result<(TargetConfig, Box<dyn TargetModel>)> {
     let cfg = TargetConfig::from_file(&src.config)?;
     let fam = family_for(&cfg)?;
     let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?;

@@ -7,6 +7,9 @@ use crate::source::Weights;
 use crate::Result;
 
 pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
-    let spec = DecoderSpec { qk_norm: true, ..DecoderSpec::new("qwen3") };
+    let spec = DecoderSpec {
+        qk_norm: true,
+        ..DecoderSpec::new("qwen3")
+    };
     Ok(Box::new(DecoderModel::load(cfg, w, spec)?))
 }

@@ -67,13 +67,26 @@ impl DraftConfig {
         if !(1..=64).contains(&block_size) {
             return Err(f.err("block_size", format!("{block_size} is out of range 1..=64")));
         }
-        let mask_token_id = match dc.as_ref().map(|d| d.opt_usize("mask_token_id")).transpose()?.flatten() {
+        let mask_token_id = match dc
+            .as_ref()
+            .map(|d| d.opt_usize("mask_token_id"))
+            .transpose()?
+            .flatten()
+        {
             Some(m) => m,
             None => f.opt_usize("mask_token_id")?.ok_or_else(|| {
-                f.err("dflash_config.mask_token_id", "missing: a DFlash draft needs the id of its mask token")
+                f.err(
+                    "dflash_config.mask_token_id",
+                    "missing: a DFlash draft needs the id of its mask token",
+                )
             })?,
         } as u32;
-        let target_layer_ids = match dc.as_ref().map(|d| d.opt_usize_list("target_layer_ids")).transpose()?.flatten() {
+        let target_layer_ids = match dc
+            .as_ref()
+            .map(|d| d.opt_usize_list("target_layer_ids"))
+            .transpose()?
+            .flatten()
+        {
             Some(t) => Some(t),
             None => f.opt_usize_list("target_layer_ids")?,
         };
@@ -83,7 +96,11 @@ impl DraftConfig {
             }
         }
         let num_target_layers = f.opt_usize("num_target_layers")?;
-        if f.opt_str_list("architectures")?.unwrap_or_default().iter().any(|a| a == "DFlash2DraftModel") {
+        if f.opt_str_list("architectures")?
+            .unwrap_or_default()
+            .iter()
+            .any(|a| a == "DFlash2DraftModel")
+        {
             return Err(f.err(
                 "architectures",
                 "DFlash2DraftModel (convolutional draft with a candidate selector) is not supported; supported: DFlashDraftModel",
@@ -117,13 +134,20 @@ impl DraftConfig {
     pub fn taps(&self, target_layers: usize) -> Vec<usize> {
         match &self.target_layer_ids {
             Some(t) => t.clone(),
-            None => default_taps(self.layers.num_hidden_layers, self.num_target_layers.unwrap_or(target_layers)),
+            None => default_taps(
+                self.layers.num_hidden_layers,
+                self.num_target_layers.unwrap_or(target_layers),
+            ),
         }
     }
 
     /// Check the draft against a target; every mismatch names both values.
     pub fn validate_against(&self, target: &TargetConfig, target_name: &str) -> Result<Vec<usize>> {
-        let mm = |msg: String| Error::Mismatch { draft: self.file.clone(), target: target_name.to_string(), msg };
+        let mm = |msg: String| Error::Mismatch {
+            draft: self.file.clone(),
+            target: target_name.to_string(),
+            msg,
+        };
         if self.layers.hidden_size != target.hidden_size {
             return Err(mm(format!(
                 "draft hidden_size {} != target hidden_size {}",
@@ -140,7 +164,10 @@ impl DraftConfig {
         }
         let taps = self.taps(target.num_hidden_layers);
         if let Some(&t) = taps.iter().find(|&&t| t >= target.num_hidden_layers) {
-            return Err(mm(format!("tap layer {t} >= target num_hidden_layers {}", target.num_hidden_layers)));
+            return Err(mm(format!(
+                "tap layer {t} >= target num_hidden_layers {}",
+                target.num_hidden_layers
+            )));
         }
         if self.mask_token_id as usize >= target.vocab_size {
             return Err(mm(format!(

@@ -27,7 +27,11 @@ impl<'a> Fields<'a> {
         let obj = v
             .as_object()
             .ok_or_else(|| Error::config(file, "<root>", "expected a JSON object"))?;
-        Ok(Self { file, obj, prefix: String::new() })
+        Ok(Self {
+            file,
+            obj,
+            prefix: String::new(),
+        })
     }
     pub fn sub(&self, key: &str) -> Result<Option<Fields<'a>>> {
         match self.obj.get(key) {
@@ -55,14 +59,14 @@ impl<'a> Fields<'a> {
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as usize))
-                .ok_or_else(|| self.err(key, format!("expected a non-negative integer, found {v}"))),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+                self.err(key, format!("expected a non-negative integer, found {v}"))
+            }),
         }
     }
     pub fn usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?.ok_or_else(|| self.err(key, "missing (required)"))
+        self.opt_usize(key)?
+            .ok_or_else(|| self.err(key, "missing (required)"))
     }
     /// A required positive integer.
     pub fn pos_usize(&self, key: &str) -> Result<usize> {
@@ -137,10 +141,16 @@ impl<'a> Fields<'a> {
                 .as_u64()
                 .map(|x| vec![x as u32])
                 .ok_or_else(|| self.err(key, "expected a token id")),
-            Some(Value::Array(_)) => {
-                Ok(self.opt_usize_list(key)?.unwrap_or_default().into_iter().map(|x| x as u32).collect())
-            }
-            Some(v) => Err(self.err(key, format!("expected a token id or a list of ids, found {v}"))),
+            Some(Value::Array(_)) => Ok(self
+                .opt_usize_list(key)?
+                .unwrap_or_default()
+                .into_iter()
+                .map(|x| x as u32)
+                .collect()),
+            Some(v) => Err(self.err(
+                key,
+                format!("expected a token id or a list of ids, found {v}"),
+            )),
         }
     }
 }
@@ -149,7 +159,11 @@ impl<'a> Fields<'a> {
 pub fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| {
-        Error::config(path.display().to_string(), "<root>", format!("invalid JSON: {e}"))
+        Error::config(
+            path.display().to_string(),
+            "<root>",
+            format!("invalid JSON: {e}"),
+        )
     })
 }
 
@@ -165,7 +179,12 @@ impl LayerType {
         match s {
             "full_attention" => Ok(LayerType::Full),
             "sliding_attention" => Ok(LayerType::Sliding),
-            other => Err(f.err(key, format!("unknown layer type `{other}` (expected full_attention or sliding_attention)"))),
+            other => Err(f.err(
+                key,
+                format!(
+                    "unknown layer type `{other}` (expected full_attention or sliding_attention)"
+                ),
+            )),
         }
     }
 }
@@ -211,7 +230,11 @@ impl TargetConfig {
         let f = Fields::new(file, &v)?;
         let text = f.sub("text_config")?;
         let f = match &text {
-            Some(t) => Fields { file, obj: t.obj, prefix: "text_config.".into() },
+            Some(t) => Fields {
+                file,
+                obj: t.obj,
+                prefix: "text_config.".into(),
+            },
             None => f,
         };
         let model_type = f
@@ -220,11 +243,15 @@ impl TargetConfig {
             .to_string();
         let hidden_size = f.pos_usize("hidden_size")?;
         let num_attention_heads = f.pos_usize("num_attention_heads")?;
-        let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let num_key_value_heads = f
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
         if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
             return Err(f.err(
                 "num_key_value_heads",
-                format!("{num_key_value_heads} must divide num_attention_heads = {num_attention_heads}"),
+                format!(
+                    "{num_key_value_heads} must divide num_attention_heads = {num_attention_heads}"
+                ),
             ));
         }
         let head_dim = match f.opt_usize("head_dim")? {
@@ -252,15 +279,23 @@ impl TargetConfig {
                 if l.len() != num_hidden_layers {
                     return Err(f.err(
                         "layer_types",
-                        format!("has {} entries, num_hidden_layers is {num_hidden_layers}", l.len()),
+                        format!(
+                            "has {} entries, num_hidden_layers is {num_hidden_layers}",
+                            l.len()
+                        ),
                     ));
                 }
-                l.iter().map(|s| LayerType::parse(&f, "layer_types", s)).collect::<Result<_>>()?
+                l.iter()
+                    .map(|s| LayerType::parse(&f, "layer_types", s))
+                    .collect::<Result<_>>()?
             }
             None => vec![LayerType::Full; num_hidden_layers],
         };
         if layer_types.contains(&LayerType::Sliding) && sliding_window.is_none() {
-            return Err(f.err("sliding_window", "missing, but layer_types has sliding_attention layers"));
+            return Err(f.err(
+                "sliding_window",
+                "missing, but layer_types has sliding_attention layers",
+            ));
         }
         let dtype = match f.opt_str("dtype")? {
             Some(d) => Some(d.to_string()),

@@ -7,8 +7,15 @@ use crate::Result;
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeKind {
     Default,
-    Linear { factor: f64 },
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: f64 },
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: f64,
+    },
     Yarn {
         factor: f64,
         original_max_position: f64,
@@ -49,7 +56,9 @@ impl RopeConfig {
             return Err(f.err("rope_theta", format!("must be > 0, found {theta}")));
         }
         let partial_rotary_factor = match &params {
-            Some(p) if p.has("partial_rotary_factor") => p.opt_f64("partial_rotary_factor")?.unwrap(),
+            Some(p) if p.has("partial_rotary_factor") => {
+                p.opt_f64("partial_rotary_factor")?.unwrap()
+            }
             _ => f.opt_f64("partial_rotary_factor")?.unwrap_or(1.0),
         };
         let s = params.or(scaling);
@@ -57,7 +66,11 @@ impl RopeConfig {
             None => RopeKind::Default,
             Some(s) => Self::parse_kind(&s, max_pos)?,
         };
-        Ok(RopeConfig { theta, kind, partial_rotary_factor })
+        Ok(RopeConfig {
+            theta,
+            kind,
+            partial_rotary_factor,
+        })
     }
 
     fn parse_kind(s: &Fields, max_pos: usize) -> Result<RopeKind> {
@@ -66,7 +79,9 @@ impl RopeConfig {
             None => s.opt_str("type")?.unwrap_or("default"),
         };
         let factor = |s: &Fields| -> Result<f64> {
-            let x = s.opt_f64("factor")?.ok_or_else(|| s.err("factor", format!("missing (required by rope type {ty})")))?;
+            let x = s
+                .opt_f64("factor")?
+                .ok_or_else(|| s.err("factor", format!("missing (required by rope type {ty})")))?;
             if !(x > 0.0) {
                 return Err(s.err("factor", format!("must be > 0, found {x}")));
             }
@@ -77,18 +92,24 @@ impl RopeConfig {
             "linear" => RopeKind::Linear { factor: factor(s)? },
             "llama3" => RopeKind::Llama3 {
                 factor: factor(s)?,
-                low_freq_factor: s.opt_f64("low_freq_factor")?.ok_or_else(|| s.err("low_freq_factor", "missing (llama3 rope)"))?,
-                high_freq_factor: s.opt_f64("high_freq_factor")?.ok_or_else(|| s.err("high_freq_factor", "missing (llama3 rope)"))?,
-                original_max_position: s
-                    .opt_f64("original_max_position_embeddings")?
-                    .ok_or_else(|| s.err("original_max_position_embeddings", "missing (llama3 rope)"))?,
+                low_freq_factor: s
+                    .opt_f64("low_freq_factor")?
+                    .ok_or_else(|| s.err("low_freq_factor", "missing (llama3 rope)"))?,
+                high_freq_factor: s
+                    .opt_f64("high_freq_factor")?
+                    .ok_or_else(|| s.err("high_freq_factor", "missing (llama3 rope)"))?,
+                original_max_position: s.opt_f64("original_max_position_embeddings")?.ok_or_else(
+                    || s.err("original_max_position_embeddings", "missing (llama3 rope)"),
+                )?,
             },
             "yarn" => {
                 let factor = factor(s)?;
                 // transformers 5.17 uses the explicit factor even when
                 // max_position_embeddings / original_max_position_embeddings differs
                 // (checked by the qwen3_yarn_tied golden).
-                let original = s.opt_f64("original_max_position_embeddings")?.unwrap_or(max_pos as f64);
+                let original = s
+                    .opt_f64("original_max_position_embeddings")?
+                    .unwrap_or(max_pos as f64);
                 RopeKind::Yarn {
                     factor,
                     original_max_position: original,
@@ -100,12 +121,12 @@ impl RopeConfig {
                     truncate: s.opt_bool("truncate")?.unwrap_or(true),
                 }
             }
-            other => {
-                return Err(s.err(
-                    "rope_type",
-                    format!("unsupported rope type `{other}` (supported: default, linear, llama3, yarn)"),
-                ))
-            }
+            other => return Err(s.err(
+                "rope_type",
+                format!(
+                    "unsupported rope type `{other}` (supported: default, linear, llama3, yarn)"
+                ),
+            )),
         })
     }
 
@@ -121,13 +142,19 @@ impl RopeConfig {
         let dim = self.rotary_dim(head_dim);
         let base = self.theta;
         // HF computes base ** (arange(0, dim, 2) / dim) in float32.
-        let pos_freqs: Vec<f64> =
-            (0..dim / 2).map(|i| (base as f32).powf((2 * i) as f32 / dim as f32) as f64).collect();
+        let pos_freqs: Vec<f64> = (0..dim / 2)
+            .map(|i| (base as f32).powf((2 * i) as f32 / dim as f32) as f64)
+            .collect();
         let plain: Vec<f64> = pos_freqs.iter().map(|p| 1.0 / p).collect();
         let (inv, scale) = match &self.kind {
             RopeKind::Default => (plain, 1.0),
             RopeKind::Linear { factor } => (plain.iter().map(|f| f / factor).collect(), 1.0),
-            RopeKind::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+            RopeKind::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
                 let low_wavelen = original_max_position / low_freq_factor;
                 let high_wavelen = original_max_position / high_freq_factor;
                 let inv = plain
@@ -157,7 +184,13 @@ impl RopeConfig {
                 attention_factor,
                 truncate,
             } => {
-                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let get_mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
                 let attn = match attention_factor {
                     Some(a) => *a,
                     None => match (mscale, mscale_all_dim) {

@@ -11,14 +11,27 @@ fn base() -> serde_json::Value {
 fn head_dim_explicit_or_derived_and_dtype_spellings() {
     let c = TargetConfig::from_value("c.json", base()).unwrap();
     assert_eq!(c.head_dim, 16);
-    assert_eq!(c.rope, RopeConfig { theta: 10000.0, kind: RopeKind::Default, partial_rotary_factor: 1.0 });
+    assert_eq!(
+        c.rope,
+        RopeConfig {
+            theta: 10000.0,
+            kind: RopeKind::Default,
+            partial_rotary_factor: 1.0
+        }
+    );
     let mut v = base();
     v["head_dim"] = 32.into();
     v["torch_dtype"] = "bfloat16".into();
     let c = TargetConfig::from_value("c.json", v.clone()).unwrap();
     assert_eq!((c.head_dim, c.dtype.as_deref()), (32, Some("bfloat16")));
     v["dtype"] = "float16".into();
-    assert_eq!(TargetConfig::from_value("c.json", v).unwrap().dtype.as_deref(), Some("float16"));
+    assert_eq!(
+        TargetConfig::from_value("c.json", v)
+            .unwrap()
+            .dtype
+            .as_deref(),
+        Some("float16")
+    );
 }
 
 #[test]
@@ -37,7 +50,10 @@ fn both_rope_spellings_agree() {
     // old `type` key
     let mut v = base();
     v["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
-    assert_eq!(TargetConfig::from_value("c", v).unwrap().rope.kind, RopeKind::Linear { factor: 2.0 });
+    assert_eq!(
+        TargetConfig::from_value("c", v).unwrap().rope.kind,
+        RopeKind::Linear { factor: 2.0 }
+    );
 }
 
 #[test]
@@ -48,11 +64,19 @@ fn llama3_frequencies_follow_the_three_bands() {
         "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
     let c = TargetConfig::from_value("c", v).unwrap();
     let (inv, scale) = c.rope.inv_freq(128);
-    let (plain, _) = RopeConfig { kind: RopeKind::Default, ..c.rope.clone() }.inv_freq(128);
+    let (plain, _) = RopeConfig {
+        kind: RopeKind::Default,
+        ..c.rope.clone()
+    }
+    .inv_freq(128);
     assert_eq!(scale, 1.0);
     assert_eq!(inv[0], plain[0]); // high frequency: unchanged
     assert!((inv[63] - plain[63] / 8.0).abs() < 1e-12); // low frequency: divided by factor
-    let mid = inv.iter().zip(&plain).filter(|(a, b)| **a < **b && **a > **b / 8.0).count();
+    let mid = inv
+        .iter()
+        .zip(&plain)
+        .filter(|(a, b)| **a < **b && **a > **b / 8.0)
+        .count();
     assert!(mid > 0, "some medium band frequencies are interpolated");
 }
 
@@ -65,8 +89,12 @@ fn yarn_attention_factor_rules() {
     let (_, s) = c.rope.inv_freq(16);
     assert!((s as f64 - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-6);
     // mscale == mscale_all_dim -> 1.0 (the Kimi draft's case)
-    v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0});
-    let (_, s) = TargetConfig::from_value("c", v.clone()).unwrap().rope.inv_freq(16);
+    v["rope_scaling"] =
+        json!({"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0});
+    let (_, s) = TargetConfig::from_value("c", v.clone())
+        .unwrap()
+        .rope
+        .inv_freq(16);
     assert_eq!(s, 1.0);
     // explicit attention_factor wins
     v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.5});
@@ -78,8 +106,13 @@ fn yarn_attention_factor_rules() {
 fn errors_name_file_and_field() {
     let mut v = base();
     v.as_object_mut().unwrap().remove("hidden_size");
-    let e = TargetConfig::from_value("m/config.json", v).unwrap_err().to_string();
-    assert!(e.contains("m/config.json") && e.contains("hidden_size") && e.contains("missing"), "{e}");
+    let e = TargetConfig::from_value("m/config.json", v)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("m/config.json") && e.contains("hidden_size") && e.contains("missing"),
+        "{e}"
+    );
     let mut v = base();
     v["num_key_value_heads"] = 3.into();
     let e = TargetConfig::from_value("c", v).unwrap_err().to_string();
@@ -100,7 +133,9 @@ fn errors_name_file_and_field() {
     v["layer_types"] = json!(["full_attention"]);
     let e = TargetConfig::from_value("c", v).unwrap_err().to_string();
     assert!(e.contains("layer_types"), "{e}");
-    let e = TargetConfig::from_value("c", json!([1, 2])).unwrap_err().to_string();
+    let e = TargetConfig::from_value("c", json!([1, 2]))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("JSON object"), "{e}");
 }
 
@@ -123,13 +158,19 @@ fn draft_config_block_size_locations() {
     v["dflash_config"] = json!({"mask_token_id": 5, "target_layer_ids": [1, 3], "block_size": 8});
     v["block_size"] = 16.into();
     let d = DraftConfig::from_value("d", v.clone()).unwrap();
-    assert_eq!((d.block_size, d.mask_token_id), (8, 5), "dflash_config.block_size takes precedence");
+    assert_eq!(
+        (d.block_size, d.mask_token_id),
+        (8, 5),
+        "dflash_config.block_size takes precedence"
+    );
     v["dflash_config"] = json!({"mask_token_id": 5});
     let d = DraftConfig::from_value("d", v.clone()).unwrap();
     assert_eq!(d.block_size, 16);
     assert_eq!(d.taps(36), vec![1, 33]);
     v.as_object_mut().unwrap().remove("block_size");
-    let e = DraftConfig::from_value("d", v.clone()).unwrap_err().to_string();
+    let e = DraftConfig::from_value("d", v.clone())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("block_size"), "{e}");
     v["block_size"] = 4.into();
     v["dflash_config"] = json!({});
@@ -152,9 +193,15 @@ fn draft_validation_names_both_values() {
     t2.num_hidden_layers = 8;
     t2.vocab_size = 50;
     let e = d.validate_against(&t2, "T").unwrap_err().to_string();
-    assert!(e.contains("mask_token_id 99") && e.contains("vocab_size 50"), "{e}");
+    assert!(
+        e.contains("mask_token_id 99") && e.contains("vocab_size 50"),
+        "{e}"
+    );
     t2.vocab_size = 100;
     t2.hidden_size = 32;
     let e = d.validate_against(&t2, "T").unwrap_err().to_string();
-    assert!(e.contains("hidden_size 64") && e.contains("hidden_size 32"), "{e}");
+    assert!(
+        e.contains("hidden_size 64") && e.contains("hidden_size 32"),
+        "{e}"
+    );
 }

@@ -13,7 +13,10 @@
 use crate::archs::TargetModel;
 use crate::config::draft::DraftConfig;
 use crate::config::LayerType;
-use crate::nn::{attention::sdpa, attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, RmsNorm, Rope};
+use crate::nn::{
+    attention::sdpa, attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache,
+    Linear, RmsNorm, Rope,
+};
 use crate::source::Weights;
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -79,7 +82,10 @@ impl DraftModel {
         let fc = Linear::load(w, "fc", k * h, h, false).map_err(|e| match e {
             Error::Weights { file, msg } if msg.contains("has shape") => Error::Weights {
                 file,
-                msg: format!("{msg}: fc input width must be taps ({k}) x hidden ({h}) = {}", k * h),
+                msg: format!(
+                    "{msg}: fc input width must be taps ({k}) x hidden ({h}) = {}",
+                    k * h
+                ),
             },
             e => e,
         })?;
@@ -87,10 +93,29 @@ impl DraftModel {
         for i in 0..c.num_hidden_layers {
             let p = format!("layers.{i}");
             layers.push(DraftLayer {
-                input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), h, eps, false)?,
+                input_norm: RmsNorm::load(
+                    w,
+                    &format!("{p}.input_layernorm.weight"),
+                    h,
+                    eps,
+                    false,
+                )?,
                 attn: Attention::load(w, &format!("{p}.self_attn"), spec.clone())?,
-                post_attn_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), h, eps, false)?,
-                mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, c.intermediate_size, c.mlp_bias, act)?,
+                post_attn_norm: RmsNorm::load(
+                    w,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                    eps,
+                    false,
+                )?,
+                mlp: GatedMlp::load(
+                    w,
+                    &format!("{p}.mlp"),
+                    h,
+                    c.intermediate_size,
+                    c.mlp_bias,
+                    act,
+                )?,
                 kind: c.layer_types[i],
             });
         }
@@ -109,7 +134,11 @@ impl DraftModel {
         if !unused.is_empty() {
             return Err(Error::weights(
                 model.cfg.file.clone(),
-                format!("{} tensors not used by the DFlash draft: {}", unused.len(), unused.join(", ")),
+                format!(
+                    "{} tensors not used by the DFlash draft: {}",
+                    unused.len(),
+                    unused.join(", ")
+                ),
             ));
         }
         Ok(model)
@@ -125,7 +154,15 @@ impl DraftModel {
     pub fn new_cache(&self, capacity: usize) -> Result<DraftCache> {
         let c = &self.cfg.layers;
         let layers = (0..self.layers.len())
-            .map(|_| KvCache::new(c.num_key_value_heads, c.head_dim, capacity, self.dtype, &self.device))
+            .map(|_| {
+                KvCache::new(
+                    c.num_key_value_heads,
+                    c.head_dim,
+                    capacity,
+                    self.dtype,
+                    &self.device,
+                )
+            })
             .collect::<Result<_>>()?;
         Ok(DraftCache { layers })
     }
@@ -155,7 +192,9 @@ impl DraftModel {
             return Err(Error::input("draft: a block needs at least 2 positions"));
         }
         let dev = &self.device;
-        let ctx = self.hidden_norm.forward(&self.fc.forward(&ctx_in.to_dtype(self.dtype)?)?)?;
+        let ctx = self
+            .hidden_norm
+            .forward(&self.fc.forward(&ctx_in.to_dtype(self.dtype)?)?)?;
         let ids = Tensor::from_slice(block, q, dev)?;
         let mut h = target.embed(&ids)?.to_dtype(self.dtype)?;
         if self.cfg.input_embedding_scale != 1.0 {

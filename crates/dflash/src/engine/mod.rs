@@ -35,7 +35,14 @@ pub struct GenerateRequest {
 
 impl GenerateRequest {
     pub fn new(prompt_ids: Vec<u32>, max_tokens: usize) -> Self {
-        Self { prompt_ids, max_tokens, sampling: SamplingParams::greedy(), stop_ids: vec![], block_size: None, trace: false }
+        Self {
+            prompt_ids,
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_ids: vec![],
+            block_size: None,
+            trace: false,
+        }
     }
 }
 
@@ -74,7 +81,11 @@ pub struct Engine {
 impl Engine {
     pub fn new(target: Box<dyn TargetModel>, draft: Option<DraftModel>) -> Self {
         let max_context = target.info().max_position;
-        Self { target, draft, max_context }
+        Self {
+            target,
+            draft,
+            max_context,
+        }
     }
 
     /// The block size a request will run with.
@@ -87,7 +98,11 @@ impl Engine {
     }
 
     /// Generate; `on_tokens` receives each batch of newly committed ids and may stop early.
-    pub fn generate(&self, req: &GenerateRequest, on_tokens: &mut dyn FnMut(&[u32]) -> Flow) -> Result<GenerateOutput> {
+    pub fn generate(
+        &self,
+        req: &GenerateRequest,
+        on_tokens: &mut dyn FnMut(&[u32]) -> Flow,
+    ) -> Result<GenerateOutput> {
         req.sampling.validate()?;
         let p = req.prompt_ids.len();
         if p == 0 {
@@ -101,7 +116,9 @@ impl Engine {
         }
         let q_max = self.block_size(req);
         if q_max > 64 {
-            return Err(Error::input(format!("block size {q_max} is larger than 64")));
+            return Err(Error::input(format!(
+                "block size {q_max} is larger than 64"
+            )));
         }
         let draft = self.draft.as_ref().filter(|_| q_max > 1);
         let taps: &[usize] = draft.map_or(&[], |d| &d.taps);
@@ -146,7 +163,9 @@ impl Engine {
             if let (Some(d), Some(dc), true) = (draft, dcache.as_mut(), q > 1) {
                 let td = Instant::now();
                 block.resize(q, d.mask_token_id());
-                let ctx = ctx_rows.take().expect("context rows from the previous step");
+                let ctx = ctx_rows
+                    .take()
+                    .expect("context rows from the previous step");
                 let logits = d.forward(target, &ctx, &block, start, dc)?;
                 let props: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
                 block[1..].copy_from_slice(&props);
@@ -176,7 +195,10 @@ impl Engine {
                 });
             }
             if let Some(s) = steps.as_mut() {
-                s.push(StepTrace { block_ids: block.clone(), accepted: a });
+                s.push(StepTrace {
+                    block_ids: block.clone(),
+                    accepted: a,
+                });
             }
             let mut commit: Vec<u32> = block[1..=a].to_vec();
             commit.push(post[a]);
@@ -194,7 +216,11 @@ impl Engine {
         stats.decode_tok_s = out.len().saturating_sub(1) as f64 / decode_s;
         stats.finish_reason = finish.unwrap_or("length").into();
         stats.finish(draft_tokens);
-        Ok(GenerateOutput { output_ids: out, stats, steps })
+        Ok(GenerateOutput {
+            output_ids: out,
+            stats,
+            steps,
+        })
     }
 
     /// Append committed ids, honouring stop tokens (cut after the first) and max tokens.
@@ -239,7 +265,12 @@ impl Engine {
 
     /// Target choices `post[0..=a]` where `a` is the number of accepted draft tokens:
     /// `block[i] == post[i-1]` for i in 1..=a, and `post[a]` is the bonus token.
-    fn choose_until_mismatch(&self, logits: &Tensor, block: &[u32], sampler: &mut Sampler) -> Result<Vec<u32>> {
+    fn choose_until_mismatch(
+        &self,
+        logits: &Tensor,
+        block: &[u32],
+        sampler: &mut Sampler,
+    ) -> Result<Vec<u32>> {
         let q = block.len();
         let mut post = Vec::with_capacity(q);
         if sampler.params.is_greedy() {

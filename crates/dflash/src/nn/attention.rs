@@ -4,7 +4,7 @@
 //! Batch 1: queries are laid out `[kv_heads, n_rep * q_len, head_dim]` so that every query
 //! head of a group shares its K/V head without copying K/V (`repeat_kv` is never needed).
 
-use super::{KvCache, Linear, Rope, RopeTables, RmsNorm};
+use super::{KvCache, Linear, RmsNorm, Rope, RopeTables};
 use crate::source::Weights;
 use crate::Result;
 use candle_core::{DType, Device, Tensor};
@@ -39,16 +39,36 @@ pub struct Attention {
 impl Attention {
     /// Load `{prefix}.{q,k,v,o}_proj` and, with `qk_norm`, `{prefix}.{q,k}_norm`.
     pub fn load(w: &Weights, prefix: &str, spec: AttentionSpec) -> Result<Self> {
-        let (h, qd, kd) = (spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim);
+        let (h, qd, kd) = (
+            spec.hidden,
+            spec.heads * spec.head_dim,
+            spec.kv_heads * spec.head_dim,
+        );
         let lin = |n: &str, i, o, b| Linear::load(w, &format!("{prefix}.{n}"), i, o, b);
-        let norm = |n: &str| RmsNorm::load(w, &format!("{prefix}.{n}.weight"), spec.head_dim, spec.eps, spec.qk_norm_add_one);
+        let norm = |n: &str| {
+            RmsNorm::load(
+                w,
+                &format!("{prefix}.{n}.weight"),
+                spec.head_dim,
+                spec.eps,
+                spec.qk_norm_add_one,
+            )
+        };
         Ok(Self {
             q_proj: lin("q_proj", h, qd, spec.bias)?,
             k_proj: lin("k_proj", h, kd, spec.bias)?,
             v_proj: lin("v_proj", h, kd, spec.bias)?,
             o_proj: lin("o_proj", qd, h, spec.bias)?,
-            q_norm: if spec.qk_norm { Some(norm("q_norm")?) } else { None },
-            k_norm: if spec.qk_norm { Some(norm("k_norm")?) } else { None },
+            q_norm: if spec.qk_norm {
+                Some(norm("q_norm")?)
+            } else {
+                None
+            },
+            k_norm: if spec.qk_norm {
+                Some(norm("k_norm")?)
+            } else {
+                None
+            },
             spec,
         })
     }
@@ -56,7 +76,10 @@ impl Attention {
     /// Queries for `x [n, hidden]`: projected, normed, roped: `[heads, n, head_dim]`.
     pub fn queries(&self, x: &Tensor, rope: &Rope, t: &RopeTables) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let q = self.q_proj.forward(x)?.reshape((n, self.spec.heads, self.spec.head_dim))?;
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape((n, self.spec.heads, self.spec.head_dim))?;
         let q = match &self.q_norm {
             Some(norm) => norm.forward(&q)?,
             None => q,
@@ -74,13 +97,25 @@ impl Attention {
             None => k,
         };
         let k = rope.apply(&k.transpose(0, 1)?.contiguous()?, t)?;
-        let v = self.v_proj.forward(x)?.reshape((n, kvh, d))?.transpose(0, 1)?.contiguous()?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape((n, kvh, d))?
+            .transpose(0, 1)?
+            .contiguous()?;
         Ok((k, v))
     }
 
     /// Self-attention of `x [n, hidden]` whose rows sit at the positions of `t`, appending its
     /// K/V to `cache` and attending over everything cached. `mask [n, cache_len + n]` or None.
-    pub fn forward(&self, x: &Tensor, rope: &Rope, t: &RopeTables, cache: &mut KvCache, mask: Option<&Tensor>) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        t: &RopeTables,
+        cache: &mut KvCache,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let q = self.queries(x, rope, t)?;
         let (k, v) = self.keys_values(x, rope, t)?;
         let (k, v) = cache.append(&k, &v)?;
@@ -91,7 +126,13 @@ impl Attention {
 
 /// Scaled dot-product attention. `q [heads, n, d]`, `k/v [kv_heads, L, d]` (views allowed),
 /// `mask [n, L]` additive (0 / -inf). Returns `[n, heads * d]`.
-pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+pub fn sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
     let (kvh, l, _) = k.dims3()?;
     let rep = heads / kvh;
@@ -100,12 +141,18 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f6
     let q = (q * scale)?.reshape((kvh, rep * n, d))?;
     let scores = q.matmul(&k.t()?)?; // [kvh, rep*n, L]
     let scores = match mask {
-        Some(m) => scores.reshape((kvh, rep, n, l))?.broadcast_add(m)?.reshape((kvh, rep * n, l))?,
+        Some(m) => scores
+            .reshape((kvh, rep, n, l))?
+            .broadcast_add(m)?
+            .reshape((kvh, rep * n, l))?,
         None => scores,
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?;
     let o = probs.matmul(v)?; // [kvh, rep*n, vd]
-    Ok(o.reshape((heads, n, vd))?.transpose(0, 1)?.contiguous()?.reshape((n, heads * vd))?)
+    Ok(o.reshape((heads, n, vd))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((n, heads * vd))?)
 }
 
 /// Additive mask for `n` queries at positions `q_start ..` over keys at positions `0 .. k_len`.
@@ -135,5 +182,7 @@ pub fn attention_mask(
     if !any {
         return Ok(None);
     }
-    Ok(Some(Tensor::from_vec(m, (n, k_len), device)?.to_dtype(dtype)?))
+    Ok(Some(
+        Tensor::from_vec(m, (n, k_len), device)?.to_dtype(dtype)?,
+    ))
 }

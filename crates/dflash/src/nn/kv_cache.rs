@@ -16,7 +16,13 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(kv_heads: usize, head_dim: usize, capacity: usize, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn new(
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         Self::with_dims(kv_heads, head_dim, head_dim, capacity, dtype, device)
     }
 
@@ -31,7 +37,12 @@ impl KvCache {
     ) -> Result<Self> {
         let k = Tensor::zeros((kv_heads, capacity, k_dim), dtype, device)?;
         let v = Tensor::zeros((kv_heads, capacity, v_dim), dtype, device)?;
-        Ok(Self { k, v, len: 0, capacity })
+        Ok(Self {
+            k,
+            v,
+            len: 0,
+            capacity,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -56,12 +67,18 @@ impl KvCache {
         self.k.slice_set(&k.contiguous()?, 1, self.len)?;
         self.v.slice_set(&v.contiguous()?, 1, self.len)?;
         self.len += n;
-        Ok((self.k.narrow(1, 0, self.len)?, self.v.narrow(1, 0, self.len)?))
+        Ok((
+            self.k.narrow(1, 0, self.len)?,
+            self.v.narrow(1, 0, self.len)?,
+        ))
     }
 
     /// Views of the cached rows.
     pub fn view(&self) -> Result<(Tensor, Tensor)> {
-        Ok((self.k.narrow(1, 0, self.len)?, self.v.narrow(1, 0, self.len)?))
+        Ok((
+            self.k.narrow(1, 0, self.len)?,
+            self.v.narrow(1, 0, self.len)?,
+        ))
     }
 
     /// Forget every row at or after `len`. O(1).

@@ -8,9 +8,16 @@ use candle_core::{Module, Tensor};
 #[derive(Debug, Clone)]
 pub enum Linear {
     /// `weight [out, in]` in the compute dtype.
-    Dense { weight: Tensor, bias: Option<Tensor> },
+    Dense {
+        weight: Tensor,
+        bias: Option<Tensor>,
+    },
     /// A quantized weight; input and output stay in the compute dtype.
-    Quant { weight: QMatMul, bias: Option<Tensor>, out_features: usize },
+    Quant {
+        weight: QMatMul,
+        bias: Option<Tensor>,
+        out_features: usize,
+    },
 }
 
 impl Linear {
@@ -19,9 +26,19 @@ impl Linear {
     }
 
     /// Load `{prefix}.weight [out, in]` (and `{prefix}.bias [out]` when `bias`).
-    pub fn load(w: &Weights, prefix: &str, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
         let weight = w.get(&format!("{prefix}.weight"), (out_dim, in_dim))?;
-        let bias = if bias { Some(w.get(&format!("{prefix}.bias"), out_dim)?) } else { None };
+        let bias = if bias {
+            Some(w.get(&format!("{prefix}.bias"), out_dim)?)
+        } else {
+            None
+        };
         Ok(Linear::Dense { weight, bias })
     }
 

@@ -16,7 +16,11 @@ impl Activation {
         match s {
             "silu" | "swish" => Ok(Activation::Silu),
             "gelu_pytorch_tanh" | "gelu_tanh" | "gelu_new" => Ok(Activation::GeluTanh),
-            other => Err(Error::config(file, "hidden_act", format!("unsupported activation `{other}` (supported: silu, gelu_pytorch_tanh)"))),
+            other => Err(Error::config(
+                file,
+                "hidden_act",
+                format!("unsupported activation `{other}` (supported: silu, gelu_pytorch_tanh)"),
+            )),
         }
     }
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
@@ -37,7 +41,14 @@ pub struct GatedMlp {
 
 impl GatedMlp {
     /// Load `{prefix}.{gate,up,down}_proj`.
-    pub fn load(w: &Weights, prefix: &str, hidden: usize, inter: usize, bias: bool, act: Activation) -> Result<Self> {
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+        act: Activation,
+    ) -> Result<Self> {
         Ok(Self {
             gate: Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inter, bias)?,
             up: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inter, bias)?,

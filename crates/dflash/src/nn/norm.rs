@@ -19,12 +19,19 @@ impl RmsNorm {
         if add_one {
             weight = (weight + 1.0)?;
         }
-        Ok(Self { weight, eps: eps as f32 })
+        Ok(Self {
+            weight,
+            eps: eps as f32,
+        })
     }
 
     /// Normalize over the last dimension.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
+        let x = if x.is_contiguous() {
+            x.clone()
+        } else {
+            x.contiguous()?
+        };
         Ok(candle_nn::ops::rms_norm(&x, &self.weight, self.eps)?)
     }
 }

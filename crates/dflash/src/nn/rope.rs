@@ -26,11 +26,22 @@ pub struct RopeTables {
 impl Rope {
     pub fn new(cfg: &RopeConfig, head_dim: usize) -> Self {
         let (inv_freq, scale) = cfg.inv_freq(head_dim);
-        Self { rotary_dim: 2 * inv_freq.len(), inv_freq, scale, head_dim }
+        Self {
+            rotary_dim: 2 * inv_freq.len(),
+            inv_freq,
+            scale,
+            head_dim,
+        }
     }
 
     /// Tables for positions `start .. start + len`.
-    pub fn tables(&self, start: usize, len: usize, device: &Device, dtype: DType) -> Result<RopeTables> {
+    pub fn tables(
+        &self,
+        start: usize,
+        len: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<RopeTables> {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(len * half);
         let mut sin = Vec::with_capacity(len * half);

@@ -87,11 +87,19 @@ fn find_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .ok_or_else(|| Error::config(&file, "weight_map", "missing or not an object"))?;
         let mut shards: Vec<String> = Vec::new();
         for (tensor, shard) in map {
-            let s = shard
-                .as_str()
-                .ok_or_else(|| Error::config(&file, format!("weight_map.{tensor}"), "expected a file name"))?;
+            let s = shard.as_str().ok_or_else(|| {
+                Error::config(
+                    &file,
+                    format!("weight_map.{tensor}"),
+                    "expected a file name",
+                )
+            })?;
             if s.contains('/') || s.contains('\\') || s.starts_with('.') {
-                return Err(Error::config(&file, format!("weight_map.{tensor}"), format!("invalid shard name `{s}`")));
+                return Err(Error::config(
+                    &file,
+                    format!("weight_map.{tensor}"),
+                    format!("invalid shard name `{s}`"),
+                ));
             }
             if !shards.iter().any(|x| x == s) {
                 shards.push(s.to_string());
@@ -103,7 +111,10 @@ fn find_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             if !p.is_file() {
                 return Err(Error::weights(
                     p.display().to_string(),
-                    format!("shard listed in {} is missing; re-download the model", index.display()),
+                    format!(
+                        "shard listed in {} is missing; re-download the model",
+                        index.display()
+                    ),
                 ));
             }
         }

@@ -28,15 +28,35 @@ impl Weights {
         // SAFETY: the files are mapped read-only; modifying them while the model is loaded
         // is undefined behaviour, as for every mmap-based loader.
         let st = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| {
-            Error::weights(files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "), e.to_string())
+            Error::weights(
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                e.to_string(),
+            )
         })?;
-        Ok(Self { st, files: files.to_vec(), dtype, device: device.clone(), used: RefCell::default() })
+        Ok(Self {
+            st,
+            files: files.to_vec(),
+            dtype,
+            device: device.clone(),
+            used: RefCell::default(),
+        })
     }
 
     fn file_desc(&self) -> String {
         match self.files.as_slice() {
             [one] => one.display().to_string(),
-            many => format!("{} ({} shards)", many[0].parent().map(|p| p.display().to_string()).unwrap_or_default(), many.len()),
+            many => format!(
+                "{} ({} shards)",
+                many[0]
+                    .parent()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                many.len()
+            ),
         }
     }
 
@@ -56,19 +76,32 @@ impl Weights {
 
     pub fn get_dtype(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
         let shape = shape.into();
-        let view = self
-            .st
-            .get(name)
-            .map_err(|_| Error::weights(self.file_desc(), format!("missing tensor `{name}` (expected shape {shape:?})")))?;
+        let view = self.st.get(name).map_err(|_| {
+            Error::weights(
+                self.file_desc(),
+                format!("missing tensor `{name}` (expected shape {shape:?})"),
+            )
+        })?;
         if view.shape() != shape.dims() {
             return Err(Error::weights(
                 self.file_desc(),
-                format!("tensor `{name}` has shape {:?}, expected {:?}", view.shape(), shape.dims()),
+                format!(
+                    "tensor `{name}` has shape {:?}, expected {:?}",
+                    view.shape(),
+                    shape.dims()
+                ),
             ));
         }
         self.used.borrow_mut().insert(name.to_string());
-        let t = self.st.load(name, &Device::Cpu).map_err(|e| Error::weights(self.file_desc(), format!("tensor `{name}`: {e}")))?;
-        let t = if t.dtype() != dtype { t.to_dtype(dtype)? } else { t };
+        let t = self
+            .st
+            .load(name, &Device::Cpu)
+            .map_err(|e| Error::weights(self.file_desc(), format!("tensor `{name}`: {e}")))?;
+        let t = if t.dtype() != dtype {
+            t.to_dtype(dtype)?
+        } else {
+            t
+        };
         Ok(t.to_device(&self.device)?)
     }
 
@@ -84,7 +117,11 @@ impl Weights {
     /// Names in the checkpoint that were never read.
     pub fn unused(&self) -> Vec<String> {
         let used = self.used.borrow();
-        let mut v: Vec<String> = self.names().into_iter().filter(|n| !used.contains(n)).collect();
+        let mut v: Vec<String> = self
+            .names()
+            .into_iter()
+            .filter(|n| !used.contains(n))
+            .collect();
         v.sort();
         v
     }
@@ -98,7 +135,12 @@ pub fn check_safetensors_file(path: &PathBuf) -> Result<()> {
     let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let len = f.metadata().map_err(|e| Error::io(path, e))?.len();
     if len < 8 {
-        return Err(Error::weights(file, format!("file is {len} bytes: too short for a safetensors header (truncated download?)")));
+        return Err(Error::weights(
+            file,
+            format!(
+                "file is {len} bytes: too short for a safetensors header (truncated download?)"
+            ),
+        ));
     }
     let mut n = [0u8; 8];
     f.read_exact(&mut n).map_err(|e| Error::io(path, e))?;
@@ -113,7 +155,9 @@ pub fn check_safetensors_file(path: &PathBuf) -> Result<()> {
     f.read_exact(&mut header).map_err(|e| Error::io(path, e))?;
     let v: serde_json::Value = serde_json::from_slice(&header)
         .map_err(|e| Error::weights(&file, format!("header is not valid JSON: {e}")))?;
-    let obj = v.as_object().ok_or_else(|| Error::weights(&file, "header is not a JSON object"))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| Error::weights(&file, "header is not a JSON object"))?;
     let data_len = len - 8 - hlen;
     for (name, t) in obj {
         if name == "__metadata__" {
@@ -124,7 +168,12 @@ pub fn check_safetensors_file(path: &PathBuf) -> Result<()> {
             .and_then(|o| o.as_array())
             .filter(|a| a.len() == 2)
             .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
-            .ok_or_else(|| Error::weights(&file, format!("tensor `{name}`: missing or invalid data_offsets")))?;
+            .ok_or_else(|| {
+                Error::weights(
+                    &file,
+                    format!("tensor `{name}`: missing or invalid data_offsets"),
+                )
+            })?;
         if offs.0 > offs.1 || offs.1 > data_len {
             return Err(Error::weights(
                 &file,
