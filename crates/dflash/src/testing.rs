@@ -340,6 +340,7 @@ impl TinyDraft {
             (0.5, 1.5)
         };
         f.uniform("norm.weight", &[h], lo, hi)?;
+
         for l in 0..self.layers {
             let p = format!("layers.{l}");
             f.uniform(&format!("{p}.input_layernorm.weight"), &[h], 0.5, 1.5)?;

@@ -49,6 +49,8 @@ impl GenerateRequest {
 /// One verify cycle, for `--trace`.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepTrace {
+    /// Position of the block's first row (the last committed token).
+    pub start: usize,
     /// The ids verified: last committed token + the draft's proposals.
     pub block_ids: Vec<u32>,
     /// Draft tokens accepted (0..q-1).
@@ -158,7 +160,9 @@ impl Engine {
                 finish = Some("context");
                 break;
             }
-            let q = q_max.min(req.max_tokens - out.len()).min(room);
+            // Near the end the block shrinks to the tokens left + 1 rows (as the reference
+            // does: the last row's proposal can still be accepted; commits are capped).
+            let q = q_max.min(req.max_tokens - out.len() + 1).min(room);
             let mut block = vec![last];
             if let (Some(d), Some(dc), true) = (draft, dcache.as_mut(), q > 1) {
                 let td = Instant::now();
@@ -196,6 +200,7 @@ impl Engine {
             }
             if let Some(s) = steps.as_mut() {
                 s.push(StepTrace {
+                    start,
                     block_ids: block.clone(),
                     accepted: a,
                 });
@@ -204,8 +209,9 @@ impl Engine {
             commit.push(post[a]);
             start += a + 1;
             last = post[a];
-            stats.acceptance_lengths.push(a + 1);
             let (pushed, f) = self.commit(&commit, req, &mut out, on_tokens);
+            // Tokens committed this cycle: a + 1, less any cut by a stop token or max tokens.
+            stats.acceptance_lengths.push(pushed);
             // Tokens cut after a stop were never committed: they do not count as drafted.
             draft_tokens += pushed.min(a);
             finish = f;
