@@ -11,6 +11,7 @@ pub mod draft;
 pub mod engine;
 pub mod error;
 pub mod nn;
+pub mod pipeline;
 pub mod sampling;
 pub mod source;
 pub mod stats;

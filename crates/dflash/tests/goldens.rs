@@ -8,15 +8,30 @@ use dflash::archs::Logits;
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/targets").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/targets")
+        .join(name)
 }
 
 fn check(name: &str) {
     let dir = fixture(name);
-    let g = candle_core::safetensors::load(dir.join("golden.safetensors"), &candle_core::Device::Cpu).unwrap();
-    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    let taps: Vec<usize> = meta["taps"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
-    let ids: Vec<u32> = g["input_ids"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect();
+    let g =
+        candle_core::safetensors::load(dir.join("golden.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let taps: Vec<usize> = meta["taps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as usize)
+        .collect();
+    let ids: Vec<u32> = g["input_ids"]
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect();
     let m = load(&dir);
     let mut c = m.new_cache(ids.len()).unwrap();
     let out = m.forward(&ids, 0, &mut c, &taps, Logits::All).unwrap();
@@ -34,7 +49,11 @@ fn check(name: &str) {
     let mut c = m.new_cache(ids.len()).unwrap();
     m.forward(&ids[..20], 0, &mut c, &[], Logits::None).unwrap();
     for (i, &t) in ids.iter().enumerate().skip(20) {
-        let l = m.forward(&[t], i, &mut c, &[], Logits::Last).unwrap().logits.unwrap();
+        let l = m
+            .forward(&[t], i, &mut c, &[], Logits::Last)
+            .unwrap()
+            .logits
+            .unwrap();
         let d = max_abs_diff(&l, &g["logits"].narrow(0, i, 1).unwrap());
         assert!(d < 1e-4, "{name}: position {i} incremental error {d}");
     }

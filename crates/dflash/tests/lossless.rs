@@ -23,7 +23,13 @@ fn build(t: &TinyTarget, d: &TinyDraft) -> (tempfile::TempDir, Engine) {
     (dir, Engine::new(target, Some(draft)))
 }
 
-fn gen(e: &Engine, prompt: &[u32], max: usize, block: usize, stop: &[u32]) -> dflash::engine::GenerateOutput {
+fn gen(
+    e: &Engine,
+    prompt: &[u32],
+    max: usize,
+    block: usize,
+    stop: &[u32],
+) -> dflash::engine::GenerateOutput {
     let mut r = GenerateRequest::new(prompt.to_vec(), max);
     r.block_size = Some(block);
     r.stop_ids = stop.to_vec();
@@ -39,7 +45,11 @@ fn gen(e: &Engine, prompt: &[u32], max: usize, block: usize, stop: &[u32]) -> df
 fn pairs() -> Vec<(TinyTarget, TinyDraft)> {
     let mut v = vec![];
     for seed in 0..4u64 {
-        let mut t = if seed % 2 == 0 { TinyTarget::qwen3(100 + seed) } else { TinyTarget::llama(100 + seed) };
+        let mut t = if seed % 2 == 0 {
+            TinyTarget::qwen3(100 + seed)
+        } else {
+            TinyTarget::llama(100 + seed)
+        };
         if seed < 2 {
             t.zero_final_norm = true;
             t.dominant = vec![(0, if seed == 0 { -4.0 } else { -8.0 })];
@@ -54,7 +64,10 @@ fn pairs() -> Vec<(TinyTarget, TinyDraft)> {
         };
         let mut d = TinyDraft::for_target(&t, 1 + (seed as usize % 3), taps, 16, 200 + seed);
         if seed == 1 || seed == 2 {
-            d.layer_types = Some(vec!["sliding_attention", "full_attention", "sliding_attention"][..d.layers].to_vec());
+            d.layer_types = Some(
+                vec!["sliding_attention", "full_attention", "sliding_attention"][..d.layers]
+                    .to_vec(),
+            );
             d.sliding_window = 5;
         }
         v.push((t, d));
@@ -78,7 +91,11 @@ fn greedy_dflash_equals_greedy_plain_decoding() {
             assert_eq!(plain.stats.mode, "plain");
             assert_eq!(plain.output_ids.len(), max);
             // a stop token that occurs in the output (often inside an accepted run)
-            let stop = if case % 3 == 0 && max > 3 { vec![plain.output_ids[max / 2]] } else { vec![] };
+            let stop = if case % 3 == 0 && max > 3 {
+                vec![plain.output_ids[max / 2]]
+            } else {
+                vec![]
+            };
             let expect_stop: Vec<u32> = match stop.first() {
                 Some(s) => {
                     let cut = plain.output_ids.iter().position(|x| x == s).unwrap();
@@ -88,10 +105,20 @@ fn greedy_dflash_equals_greedy_plain_decoding() {
             };
             for block in [2, 3, 4, 5, 7, 8, 11, 16] {
                 let out = gen(&e, &prompt, max, block, &stop);
-                assert_eq!(out.output_ids, expect_stop, "pair {pi} case {case} prompt {plen} max {max} block {block} stop {stop:?}");
+                assert_eq!(
+                    out.output_ids, expect_stop,
+                    "pair {pi} case {case} prompt {plen} max {max} block {block} stop {stop:?}"
+                );
                 assert_eq!(out.stats.mode, "dflash");
-                assert_eq!(out.stats.acceptance_lengths.iter().sum::<usize>() + 1, out.output_ids.len());
-                assert!(out.stats.acceptance_lengths.iter().all(|&a| a >= 1 && a <= block));
+                assert_eq!(
+                    out.stats.acceptance_lengths.iter().sum::<usize>() + 1,
+                    out.output_ids.len()
+                );
+                assert!(out
+                    .stats
+                    .acceptance_lengths
+                    .iter()
+                    .all(|&a| a >= 1 && a <= block));
                 lengths.extend(out.stats.acceptance_lengths.iter().copied());
                 if out.stats.acceptance_lengths.iter().any(|&a| a > 1) {
                     accepted_somewhere += 1;
@@ -102,9 +129,15 @@ fn greedy_dflash_equals_greedy_plain_decoding() {
     }
     assert!(generations >= 200, "{generations}");
     // the invariant must have been exercised with real acceptance, not only rejections
-    assert!(lengths.contains(&1) && lengths.contains(&16) && lengths.len() >= 10, "acceptance lengths seen: {lengths:?}");
+    assert!(
+        lengths.contains(&1) && lengths.contains(&16) && lengths.len() >= 10,
+        "acceptance lengths seen: {lengths:?}"
+    );
     // (deterministic: 55 of 384 with these seeds; the bound guards against a silent change)
-    assert!(accepted_somewhere >= 40, "only {accepted_somewhere} of {generations} generations accepted a draft token");
+    assert!(
+        accepted_somewhere >= 40,
+        "only {accepted_somewhere} of {generations} generations accepted a draft token"
+    );
 }
 
 #[test]
@@ -114,9 +147,15 @@ fn plain_decoding_equals_full_recomputation() {
     let (_dir, e) = build(&t, &d);
     let prompt = ids(5, 13, t.vocab);
     let out = gen(&e, &prompt, 20, 1, &[]);
-    assert_eq!(out.output_ids, greedy_by_recompute(e.target.as_ref(), &prompt, 20).unwrap());
+    assert_eq!(
+        out.output_ids,
+        greedy_by_recompute(e.target.as_ref(), &prompt, 20).unwrap()
+    );
     let out = gen(&e, &prompt, 20, 8, &[]);
-    assert_eq!(out.output_ids, greedy_by_recompute(e.target.as_ref(), &prompt, 20).unwrap());
+    assert_eq!(
+        out.output_ids,
+        greedy_by_recompute(e.target.as_ref(), &prompt, 20).unwrap()
+    );
 }
 
 #[test]
@@ -139,7 +178,8 @@ fn full_acceptance_bookkeeping() {
         assert_eq!(al.iter().sum::<usize>(), max - 1);
         assert_eq!(al.len(), (max - 1).div_ceil(q));
         // committed draft tokens: a per full cycle; the capped last cycle commits only drafts
-        let drafted: usize = al[..al.len() - 1].iter().map(|a| a - 1).sum::<usize>() + al[al.len() - 1].min(q - 1);
+        let drafted: usize =
+            al[..al.len() - 1].iter().map(|a| a - 1).sum::<usize>() + al[al.len() - 1].min(q - 1);
         assert!((out.stats.acceptance_ratio - drafted as f64 / max as f64).abs() < 1e-12);
         // the caches stayed consistent: plain decoding gives the same
         assert_eq!(gen(&e, &prompt, max, 1, &[]).output_ids, out.output_ids);
@@ -172,7 +212,13 @@ fn sampling_is_reproducible_and_matches_the_target_distribution() {
     let d = TinyDraft::for_target(&t, 1, vec![2], 8, 5);
     let (_dir, e) = build(&t, &d);
     let prompt = ids(3, 6, t.vocab);
-    let params = |seed| SamplingParams { temperature: 0.9, top_k: 0, top_p: 1.0, min_p: 0.0, seed };
+    let params = |seed| SamplingParams {
+        temperature: 0.9,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed,
+    };
     let run = |seed, block| {
         let mut r = GenerateRequest::new(prompt.clone(), 24);
         r.sampling = params(seed);
@@ -204,7 +250,12 @@ fn sampling_is_reproducible_and_matches_the_target_distribution() {
     let mut c = e.target.new_cache(16).unwrap();
     let mut ctx = prompt.clone();
     ctx.push(first);
-    let l = e.target.forward(&ctx, 0, &mut c, &[], dflash::archs::Logits::Last).unwrap().logits.unwrap();
+    let l = e
+        .target
+        .forward(&ctx, 0, &mut c, &[], dflash::archs::Logits::Last)
+        .unwrap()
+        .logits
+        .unwrap();
     let row = l.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
     let dist = dflash::sampling::Sampler::new(params(0)).distribution(&row);
     let mut tv = 0.0f64; // total variation distance
@@ -213,7 +264,10 @@ fn sampling_is_reproducible_and_matches_the_target_distribution() {
         seen[*tok as usize] = true;
         tv += (counts[*tok as usize] as f64 / n_cond as f64 - *p as f64).abs();
     }
-    tv += (0..t.vocab).filter(|&i| !seen[i]).map(|i| counts[i] as f64 / n_cond as f64).sum::<f64>();
+    tv += (0..t.vocab)
+        .filter(|&i| !seen[i])
+        .map(|i| counts[i] as f64 / n_cond as f64)
+        .sum::<f64>();
     tv /= 2.0;
     // Sampling noise for this many draws puts TV around 0.05-0.1; a biased engine (e.g.
     // committing draft tokens without matching samples) is far off.

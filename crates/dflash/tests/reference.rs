@@ -12,62 +12,129 @@ use serde_json::Value;
 use std::path::PathBuf;
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn check(case: &str) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash").join(case);
-    let trace: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json")).unwrap()).unwrap();
-    let g = candle_core::safetensors::load(dir.join("trace.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/dflash")
+        .join(case);
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json")).unwrap()).unwrap();
+    let g =
+        candle_core::safetensors::load(dir.join("trace.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
     let tsrc = ModelSource::from_dir("target", &dir.join("target")).unwrap();
     let (tcfg, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
     let dsrc = ModelSource::from_dir("draft", &dir.join("draft")).unwrap();
     let draft = load_draft(&dsrc, &tcfg, "target", &LoadOptions::default()).unwrap();
-    assert_eq!(draft.block_size() as u64, trace["block_size"].as_u64().unwrap(), "{case}: block size");
+    assert_eq!(
+        draft.block_size() as u64,
+        trace["block_size"].as_u64().unwrap(),
+        "{case}: block size"
+    );
     let prompt = ids(&trace["prompt_ids"]);
 
     // 1. The draft's first call, from the target's prefill taps.
     let mut tc = target.new_cache(prompt.len() + 64).unwrap();
-    let pre = target.forward(&prompt, 0, &mut tc, &draft.taps, Logits::Last).unwrap();
+    let pre = target
+        .forward(&prompt, 0, &mut tc, &draft.taps, Logits::Last)
+        .unwrap();
     let taps = pre.taps.unwrap();
-    assert!(max_abs_diff(&taps, &g["target_ctx_prefill"]) < 1e-4, "{case}: prefill taps");
+    assert!(
+        max_abs_diff(&taps, &g["target_ctx_prefill"]) < 1e-4,
+        "{case}: prefill taps"
+    );
     let first = trace["first_token"].as_u64().unwrap() as u32;
     let q = draft.block_size();
     let mut block = vec![draft.mask_token_id(); q];
     block[0] = first;
     let mut dc = draft.new_cache(prompt.len() + 64).unwrap();
-    let dl = draft.forward(target.as_ref(), &taps, &block, prompt.len(), &mut dc).unwrap();
+    let dl = draft
+        .forward(target.as_ref(), &taps, &block, prompt.len(), &mut dc)
+        .unwrap();
     let d = max_abs_diff(&dl, &g["draft_logits_step0"]);
     assert!(d < 1e-4, "{case}: draft logits step 0 differ by {d}");
-    assert_eq!(dc.len(), prompt.len(), "draft cache keeps only context rows");
+    assert_eq!(
+        dc.len(),
+        prompt.len(),
+        "draft cache keeps only context rows"
+    );
 
     // 2. The whole generation, cycle by cycle.
     let engine = Engine::new(target, Some(draft));
-    let mut req = GenerateRequest::new(prompt.clone(), trace["max_new_tokens"].as_u64().unwrap() as usize);
+    let mut req = GenerateRequest::new(
+        prompt.clone(),
+        trace["max_new_tokens"].as_u64().unwrap() as usize,
+    );
     req.trace = true;
     let out = engine.generate(&req, &mut |_| Flow::Continue).unwrap();
-    assert_eq!(out.output_ids, ids(&trace["output_ids"]), "{case}: output ids");
-    assert_eq!(out.output_ids, ids(&trace["greedy_ids"]), "{case}: output == greedy");
+    assert_eq!(
+        out.output_ids,
+        ids(&trace["output_ids"]),
+        "{case}: output ids"
+    );
+    assert_eq!(
+        out.output_ids,
+        ids(&trace["greedy_ids"]),
+        "{case}: output == greedy"
+    );
     let ours = out.steps.unwrap();
     let theirs = trace["steps"].as_array().unwrap();
     assert_eq!(ours.len(), theirs.len(), "{case}: number of cycles");
     for (i, (o, t)) in ours.iter().zip(theirs).enumerate() {
-        assert_eq!(o.start as u64, t["start"].as_u64().unwrap(), "{case} step {i}: start");
-        assert_eq!(o.block_ids, ids(&t["block_ids"]), "{case} step {i}: block ids");
-        assert_eq!(o.accepted as u64, t["accepted"].as_u64().unwrap(), "{case} step {i}: accepted");
+        assert_eq!(
+            o.start as u64,
+            t["start"].as_u64().unwrap(),
+            "{case} step {i}: start"
+        );
+        assert_eq!(
+            o.block_ids,
+            ids(&t["block_ids"]),
+            "{case} step {i}: block ids"
+        );
+        assert_eq!(
+            o.accepted as u64,
+            t["accepted"].as_u64().unwrap(),
+            "{case} step {i}: accepted"
+        );
     }
-    let al: Vec<usize> = trace["acceptance_lengths"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
-    assert_eq!(out.stats.acceptance_lengths, al, "{case}: acceptance lengths");
+    let al: Vec<usize> = trace["acceptance_lengths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as usize)
+        .collect();
+    assert_eq!(
+        out.stats.acceptance_lengths, al,
+        "{case}: acceptance lengths"
+    );
 
     // 3. A stop token inside an accepted run cuts the output right after it.
     if let Some(sv) = trace.get("stop_variant").filter(|v| !v.is_null()) {
         let mut req = req.clone();
         req.stop_ids = ids(&sv["stop_token_ids"]);
         let out = engine.generate(&req, &mut |_| Flow::Continue).unwrap();
-        assert_eq!(out.output_ids, ids(&sv["expected_output_ids"]), "{case}: stop variant");
+        assert_eq!(
+            out.output_ids,
+            ids(&sv["expected_output_ids"]),
+            "{case}: stop variant"
+        );
         assert_eq!(out.stats.finish_reason, "stop");
-        let al: Vec<usize> = sv["acceptance_lengths"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
-        assert_eq!(out.stats.acceptance_lengths, al, "{case}: stop variant acceptance lengths");
+        let al: Vec<usize> = sv["acceptance_lengths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect();
+        assert_eq!(
+            out.stats.acceptance_lengths, al,
+            "{case}: stop variant acceptance lengths"
+        );
     }
 }
 

@@ -121,12 +121,14 @@ impl RopeConfig {
                     truncate: s.opt_bool("truncate")?.unwrap_or(true),
                 }
             }
-            other => return Err(s.err(
-                "rope_type",
-                format!(
+            other => {
+                return Err(s.err(
+                    "rope_type",
+                    format!(
                     "unsupported rope type `{other}` (supported: default, linear, llama3, yarn)"
                 ),
-            )),
+                ))
+            }
         })
     }
 

@@ -1,0 +1,173 @@
+//! `dflash generate`: stream a completion to stdout, stats to stderr (or one JSON object).
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dflash::chat::ChatMessage;
+use dflash::engine::{Flow, GenerateRequest};
+use dflash::pipeline::{Pipeline, PipelineOptions};
+use dflash::sampling::SamplingParams;
+use dflash::tokenizer::TextStream;
+use std::io::Write;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Target model: a local directory (HF layout) or a hub repo id (Org/Name).
+    #[arg(long)]
+    pub model: String,
+    /// DFlash draft: a local directory or a hub repo id. Without it: plain decoding.
+    #[arg(long)]
+    pub draft: Option<String>,
+    /// Verify block size (default: the draft's); 1 = plain decoding through the same engine.
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// The user message (or raw text with --no-chat-template).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// A system message.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Feed the prompt text as is, without the model's chat template.
+    #[arg(long)]
+    pub no_chat_template: bool,
+    /// Render the chat template with enable_thinking=true (default false).
+    #[arg(long)]
+    pub enable_thinking: bool,
+    /// Prompt token ids, comma-separated (for models without a tokenizer).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// f32 | bf16 | f16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// cpu | cuda | cuda:N.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Additional stop token ids.
+    #[arg(long, value_delimiter = ',')]
+    pub stop_ids: Option<Vec<u32>>,
+    /// Do not stop at the model's end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print one JSON object (output_ids, text, stats) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// With --json: include each verify cycle's block ids and acceptance.
+    #[arg(long)]
+    pub trace: bool,
+}
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    if a.prompt.is_none() && a.prompt_ids.is_none() {
+        bail!("give a prompt: --prompt TEXT or --prompt-ids 1,2,3");
+    }
+    if a.prompt.is_some() && a.prompt_ids.is_some() {
+        bail!("give either --prompt or --prompt-ids, not both");
+    }
+    if a.trace && !a.json {
+        bail!("--trace needs --json");
+    }
+    let p = Pipeline::load(&PipelineOptions {
+        model: a.model.clone(),
+        draft: a.draft.clone(),
+        dtype: a.dtype.clone(),
+        device: a.device.clone(),
+        max_context: None,
+    })?;
+    let prompt_ids = match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(text)) => {
+            let mut msgs = vec![];
+            if let Some(s) = &a.system {
+                msgs.push(ChatMessage::system(s.clone()));
+            }
+            msgs.push(ChatMessage::user(text.clone()));
+            p.encode_prompt(&msgs, !a.no_chat_template, Some(a.enable_thinking))?
+        }
+        _ => unreachable!(),
+    };
+    let mut stop_ids = if a.ignore_eos {
+        vec![]
+    } else {
+        p.stop_ids.clone()
+    };
+    stop_ids.extend(a.stop_ids.clone().unwrap_or_default());
+    let req = GenerateRequest {
+        prompt_ids: prompt_ids.clone(),
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            seed: a.seed,
+        },
+        stop_ids,
+        block_size: a.block_size,
+        trace: a.trace,
+    };
+    if a.draft.is_none() && a.block_size.is_some_and(|b| b > 1) {
+        eprintln!("note: --block-size without --draft: plain decoding");
+    }
+    let mut stream = p
+        .tokenizer
+        .as_ref()
+        .map(|t| TextStream::with_prompt(t, &prompt_ids, true));
+    let mut stdout = std::io::stdout().lock();
+    let mut stream_err: Option<anyhow::Error> = None;
+    let out = p.engine.generate(&req, &mut |ids| {
+        if !a.json {
+            if let Some(s) = stream.as_mut() {
+                match s.push_all(ids) {
+                    Ok(text) => {
+                        let _ = stdout.write_all(text.as_bytes());
+                        let _ = stdout.flush();
+                    }
+                    Err(e) => {
+                        stream_err = Some(e.into());
+                        return Flow::Stop;
+                    }
+                }
+            } else {
+                let s: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+                let _ = write!(stdout, "{} ", s.join(" "));
+                let _ = stdout.flush();
+            }
+        }
+        Flow::Continue
+    })?;
+    if let Some(e) = stream_err {
+        return Err(e).context("decoding the generated tokens");
+    }
+    if a.json {
+        let mut v = serde_json::to_value(&out)?;
+        if let Some(t) = &p.tokenizer {
+            v["text"] = t.decode(&out.output_ids, true)?.into();
+        }
+        v["prompt_tokens"] = prompt_ids.len().into();
+        v["model"] = p.model_name.clone().into();
+        if let Some(d) = &p.draft_name {
+            v["draft"] = d.clone().into();
+        }
+        writeln!(stdout, "{}", serde_json::to_string(&v)?)?;
+    } else {
+        if let Some(s) = stream.as_mut() {
+            let _ = stdout.write_all(s.flush()?.as_bytes());
+        }
+        writeln!(stdout)?;
+        eprintln!("{}", out.stats.line());
+    }
+    Ok(())
+}

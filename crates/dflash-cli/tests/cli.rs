@@ -1,0 +1,276 @@
+//! The `dflash` binary end to end: determinism, equality with greedy decoding by full
+//! recomputation, the JSON/trace fields, and one-line errors with a non-zero exit.
+
+use dflash::archs::{load_target, LoadOptions};
+use dflash::engine::greedy_by_recompute;
+use dflash::source::ModelSource;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../dflash/tests/fixtures")
+}
+
+fn dflash(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+#[test]
+fn generate_json_is_deterministic_and_equals_greedy_recomputation() {
+    let t = fixtures().join("targets/qwen3");
+    let args = [
+        "generate",
+        "--model",
+        t.to_str().unwrap(),
+        "--prompt-ids",
+        "5,17,42,9",
+        "--max-tokens",
+        "12",
+        "--json",
+        "--temperature",
+        "0",
+    ];
+    let (rc, out1, err) = dflash(&args);
+    assert_eq!(rc, 0, "{err}");
+    let (_, out2, _) = dflash(&args);
+    assert_eq!(out1.trim().lines().count(), 1, "one JSON object");
+    let v1: Value = serde_json::from_str(&out1).unwrap();
+    let v2: Value = serde_json::from_str(&out2).unwrap();
+    assert_eq!(v1["output_ids"], v2["output_ids"]);
+    let src = ModelSource::from_dir("t", &t).unwrap();
+    let (_, m) = load_target(&src, &LoadOptions::default()).unwrap();
+    let want = greedy_by_recompute(m.as_ref(), &[5, 17, 42, 9], 12).unwrap();
+    let got: Vec<u32> = v1["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(v1["stats"]["generated_tokens"], 12);
+    assert!(v1["stats"]["decode_tok_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn generate_with_draft_prints_trace_and_acceptance() {
+    let d = fixtures().join("dflash/qwen3_b16");
+    let (rc, out, err) = dflash(&[
+        "generate",
+        "--model",
+        d.join("target").to_str().unwrap(),
+        "--draft",
+        d.join("draft").to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3,4,5,6",
+        "--max-tokens",
+        "30",
+        "--temperature",
+        "0",
+        "--json",
+        "--trace",
+        "--dtype",
+        "f32",
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let steps = v["steps"].as_array().unwrap();
+    let al = v["stats"]["acceptance_lengths"].as_array().unwrap();
+    assert_eq!(steps.len(), al.len());
+    assert_eq!(steps[0]["block_ids"].as_array().unwrap().len(), 16);
+    assert_eq!(
+        steps[0]["block_ids"][0], v["output_ids"][0],
+        "block starts with the last committed token"
+    );
+    assert!(v["stats"]["tau"].as_f64().unwrap() >= 1.0);
+    assert!(v["stats"]["acceptance_ratio"].is_number());
+    // block size 1 through the same engine gives the same ids
+    let (_, out1, _) = dflash(&[
+        "generate",
+        "--model",
+        d.join("target").to_str().unwrap(),
+        "--draft",
+        d.join("draft").to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3,4,5,6",
+        "--max-tokens",
+        "30",
+        "--json",
+        "--block-size",
+        "1",
+    ]);
+    let v1: Value = serde_json::from_str(&out1).unwrap();
+    assert_eq!(v1["output_ids"], v["output_ids"]);
+    assert_eq!(v1["stats"]["mode"], "plain");
+    // stats line on stderr in streaming mode
+    let (rc, _, err) = dflash(&[
+        "generate",
+        "--model",
+        d.join("target").to_str().unwrap(),
+        "--draft",
+        d.join("draft").to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "8",
+    ]);
+    assert_eq!(rc, 0);
+    assert!(
+        err.contains("tau") && err.contains("acceptance") && err.contains("TTFT"),
+        "{err}"
+    );
+}
+
+#[test]
+fn errors_are_one_line_and_exit_non_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    // unknown model_type
+    let bad = tmp.path().join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(
+        fixtures().join("targets/qwen3/model.safetensors"),
+        bad.join("model.safetensors"),
+    )
+    .unwrap();
+    let mut cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("targets/qwen3/config.json")).unwrap(),
+    )
+    .unwrap();
+    cfg["model_type"] = "mamba9".into();
+    std::fs::write(bad.join("config.json"), cfg.to_string()).unwrap();
+    // truncated safetensors
+    let trunc = tmp.path().join("trunc");
+    std::fs::create_dir_all(&trunc).unwrap();
+    let bytes = std::fs::read(fixtures().join("targets/qwen3/model.safetensors")).unwrap();
+    std::fs::write(trunc.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::copy(
+        fixtures().join("targets/qwen3/config.json"),
+        trunc.join("config.json"),
+    )
+    .unwrap();
+    // malformed config
+    let malformed = tmp.path().join("malformed");
+    std::fs::create_dir_all(&malformed).unwrap();
+    std::fs::write(
+        malformed.join("config.json"),
+        "{\"model_type\": \"qwen3\", ",
+    )
+    .unwrap();
+    std::fs::copy(
+        fixtures().join("targets/qwen3/model.safetensors"),
+        malformed.join("model.safetensors"),
+    )
+    .unwrap();
+    let t = fixtures().join("targets/qwen3");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "--model".into(),
+                bad.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+            ],
+            "unsupported architecture `mamba9`",
+        ),
+        (
+            vec![
+                "--model".into(),
+                trunc.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+            ],
+            "truncated",
+        ),
+        (
+            vec![
+                "--model".into(),
+                malformed.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+            ],
+            "invalid JSON",
+        ),
+        (
+            vec![
+                "--model".into(),
+                "/no/such/dir".into(),
+                "--prompt-ids".into(),
+                "1".into(),
+            ],
+            "no such directory",
+        ),
+        (
+            vec![
+                "--model".into(),
+                t.display().to_string(),
+                "--prompt".into(),
+                "hi".into(),
+            ],
+            "no tokenizer.json",
+        ),
+        (
+            vec![
+                "--model".into(),
+                t.display().to_string(),
+                "--prompt-ids".into(),
+                "1,99999".into(),
+            ],
+            "token id 99999",
+        ),
+        (
+            vec![
+                "--model".into(),
+                t.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+                "--top-p".into(),
+                "0".into(),
+            ],
+            "top_p",
+        ),
+        (
+            vec![
+                "--model".into(),
+                t.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+                "--device".into(),
+                "cuda".into(),
+            ],
+            "--features cuda",
+        ),
+        (
+            vec![
+                "--model".into(),
+                t.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+                "--dtype".into(),
+                "f8".into(),
+            ],
+            "--dtype f8",
+        ),
+    ];
+    for (args, want) in cases {
+        let mut full = vec!["generate".to_string()];
+        full.extend(args.clone());
+        let refs: Vec<&str> = full.iter().map(|s| s.as_str()).collect();
+        let (rc, _, err) = dflash(&refs);
+        assert_ne!(rc, 0, "{args:?} should fail");
+        assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
+        assert_eq!(
+            err.trim().lines().count(),
+            1,
+            "{args:?}: one line, got: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

@@ -1,0 +1,166 @@
+//! One call from user-facing names (`--model`, `--draft`, `--dtype`, `--device`) to a ready
+//! engine with its tokenizer, chat template and stop tokens. The CLI and the server use this.
+
+use crate::archs::{load_target, LoadOptions};
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::config::{read_json, TargetConfig};
+use crate::draft::load_draft;
+use crate::engine::Engine;
+use crate::source::ModelSource;
+use crate::tokenizer::{stop_token_ids_from_dir, Tokenizer};
+use crate::{Error, Result};
+use candle_core::{DType, Device};
+
+#[derive(Debug, Clone, Default)]
+pub struct PipelineOptions {
+    /// Target: a local directory or a hub repo id.
+    pub model: String,
+    /// Draft: a local directory or a hub repo id.
+    pub draft: Option<String>,
+    /// `f32`, `bf16`, `f16`; None = f32 on CPU, bf16 on CUDA.
+    pub dtype: Option<String>,
+    /// `cpu`, `cuda`, `cuda:N`; None = cpu.
+    pub device: Option<String>,
+    /// Largest context; None = the model's max_position_embeddings.
+    pub max_context: Option<usize>,
+}
+
+/// A loaded target (+ draft) and everything needed to turn text into ids and back.
+pub struct Pipeline {
+    pub engine: Engine,
+    pub target_config: TargetConfig,
+    pub tokenizer: Option<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub stop_ids: Vec<u32>,
+    pub model_name: String,
+    pub draft_name: Option<String>,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+pub fn parse_device(s: Option<&str>) -> Result<Device> {
+    match s.unwrap_or("cpu") {
+        "cpu" => Ok(Device::Cpu),
+        d if d == "cuda" || d.starts_with("cuda:") => {
+            let n: usize = match d.strip_prefix("cuda:") {
+                Some(n) => n
+                    .parse()
+                    .map_err(|_| Error::input(format!("--device {d}: expected cuda:N")))?,
+                None => 0,
+            };
+            Device::new_cuda(n).map_err(|e| {
+                Error::input(format!(
+                    "--device {d}: {e}; build with `--features cuda` on a machine with an NVIDIA GPU, or use --device cpu"
+                ))
+            })
+        }
+        other => Err(Error::input(format!(
+            "--device {other}: expected cpu, cuda or cuda:N"
+        ))),
+    }
+}
+
+pub fn parse_dtype(s: Option<&str>, device: &Device) -> Result<DType> {
+    match s {
+        None => Ok(if device.is_cpu() {
+            DType::F32
+        } else {
+            DType::BF16
+        }),
+        Some("f32" | "float32") => Ok(DType::F32),
+        Some("bf16" | "bfloat16") => Ok(DType::BF16),
+        Some("f16" | "float16") => Ok(DType::F16),
+        Some(o) => Err(Error::input(format!(
+            "--dtype {o}: expected f32, bf16 or f16"
+        ))),
+    }
+}
+
+impl Pipeline {
+    pub fn load(opts: &PipelineOptions) -> Result<Self> {
+        let device = parse_device(opts.device.as_deref())?;
+        let dtype = parse_dtype(opts.dtype.as_deref(), &device)?;
+        let lo = LoadOptions {
+            dtype,
+            device: device.clone(),
+        };
+        let src = ModelSource::resolve(&opts.model)?;
+        let (target_config, target) = load_target(&src, &lo)?;
+        let draft = match &opts.draft {
+            Some(d) => {
+                let dsrc = ModelSource::resolve(d)?;
+                Some(load_draft(&dsrc, &target_config, &opts.model, &lo)?)
+            }
+            None => None,
+        };
+        let tokenizer = src
+            .tokenizer
+            .as_ref()
+            .map(Tokenizer::from_file)
+            .transpose()?;
+        let template = match &src.tokenizer_config {
+            Some(p) => match ChatTemplate::from_tokenizer_config(p) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    tracing::warn!("no usable chat template: {e}");
+                    None
+                }
+            },
+            None => None,
+        };
+        let mut stop_ids = match &tokenizer {
+            Some(t) => stop_token_ids_from_dir(t, &src.dir)?,
+            None => {
+                let mut ids = target_config.eos_token_ids.clone();
+                if let Some(g) = &src.generation_config {
+                    let v = read_json(g)?;
+                    let name = g.display().to_string();
+                    let f = crate::config::Fields::new(&name, &v)?;
+                    ids.extend(f.opt_id_list("eos_token_id")?);
+                }
+                ids
+            }
+        };
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
+        let mut engine = Engine::new(target, draft);
+        if let Some(m) = opts.max_context {
+            engine.max_context = m;
+        }
+        Ok(Pipeline {
+            engine,
+            target_config,
+            tokenizer,
+            template,
+            stop_ids,
+            model_name: opts.model.clone(),
+            draft_name: opts.draft.clone(),
+            dtype,
+            device,
+        })
+    }
+
+    /// Prompt ids for a chat (rendered with the chat template) or raw text.
+    pub fn encode_prompt(
+        &self,
+        messages: &[ChatMessage],
+        use_template: bool,
+        enable_thinking: Option<bool>,
+    ) -> Result<Vec<u32>> {
+        let tok = self.tokenizer.as_ref().ok_or_else(|| {
+            Error::input(format!(
+                "model {} has no tokenizer.json: pass token ids (--prompt-ids)",
+                self.model_name
+            ))
+        })?;
+        if use_template {
+            if let Some(t) = &self.template {
+                let text = t.render(messages, true, enable_thinking, &Default::default())?;
+                // The template already wrote BOS where the model wants it.
+                return tok.encode(&text, false);
+            }
+        }
+        let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+        tok.encode(&text.join("\n"), true)
+    }
+}
