@@ -78,3 +78,13 @@ fn llama3_rope_matches_transformers() {
 fn llama_linear_rope_tied_bias_matches_transformers() {
     check("llama_linear_tied");
 }
+
+#[test]
+fn qwen3_moe_matches_transformers() {
+    check("qwen3_moe");
+}
+
+#[test]
+fn qwen3_moe_unnormalized_sparse_step_tied_matches_transformers() {
+    check("qwen3_moe_nonorm");
+}

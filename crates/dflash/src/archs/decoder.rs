@@ -8,7 +8,7 @@ use super::{ForwardOutput, LayerCache, Logits, TargetCache, TargetInfo, TargetMo
 use crate::config::{LayerType, TargetConfig};
 use crate::nn::{
     attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, RmsNorm, Rope,
-    RopeTables,
+    RopeTables, SparseMoe,
 };
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -32,6 +32,34 @@ pub struct DecoderSpec {
     pub attn_scale: Option<f64>,
     /// RoPE for sliding layers when it differs from the global one (Gemma 3 local base).
     pub sliding_rope: Option<crate::config::RopeConfig>,
+    /// Sparse MoE feed-forward on the layers it names (qwen3_moe).
+    pub moe: Option<MoeSpec>,
+}
+
+/// Mixture-of-experts settings of a family.
+#[derive(Debug, Clone)]
+pub struct MoeSpec {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub intermediate_size: usize,
+    /// `true` for layers whose MLP is the MoE block.
+    pub layers: Vec<bool>,
+}
+
+/// The feed-forward block of a layer.
+enum Ffn {
+    Dense(GatedMlp),
+    Moe(SparseMoe),
+}
+
+impl Ffn {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Moe(m) => m.forward(x),
+        }
+    }
 }
 
 impl DecoderSpec {
@@ -45,6 +73,7 @@ impl DecoderSpec {
             final_softcap: None,
             attn_scale: None,
             sliding_rope: None,
+            moe: None,
         }
     }
 }
@@ -55,7 +84,7 @@ struct Layer {
     post_attn_norm: RmsNorm,
     /// Sandwich norms: (pre-feedforward, post-feedforward).
     ff_norms: Option<(RmsNorm, RmsNorm)>,
-    mlp: GatedMlp,
+    mlp: Ffn,
     kind: LayerType,
 }
 
@@ -111,14 +140,26 @@ impl DecoderModel {
                 attn: Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?,
                 post_attn_norm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 ff_norms,
-                mlp: GatedMlp::load(
-                    w,
-                    &format!("{p}.mlp"),
-                    h,
-                    cfg.intermediate_size,
-                    cfg.mlp_bias,
-                    act,
-                )?,
+                mlp: match &spec.moe {
+                    Some(m) if m.layers[i] => Ffn::Moe(SparseMoe::load(
+                        w,
+                        &format!("{p}.mlp"),
+                        h,
+                        m.intermediate_size,
+                        m.num_experts,
+                        m.top_k,
+                        m.norm_topk_prob,
+                        act,
+                    )?),
+                    _ => Ffn::Dense(GatedMlp::load(
+                        w,
+                        &format!("{p}.mlp"),
+                        h,
+                        cfg.intermediate_size,
+                        cfg.mlp_bias,
+                        act,
+                    )?),
+                },
                 kind: cfg.layer_types[i],
             });
         }
@@ -177,18 +218,22 @@ impl DecoderModel {
             b += lin(&self.lm_head);
         }
         for l in &self.layers {
-            b += [
+            let mut lins = vec![
                 &l.attn.q_proj,
                 &l.attn.k_proj,
                 &l.attn.v_proj,
                 &l.attn.o_proj,
-                &l.mlp.gate,
-                &l.mlp.up,
-                &l.mlp.down,
-            ]
-            .iter()
-            .map(|x| lin(x))
-            .sum::<usize>();
+            ];
+            match &l.mlp {
+                Ffn::Dense(m) => lins.extend([&m.gate, &m.up, &m.down]),
+                Ffn::Moe(m) => {
+                    lins.push(&m.router);
+                    for e in &m.experts {
+                        lins.extend([&e.gate, &e.up, &e.down]);
+                    }
+                }
+            }
+            b += lins.iter().map(|x| lin(x)).sum::<usize>();
         }
         b
     }

@@ -7,6 +7,7 @@
 pub mod decoder;
 pub mod llama;
 pub mod qwen3;
+pub mod qwen3_moe;
 
 use crate::config::TargetConfig;
 use crate::nn::KvCache;
@@ -168,6 +169,11 @@ pub const FAMILIES: &[Family] = &[
         name: "qwen3",
         model_types: &["qwen3"],
         load: qwen3::load,
+    },
+    Family {
+        name: "qwen3_moe",
+        model_types: &["qwen3_moe"],
+        load: qwen3_moe::load,
     },
     Family {
         name: "llama",

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod kv_cache;
 pub mod linear;
 pub mod mlp;
+pub mod moe;
 pub mod norm;
 pub mod rope;
 
@@ -14,5 +15,6 @@ pub use attention::{attention_mask, Attention, AttentionSpec};
 pub use kv_cache::KvCache;
 pub use linear::Linear;
 pub use mlp::{Activation, GatedMlp};
+pub use moe::SparseMoe;
 pub use norm::RmsNorm;
 pub use rope::{Rope, RopeTables};
