@@ -17,6 +17,12 @@ pub struct GenerateArgs {
     /// DFlash draft: a local directory or a hub repo id. Without it: plain decoding.
     #[arg(long)]
     pub draft: Option<String>,
+    /// Do not look up a draft in the registry (plain decoding unless --draft is given).
+    #[arg(long, conflicts_with = "draft")]
+    pub no_draft: bool,
+    /// Fail instead of decoding plainly when no draft is given or registered.
+    #[arg(long)]
+    pub require_draft: bool,
     /// Verify block size (default: the draft's); 1 = plain decoding through the same engine.
     #[arg(long)]
     pub block_size: Option<usize>,
@@ -85,7 +91,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         dtype: a.dtype.clone(),
         device: a.device.clone(),
         max_context: None,
+        no_draft: a.no_draft,
+        require_draft: a.require_draft,
     })?;
+    for n in &p.notices {
+        eprintln!("note: {n}");
+    }
     let prompt_ids = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) => {
@@ -118,7 +129,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         block_size: a.block_size,
         trace: a.trace,
     };
-    if a.draft.is_none() && a.block_size.is_some_and(|b| b > 1) {
+    if p.engine.draft.is_none() && a.block_size.is_some_and(|b| b > 1) {
         eprintln!("note: --block-size without --draft: plain decoding");
     }
     let mut stream = p

@@ -1,6 +1,7 @@
 //! The `dflash` command line: a thin surface over the `dflash` library.
 
 mod generate;
+mod models;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -16,6 +17,12 @@ struct Cli {
 enum Command {
     /// Generate text (or token ids) from a prompt, with or without a DFlash draft.
     Generate(generate::GenerateArgs),
+    /// List the DFlash draft registry and whether this build supports each target family.
+    Models {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -29,6 +36,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Command::Generate(a) => generate::run(a),
+        Command::Models { json } => models::run(json),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

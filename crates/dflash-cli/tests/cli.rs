@@ -266,11 +266,72 @@ fn errors_are_one_line_and_exit_non_zero() {
         let (rc, _, err) = dflash(&refs);
         assert_ne!(rc, 0, "{args:?} should fail");
         assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
-        assert_eq!(
-            err.trim().lines().count(),
-            1,
-            "{args:?}: one line, got: {err}"
-        );
+        let lines: Vec<&str> = err
+            .trim()
+            .lines()
+            .filter(|l| !l.starts_with("note: "))
+            .collect();
+        assert_eq!(lines.len(), 1, "{args:?}: one line, got: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+}
+
+#[test]
+fn models_lists_sixteen_rows_and_names_missing_families() {
+    let (rc, out, _) = dflash(&["models", "--json"]);
+    assert_eq!(rc, 0);
+    let rows: Vec<Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(rows.len(), 16);
+    let qwen3_8b = rows.iter().find(|r| r["target"] == "Qwen3-8B").unwrap();
+    assert_eq!(qwen3_8b["supported"], true);
+    assert_eq!(qwen3_8b["draft"], "z-lab/Qwen3-8B-DFlash-b16");
+    let (rc, table, _) = dflash(&["models"]);
+    assert_eq!(rc, 0);
+    for r in &rows {
+        let line = table
+            .lines()
+            .find(|l| l.starts_with(r["target"].as_str().unwrap()))
+            .unwrap();
+        if r["supported"] == false {
+            assert!(
+                line.contains(&format!(
+                    "no: target family `{}`",
+                    r["family"].as_str().unwrap()
+                )),
+                "{line}"
+            );
+        }
+    }
+}
+
+#[test]
+fn draft_registry_notice_and_require_draft() {
+    let t = fixtures().join("targets/qwen3");
+    let (rc, _, err) = dflash(&[
+        "generate",
+        "--model",
+        t.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--max-tokens",
+        "2",
+    ]);
+    assert_eq!(rc, 0);
+    assert!(
+        err.contains("no DFlash draft registered") && err.contains("plain decoding"),
+        "{err}"
+    );
+    let (rc, _, err) = dflash(&[
+        "generate",
+        "--model",
+        t.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--require-draft",
+    ]);
+    assert_ne!(rc, 0);
+    assert!(
+        err.contains("--require-draft") && err.contains("Qwen3-8B"),
+        "{err}"
+    );
 }

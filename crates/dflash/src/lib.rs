@@ -12,6 +12,7 @@ pub mod engine;
 pub mod error;
 pub mod nn;
 pub mod pipeline;
+pub mod registry;
 pub mod sampling;
 pub mod source;
 pub mod stats;

@@ -23,6 +23,10 @@ pub struct PipelineOptions {
     pub device: Option<String>,
     /// Largest context; None = the model's max_position_embeddings.
     pub max_context: Option<usize>,
+    /// Do not look a draft up in the registry when `draft` is None.
+    pub no_draft: bool,
+    /// Fail when no draft is given or registered.
+    pub require_draft: bool,
 }
 
 /// A loaded target (+ draft) and everything needed to turn text into ids and back.
@@ -36,6 +40,8 @@ pub struct Pipeline {
     pub draft_name: Option<String>,
     pub dtype: DType,
     pub device: Device,
+    /// One-line notices for the user (e.g. which draft the registry chose, or none).
+    pub notices: Vec<String>,
 }
 
 pub fn parse_device(s: Option<&str>) -> Result<Device> {
@@ -86,9 +92,40 @@ impl Pipeline {
         };
         let src = ModelSource::resolve(&opts.model)?;
         let (target_config, target) = load_target(&src, &lo)?;
-        let draft = match &opts.draft {
+        let mut notices = vec![];
+        let draft_name = match (&opts.draft, opts.no_draft) {
+            (Some(d), _) => Some(d.clone()),
+            (None, true) => None,
+            (None, false) => match crate::registry::resolve_draft(&opts.model) {
+                Some(e) => {
+                    notices.push(format!("draft: {} (registry row {}; --draft overrides, --no-draft disables)", e.draft, e.target));
+                    Some(e.draft.to_string())
+                }
+                None if opts.require_draft => {
+                    return Err(Error::input(format!(
+                        "no DFlash draft registered for `{}` (--require-draft); pass --draft, or use one of: {}",
+                        opts.model,
+                        crate::registry::registry_targets()
+                    )))
+                }
+                None => {
+                    notices.push(format!("no DFlash draft registered for `{}`: plain decoding (pass --draft to speculate)", opts.model));
+                    None
+                }
+            },
+        };
+        let draft = match &draft_name {
             Some(d) => {
-                let dsrc = ModelSource::resolve(d)?;
+                let dsrc = ModelSource::resolve(d).map_err(|e| match e {
+                    Error::Hub { repo, cause, hint } if opts.draft.is_none() => Error::Hub {
+                        repo,
+                        cause,
+                        hint: format!(
+                            "{hint}; or pass --draft DIR, or --no-draft for plain decoding"
+                        ),
+                    },
+                    e => e,
+                })?;
                 Some(load_draft(&dsrc, &target_config, &opts.model, &lo)?)
             }
             None => None,
@@ -134,9 +171,10 @@ impl Pipeline {
             template,
             stop_ids,
             model_name: opts.model.clone(),
-            draft_name: opts.draft.clone(),
+            draft_name,
             dtype,
             device,
+            notices,
         })
     }
 

@@ -380,3 +380,60 @@ impl TinyDraft {
         write_json(&dir.join("config.json"), &self.config(vocab))
     }
 }
+
+impl TinyDraft {
+    /// Write the same draft in the vllm-project/speculators layout: `transformer_layer_config`,
+    /// `aux_hidden_state_layer_ids` (= taps + 1), and a narrow vocabulary of `draft_vocab`
+    /// target ids `map[i]` with its own `lm_head` (rows `head_rows[i]`), `d2t` and `t2d`.
+    pub fn write_speculators(
+        &self,
+        dir: &Path,
+        target_vocab: usize,
+        map: &[u32],
+        head_rows: &Tensor,
+        verifier: &str,
+    ) -> Result<()> {
+        self.write(dir, target_vocab)?;
+        let st = dir.join("model.safetensors");
+        let mut tensors = candle_core::safetensors::load(&st, &Device::Cpu)?;
+        let dv = map.len();
+        tensors.insert("lm_head.weight".into(), head_rows.clone());
+        let d2t: Vec<i64> = map
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| t as i64 - i as i64)
+            .collect();
+        tensors.insert("d2t".into(), Tensor::from_vec(d2t, dv, &Device::Cpu)?);
+        let mut t2d = vec![0u8; target_vocab];
+        map.iter().for_each(|&t| t2d[t as usize] = 1);
+        tensors.insert(
+            "t2d".into(),
+            Tensor::from_vec(t2d, target_vocab, &Device::Cpu)?,
+        );
+        candle_core::safetensors::save(&tensors, &st)
+            .map_err(|e| Error::weights(st.display().to_string(), e.to_string()))?;
+        let mut layer = self.config(target_vocab);
+        let o = layer.as_object_mut().expect("object");
+        for k in [
+            "block_size",
+            "dflash_config",
+            "num_target_layers",
+            "architectures",
+        ] {
+            o.remove(k);
+        }
+        o.insert("model_type".into(), json!("llama"));
+        let cfg = json!({
+            "speculators_model_type": "dflash",
+            "architectures": ["DFlashSpeculator"],
+            "transformer_layer_config": layer,
+            "aux_hidden_state_layer_ids": self.target_layer_ids.iter().map(|t| t + 1).collect::<Vec<_>>(),
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "draft_vocab_size": dv,
+            "target_hidden_size": self.hidden,
+            "speculators_config": {"algorithm": "dflash", "verifier": {"name_or_path": verifier}},
+        });
+        write_json(&dir.join("config.json"), &cfg)
+    }
+}

@@ -7,9 +7,25 @@ use crate::{Error, Result};
 use serde_json::Value;
 use std::path::Path;
 
+/// Which checkpoint layout a draft uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftFormat {
+    /// z-lab `DFlashDraftModel`: no embedding, no LM head; taps are layer outputs.
+    ZLab,
+    /// vllm-project/speculators `dflash`: `transformer_layer_config`, taps named as layer
+    /// inputs (`aux_hidden_state_layer_ids` = z-lab ids + 1), optional narrow `lm_head` with
+    /// `d2t`/`t2d` vocab maps, optional own `embed_tokens`.
+    Speculators,
+}
+
 #[derive(Debug, Clone)]
 pub struct DraftConfig {
     pub file: String,
+    pub format: DraftFormat,
+    /// Vocabulary of the draft's own LM head (speculators); None = the target's.
+    pub draft_vocab_size: Option<usize>,
+    /// `speculators_config.verifier.name_or_path`: the target it was trained for.
+    pub verifier: Option<String>,
     /// The draft's own transformer layers (hidden size, heads, rope, layer types...).
     pub layers: TargetConfig,
     pub block_size: usize,
@@ -57,6 +73,9 @@ impl DraftConfig {
 
     pub fn from_value(file: &str, v: Value) -> Result<Self> {
         let f = Fields::new(file, &v)?;
+        if f.has("transformer_layer_config") || f.has("speculators_model_type") {
+            return Self::from_speculators(file, &f);
+        }
         let dc = f.sub("dflash_config")?;
         let block_size = match dc.as_ref().map(|d| d.opt_usize("block_size")).transpose()?.flatten() {
             Some(b) => b,
@@ -119,6 +138,9 @@ impl DraftConfig {
         let layers = TargetConfig::from_value(file, v.clone())?;
         Ok(DraftConfig {
             file: file.to_string(),
+            format: DraftFormat::ZLab,
+            draft_vocab_size: None,
+            verifier: None,
             layers,
             block_size,
             mask_token_id,
@@ -127,6 +149,90 @@ impl DraftConfig {
             input_embedding_scale,
             output_multiplier,
             final_logit_softcapping,
+        })
+    }
+
+    /// The speculators layout (spec section 5).
+    fn from_speculators(file: &str, f: &Fields) -> Result<Self> {
+        if let Some(t) = f.opt_str("speculators_model_type")? {
+            if t != "dflash" {
+                return Err(f.err(
+                    "speculators_model_type",
+                    format!("`{t}` is not a DFlash speculator (expected \"dflash\")"),
+                ));
+            }
+        }
+        let tl = f.get("transformer_layer_config").ok_or_else(|| {
+            f.err(
+                "transformer_layer_config",
+                "missing (required by the speculators format)",
+            )
+        })?;
+        let mut tl = tl.clone();
+        // The layer config may omit the vocabulary; it is the target's (checked at load).
+        if tl.get("vocab_size").is_none() {
+            tl["vocab_size"] = f
+                .get("target_vocab_size")
+                .cloned()
+                .unwrap_or(Value::from(1u64));
+        }
+        let layers = TargetConfig::from_value(&format!("{file} (transformer_layer_config)"), tl)?;
+        let spec = f.sub("speculators_config")?;
+        let num = |key: &str| -> Result<Option<usize>> {
+            match f.opt_usize(key)? {
+                Some(x) => Ok(Some(x)),
+                None => spec
+                    .as_ref()
+                    .map(|s| s.opt_usize(key))
+                    .transpose()
+                    .map(|x| x.flatten()),
+            }
+        };
+        let block_size = num("block_size")?.ok_or_else(|| {
+            f.err(
+                "block_size",
+                "missing (speculators DFlash configs carry it)",
+            )
+        })?;
+        if !(1..=64).contains(&block_size) {
+            return Err(f.err("block_size", format!("{block_size} is out of range 1..=64")));
+        }
+        let mask_token_id =
+            num("mask_token_id")?.ok_or_else(|| f.err("mask_token_id", "missing"))? as u32;
+        let aux = f
+            .opt_usize_list("aux_hidden_state_layer_ids")?
+            .ok_or_else(|| {
+                f.err(
+                    "aux_hidden_state_layer_ids",
+                    "missing (the target layers the draft reads)",
+                )
+            })?;
+        if aux.is_empty() || aux.contains(&0) {
+            return Err(f.err(
+                "aux_hidden_state_layer_ids",
+                "must be non-empty and >= 1 (they name layer INPUTS; 0 would be the embeddings)",
+            ));
+        }
+        let verifier = match &spec {
+            Some(s) => match s.sub("verifier")? {
+                Some(v) => v.opt_str("name_or_path")?.map(String::from),
+                None => None,
+            },
+            None => None,
+        };
+        Ok(DraftConfig {
+            file: file.to_string(),
+            format: DraftFormat::Speculators,
+            draft_vocab_size: f.opt_usize("draft_vocab_size")?,
+            verifier,
+            layers,
+            block_size,
+            mask_token_id,
+            target_layer_ids: Some(aux.iter().map(|a| a - 1).collect()),
+            num_target_layers: None,
+            input_embedding_scale: f.opt_f64("input_embedding_scale")?.unwrap_or(1.0),
+            output_multiplier: f.opt_f64("output_multiplier")?.unwrap_or(1.0),
+            final_logit_softcapping: f.opt_f64("final_logit_softcapping")?.filter(|c| *c > 0.0),
         })
     }
 

@@ -40,6 +40,12 @@ pub struct DraftModel {
     rope: Rope,
     dtype: DType,
     device: Device,
+    /// The draft's own (narrow) LM head (speculators); None = the target's.
+    head: Option<Linear>,
+    /// Draft id -> target id offsets (`d2t`): target = draft + d2t[draft].
+    d2t: Option<Vec<i64>>,
+    /// The draft's own copy of the embedding table, when the checkpoint carries one.
+    embed: Option<Tensor>,
 }
 
 /// The draft's per-sequence state: projected context K/V per layer. Block rows are never
@@ -119,7 +125,43 @@ impl DraftModel {
                 kind: c.layer_types[i],
             });
         }
+        // Speculators checkpoints: optional own embedding, narrow head and vocab maps.
+        let embed = match w.shape("embed_tokens.weight") {
+            Some(sh) if sh.len() == 2 && sh[1] == h => {
+                Some(w.get("embed_tokens.weight", (sh[0], h))?)
+            }
+            Some(sh) => {
+                return Err(Error::weights(
+                    cfg.file.clone(),
+                    format!("embed_tokens.weight has shape {sh:?}, expected [vocab, {h}]"),
+                ))
+            }
+            None => None,
+        };
+        let (head, d2t) = match w.shape("lm_head.weight") {
+            Some(sh) => {
+                let dv = cfg.draft_vocab_size.unwrap_or(sh[0]);
+                let head = Linear::load(w, "lm_head", h, dv, false)?;
+                let d2t = match w.shape("d2t") {
+                    Some(_) => {
+                        let t = w
+                            .get_dtype("d2t", dv, DType::I64)?
+                            .to_device(&Device::Cpu)?;
+                        Some(t.to_vec1::<i64>()?)
+                    }
+                    None => None,
+                };
+                if w.shape("t2d").is_some() {
+                    w.mark_used("t2d"); // the inverse map; d2t is all the engine needs
+                }
+                (Some(head), d2t)
+            }
+            None => (None, None),
+        };
         let model = Self {
+            head,
+            d2t,
+            embed,
             fc,
             hidden_norm: RmsNorm::load(w, "hidden_norm.weight", h, eps, false)?,
             norm: RmsNorm::load(w, "norm.weight", h, eps, false)?,
@@ -167,7 +209,29 @@ impl DraftModel {
         Ok(DraftCache { layers })
     }
 
-    /// Draft logits for block rows 1..Q: `[Q-1, vocab]` f32.
+    /// Greedy proposals for block rows 1..Q, as TARGET token ids (a narrow draft vocabulary
+    /// is mapped through `d2t`).
+    pub fn propose(
+        &self,
+        target: &dyn TargetModel,
+        ctx_in: &Tensor,
+        block: &[u32],
+        start: usize,
+        cache: &mut DraftCache,
+    ) -> Result<Vec<u32>> {
+        let logits = self.forward(target, ctx_in, block, start, cache)?;
+        let ids = logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+        Ok(match &self.d2t {
+            Some(d2t) => ids
+                .iter()
+                .map(|&i| (i as i64 + d2t[i as usize]) as u32)
+                .collect(),
+            None => ids,
+        })
+    }
+
+    /// Draft logits for block rows 1..Q: `[Q-1, draft vocab]` f32 (the target's vocab unless
+    /// the draft has its own narrow head).
     ///
     /// `ctx_in [S, K*H]` are the taps of the target positions `cache.len() .. start` (they
     /// are appended to the cache); `block` holds Q ids at positions `start .. start + Q`.
@@ -196,7 +260,10 @@ impl DraftModel {
             .hidden_norm
             .forward(&self.fc.forward(&ctx_in.to_dtype(self.dtype)?)?)?;
         let ids = Tensor::from_slice(block, q, dev)?;
-        let mut h = target.embed(&ids)?.to_dtype(self.dtype)?;
+        let mut h = match &self.embed {
+            Some(e) => e.index_select(&ids, 0)?,
+            None => target.embed(&ids)?.to_dtype(self.dtype)?,
+        };
         if self.cfg.input_embedding_scale != 1.0 {
             h = (h * self.cfg.input_embedding_scale)?;
         }
@@ -225,7 +292,10 @@ impl DraftModel {
             h = (&h + layer.mlp.forward(&layer.post_attn_norm.forward(&h)?)?)?;
         }
         let out = self.norm.forward(&h.narrow(0, 1, q - 1)?)?;
-        let mut logits = target.lm_head(&out.to_dtype(target.info().dtype)?)?;
+        let mut logits = match &self.head {
+            Some(head) => head.forward(&out)?.to_dtype(DType::F32)?,
+            None => target.lm_head(&out.to_dtype(target.info().dtype)?)?,
+        };
         if self.cfg.output_multiplier != 1.0 {
             logits = (logits * self.cfg.output_multiplier)?;
         }
@@ -246,5 +316,22 @@ pub fn load_draft(
     let cfg = DraftConfig::from_file(&src.config)?;
     let taps = cfg.validate_against(target, target_name)?;
     let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?;
-    DraftModel::load(cfg, taps, &w)
+    let d = DraftModel::load(cfg, taps, &w)?;
+    if let Some(d2t) = &d.d2t {
+        if let Some((i, _)) = d2t
+            .iter()
+            .enumerate()
+            .find(|(i, &o)| *i as i64 + o < 0 || (*i as i64 + o) as usize >= target.vocab_size)
+        {
+            return Err(Error::Mismatch {
+                draft: d.cfg.file.clone(),
+                target: target_name.to_string(),
+                msg: format!(
+                    "d2t maps draft id {i} outside the target vocabulary ({})",
+                    target.vocab_size
+                ),
+            });
+        }
+    }
+    Ok(d)
 }

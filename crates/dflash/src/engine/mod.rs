@@ -170,8 +170,7 @@ impl Engine {
                 let ctx = ctx_rows
                     .take()
                     .expect("context rows from the previous step");
-                let logits = d.forward(target, &ctx, &block, start, dc)?;
-                let props: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+                let props = d.propose(target, &ctx, &block, start, dc)?;
                 block[1..].copy_from_slice(&props);
                 let dt = td.elapsed().as_secs_f64();
                 if first_draft {

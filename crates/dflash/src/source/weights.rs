@@ -105,6 +105,16 @@ impl Weights {
         Ok(t.to_device(&self.device)?)
     }
 
+    /// Shape of `name` from the header, without loading it.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.st.get(name).ok().map(|v| v.shape().to_vec())
+    }
+
+    /// Record `name` as understood though not loaded (e.g. a bool buffer the engine derives).
+    pub fn mark_used(&self, name: &str) {
+        self.used.borrow_mut().insert(name.to_string());
+    }
+
     /// Load `name` if present.
     pub fn get_opt(&self, name: &str, shape: impl Into<Shape>) -> Result<Option<Tensor>> {
         if self.contains(name) {

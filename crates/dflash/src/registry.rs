@@ -1,0 +1,258 @@
+//! The draft registry: which published DFlash draft serves which target (spec section 6), and
+//! the rules that map a user's target name onto a row.
+//!
+//! Resolution: strip the org (`Org/Name` -> `Name`) or the directory path, lowercase, strip a
+//! `meta-` prefix (Llama repos), then an exact key match, else the longest key `k` such that
+//! the name starts with `k` followed by `-` or `_` (so `mlx-community/Qwen3.6-35B-A3B-4bit`
+//! resolves to `Qwen3.6-35B-A3B`). No substring guessing.
+
+use crate::archs::FAMILIES;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftFormat {
+    /// `DFlashDraftModel` checkpoints (z-lab).
+    ZLab,
+    /// vllm-project/speculators `dflash` checkpoints.
+    Speculators,
+}
+
+#[derive(Debug, Clone)]
+pub struct DraftEntry {
+    /// Target name as published (the registry key, compared case-insensitively).
+    pub target: &'static str,
+    /// Hub repo id of the draft.
+    pub draft: &'static str,
+    /// Target family (`model_type` of the target).
+    pub family: &'static str,
+    /// Expected block size (the draft's config is authoritative).
+    pub block_size: Option<usize>,
+    pub format: DraftFormat,
+    pub note: &'static str,
+}
+
+macro_rules! row {
+    ($t:expr, $d:expr, $f:expr, $b:expr) => {
+        DraftEntry {
+            target: $t,
+            draft: $d,
+            family: $f,
+            block_size: $b,
+            format: DraftFormat::ZLab,
+            note: "",
+        }
+    };
+    ($t:expr, $d:expr, $f:expr, $b:expr, $fmt:expr, $n:expr) => {
+        DraftEntry {
+            target: $t,
+            draft: $d,
+            family: $f,
+            block_size: $b,
+            format: $fmt,
+            note: $n,
+        }
+    };
+}
+
+/// The 16 target/draft pairs of the seed's registry.
+pub const DRAFT_REGISTRY: &[DraftEntry] = &[
+    row!("Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", "qwen3_5", Some(16)),
+    row!("Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", "qwen3_5", Some(16)),
+    row!(
+        "Qwen3.5-27B",
+        "z-lab/Qwen3.5-27B-DFlash",
+        "qwen3_5",
+        Some(16)
+    ),
+    row!(
+        "Qwen3.5-35B-A3B",
+        "z-lab/Qwen3.5-35B-A3B-DFlash",
+        "qwen3_5_moe",
+        Some(16)
+    ),
+    row!(
+        "Qwen3.5-122B-A10B",
+        "z-lab/Qwen3.5-122B-A10B-DFlash",
+        "qwen3_5_moe",
+        Some(16)
+    ),
+    row!(
+        "Qwen3.6-27B",
+        "z-lab/Qwen3.6-27B-DFlash",
+        "qwen3_5",
+        Some(16),
+        DraftFormat::ZLab,
+        "gated repo: accept the license and set HF_TOKEN"
+    ),
+    row!(
+        "Qwen3.6-35B-A3B",
+        "z-lab/Qwen3.6-35B-A3B-DFlash",
+        "qwen3_5_moe",
+        Some(16)
+    ),
+    row!("Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", "qwen3", Some(16)),
+    row!("Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "qwen3", Some(16)),
+    row!(
+        "Qwen3-Coder-30B-A3B",
+        "z-lab/Qwen3-Coder-30B-A3B-DFlash",
+        "qwen3_moe",
+        Some(16)
+    ),
+    row!(
+        "Qwen3-Coder-Next",
+        "z-lab/Qwen3-Coder-Next-DFlash",
+        "qwen3_next",
+        Some(16)
+    ),
+    row!("Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", "kimi_k25", Some(8)),
+    row!(
+        "Llama-3.1-8B-Instruct",
+        "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+        "llama",
+        None
+    ),
+    row!(
+        "gpt-oss-20b",
+        "z-lab/gpt-oss-20b-DFlash",
+        "gpt_oss",
+        Some(8)
+    ),
+    row!(
+        "gpt-oss-120b",
+        "z-lab/gpt-oss-120b-DFlash",
+        "gpt_oss",
+        Some(8)
+    ),
+    row!(
+        "Gemma-4-31B-it",
+        "RedHatAI/gemma-4-31B-it-speculator.dflash",
+        "gemma4",
+        None,
+        DraftFormat::Speculators,
+        "speculators format (narrow draft vocab, d2t/t2d)"
+    ),
+];
+
+/// The name part of a target reference: the last path component, lowercased, without a
+/// `meta-` prefix.
+pub fn normalize_target_name(spec: &str) -> String {
+    let base = spec
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or(spec);
+    let base = base.split('@').next().unwrap_or(base).to_lowercase();
+    base.strip_prefix("meta-").map(String::from).unwrap_or(base)
+}
+
+/// The registry row for a target reference (`Org/Name`, a path, or a name), if any.
+pub fn resolve_draft(target: &str) -> Option<&'static DraftEntry> {
+    let name = normalize_target_name(target);
+    if let Some(e) = DRAFT_REGISTRY
+        .iter()
+        .find(|e| e.target.to_lowercase() == name)
+    {
+        return Some(e);
+    }
+    DRAFT_REGISTRY
+        .iter()
+        .filter(|e| {
+            let k = e.target.to_lowercase();
+            name.len() > k.len()
+                && name.starts_with(&k)
+                && matches!(name.as_bytes()[k.len()], b'-' | b'_')
+        })
+        .max_by_key(|e| e.target.len())
+}
+
+/// Whether this build can load the entry's target family.
+pub fn family_supported(family: &str) -> bool {
+    FAMILIES.iter().any(|f| f.model_types.contains(&family))
+}
+
+/// The supported targets, for an error message.
+pub fn registry_targets() -> String {
+    DRAFT_REGISTRY
+        .iter()
+        .map(|e| e.target)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sixteen_rows_with_unique_keys() {
+        assert_eq!(DRAFT_REGISTRY.len(), 16);
+        let mut keys: Vec<String> = DRAFT_REGISTRY
+            .iter()
+            .map(|e| e.target.to_lowercase())
+            .collect();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), 16);
+    }
+
+    #[test]
+    fn resolution_table() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("Qwen/Qwen3.5-4B", Some("z-lab/Qwen3.5-4B-DFlash")),
+            ("Qwen/Qwen3.5-9B", Some("z-lab/Qwen3.5-9B-DFlash")),
+            ("Qwen/Qwen3.5-27B", Some("z-lab/Qwen3.5-27B-DFlash")),
+            ("Qwen/Qwen3.5-35B-A3B", Some("z-lab/Qwen3.5-35B-A3B-DFlash")),
+            (
+                "Qwen/Qwen3.5-122B-A10B",
+                Some("z-lab/Qwen3.5-122B-A10B-DFlash"),
+            ),
+            ("Qwen/Qwen3.6-27B", Some("z-lab/Qwen3.6-27B-DFlash")),
+            ("Qwen/Qwen3.6-35B-A3B", Some("z-lab/Qwen3.6-35B-A3B-DFlash")),
+            ("Qwen/Qwen3-4B", Some("z-lab/Qwen3-4B-DFlash-b16")),
+            ("Qwen/Qwen3-8B", Some("z-lab/Qwen3-8B-DFlash-b16")),
+            (
+                "Qwen/Qwen3-Coder-30B-A3B-Instruct",
+                Some("z-lab/Qwen3-Coder-30B-A3B-DFlash"),
+            ),
+            (
+                "Qwen/Qwen3-Coder-Next",
+                Some("z-lab/Qwen3-Coder-Next-DFlash"),
+            ),
+            ("moonshotai/Kimi-K2.5", Some("z-lab/Kimi-K2.5-DFlash")),
+            (
+                "meta-llama/Llama-3.1-8B-Instruct",
+                Some("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+            ),
+            ("openai/gpt-oss-20b", Some("z-lab/gpt-oss-20b-DFlash")),
+            ("openai/gpt-oss-120b", Some("z-lab/gpt-oss-120b-DFlash")),
+            (
+                "google/gemma-4-31B-it",
+                Some("RedHatAI/gemma-4-31B-it-speculator.dflash"),
+            ),
+            // tricky names
+            (
+                "mlx-community/Qwen3.6-35B-A3B-4bit",
+                Some("z-lab/Qwen3.6-35B-A3B-DFlash"),
+            ),
+            (
+                "meta-llama/Meta-Llama-3.1-8B-Instruct",
+                Some("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+            ),
+            ("unsloth/Qwen3-8B-GGUF", Some("z-lab/Qwen3-8B-DFlash-b16")),
+            ("/models/qwen3-4b_awq/", Some("z-lab/Qwen3-4B-DFlash-b16")),
+            ("Qwen/Qwen3-8B@main", Some("z-lab/Qwen3-8B-DFlash-b16")),
+            // the longest key wins: Qwen3.5-35B-A3B is not Qwen3.5-3...
+            (
+                "mlx-community/Qwen3.5-35B-A3B-8bit",
+                Some("z-lab/Qwen3.5-35B-A3B-DFlash"),
+            ),
+            // no match: no substring guessing
+            ("Qwen/Qwen3-80B", None),
+            ("Qwen/Qwen3-8Bx", None),
+            ("HuggingFaceTB/SmolLM2-135M-Instruct", None),
+            ("my-Qwen3-8B", None),
+        ];
+        for (name, want) in cases {
+            assert_eq!(resolve_draft(name).map(|e| e.draft), *want, "{name}");
+        }
+    }
+}
