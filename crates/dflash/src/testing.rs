@@ -135,7 +135,11 @@ impl TinyTarget {
     pub fn config(&self) -> Value {
         let mut c = json!({
             "model_type": self.model_type,
-            "architectures": [if self.model_type == "qwen3" { "Qwen3ForCausalLM" } else { "LlamaForCausalLM" }],
+            "architectures": [match self.model_type.as_str() {
+                "qwen3" => "Qwen3ForCausalLM",
+                "qwen3_moe" => "Qwen3MoeForCausalLM",
+                _ => "LlamaForCausalLM",
+            }],
             "vocab_size": self.vocab,
             "hidden_size": self.hidden,
             "intermediate_size": self.intermediate,
@@ -158,6 +162,26 @@ impl TinyTarget {
             }
         }
         c
+    }
+
+    /// (experts, expert intermediate size) when layer `l` is a MoE layer (`num_experts` in
+    /// `extra`, with `decoder_sparse_step` / `mlp_only_layers` as qwen3_moe reads them).
+    fn moe_layer(&self, l: usize) -> Option<(usize, usize)> {
+        let e = self.extra.get("num_experts")?.as_u64()? as usize;
+        let mi = self.extra.get("moe_intermediate_size")?.as_u64()? as usize;
+        let step = self
+            .extra
+            .get("decoder_sparse_step")
+            .and_then(|x| x.as_u64())
+            .unwrap_or(1)
+            .max(1) as usize;
+        let only: Vec<u64> = self
+            .extra
+            .get("mlp_only_layers")
+            .and_then(|x| x.as_array())
+            .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
+            .unwrap_or_default();
+        (!only.contains(&(l as u64)) && (l + 1) % step == 0).then_some((e, mi))
     }
 
     /// Write `config.json` + `model.safetensors` into `dir`.
@@ -196,13 +220,37 @@ impl TinyTarget {
                 &[h, self.heads * d],
                 std,
             )?;
-            if self.model_type == "qwen3" {
+            if self.model_type.starts_with("qwen3") {
                 f.uniform(&format!("{p}.self_attn.q_norm.weight"), &[d], 0.5, 1.5)?;
                 f.uniform(&format!("{p}.self_attn.k_norm.weight"), &[d], 0.5, 1.5)?;
             }
-            f.normal(&format!("{p}.mlp.gate_proj.weight"), &[i, h], std)?;
-            f.normal(&format!("{p}.mlp.up_proj.weight"), &[i, h], std)?;
-            f.normal(&format!("{p}.mlp.down_proj.weight"), &[h, i], std)?;
+            match self.moe_layer(l) {
+                Some((experts, mi)) => {
+                    f.normal(&format!("{p}.mlp.gate.weight"), &[experts, h], 0.5)?;
+                    for e in 0..experts {
+                        f.normal(
+                            &format!("{p}.mlp.experts.{e}.gate_proj.weight"),
+                            &[mi, h],
+                            std,
+                        )?;
+                        f.normal(
+                            &format!("{p}.mlp.experts.{e}.up_proj.weight"),
+                            &[mi, h],
+                            std,
+                        )?;
+                        f.normal(
+                            &format!("{p}.mlp.experts.{e}.down_proj.weight"),
+                            &[h, mi],
+                            std,
+                        )?;
+                    }
+                }
+                None => {
+                    f.normal(&format!("{p}.mlp.gate_proj.weight"), &[i, h], std)?;
+                    f.normal(&format!("{p}.mlp.up_proj.weight"), &[i, h], std)?;
+                    f.normal(&format!("{p}.mlp.down_proj.weight"), &[h, i], std)?;
+                }
+            }
         }
         if self.zero_final_norm {
             f.uniform("model.norm.weight", &[h], 0.0, 0.0)?;

@@ -1,0 +1,274 @@
+//! Every registry row whose target family this build supports: (1) the published draft and
+//! target config SHAPES (written here from the spec's tables) parse and validate, with the
+//! published block size, mask id and taps; (2) a tiny random model with that family's shape
+//! RATIOS (head_dim vs hidden, GQA ratio, tied head, rope type, MoE routing; layers and taps
+//! scaled down) loads and decodes losslessly with a draft shaped the same way.
+
+mod common;
+use common::*;
+use dflash::archs::LoadOptions;
+use dflash::config::draft::DraftConfig;
+use dflash::config::TargetConfig;
+use dflash::draft::load_draft;
+use dflash::engine::{Engine, Flow, GenerateRequest};
+use dflash::registry::{family_supported, resolve_draft, DRAFT_REGISTRY};
+use dflash::source::ModelSource;
+use dflash::testing::{TinyDraft, TinyTarget};
+use serde_json::{json, Value};
+
+struct Row {
+    target: &'static str,
+    /// Published-shaped target config.json.
+    target_config: Value,
+    /// Published-shaped draft config.json.
+    draft_config: Value,
+    taps: Vec<usize>,
+    mask: u32,
+    block: usize,
+    /// The tiny model with the same ratios, and its scaled taps.
+    tiny: TinyTarget,
+    tiny_taps: Vec<usize>,
+}
+
+fn zlab_draft(
+    hidden: usize,
+    heads: usize,
+    kv: usize,
+    head_dim: usize,
+    inter: usize,
+    taps: &[usize],
+    l: usize,
+    rope: Value,
+) -> Value {
+    let mut v = json!({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": taps},
+        "num_target_layers": l, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 5,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim, "rms_norm_eps": 1e-6,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": false,
+        "attention_bias": false, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "layer_types": vec!["full_attention"; 5]
+    });
+    for (k, x) in rope.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+fn rows() -> Vec<Row> {
+    let qwen_rope = json!({"rope_theta": 1000000.0});
+    let mut q4 = TinyTarget::qwen3(501);
+    (
+        q4.hidden,
+        q4.heads,
+        q4.kv_heads,
+        q4.head_dim,
+        q4.layers,
+        q4.tied,
+    ) = (40, 8, 2, 16, 9, true);
+    let mut q8 = TinyTarget::qwen3(502);
+    (
+        q8.hidden,
+        q8.heads,
+        q8.kv_heads,
+        q8.head_dim,
+        q8.layers,
+        q8.tied,
+    ) = (64, 8, 2, 8, 9, false);
+    let mut ll = TinyTarget::llama(503);
+    (
+        ll.hidden,
+        ll.heads,
+        ll.kv_heads,
+        ll.head_dim,
+        ll.layers,
+        ll.tied,
+    ) = (64, 8, 2, 8, 8, false);
+    ll.extra = json!({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}});
+    let mut coder = TinyTarget::qwen3(504);
+    coder.model_type = "qwen3_moe".into();
+    (
+        coder.hidden,
+        coder.heads,
+        coder.kv_heads,
+        coder.head_dim,
+        coder.layers,
+    ) = (32, 8, 1, 16, 12);
+    coder.extra = json!({"num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": true,
+        "moe_intermediate_size": 12, "decoder_sparse_step": 1, "mlp_only_layers": []});
+    vec![
+        Row {
+            target: "Qwen/Qwen3-4B",
+            target_config: json!({"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728,
+                "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                "vocab_size": 151936, "tie_word_embeddings": true, "rope_theta": 1000000.0, "max_position_embeddings": 40960}),
+            draft_config: zlab_draft(
+                2560,
+                32,
+                8,
+                128,
+                9728,
+                &[1, 9, 17, 25, 33],
+                36,
+                qwen_rope.clone(),
+            ),
+            taps: vec![1, 9, 17, 25, 33],
+            mask: 151669,
+            block: 16,
+            tiny: q4,
+            tiny_taps: vec![0, 2, 4, 6, 8],
+        },
+        Row {
+            target: "Qwen/Qwen3-8B",
+            target_config: json!({"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+                "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                "vocab_size": 151936, "tie_word_embeddings": false, "rope_theta": 1000000.0, "max_position_embeddings": 40960}),
+            draft_config: zlab_draft(
+                4096,
+                32,
+                8,
+                128,
+                12288,
+                &[1, 9, 17, 25, 33],
+                36,
+                qwen_rope.clone(),
+            ),
+            taps: vec![1, 9, 17, 25, 33],
+            mask: 151669,
+            block: 16,
+            tiny: q8,
+            tiny_taps: vec![0, 2, 4, 6, 8],
+        },
+        Row {
+            target: "Qwen/Qwen3-Coder-30B-A3B-Instruct",
+            target_config: json!({"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
+                "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                "vocab_size": 151936, "rope_theta": 10000000.0, "max_position_embeddings": 262144}),
+            // taps not listed: the default rule over 48 layers
+            draft_config: {
+                let mut d = zlab_draft(
+                    2048,
+                    32,
+                    4,
+                    128,
+                    6144,
+                    &[],
+                    48,
+                    json!({"rope_theta": 10000000.0}),
+                );
+                d["dflash_config"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("target_layer_ids");
+                d
+            },
+            taps: vec![1, 12, 23, 34, 45],
+            mask: 151669,
+            block: 16,
+            tiny: coder,
+            tiny_taps: vec![0, 3, 6, 8, 11],
+        },
+        Row {
+            target: "meta-llama/Meta-Llama-3.1-8B-Instruct",
+            target_config: json!({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                "rope_theta": 500000.0, "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3",
+                "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+            draft_config: {
+                let mut d = zlab_draft(
+                    4096,
+                    32,
+                    8,
+                    128,
+                    14336,
+                    &[1, 8, 15, 22, 29],
+                    32,
+                    json!({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+                );
+                d["vocab_size"] = 128256.into();
+                d["dflash_config"]["mask_token_id"] = 128002.into();
+                d
+            },
+            taps: vec![1, 8, 15, 22, 29],
+            mask: 128002,
+            block: 16,
+            tiny: ll,
+            tiny_taps: vec![0, 2, 4, 5, 7],
+        },
+    ]
+}
+
+#[test]
+fn every_supported_registry_row_has_a_shape_test() {
+    let rows = rows();
+    for e in DRAFT_REGISTRY.iter().filter(|e| family_supported(e.family)) {
+        if e.family == "gemma4" {
+            continue; // covered by tests/gemma4.rs (speculators draft shape)
+        }
+        assert!(
+            rows.iter()
+                .any(|r| resolve_draft(r.target).map(|x| x.target) == Some(e.target)),
+            "no shape test for {}",
+            e.target
+        );
+    }
+}
+
+#[test]
+fn published_config_shapes_parse_and_validate() {
+    for r in rows() {
+        let entry = resolve_draft(r.target).unwrap();
+        let t = TargetConfig::from_value("target.json", r.target_config.clone()).unwrap();
+        assert_eq!(t.model_type, entry.family);
+        let d = DraftConfig::from_value("draft.json", r.draft_config.clone()).unwrap();
+        assert_eq!(d.block_size, r.block, "{}", r.target);
+        assert_eq!(Some(d.block_size), entry.block_size.or(Some(d.block_size)));
+        assert_eq!(d.mask_token_id, r.mask);
+        assert_eq!(
+            d.validate_against(&t, r.target).unwrap(),
+            r.taps,
+            "{}",
+            r.target
+        );
+    }
+}
+
+#[test]
+fn tiny_models_with_the_rows_shape_ratios_are_lossless() {
+    for r in rows() {
+        let dir = tempfile::tempdir().unwrap();
+        r.tiny.write(&dir.path().join("t")).unwrap();
+        let mut d = TinyDraft::for_target(&r.tiny, 2, r.tiny_taps.clone(), 16, 9);
+        d.heads = r.tiny.heads;
+        d.kv_heads = r.tiny.kv_heads;
+        d.head_dim = r.tiny.head_dim;
+        d.write(&dir.path().join("d"), r.tiny.vocab).unwrap();
+        let lo = LoadOptions::default();
+        let (cfg, target) = dflash::archs::load_target(
+            &ModelSource::from_dir("t", &dir.path().join("t")).unwrap(),
+            &lo,
+        )
+        .unwrap();
+        assert_eq!(cfg.model_type, resolve_draft(r.target).unwrap().family);
+        let draft = load_draft(
+            &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+            &cfg,
+            "t",
+            &lo,
+        )
+        .unwrap();
+        let e = Engine::new(target, Some(draft));
+        for seed in 0..3u64 {
+            let p = ids(seed, 3 + 7 * seed as usize, r.tiny.vocab);
+            let mut req = GenerateRequest::new(p, 24);
+            let a = e.generate(&req, &mut |_| Flow::Continue).unwrap();
+            req.block_size = Some(1);
+            let b = e.generate(&req, &mut |_| Flow::Continue).unwrap();
+            assert_eq!(a.output_ids, b.output_ids, "{} seed {seed}", r.target);
+            assert_eq!(a.stats.mode, "dflash");
+        }
+    }
+}
