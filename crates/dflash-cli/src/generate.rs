@@ -26,6 +26,10 @@ pub struct GenerateArgs {
     /// Verify block size (default: the draft's); 1 = plain decoding through the same engine.
     #[arg(long)]
     pub block_size: Option<usize>,
+    /// Adaptive block size (on: choose the verify size per cycle from measured costs and
+    /// acceptance; never slower than plain decoding by design). A given --block-size pins it.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub adaptive: String,
     /// The user message (or raw text with --no-chat-template).
     #[arg(long)]
     pub prompt: Option<String>,
@@ -127,6 +131,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         },
         stop_ids,
         block_size: a.block_size,
+        adaptive: a.adaptive == "on",
         trace: a.trace,
     };
     if p.engine.draft.is_none() && a.block_size.is_some_and(|b| b > 1) {

@@ -31,6 +31,12 @@ pub struct GenerationStats {
     pub acceptance_ratio: f64,
     /// `histogram[k]` = cycles that committed k tokens (index 0 unused).
     pub histogram: Vec<usize>,
+    /// Whether the adaptive block-size policy chose the block sizes.
+    pub adaptive: bool,
+    /// `q_histogram[q]` = cycles that verified q rows (q = 1: a plain step).
+    pub q_histogram: Vec<usize>,
+    /// Why the policy chose its block sizes: reason -> cycles.
+    pub q_reasons: std::collections::BTreeMap<String, usize>,
     /// Peak resident memory of the process, bytes (Linux VmHWM), if known.
     pub peak_memory_bytes: Option<u64>,
     /// "stop" (a stop token), "length" (max tokens), "context" (context size), "cancelled".
@@ -81,6 +87,16 @@ impl GenerationStats {
                 100.0 * self.acceptance_ratio,
                 self.cycles
             );
+        }
+        if self.adaptive {
+            let used: Vec<String> = self
+                .q_histogram
+                .iter()
+                .enumerate()
+                .filter(|(_, &n)| n > 0)
+                .map(|(q, n)| format!("q{q}x{n}"))
+                .collect();
+            s += &format!(", adaptive [{}]", used.join(" "));
         }
         if let Some(r) = &self.fallback_reason {
             s += &format!(" (plain decoding: {r})");

@@ -125,6 +125,20 @@ fn greedy_dflash_equals_greedy_plain_decoding() {
                 }
                 generations += 1;
             }
+            // the adaptive policy (block size chosen per cycle) is lossless too
+            let mut r = GenerateRequest::new(prompt.clone(), max);
+            r.stop_ids = stop.clone();
+            let out = e.generate(&r, &mut |_| Flow::Continue).unwrap();
+            assert!(out.stats.adaptive);
+            assert_eq!(
+                out.output_ids, expect_stop,
+                "adaptive: pair {pi} case {case}"
+            );
+            assert_eq!(
+                out.stats.q_histogram.iter().sum::<usize>(),
+                out.stats.acceptance_lengths.len()
+            );
+            generations += 1;
         }
     }
     assert!(generations >= 200, "{generations}");

@@ -10,11 +10,14 @@
 //! ```
 //! With no draft or a block size of 1, the same loop is plain autoregressive decoding.
 
+pub mod adaptive;
+
 use crate::archs::{Logits, TargetCache, TargetModel};
 use crate::draft::{DraftCache, DraftModel};
 use crate::sampling::{argmax, Sampler, SamplingParams};
 use crate::stats::GenerationStats;
 use crate::{Error, Result};
+use adaptive::{AdaptivePolicy, Reason};
 use candle_core::{Tensor, D};
 use serde::Serialize;
 use std::time::Instant;
@@ -27,8 +30,11 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// A generated stop token ends generation (it is kept in the output).
     pub stop_ids: Vec<u32>,
-    /// Verify block size; None = the draft's; 1 = plain decoding.
+    /// Verify block size; None = the draft's; 1 = plain decoding. A given size is pinned
+    /// (the adaptive policy does not change it).
     pub block_size: Option<usize>,
+    /// Choose the block size per cycle from measured costs and acceptance (see `adaptive`).
+    pub adaptive: bool,
     /// Record each cycle's block and acceptance.
     pub trace: bool,
 }
@@ -41,6 +47,7 @@ impl GenerateRequest {
             sampling: SamplingParams::greedy(),
             stop_ids: vec![],
             block_size: None,
+            adaptive: true,
             trace: false,
         }
     }
@@ -136,6 +143,10 @@ impl Engine {
             ..Default::default()
         };
         let mut steps = req.trace.then(Vec::new);
+        let mut policy = (draft.is_some() && req.adaptive && req.block_size.is_none())
+            .then(|| AdaptivePolicy::new(q_max));
+        stats.adaptive = policy.is_some();
+        stats.q_histogram = vec![0; q_max + 1];
         let mut out: Vec<u32> = Vec::new();
 
         // Prefill.
@@ -162,7 +173,19 @@ impl Engine {
             }
             // Near the end the block shrinks to the tokens left + 1 rows (as the reference
             // does: the last row's proposal can still be accepted; commits are capped).
-            let q = q_max.min(req.max_tokens - out.len() + 1).min(room);
+            let limit = q_max.min(req.max_tokens - out.len() + 1).min(room);
+            let (q, reason) = match policy.as_mut() {
+                Some(p) => p.choose(limit),
+                None => (limit, Reason::Model),
+            };
+            stats.q_histogram[q] += 1;
+            if policy.is_some() {
+                *stats
+                    .q_reasons
+                    .entry(format!("{reason:?}").to_lowercase())
+                    .or_default() += 1;
+            }
+            let mut draft_s = None;
             let mut block = vec![last];
             if let (Some(d), Some(dc), true) = (draft, dcache.as_mut(), q > 1) {
                 let td = Instant::now();
@@ -178,6 +201,7 @@ impl Engine {
                     first_draft = false;
                 } else {
                     stats.draft_ms += dt * 1e3;
+                    draft_s = Some(dt);
                 }
             }
             let tv = Instant::now();
@@ -186,7 +210,11 @@ impl Engine {
             // Target choices row by row; stop sampling at the first mismatch.
             let post = self.choose_until_mismatch(&logits, &block, &mut sampler)?;
             let a = post.len() - 1;
-            stats.verify_ms += tv.elapsed().as_secs_f64() * 1e3;
+            let verify_s = tv.elapsed().as_secs_f64();
+            stats.verify_ms += verify_s * 1e3;
+            if let Some(p) = policy.as_mut() {
+                p.observe(q, a, draft_s, verify_s);
+            }
             tcache.truncate(start + a + 1)?;
             if let Some(t) = fw.taps {
                 // Taps of the committed rows 0..=a become the draft's next context rows (a
@@ -220,6 +248,15 @@ impl Engine {
         stats.decode_ms = decode_s * 1e3;
         stats.decode_tok_s = out.len().saturating_sub(1) as f64 / decode_s;
         stats.finish_reason = finish.unwrap_or("length").into();
+        if draft.is_some() {
+            let plain = stats.q_histogram.get(1).copied().unwrap_or(0);
+            let total: usize = stats.q_histogram.iter().sum();
+            if total > 0 && plain * 2 > total {
+                stats.fallback_reason = Some(format!(
+                    "adaptive policy ran {plain} of {total} cycles as plain decoding (speculation measured slower)"
+                ));
+            }
+        }
         stats.finish(draft_tokens);
         Ok(GenerateOutput {
             output_ids: out,

@@ -1,0 +1,296 @@
+//! The adaptive block-size policy: before each cycle, choose the verify size q in
+//! 1..=block_size that maximizes expected committed tokens per second; q = 1 is plain decoding.
+//!
+//! Online estimates, all decayed so a phase change is followed:
+//! - cost of a verify of q rows and of a draft call of q rows (EWMA per q; unmeasured q are
+//!   interpolated linearly between measured ones, extrapolated flat beyond them);
+//! - acceptance per depth: `p[i]` = P(proposal i accepted | proposals 1..i-1 accepted),
+//!   from decayed counts with a weak prior.
+//! Expected tokens of a q-block: `E(q) = 1 + sum_{k=1}^{q-1} prod_{i<=k} p[i]`.
+//! Speculation is probed periodically while plain decoding wins (interval doubling from 8 to
+//! 64 plain steps), so a temporarily bad phase does not lock it off.
+
+use serde::Serialize;
+
+/// Why a block size was chosen (counted in the stats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Not enough measurements yet: run the full block (and one plain step) to learn costs.
+    Warmup,
+    /// The cost model says this q is fastest.
+    Model,
+    /// Plain decoding is expected faster; speculation is off until the next probe.
+    PlainFaster,
+    /// A periodic speculative probe while plain decoding was winning.
+    Probe,
+}
+
+#[derive(Debug, Clone)]
+struct Ewma {
+    v: Vec<Option<f64>>,
+}
+
+impl Ewma {
+    fn new(n: usize) -> Self {
+        Self {
+            v: vec![None; n + 1],
+        }
+    }
+    fn observe(&mut self, q: usize, x: f64) {
+        let a = 0.3;
+        self.v[q] = Some(match self.v[q] {
+            Some(old) => (1.0 - a) * old + a * x,
+            None => x,
+        });
+    }
+    /// Estimate at q from the measured points (linear interpolation, flat extrapolation).
+    fn at(&self, q: usize) -> Option<f64> {
+        if let Some(x) = self.v[q] {
+            return Some(x);
+        }
+        let lo = (1..q).rev().find_map(|i| self.v[i].map(|x| (i, x)));
+        let hi = (q + 1..self.v.len()).find_map(|i| self.v[i].map(|x| (i, x)));
+        match (lo, hi) {
+            (Some((i, a)), Some((j, b))) => Some(a + (b - a) * (q - i) as f64 / (j - i) as f64),
+            (Some((_, a)), None) => Some(a),
+            (None, Some((_, b))) => Some(b),
+            (None, None) => None,
+        }
+    }
+}
+
+/// Policy state for one generation.
+#[derive(Debug, Clone)]
+pub struct AdaptivePolicy {
+    max_q: usize,
+    verify: Ewma,
+    draft: Ewma,
+    /// Decayed (accepted, attempted) counts per depth 1..max_q-1.
+    acc: Vec<(f64, f64)>,
+    plain_streak: usize,
+    probe_interval: usize,
+    cycles: usize,
+}
+
+/// Decay of the acceptance counts per observed cycle (a half-life of ~14 cycles).
+const DECAY: f64 = 0.95;
+
+impl AdaptivePolicy {
+    pub fn new(max_q: usize) -> Self {
+        Self {
+            max_q,
+            verify: Ewma::new(max_q),
+            draft: Ewma::new(max_q),
+            acc: vec![(0.0, 0.0); max_q],
+            plain_streak: 0,
+            probe_interval: 8,
+            cycles: 0,
+        }
+    }
+
+    /// Conditional acceptance at depth i (1-based), with a weak prior of 0.5.
+    pub fn p(&self, i: usize) -> f64 {
+        let (a, n) = self.acc[i];
+        (a + 0.5) / (n + 1.0)
+    }
+
+    /// Expected committed tokens of a q-block.
+    pub fn expected_tokens(&self, q: usize) -> f64 {
+        let mut e = 1.0;
+        let mut run = 1.0;
+        for i in 1..q {
+            run *= self.p(i);
+            e += run;
+        }
+        e
+    }
+
+    /// Expected tokens per second of a q-block, if its costs are known.
+    pub fn rate(&self, q: usize) -> Option<f64> {
+        let v = self.verify.at(q)?;
+        let d = if q > 1 { self.draft.at(q)? } else { 0.0 };
+        Some(self.expected_tokens(q) / (v + d).max(1e-9))
+    }
+
+    /// The block size for the next cycle (`limit` = what the end of generation allows).
+    pub fn choose(&mut self, limit: usize) -> (usize, Reason) {
+        let limit = limit.min(self.max_q).max(1);
+        if limit == 1 {
+            return (1, Reason::Model);
+        }
+        // Warm-up: one full block (costs + acceptance), then one plain step (its cost).
+        if self.verify.v[self.max_q].is_none() && self.verify.v.iter().skip(2).all(|x| x.is_none())
+        {
+            return (limit, Reason::Warmup);
+        }
+        if self.verify.v[1].is_none() {
+            return (1, Reason::Warmup);
+        }
+        let best = (2..=limit)
+            .filter_map(|q| self.rate(q).map(|r| (q, r)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let plain = self.rate(1).unwrap_or(0.0);
+        match best {
+            Some((q, r)) if r > plain => {
+                self.plain_streak = 0;
+                self.probe_interval = 8;
+                (q, Reason::Model)
+            }
+            _ => {
+                self.plain_streak += 1;
+                if self.plain_streak >= self.probe_interval {
+                    self.plain_streak = 0;
+                    self.probe_interval = (self.probe_interval * 2).min(64);
+                    // probe with the q the model likes best among speculative sizes
+                    (best.map_or(limit, |b| b.0), Reason::Probe)
+                } else {
+                    (1, Reason::PlainFaster)
+                }
+            }
+        }
+    }
+
+    /// Record a cycle: q rows verified, `accepted` draft tokens, measured times (seconds).
+    /// `draft_s` is None for a plain step or a draft call whose time is not representative
+    /// (the first one also prefills the draft's context).
+    pub fn observe(&mut self, q: usize, accepted: usize, draft_s: Option<f64>, verify_s: f64) {
+        self.cycles += 1;
+        self.verify.observe(q, verify_s);
+        if let Some(d) = draft_s {
+            self.draft.observe(q, d);
+        }
+        if q > 1 {
+            for x in self.acc.iter_mut() {
+                x.0 *= DECAY;
+                x.1 *= DECAY;
+            }
+            // depths 1..=accepted were accepted; depth accepted+1 (if verified) was rejected
+            for i in 1..q {
+                if i <= accepted {
+                    self.acc[i].0 += 1.0;
+                    self.acc[i].1 += 1.0;
+                } else {
+                    self.acc[i].1 += 1.0;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Simulate `n` cycles: verify cost `v(q)`, draft cost `d(q)`, and an acceptance process
+    /// where each proposal is accepted with probability `acc` (deterministic pseudo-random).
+    fn simulate(
+        p: &mut AdaptivePolicy,
+        n: usize,
+        v: impl Fn(usize) -> f64,
+        d: impl Fn(usize) -> f64,
+        acc: f64,
+        seed: u64,
+    ) -> Vec<usize> {
+        let mut rng = crate::testing::Rng::new(seed);
+        let mut qs = vec![];
+        for _ in 0..n {
+            let (q, _) = p.choose(64);
+            let mut a = 0;
+            while a + 1 < q && rng.uniform() < acc {
+                a += 1;
+            }
+            p.observe(q, a, (q > 1).then(|| d(q)), v(q));
+            qs.push(q);
+        }
+        qs
+    }
+
+    #[test]
+    fn cheap_verify_and_high_acceptance_give_large_blocks() {
+        let mut p = AdaptivePolicy::new(16);
+        // GPU-like: a 16-row verify costs 1.1x one row; draft 0.1x
+        let qs = simulate(
+            &mut p,
+            200,
+            |q| 1.0 + 0.1 * (q as f64 - 1.0) / 15.0,
+            |_| 0.1,
+            0.9,
+            1,
+        );
+        let tail = &qs[100..];
+        assert!(tail.iter().all(|&q| q >= 12), "{tail:?}");
+    }
+
+    #[test]
+    fn expensive_verify_or_useless_draft_gives_plain_decoding() {
+        // 2-core CPU: a 16-row verify costs ~5x one row; acceptance moderate
+        let mut p = AdaptivePolicy::new(16);
+        let qs = simulate(
+            &mut p,
+            300,
+            |q| 1.0 + 4.0 * (q as f64 - 1.0) / 15.0,
+            |q| 0.3 + 0.02 * q as f64,
+            0.3,
+            2,
+        );
+        let plain = qs[100..].iter().filter(|&&q| q == 1).count();
+        assert!(plain as f64 > 0.9 * 200.0, "plain {plain} of 200");
+        // cheap verify but a useless draft (acceptance 0)
+        let mut p = AdaptivePolicy::new(16);
+        let qs = simulate(
+            &mut p,
+            300,
+            |q| 1.0 + 0.1 * q as f64 / 16.0,
+            |_| 0.1,
+            0.0,
+            3,
+        );
+        let plain = qs[100..].iter().filter(|&&q| q == 1).count();
+        assert!(plain as f64 > 0.9 * 200.0, "plain {plain} of 200");
+        // and it keeps probing, with growing intervals
+        let probes = qs[100..].iter().filter(|&&q| q > 1).count();
+        assert!(probes >= 2, "probes {probes}");
+    }
+
+    #[test]
+    fn follows_a_phase_change_both_ways() {
+        let mut p = AdaptivePolicy::new(16);
+        let v = |q: usize| 1.0 + 0.5 * (q as f64 - 1.0) / 15.0;
+        let qs = simulate(&mut p, 150, v, |_| 0.1, 0.9, 4);
+        assert!(qs[100..].iter().all(|&q| q > 4), "phase 1 {:?}", &qs[100..]);
+        let qs = simulate(&mut p, 300, v, |_| 0.1, 0.0, 5);
+        assert!(
+            qs[200..].iter().filter(|&&q| q == 1).count() > 90,
+            "phase 2 {:?}",
+            &qs[200..]
+        );
+        // acceptance comes back: a probe notices and speculation resumes
+        let qs = simulate(&mut p, 300, v, |_| 0.1, 0.9, 6);
+        assert!(
+            qs[200..].iter().filter(|&&q| q > 4).count() > 90,
+            "phase 3 {:?}",
+            &qs[200..]
+        );
+    }
+
+    #[test]
+    fn expected_tokens_follow_the_acceptance_chain() {
+        let mut p = AdaptivePolicy::new(4);
+        for _ in 0..200 {
+            p.observe(4, 3, Some(0.1), 1.0); // always full acceptance
+        }
+        // decayed counts (~20 effective cycles) plus the weak prior keep it just under 4
+        assert!(
+            p.expected_tokens(4) > 3.8 && p.expected_tokens(4) <= 4.0,
+            "{}",
+            p.expected_tokens(4)
+        );
+        let mut p = AdaptivePolicy::new(4);
+        for _ in 0..200 {
+            p.observe(4, 0, Some(0.1), 1.0);
+        }
+        assert!(p.expected_tokens(4) < 1.05);
+    }
+}
