@@ -47,6 +47,16 @@ fn main() -> dflash::Result<()> {
         .forward(&ids, 0, &mut c, &[], Logits::Last)?
         .logits
         .unwrap();
+    if std::env::var_os("TOP5").is_some() {
+        let mut v: Vec<(f32, usize)> = logits
+            .squeeze(0)?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .zip(0..)
+            .collect();
+        v.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap());
+        eprintln!("top5 {:?}", &v[..5]);
+    }
     for _ in 0..n {
         let next = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
         out.push(next);

@@ -3,11 +3,13 @@
 //!
 //! Second step of the data flow: config -> **sources/loading** -> archs -> draft -> engine.
 
+pub mod demo;
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hub;
 pub mod weights;
 
+pub use demo::demo_model_path;
 pub use weights::Weights;
 
 use crate::{Error, Result};
