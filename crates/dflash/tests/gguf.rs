@@ -233,14 +233,16 @@ fn check_against_llama_cpp(path: &Path, fixture: &str, chat: bool) {
             &case.ids,
             0.25,
         );
-        // requantized for speed: equal to the stored-quant run for at least 8 tokens (or a near tie)
+        // requantized for speed (Q4_1 -> Q8_0): the same choices except at near ties. The
+        // measured logit shift of candle's Q8_0 kernels is up to ~0.4 on SmolLM2 (the
+        // exact f32 model's top-2 gap is 0.02-0.04 at the first token of these prompts).
         let (rq, rq_logits) = greedy(requant.as_ref(), &case.prompt_ids, 32, &stops);
         let same = compare(
             &format!("prompt {i} (requantized vs stored)"),
             &rq,
             &rq_logits,
             &ours,
-            0.25,
+            0.5,
         );
         eprintln!("prompt {i}: requantized == stored for {same} tokens");
     }
