@@ -89,6 +89,7 @@ impl Pipeline {
         let lo = LoadOptions {
             dtype,
             device: device.clone(),
+            keep_quant: false,
         };
         let src = ModelSource::resolve(&opts.model)?;
         let (target_config, target) = load_target(&src, &lo)?;

@@ -119,6 +119,14 @@ impl TinyTarget {
             zero_head_row0: false,
         }
     }
+    /// Qwen2: q/k/v biases, no q/k norm.
+    pub fn qwen2(seed: u64) -> Self {
+        Self {
+            model_type: "qwen2".into(),
+            tied: true,
+            ..Self::qwen3(seed)
+        }
+    }
     pub fn llama(seed: u64) -> Self {
         Self {
             model_type: "llama".into(),
@@ -138,6 +146,7 @@ impl TinyTarget {
             "architectures": [match self.model_type.as_str() {
                 "qwen3" => "Qwen3ForCausalLM",
                 "qwen3_moe" => "Qwen3MoeForCausalLM",
+                "qwen2" => "Qwen2ForCausalLM",
                 _ => "LlamaForCausalLM",
             }],
             "vocab_size": self.vocab,
@@ -220,6 +229,15 @@ impl TinyTarget {
                 &[h, self.heads * d],
                 std,
             )?;
+            if self.model_type == "qwen2" {
+                for (n, rows) in [
+                    ("q", self.heads * d),
+                    ("k", self.kv_heads * d),
+                    ("v", self.kv_heads * d),
+                ] {
+                    f.normal(&format!("{p}.self_attn.{n}_proj.bias"), &[rows], 0.5)?;
+                }
+            }
             if self.model_type.starts_with("qwen3") {
                 f.uniform(&format!("{p}.self_attn.q_norm.weight"), &[d], 0.5, 1.5)?;
                 f.uniform(&format!("{p}.self_attn.k_norm.weight"), &[d], 0.5, 1.5)?;
@@ -484,4 +502,76 @@ impl TinyDraft {
         });
         write_json(&dir.join("config.json"), &cfg)
     }
+}
+
+/// Convert the checkpoint [`TinyTarget::write`] put in `dir` into `dir/model.gguf` the way
+/// llama.cpp's converter does (GGUF names, metadata, llama Q/K rows permuted), with every
+/// 2-D weight stored as `dtype` (norms and biases stay f32).
+pub fn write_gguf(
+    t: &TinyTarget,
+    dir: &Path,
+    dtype: candle_core::quantized::GgmlDType,
+) -> Result<std::path::PathBuf> {
+    use crate::source::gguf::{gguf_name, permute_qk};
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let st = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)?;
+    let arch = t.model_type.as_str();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut names: Vec<&String> = st.keys().collect();
+    names.sort();
+    for name in names {
+        let w = &st[name];
+        let gname = gguf_name(arch, name)
+            .ok_or_else(|| Error::input(format!("no GGUF name for {name}")))?;
+        let ty = if w.rank() == 2 { dtype } else { GgmlDType::F32 };
+        let mut q = QTensor::quantize(w, ty)?;
+        if arch == "llama" && gname.contains(".attn_q.") {
+            q = permute_qk(&q, t.heads)?;
+        } else if arch == "llama" && gname.contains(".attn_k.") {
+            q = permute_qk(&q, t.kv_heads)?;
+        }
+        tensors.push((gname, q));
+    }
+    let cfg = t.config();
+    // llama3 rope scaling is stored as per-frequency divisors (`rope_freqs.weight`).
+    let rope = crate::config::TargetConfig::from_value("tiny", cfg.clone())?.rope;
+    if rope.kind != crate::config::RopeKind::Default {
+        let plain = crate::config::RopeConfig {
+            kind: crate::config::RopeKind::Default,
+            ..rope.clone()
+        };
+        let (p, _) = plain.inv_freq(t.head_dim);
+        let (s, _) = rope.inv_freq(t.head_dim);
+        let f: Vec<f32> = p.iter().zip(&s).map(|(a, b)| a / b).collect();
+        let n = f.len();
+        let ft = Tensor::from_vec(f, n, &Device::Cpu)?;
+        tensors.push((
+            "rope_freqs.weight".into(),
+            QTensor::quantize(&ft, GgmlDType::F32)?,
+        ));
+    }
+    use gguf_file::Value as V;
+    let k = |s: &str| format!("{arch}.{s}");
+    let theta = cfg["rope_theta"].as_f64().unwrap_or(10000.0) as f32;
+    let meta: Vec<(String, V)> = vec![
+        ("general.architecture".into(), V::String(arch.into())),
+        (k("embedding_length"), V::U32(t.hidden as u32)),
+        (k("block_count"), V::U32(t.layers as u32)),
+        (k("feed_forward_length"), V::U32(t.intermediate as u32)),
+        (k("attention.head_count"), V::U32(t.heads as u32)),
+        (k("attention.head_count_kv"), V::U32(t.kv_heads as u32)),
+        (k("attention.key_length"), V::U32(t.head_dim as u32)),
+        (k("attention.value_length"), V::U32(t.head_dim as u32)),
+        (k("attention.layer_norm_rms_epsilon"), V::F32(1e-6)),
+        (k("context_length"), V::U32(2048)),
+        (k("rope.freq_base"), V::F32(theta)),
+        ("tokenizer.ggml.bos_token_id".into(), V::U32(1)),
+        ("tokenizer.ggml.eos_token_id".into(), V::U32(2)),
+    ];
+    let path = dir.join("model.gguf");
+    let mut f = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
+    let meta_ref: Vec<(&str, &V)> = meta.iter().map(|(a, b)| (a.as_str(), b)).collect();
+    let t_ref: Vec<(&str, &QTensor)> = tensors.iter().map(|(a, b)| (a.as_str(), b)).collect();
+    gguf_file::write(&mut f, &meta_ref, &t_ref)?;
+    Ok(path)
 }

@@ -60,6 +60,21 @@ impl Tokenizer {
         })
     }
 
+    /// Wraps an already built `tokenizers::Tokenizer` (e.g. one rebuilt from GGUF metadata
+    /// by [`crate::source::gguf::GgufFile::tokenizer`]); `file` names it in errors.
+    pub fn from_inner(mut inner: tokenizers::Tokenizer, file: impl Into<String>) -> Result<Self> {
+        let file = file.into();
+        inner.with_padding(None);
+        inner.with_truncation(None).map_err(|e| Error::Tokenizer {
+            file: file.clone(),
+            msg: e.to_string(),
+        })?;
+        Ok(Self {
+            inner: Arc::new(inner),
+            file,
+        })
+    }
+
     /// The file this tokenizer was loaded from.
     pub fn file(&self) -> &str {
         &self.file

@@ -7,8 +7,8 @@
 use super::{ForwardOutput, LayerCache, Logits, TargetCache, TargetInfo, TargetModel};
 use crate::config::{LayerType, TargetConfig};
 use crate::nn::{
-    attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, RmsNorm, Rope,
-    RopeTables, SparseMoe,
+    attention_mask, Activation, Attention, AttentionSpec, Embedding, GatedMlp, KvCache, Linear,
+    RmsNorm, Rope, RopeTables, SparseMoe,
 };
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -34,6 +34,8 @@ pub struct DecoderSpec {
     pub sliding_rope: Option<crate::config::RopeConfig>,
     /// Sparse MoE feed-forward on the layers it names (qwen3_moe).
     pub moe: Option<MoeSpec>,
+    /// `attention_bias` puts biases on q/k/v only, not on o_proj (qwen2).
+    pub qkv_bias_only: bool,
 }
 
 /// Mixture-of-experts settings of a family.
@@ -74,6 +76,7 @@ impl DecoderSpec {
             attn_scale: None,
             sliding_rope: None,
             moe: None,
+            qkv_bias_only: false,
         }
     }
 }
@@ -90,7 +93,7 @@ struct Layer {
 
 pub struct DecoderModel {
     info: TargetInfo,
-    embed_tokens: Tensor,
+    embed_tokens: Embedding,
     embed_scale: Option<f64>,
     layers: Vec<Layer>,
     norm: RmsNorm,
@@ -110,7 +113,7 @@ impl DecoderModel {
     pub fn load(cfg: &TargetConfig, w: &Weights, spec: DecoderSpec) -> Result<Self> {
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
-        let embed_tokens = w.get("model.embed_tokens.weight", (v, h))?;
+        let embed_tokens = w.embedding("model.embed_tokens.weight", v, h)?;
         let eps = cfg.rms_norm_eps;
         let norm = |name: &str, dim| RmsNorm::load(w, name, dim, eps, spec.norm_add_one);
         let attn_spec = AttentionSpec {
@@ -119,6 +122,7 @@ impl DecoderModel {
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             bias: cfg.attention_bias,
+            o_bias: cfg.attention_bias && !spec.qkv_bias_only,
             qk_norm: spec.qk_norm,
             qk_norm_add_one: spec.norm_add_one,
             eps,
@@ -165,7 +169,7 @@ impl DecoderModel {
         }
         // Tied checkpoints may still carry a copy of the head; prefer it when present.
         let (lm_head, tied) = match (cfg.tie_word_embeddings, w.contains("lm_head.weight")) {
-            (true, false) => (Linear::dense(embed_tokens.clone(), None), true),
+            (true, false) => (w.tied_head(&embed_tokens)?, true),
             _ => (Linear::load(w, "lm_head", h, v, false)?, false),
         };
         let rope_full = Rope::new(&cfg.rope, cfg.head_dim);
@@ -183,6 +187,7 @@ impl DecoderModel {
             dtype: w.dtype,
             device: w.device.clone(),
             weight_bytes: 0,
+            quantization: w.quant_report(),
         };
         let mut m = Self {
             info,
@@ -213,8 +218,9 @@ impl DecoderModel {
                 | candle_core::quantized::QMatMul::TensorF16(x) => t(x),
             },
         };
-        let mut b = t(&self.embed_tokens) + t(&self.norm.weight);
-        if !self.tied {
+        let mut b = self.embed_tokens.bytes() + t(&self.norm.weight);
+        // A quantized table used as the head is shared; a requantized copy is not.
+        if !self.tied || matches!(self.embed_tokens, Embedding::Quant { .. }) {
             b += lin(&self.lm_head);
         }
         for l in &self.layers {
@@ -261,6 +267,12 @@ impl DecoderModel {
         let ids = Tensor::from_slice(tokens, n, dev)?;
         let mut h = self.embed(&ids)?;
         if let Some(s) = self.embed_scale {
+            // HF multiplies by the scale cast to the compute dtype.
+            let s = match dt {
+                DType::BF16 => half::bf16::from_f64(s).to_f64(),
+                DType::F16 => half::f16::from_f64(s).to_f64(),
+                _ => s as f32 as f64,
+            };
             h = (h * s)?;
         }
         let t_full = self.rope_full.tables(start, n, dev, dt)?;
@@ -390,7 +402,7 @@ impl TargetModel for DecoderModel {
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
-        Ok(self.embed_tokens.index_select(tokens, 0)?)
+        self.embed_tokens.forward(tokens)
     }
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {

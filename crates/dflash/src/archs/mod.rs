@@ -5,7 +5,9 @@
 //! maps config keys and tensor names onto shared layers (`nn/`).
 
 pub mod decoder;
+pub mod gemma3;
 pub mod llama;
+pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_moe;
 
@@ -49,6 +51,10 @@ pub struct TargetInfo {
     pub device: Device,
     /// Bytes of weights held.
     pub weight_bytes: usize,
+    /// For quantized (GGUF) sources, what the load did per tensor type, e.g.
+    /// `Q4_1->Q8_0 x210, Q8_0 x1` (requantized for fast CPU kernels) or `Q4_1 x210`
+    /// (`keep_quant`); None for float checkpoints.
+    pub quantization: Option<String>,
 }
 
 /// The per-sequence state of a target, owned by the engine: one entry per layer.
@@ -145,6 +151,9 @@ pub trait TargetModel: Send + Sync {
 pub struct LoadOptions {
     pub dtype: DType,
     pub device: Device,
+    /// GGUF: keep quantized matrices in their stored type instead of requantizing types
+    /// without a fast multi-row CPU kernel (see [`crate::source::weights::requant_target`]).
+    pub keep_quant: bool,
 }
 
 impl Default for LoadOptions {
@@ -152,6 +161,7 @@ impl Default for LoadOptions {
         Self {
             dtype: DType::F32,
             device: Device::Cpu,
+            keep_quant: false,
         }
     }
 }
@@ -180,6 +190,16 @@ pub const FAMILIES: &[Family] = &[
         model_types: &["llama"],
         load: llama::load,
     },
+    Family {
+        name: "qwen2",
+        model_types: &["qwen2"],
+        load: qwen2::load,
+    },
+    Family {
+        name: "gemma3",
+        model_types: &["gemma3_text", "gemma3"],
+        load: gemma3::load,
+    },
 ];
 
 pub fn supported_model_types() -> Vec<&'static str> {
@@ -200,11 +220,19 @@ pub fn family_for(cfg: &TargetConfig) -> Result<&'static Family> {
         })
 }
 
-/// Load a target model from a resolved source.
+/// Load a target model from a resolved source (a safetensors directory or a GGUF file).
 pub fn load_target(
     src: &ModelSource,
     opts: &LoadOptions,
 ) -> Result<(TargetConfig, Box<dyn TargetModel>)> {
+    if let Some(path) = &src.gguf {
+        let file = crate::source::gguf::GgufFile::open(path)?;
+        let cfg = file.target_config()?;
+        let fam = family_for(&cfg)?;
+        let w = Weights::open_gguf(file, opts.dtype, &opts.device, opts.keep_quant)?;
+        let model = (fam.load)(&cfg, &w)?;
+        return Ok((cfg, model));
+    }
     let cfg = TargetConfig::from_file(&src.config)?;
     let fam = family_for(&cfg)?;
     let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?;

@@ -26,6 +26,11 @@ pub enum RopeKind {
         attention_factor: Option<f64>,
         truncate: bool,
     },
+    /// Per-frequency divisors stored in GGUF files (`rope_freqs.weight`, llama3-style
+    /// scaling precomputed by llama.cpp's converter): inv_freq[i] = plain[i] / factors[i].
+    FreqFactors {
+        factors: Vec<f64>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -121,6 +126,19 @@ impl RopeConfig {
                     truncate: s.opt_bool("truncate")?.unwrap_or(true),
                 }
             }
+            "freq_factors" => {
+                let factors = match s.get("factors") {
+                    Some(serde_json::Value::Array(a)) => a
+                        .iter()
+                        .map(|x| {
+                            x.as_f64()
+                                .ok_or_else(|| s.err("factors", "expected numbers"))
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                    _ => return Err(s.err("factors", "missing (freq_factors rope)")),
+                };
+                RopeKind::FreqFactors { factors }
+            }
             other => {
                 return Err(s.err(
                     "rope_type",
@@ -151,6 +169,14 @@ impl RopeConfig {
         let (inv, scale) = match &self.kind {
             RopeKind::Default => (plain, 1.0),
             RopeKind::Linear { factor } => (plain.iter().map(|f| f / factor).collect(), 1.0),
+            RopeKind::FreqFactors { factors } => (
+                plain
+                    .iter()
+                    .enumerate()
+                    .map(|(i, f)| f / factors.get(i).copied().unwrap_or(1.0))
+                    .collect(),
+                1.0,
+            ),
             RopeKind::Llama3 {
                 factor,
                 low_freq_factor,

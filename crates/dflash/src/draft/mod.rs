@@ -80,6 +80,7 @@ impl DraftModel {
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
             bias: c.attention_bias,
+            o_bias: c.attention_bias,
             qk_norm: true,
             qk_norm_add_one: false,
             eps,

@@ -16,7 +16,10 @@ pub struct AttentionSpec {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Biases on q/k/v.
     pub bias: bool,
+    /// A bias on o_proj (llama with `attention_bias`; not qwen2).
+    pub o_bias: bool,
     /// Per-head RMSNorm on q and k before RoPE (qwen3, gemma3, the DFlash draft).
     pub qk_norm: bool,
     pub qk_norm_add_one: bool,
@@ -58,7 +61,7 @@ impl Attention {
             q_proj: lin("q_proj", h, qd, spec.bias)?,
             k_proj: lin("k_proj", h, kd, spec.bias)?,
             v_proj: lin("v_proj", h, kd, spec.bias)?,
-            o_proj: lin("o_proj", qd, h, spec.bias)?,
+            o_proj: lin("o_proj", qd, h, spec.o_bias)?,
             q_norm: if spec.qk_norm {
                 Some(norm("q_norm")?)
             } else {

@@ -3,7 +3,7 @@
 use crate::source::Weights;
 use crate::Result;
 use candle_core::quantized::QMatMul;
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 
 #[derive(Debug, Clone)]
 pub enum Linear {
@@ -25,7 +25,8 @@ impl Linear {
         Linear::Dense { weight, bias }
     }
 
-    /// Load `{prefix}.weight [out, in]` (and `{prefix}.bias [out]` when `bias`).
+    /// Load `{prefix}.weight [out, in]` (and `{prefix}.bias [out]` when `bias`): dense, or
+    /// quantized for quantized GGUF weights (see [`Weights::linear`]).
     pub fn load(
         w: &Weights,
         prefix: &str,
@@ -33,13 +34,7 @@ impl Linear {
         out_dim: usize,
         bias: bool,
     ) -> Result<Self> {
-        let weight = w.get(&format!("{prefix}.weight"), (out_dim, in_dim))?;
-        let bias = if bias {
-            Some(w.get(&format!("{prefix}.bias"), out_dim)?)
-        } else {
-            None
-        };
-        Ok(Linear::Dense { weight, bias })
+        w.linear(prefix, in_dim, out_dim, bias)
     }
 
     pub fn out_features(&self) -> usize {
@@ -53,7 +48,17 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = match self {
             Linear::Dense { weight, bias } => (x.matmul(&weight.t()?)?, bias),
-            Linear::Quant { weight, bias, .. } => (weight.forward(x)?, bias),
+            Linear::Quant { weight, bias, .. } => {
+                // candle's quantized CPU kernels take f32 activations.
+                let y = if x.dtype() == DType::F32 {
+                    weight.forward(x)?
+                } else {
+                    weight
+                        .forward(&x.to_dtype(DType::F32)?)?
+                        .to_dtype(x.dtype())?
+                };
+                (y, bias)
+            }
         };
         Ok(match bias {
             Some(b) => y.broadcast_add(b)?,

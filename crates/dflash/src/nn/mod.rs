@@ -4,6 +4,7 @@
 //! Activations are 2-D `[tokens, features]` (batch 1): the engine decodes one sequence.
 
 pub mod attention;
+pub mod embedding;
 pub mod kv_cache;
 pub mod linear;
 pub mod mlp;
@@ -12,6 +13,7 @@ pub mod norm;
 pub mod rope;
 
 pub use attention::{attention_mask, Attention, AttentionSpec};
+pub use embedding::Embedding;
 pub use kv_cache::KvCache;
 pub use linear::Linear;
 pub use mlp::{Activation, GatedMlp};

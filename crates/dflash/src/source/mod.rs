@@ -3,9 +3,13 @@
 //!
 //! Second step of the data flow: config -> **sources/loading** -> archs -> draft -> engine.
 
+pub mod demo;
+pub mod gguf;
+pub mod gguf_tokenizer;
 pub mod hub;
 pub mod weights;
 
+pub use demo::demo_model_path;
 pub use weights::Weights;
 
 use crate::{Error, Result};
@@ -23,6 +27,9 @@ pub struct ModelSource {
     pub tokenizer: Option<PathBuf>,
     pub tokenizer_config: Option<PathBuf>,
     pub generation_config: Option<PathBuf>,
+    /// A single-file GGUF model (then `config` and `weight_files` name that file too, and
+    /// the tokenizer, chat template and stop ids come from its metadata).
+    pub gguf: Option<PathBuf>,
 }
 
 impl ModelSource {
@@ -30,12 +37,18 @@ impl ModelSource {
     /// (`Org/Name[@revision]`) looked up in the HF cache (downloaded when a hub is reachable).
     pub fn resolve(spec: &str) -> Result<Self> {
         let p = Path::new(spec);
+        if p.is_file()
+            && p.extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            return Ok(Self::from_gguf(spec, p));
+        }
         if p.is_dir() {
             return Self::from_dir(spec, p);
         }
         if p.exists() {
             return Err(Error::input(format!(
-                "{spec}: is a file; pass the model's directory (holding config.json and *.safetensors)"
+                "{spec}: is a file but not a .gguf file; pass a .gguf file or the model's directory (holding config.json and *.safetensors)"
             )));
         }
         if hub::looks_like_repo_id(spec) {
@@ -66,7 +79,22 @@ impl ModelSource {
             tokenizer: opt("tokenizer.json"),
             tokenizer_config: opt("tokenizer_config.json"),
             generation_config: opt("generation_config.json"),
+            gguf: None,
         })
+    }
+
+    /// A single GGUF file.
+    pub fn from_gguf(spec: &str, path: &Path) -> Self {
+        ModelSource {
+            spec: spec.to_string(),
+            dir: path.parent().map(Path::to_path_buf).unwrap_or_default(),
+            config: path.to_path_buf(),
+            weight_files: vec![path.to_path_buf()],
+            tokenizer: None,
+            tokenizer_config: None,
+            generation_config: None,
+            gguf: Some(path.to_path_buf()),
+        }
     }
 }
 

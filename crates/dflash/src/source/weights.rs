@@ -1,21 +1,58 @@
-//! Memory-mapped safetensors weights with checked, named access.
+//! Model weights with checked, named access, from memory-mapped safetensors or a GGUF file.
 //!
-//! Every tensor is checked for presence and shape and converted to the compute dtype on the
-//! target device. Names that were read are recorded so a loader can list the tensors a
-//! checkpoint carries that the model did not use.
+//! Family loaders ask for HF tensor names (`model.layers.{i}.self_attn.q_proj.weight`); a
+//! GGUF source maps them to llama.cpp names, un-permutes llama Q/K rows, and hands out
+//! quantized matrices as [`Linear::Quant`] (requantized at load to a type with a fast CPU
+//! kernel unless `keep_quant`). Every tensor is checked for presence and shape. Names that
+//! were read are recorded so a loader can list the tensors a checkpoint carries that the
+//! model did not use, and a GGUF load keeps a report of what it did to each tensor type.
 
+use super::gguf::{gguf_name, unpermute_qk, GgufFile};
+use crate::nn::{Embedding, Linear};
 use crate::{Error, Result};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{safetensors::MmapedSafetensors, DType, Device, Shape, Tensor};
 use std::cell::RefCell;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::Arc;
+
+enum Backend {
+    Safetensors {
+        st: MmapedSafetensors,
+        files: Vec<PathBuf>,
+    },
+    Gguf(GgufSource),
+}
+
+struct GgufSource {
+    file: GgufFile,
+    /// llama-converted files: Q/K rows permuted for interleaved RoPE (heads, kv_heads).
+    qk_permuted: Option<(usize, usize)>,
+    keep_quant: bool,
+    /// "Q4_1 -> Q8_0" style lines with tensor counts.
+    report: RefCell<BTreeMap<String, usize>>,
+}
 
 pub struct Weights {
-    st: MmapedSafetensors,
-    files: Vec<PathBuf>,
+    backend: Backend,
     pub dtype: DType,
     pub device: Device,
     used: RefCell<BTreeSet<String>>,
+}
+
+/// The quantized type a CPU matmul weight of type `dt` is converted to at load, or None to
+/// keep it. candle's CPU kernels process many rows at once (verify blocks) only for Q8_0,
+/// Q4K and Q6K; the other types fall back to per-row dot products (a 16-row product then
+/// costs 15-20x one row). Q8_0 was chosen over Q4K by `examples/qmatmul_bench.rs`: as fast
+/// for 1 and 16 rows, always applicable (Q4K needs rows that are multiples of 256), and
+/// near-lossless on 4/5-bit sources (Q4K would re-round them).
+pub fn requant_target(dt: GgmlDType) -> Option<GgmlDType> {
+    use GgmlDType::*;
+    match dt {
+        F32 | F16 | BF16 | Q8_0 | Q4K | Q6K => None,
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_1 | Q2K | Q3K | Q5K | Q8K => Some(Q8_0),
+    }
 }
 
 impl Weights {
@@ -38,35 +75,113 @@ impl Weights {
             )
         })?;
         Ok(Self {
-            st,
-            files: files.to_vec(),
+            backend: Backend::Safetensors {
+                st,
+                files: files.to_vec(),
+            },
             dtype,
             device: device.clone(),
             used: RefCell::default(),
         })
     }
 
+    /// A GGUF file. `keep_quant` keeps every quantized matrix in its stored type.
+    pub fn open_gguf(
+        file: GgufFile,
+        dtype: DType,
+        device: &Device,
+        keep_quant: bool,
+    ) -> Result<Self> {
+        let qk_permuted = if file.arch == "llama" {
+            let heads = file.req_u64(&file.arch_key("attention.head_count"))? as usize;
+            let kv = file
+                .opt_u64(&file.arch_key("attention.head_count_kv"))?
+                .map_or(heads, |x| x as usize);
+            Some((heads, kv))
+        } else {
+            None
+        };
+        Ok(Self {
+            backend: Backend::Gguf(GgufSource {
+                file,
+                qk_permuted,
+                keep_quant,
+                report: RefCell::default(),
+            }),
+            dtype,
+            device: device.clone(),
+            used: RefCell::default(),
+        })
+    }
+
+    /// True for GGUF sources (their Gemma norms already include the `+ 1`).
+    pub fn is_gguf(&self) -> bool {
+        matches!(self.backend, Backend::Gguf(_))
+    }
+
     fn file_desc(&self) -> String {
-        match self.files.as_slice() {
-            [one] => one.display().to_string(),
-            many => format!(
-                "{} ({} shards)",
-                many[0]
-                    .parent()
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_default(),
-                many.len()
-            ),
+        match &self.backend {
+            Backend::Gguf(g) => g.file.file_desc(),
+            Backend::Safetensors { files, .. } => match files.as_slice() {
+                [one] => one.display().to_string(),
+                many => format!(
+                    "{} ({} shards)",
+                    many[0]
+                        .parent()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default(),
+                    many.len()
+                ),
+            },
+        }
+    }
+
+    /// The stored name of an HF name (itself for safetensors).
+    fn stored_name(&self, name: &str) -> Option<String> {
+        match &self.backend {
+            Backend::Safetensors { .. } => Some(name.to_string()),
+            Backend::Gguf(g) => gguf_name(&g.file.arch, name),
         }
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.st.get(name).is_ok()
+        match (&self.backend, self.stored_name(name)) {
+            (Backend::Safetensors { st, .. }, _) => st.get(name).is_ok(),
+            (Backend::Gguf(g), Some(n)) => g.file.has_tensor(&n),
+            (Backend::Gguf(_), None) => false,
+        }
     }
 
-    /// All tensor names in the checkpoint.
+    /// All tensor names in the checkpoint (as stored).
     pub fn names(&self) -> Vec<String> {
-        self.st.tensors().into_iter().map(|(n, _)| n).collect()
+        match &self.backend {
+            Backend::Safetensors { st, .. } => st.tensors().into_iter().map(|(n, _)| n).collect(),
+            Backend::Gguf(g) => g.file.content.tensor_infos.keys().cloned().collect(),
+        }
+    }
+
+    fn missing(&self, name: &str, shape: &Shape) -> Error {
+        let stored = match self.stored_name(name) {
+            Some(s) if s != name => format!(" (`{s}` in GGUF)"),
+            _ => String::new(),
+        };
+        Error::weights(
+            self.file_desc(),
+            format!("missing tensor `{name}`{stored} (expected shape {shape:?})"),
+        )
+    }
+
+    fn check_shape(&self, name: &str, found: &[usize], shape: &Shape) -> Result<()> {
+        if found != shape.dims() {
+            return Err(Error::weights(
+                self.file_desc(),
+                format!(
+                    "tensor `{name}` has shape {found:?}, expected {:?}",
+                    shape.dims()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Load `name`, check its shape, convert to the compute dtype on the device.
@@ -76,27 +191,17 @@ impl Weights {
 
     pub fn get_dtype(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
         let shape = shape.into();
-        let view = self.st.get(name).map_err(|_| {
-            Error::weights(
-                self.file_desc(),
-                format!("missing tensor `{name}` (expected shape {shape:?})"),
-            )
-        })?;
-        if view.shape() != shape.dims() {
-            return Err(Error::weights(
-                self.file_desc(),
-                format!(
-                    "tensor `{name}` has shape {:?}, expected {:?}",
-                    view.shape(),
-                    shape.dims()
-                ),
-            ));
-        }
-        self.used.borrow_mut().insert(name.to_string());
-        let t = self
-            .st
-            .load(name, &Device::Cpu)
-            .map_err(|e| Error::weights(self.file_desc(), format!("tensor `{name}`: {e}")))?;
+        let t = match &self.backend {
+            Backend::Safetensors { st, .. } => {
+                let view = st.get(name).map_err(|_| self.missing(name, &shape))?;
+                self.check_shape(name, view.shape(), &shape)?;
+                self.used.borrow_mut().insert(name.to_string());
+                st.load(name, &Device::Cpu).map_err(|e| {
+                    Error::weights(self.file_desc(), format!("tensor `{name}`: {e}"))
+                })?
+            }
+            Backend::Gguf(_) => self.qtensor(name, &shape)?.dequantize(&Device::Cpu)?,
+        };
         let t = if t.dtype() != dtype {
             t.to_dtype(dtype)?
         } else {
@@ -105,14 +210,38 @@ impl Weights {
         Ok(t.to_device(&self.device)?)
     }
 
-    /// Shape of `name` from the header, without loading it.
+    /// Shape of `name` (HF naming) from the header, without loading it.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.st.get(name).ok().map(|v| v.shape().to_vec())
+        match &self.backend {
+            Backend::Safetensors { st, .. } => st.get(name).ok().map(|v| v.shape().to_vec()),
+            Backend::Gguf(g) => self.stored_name(name).and_then(|n| g.file.tensor_shape(&n)),
+        }
     }
 
     /// Record `name` as understood though not loaded (e.g. a bool buffer the engine derives).
     pub fn mark_used(&self, name: &str) {
-        self.used.borrow_mut().insert(name.to_string());
+        if let Some(n) = self.stored_name(name) {
+            self.used.borrow_mut().insert(n);
+        }
+    }
+
+    /// A GGUF tensor as stored (CPU), shape-checked, with llama Q/K rows un-permuted.
+    fn qtensor(&self, name: &str, shape: &Shape) -> Result<QTensor> {
+        let Backend::Gguf(g) = &self.backend else {
+            unreachable!("qtensor on a safetensors source")
+        };
+        let stored = gguf_name(&g.file.arch, name)
+            .filter(|n| g.file.has_tensor(n))
+            .ok_or_else(|| self.missing(name, shape))?;
+        let found = g.file.tensor_shape(&stored).unwrap_or_default();
+        self.check_shape(name, &found, shape)?;
+        self.used.borrow_mut().insert(stored.clone());
+        let q = g.file.tensor(&stored)?;
+        Ok(match g.qk_permuted {
+            Some((heads, _)) if stored.contains(".attn_q.") => unpermute_qk(&q, heads)?,
+            Some((_, kv_heads)) if stored.contains(".attn_k.") => unpermute_qk(&q, kv_heads)?,
+            _ => q,
+        })
     }
 
     /// Load `name` if present.
@@ -122,6 +251,132 @@ impl Weights {
         } else {
             Ok(None)
         }
+    }
+
+    /// A linear layer `{prefix}.weight [out, in]` (+ `{prefix}.bias [out]`): dense for float
+    /// weights, [`Linear::Quant`] for quantized GGUF weights.
+    pub fn linear(
+        &self,
+        prefix: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<Linear> {
+        let bias = if bias {
+            Some(self.get(&format!("{prefix}.bias"), out_dim)?)
+        } else {
+            None
+        };
+        let name = format!("{prefix}.weight");
+        let shape = Shape::from((out_dim, in_dim));
+        if !self.is_gguf() {
+            return Ok(Linear::Dense {
+                weight: self.get(&name, shape)?,
+                bias,
+            });
+        }
+        let q = self.qtensor(&name, &shape)?;
+        Ok(match self.matmul_weight(Arc::new(q))? {
+            Some(weight) => Linear::Quant {
+                weight,
+                bias,
+                out_features: out_dim,
+            },
+            None => Linear::Dense {
+                weight: self.get(&name, shape)?,
+                bias,
+            },
+        })
+    }
+
+    /// A quantized matmul weight on the device, requantized per [`requant_target`] unless
+    /// `keep_quant`; None for float types (the caller loads those dense).
+    fn matmul_weight(&self, q: Arc<QTensor>) -> Result<Option<QMatMul>> {
+        let Backend::Gguf(g) = &self.backend else {
+            return Ok(None);
+        };
+        let dt = q.dtype();
+        if matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+            *g.report.borrow_mut().entry(format!("{dt:?}")).or_default() += 1;
+            return Ok(None);
+        }
+        let target = if g.keep_quant || !self.device.is_cpu() {
+            None
+        } else {
+            requant_target(dt)
+        };
+        let q = match target {
+            Some(t) => {
+                *g.report
+                    .borrow_mut()
+                    .entry(format!("{dt:?}->{t:?}"))
+                    .or_default() += 1;
+                Arc::new(QTensor::quantize(&q.dequantize(&Device::Cpu)?, t)?)
+            }
+            None => {
+                *g.report.borrow_mut().entry(format!("{dt:?}")).or_default() += 1;
+                q
+            }
+        };
+        let q = if self.device.is_cpu() {
+            q
+        } else {
+            let storage = QStorage::from_data(q.data()?, &self.device, q.dtype())?;
+            Arc::new(QTensor::new(storage, q.shape().clone())?)
+        };
+        Ok(Some(QMatMul::from_arc(q)?))
+    }
+
+    /// The token embedding table `[vocab, hidden]`. Quantized GGUF tables stay quantized
+    /// in their stored type (rows are dequantized on lookup: exactly the stored values).
+    pub fn embedding(&self, name: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
+        let shape = Shape::from((vocab, hidden));
+        if self.is_gguf() {
+            let q = self.qtensor(name, &shape)?;
+            if !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+                && self.device.is_cpu()
+            {
+                return Ok(Embedding::Quant {
+                    table: Arc::new(q),
+                    dtype: self.dtype,
+                });
+            }
+        }
+        Ok(Embedding::Dense(self.get(name, shape)?))
+    }
+
+    /// The LM head of a tied model: the embedding table as a linear layer (quantized
+    /// tables stay quantized, requantized like any matmul weight unless `keep_quant`).
+    pub fn tied_head(&self, emb: &Embedding) -> Result<Linear> {
+        Ok(match emb {
+            Embedding::Dense(t) => Linear::dense(t.clone(), None),
+            Embedding::Quant { table, .. } => {
+                let out_features = table.shape().dims()[0];
+                match self.matmul_weight(table.clone())? {
+                    Some(weight) => Linear::Quant {
+                        weight,
+                        bias: None,
+                        out_features,
+                    },
+                    None => Linear::dense(emb.table_dense()?, None),
+                }
+            }
+        })
+    }
+
+    /// What the load did to quantized tensors, e.g. `Q4_1->Q8_0 x210, Q8_0 x1` (GGUF), or
+    /// None for safetensors.
+    pub fn quant_report(&self) -> Option<String> {
+        let Backend::Gguf(g) = &self.backend else {
+            return None;
+        };
+        let r = g.report.borrow();
+        Some(
+            r.iter()
+                .map(|(k, n)| format!("{k} x{n}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        )
     }
 
     /// Names in the checkpoint that were never read.
