@@ -5,6 +5,7 @@
 //! maps config keys and tensor names onto shared layers (`nn/`).
 
 pub mod decoder;
+pub mod gemma4;
 pub mod llama;
 pub mod qwen3;
 
@@ -173,6 +174,11 @@ pub const FAMILIES: &[Family] = &[
         name: "llama",
         model_types: &["llama"],
         load: llama::load,
+    },
+    Family {
+        name: "gemma4",
+        model_types: &["gemma4_text", "gemma4"],
+        load: gemma4::load,
     },
 ];
 
