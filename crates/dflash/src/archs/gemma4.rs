@@ -65,12 +65,16 @@ fn parse_rope(f: &Fields, params: Option<Fields>, ty: &str, max_pos: usize) -> R
         Some(sub) => {
             let v = json!({ "rope_parameters": Value::Object(sub.obj.clone()) });
             let inner = Fields::new(f.file, &v)?;
-            let r = RopeConfig::parse(&inner, max_pos).map_err(|e| {
+            let mut r = RopeConfig::parse(&inner, max_pos).map_err(|e| {
                 f.err(
                     &format!("rope_parameters.{ty}"),
                     format!("invalid rope parameters: {e}"),
                 )
             })?;
+            // transformers' gemma4 default rope ignores partial_rotary_factor.
+            if r.kind == RopeKind::Default {
+                r.partial_rotary_factor = 1.0;
+            }
             Ok(r)
         }
         None if params.is_some() => Err(f.err(
