@@ -891,3 +891,113 @@ impl TargetModel for Gemma4Model {
 pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
     Ok(Box::new(Gemma4Model::load(cfg, w)?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: Value) -> TargetConfig {
+        let mut v = json!({
+            "model_type": "gemma4_text",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        TargetConfig::from_value("config.json", v).unwrap()
+    }
+
+    #[test]
+    fn defaults_follow_transformers_post_init() {
+        // No layer_types / rope_parameters / per_layer_config: 5:1 pattern, the global head
+        // shape from global_head_dim (+ num_global_key_value_heads with attention_k_eq_v).
+        let g = Gemma4Config::parse(&cfg(json!({
+            "num_hidden_layers": 12,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": true,
+            "num_kv_shared_layers": 2,
+        })))
+        .unwrap();
+        let full: Vec<usize> = (0..12)
+            .filter(|&i| g.layer_types[i] == LayerType::Full)
+            .collect();
+        assert_eq!(full, vec![5, 11]);
+        assert_eq!(g.shapes[11], g.shapes[5]);
+        assert_eq!(
+            g.shapes[5],
+            AttnShape {
+                head_dim: 32,
+                kv_heads: 1
+            }
+        );
+        assert_eq!(
+            g.shapes[0],
+            AttnShape {
+                head_dim: 16,
+                kv_heads: 2
+            }
+        );
+        assert_eq!(g.kv_owner, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 5]);
+        assert_eq!(g.rope_full.kind, RopeKind::Proportional { factor: 1.0 });
+        assert_eq!(g.rope_full.theta, 1e6);
+        assert_eq!(g.rope_sliding.kind, RopeKind::Default);
+        assert_eq!(g.sliding_window, 512);
+        assert!(g.tied);
+        // without attention_k_eq_v the global KV head count is not overridden
+        let g = Gemma4Config::parse(&cfg(json!({
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+        })))
+        .unwrap();
+        assert_eq!(
+            g.shapes[5],
+            AttnShape {
+                head_dim: 32,
+                kv_heads: 2
+            }
+        );
+    }
+
+    #[test]
+    fn shared_layer_needs_an_owner_of_its_type() {
+        // layers 0..3 sliding, 4 full, 5 full(forced): sharing 2 leaves no full owner.
+        let e = Gemma4Config::parse(&cfg(json!({
+            "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                            "sliding_attention", "full_attention", "full_attention"],
+            "sliding_window": 4,
+            "num_kv_shared_layers": 2,
+        })))
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("num_kv_shared_layers"), "{e}");
+    }
+
+    #[test]
+    fn proportional_rope_pads_with_identity_frequencies() {
+        let r = RopeConfig {
+            theta: 1e6,
+            kind: RopeKind::Proportional { factor: 1.0 },
+            partial_rotary_factor: 0.25,
+        };
+        let (inv, scale) = r.inv_freq(32);
+        assert_eq!(scale, 1.0);
+        assert_eq!(inv.len(), 16);
+        for (i, f) in inv.iter().enumerate() {
+            let want = if i < 4 {
+                1.0 / 1e6f32.powf((2 * i) as f32 / 32.0)
+            } else {
+                0.0
+            };
+            assert_eq!(*f, want, "{i}");
+        }
+    }
+}
