@@ -153,6 +153,20 @@ fn gemma4_moe_matches_transformers() {
     check("gemma4_moe");
 }
 
+/// use_double_wide_mlp on 3 KV-shared layers (two sliding layers share one owner), attention
+/// biases, untied LM head, proportional rope with factor 2 and partial_rotary_factor 0.5, the
+/// global head shape from global_head_dim (tools/goldens/make_gemma4_extra_goldens.py).
+#[test]
+fn gemma4_wide_shared_bias_untied_matches_transformers() {
+    check("gemma4_wide");
+}
+
+/// Gemma4ForConditionalGeneration as saved by transformers (text-only input).
+#[test]
+fn gemma4_multimodal_checkpoint_matches_transformers() {
+    check("gemma4_mm");
+}
+
 /// bf16 compute runs end to end (every op has a bf16 path) and stays near the f32 golden.
 #[test]
 fn gemma4_bf16_runs() {
@@ -384,4 +398,57 @@ fn gemma4_greedy_dflash_is_lossless() {
         (1..=8).all(|a| lengths.contains_key(&a)),
         "acceptance lengths seen: {lengths:?}"
     );
+}
+
+/// On a CUDA device (`--features cuda`): the same goldens, a verify block after a truncated
+/// junk block, and bf16 sanity.
+#[cfg(feature = "cuda")]
+#[test]
+fn gemma4_cuda_matches_transformers() {
+    let dev = candle_core::Device::new_cuda(0).unwrap();
+    for name in ["gemma4", "gemma4_moe"] {
+        let dir = fixture(name);
+        let g = candle_core::safetensors::load(
+            dir.join("golden.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let ids: Vec<u32> = g["input_ids"]
+            .to_vec1::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|x| x as u32)
+            .collect();
+        let src = ModelSource::from_dir("t", &dir).unwrap();
+        for dt in [candle_core::DType::F32, candle_core::DType::BF16] {
+            let opts = LoadOptions {
+                dtype: dt,
+                device: dev.clone(),
+            };
+            let m = load_target(&src, &opts).unwrap().1;
+            let tol = if dt == candle_core::DType::F32 {
+                1e-3
+            } else {
+                5.0
+            };
+            let mut c = m.new_cache(ids.len()).unwrap();
+            let out = m.forward(&ids, 0, &mut c, &[0], Logits::All).unwrap();
+            let d = max_abs_diff(&out.logits.unwrap(), &g["logits"]);
+            eprintln!("{name} {dt:?} cuda full logits err {d}");
+            assert!(d < tol, "{name} {dt:?}: cuda logits error {d}");
+            let mut c = m.new_cache(ids.len()).unwrap();
+            m.forward(&ids[..20], 0, &mut c, &[], Logits::None).unwrap();
+            m.forward(&common::ids(7, 6, 255), 20, &mut c, &[0], Logits::All)
+                .unwrap();
+            c.truncate(20).unwrap();
+            let l = m
+                .forward(&ids[20..], 20, &mut c, &[0], Logits::All)
+                .unwrap()
+                .logits
+                .unwrap();
+            let d = max_abs_diff(&l, &g["logits"].narrow(0, 20, ids.len() - 20).unwrap());
+            eprintln!("{name} {dt:?} cuda block-after-truncate logits err {d}");
+            assert!(d < tol, "{name} {dt:?}: cuda incremental error {d}");
+        }
+    }
 }
