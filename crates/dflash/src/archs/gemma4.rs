@@ -190,7 +190,7 @@ impl Gemma4Config {
                     format!("layer {i}: head_dim {} must be even and > 0", s.head_dim),
                 ));
             }
-            if s.kv_heads == 0 || cfg.num_attention_heads % s.kv_heads != 0 {
+            if s.kv_heads == 0 || !cfg.num_attention_heads.is_multiple_of(s.kv_heads) {
                 return Err(f.err(
                     "per_layer_config",
                     format!(
