@@ -6,6 +6,7 @@
 
 pub mod decoder;
 pub mod gemma3;
+pub mod gemma4;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
@@ -199,6 +200,11 @@ pub const FAMILIES: &[Family] = &[
         name: "gemma3",
         model_types: &["gemma3_text", "gemma3"],
         load: gemma3::load,
+    },
+    Family {
+        name: "gemma4",
+        model_types: &["gemma4_text", "gemma4"],
+        load: gemma4::load,
     },
 ];
 

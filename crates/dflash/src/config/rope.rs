@@ -31,6 +31,13 @@ pub enum RopeKind {
     FreqFactors {
         factors: Vec<f64>,
     },
+    /// transformers' `proportional` rope (gemma4 global layers): the first
+    /// `floor(partial_rotary_factor * head_dim / 2)` frequencies have exponents over the whole
+    /// `head_dim`, the remaining ones are zero (identity), and the rotate-half rotation spans
+    /// the whole head, pairing dimensions `i` and `i + head_dim / 2`.
+    Proportional {
+        factor: f64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -139,11 +146,20 @@ impl RopeConfig {
                 };
                 RopeKind::FreqFactors { factors }
             }
+            "proportional" => RopeKind::Proportional {
+                factor: match s.opt_f64("factor")? {
+                    Some(x) if !(x > 0.0) => {
+                        return Err(s.err("factor", format!("must be > 0, found {x}")))
+                    }
+                    Some(x) => x,
+                    None => 1.0,
+                },
+            },
             other => {
                 return Err(s.err(
                     "rope_type",
                     format!(
-                    "unsupported rope type `{other}` (supported: default, linear, llama3, yarn)"
+                    "unsupported rope type `{other}` (supported: default, linear, llama3, yarn, proportional)"
                 ),
                 ))
             }
@@ -159,6 +175,18 @@ impl RopeConfig {
     /// Inverse frequencies (`rotary_dim / 2` of them) and the attention scaling factor that
     /// multiplies cos and sin, exactly as transformers computes them.
     pub fn inv_freq(&self, head_dim: usize) -> (Vec<f32>, f32) {
+        if let RopeKind::Proportional { factor } = &self.kind {
+            // Always head_dim / 2 frequencies: Rope then rotates the whole head.
+            let angles = ((self.partial_rotary_factor * head_dim as f64) / 2.0).floor() as usize;
+            let angles = angles.min(head_dim / 2);
+            let base = self.theta as f32;
+            let mut inv: Vec<f32> = (0..angles)
+                .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
+                .collect();
+            inv.resize(head_dim / 2, 0.0);
+            let factor = *factor as f32;
+            return (inv.into_iter().map(|x| x / factor).collect(), 1.0);
+        }
         let dim = self.rotary_dim(head_dim);
         let base = self.theta;
         // HF computes base ** (arange(0, dim, 2) / dim) in float32.
@@ -253,6 +281,7 @@ impl RopeConfig {
                     .collect();
                 (inv, attn)
             }
+            RopeKind::Proportional { .. } => unreachable!("handled above"),
         };
         (inv.into_iter().map(|x| x as f32).collect(), scale as f32)
     }
