@@ -1,6 +1,7 @@
 //! The `dflash` command line: a thin surface over the `dflash` library.
 
 mod generate;
+mod serve;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -16,6 +17,8 @@ struct Cli {
 enum Command {
     /// Generate text (or token ids) from a prompt, with or without a DFlash draft.
     Generate(generate::GenerateArgs),
+    /// Serve the OpenAI API (chat completions, completions, models) over HTTP.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Command::Generate(a) => generate::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
