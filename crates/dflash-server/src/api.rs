@@ -440,17 +440,18 @@ pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
                 ))
             }
         };
-        let role =
-            match role {
-                "developer" => "system",
-                r @ ("system" | "user" | "assistant" | "tool") => r,
-                r => return Err(ApiError::invalid(
+        let role = match role {
+            "developer" => "system",
+            r @ ("system" | "user" | "assistant" | "tool") => r,
+            r => {
+                return Err(ApiError::invalid(
                     &format!("messages[{i}].role"),
                     format!(
                         "`messages[{i}].role` must be system, user, assistant or tool, got `{r}`"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         let p = format!("messages[{i}].content");
         let content = match o.get("content") {
             Some(Value::String(s)) => s.clone(),
