@@ -499,6 +499,82 @@ fn client_disconnect_cancels_the_generation() {
 }
 
 #[test]
+fn client_disconnect_cancels_a_non_streaming_generation() {
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    let body = json!({"prompt": "a", "max_tokens": 60_000, "ignore_eos": true}).to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // wait until it runs on the engine, then leave
+    let t0 = Instant::now();
+    while !get(&s, "/metrics").1.contains("dflash_requests_running 1") {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(c);
+    let t0 = Instant::now();
+    let (st, v) = post_json(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "b", "max_tokens": 4}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let (_, metrics) = get(&s, "/metrics");
+    assert!(
+        metrics.contains("dflash_generations_total{outcome=\"cancelled\"} 1"),
+        "{metrics}"
+    );
+}
+
+/// The curl and openai examples of docs/serve.md, run as written against a tiny model
+/// (only the address and the model id are substituted).
+#[test]
+fn docs_serve_examples_work() {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md"))
+            .unwrap();
+    let block = |lang: &str, needle: &str| -> String {
+        doc.split(&format!("```{lang}\n"))
+            .skip(1)
+            .map(|b| b.split("```").next().unwrap().to_string())
+            .find(|b| b.contains(needle))
+            .unwrap_or_else(|| panic!("no {lang} block with {needle}"))
+    };
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    let fix = |b: String| {
+        b.replace("http://127.0.0.1:8000", &format!("http://{}", s.addr))
+            .replace("Qwen/Qwen3-8B", "tiny")
+    };
+    let curl = fix(block("sh", "curl"));
+    let o = Command::new("sh").args(["-c", &curl]).output().unwrap();
+    assert!(o.status.success(), "{curl}");
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    assert!(v["dflash"]["tau"].is_number());
+    let Some(py) = python_with_openai() else {
+        eprintln!(
+            "\n*** SKIPPED the openai example of docs/serve.md: no python3 with `openai` ***\n"
+        );
+        return;
+    };
+    let script = fix(block("python", "OpenAI"));
+    let o = Command::new(py).args(["-c", &script]).output().unwrap();
+    assert!(
+        o.status.success(),
+        "{script}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("completion_tokens"));
+}
+
+#[test]
 fn full_queue_is_503_with_retry_after() {
     let m = model();
     let s = Server::start(&m, false, &["--max-queue", "1"]);
