@@ -1113,3 +1113,31 @@ fn load_200_requests_at_concurrency_16() {
         "RSS grew from {rss1} kB to {rss2} kB"
     );
 }
+
+#[test]
+fn startup_errors_are_one_line() {
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .arg("serve")
+            .args(args)
+            .env_remove("DFLASH_API_KEY")
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?}");
+        String::from_utf8_lossy(&o.stderr).to_string()
+    };
+    let e = run(&[]);
+    assert!(e.contains("--model is required"), "{e}");
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    let bare = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dflash/tests/fixtures/targets/qwen3");
+    let e = run(&["--model", bare.to_str().unwrap(), "--port", "0"]);
+    assert!(e.contains("no tokenizer.json"), "{e}");
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    // the port is taken
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    let port = s.addr.rsplit(':').next().unwrap().to_string();
+    let e = run(&["--model", m.target.to_str().unwrap(), "--port", &port]);
+    assert!(e.contains(&format!("binding 127.0.0.1:{port}")), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+}
