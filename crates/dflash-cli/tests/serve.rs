@@ -1083,8 +1083,7 @@ fn load_200_requests_at_concurrency_16() {
                 });
             }
         });
-        let r = Arc::try_unwrap(results).ok().unwrap().into_inner().unwrap();
-        r
+        Arc::try_unwrap(results).ok().unwrap().into_inner().unwrap()
     };
     let rss0 = s.rss_kb();
     let t0 = Instant::now();
