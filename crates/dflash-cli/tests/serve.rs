@@ -989,7 +989,18 @@ fn python_with_openai() -> Option<&'static str> {
     }
     eprintln!("openai SDK missing: trying `python3 -m pip install openai`");
     let _ = Command::new("python3")
-        .args(["-m", "pip", "install", "-q", "openai"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--retries",
+            "1",
+            "--timeout",
+            "10",
+            "openai",
+        ])
         .status();
     if ok(Command::new("python3").args(["-c", "import openai"])) {
         return Some("python3");
