@@ -2,6 +2,7 @@
 
 mod generate;
 mod models;
+mod serve;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -23,6 +24,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve the OpenAI API (chat completions, completions, models) over HTTP.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +40,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Command::Generate(a) => generate::run(a),
         Command::Models { json } => models::run(json),
+        Command::Serve(a) => serve::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,1157 @@
+//! `dflash serve` end to end: the real binary on a loopback port with a tiny random model
+//! and a small BPE tokenizer written here (vocab 256, ChatML template).
+
+use dflash::testing::{write_json, TinyDraft, TinyTarget};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const VOCAB: usize = 256;
+const SPECIALS: [&str; 7] = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+];
+
+/// The tokenizer's vocabulary: specials, single characters, letter pairs, a few words, and
+/// the draft's mask token last.
+fn vocab() -> Vec<String> {
+    let mut v: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
+    v.push("\n".into());
+    for c in 32u8..=126 {
+        v.push((c as char).to_string());
+    }
+    let letters: Vec<char> = "etaoinshrdlu".chars().collect();
+    for a in &letters {
+        for b in &letters {
+            v.push(format!("{a}{b}"));
+        }
+    }
+    for w in ["the", "and", "ing", "ion", "ent", "her", "hat", "his"] {
+        v.push(w.into());
+    }
+    v.push("<mask>".into());
+    assert_eq!(v.len(), VOCAB);
+    v
+}
+
+fn tokenizer_json() -> Value {
+    let v = vocab();
+    let map: serde_json::Map<String, Value> = v
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
+    let mut merges = vec![];
+    for t in &v[7 + 96..VOCAB - 1] {
+        let (a, b) = if t.len() == 2 {
+            (t[..1].to_string(), t[1..].to_string())
+        } else {
+            (t[..2].to_string(), t[2..].to_string())
+        };
+        merges.push(format!("{a} {b}"));
+    }
+    let mut added: Vec<Value> = SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            json!({"id": i, "content": s, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    added.push(
+        json!({"id": VOCAB - 1, "content": "<mask>", "single_word": false, "lstrip": false,
+        "rstrip": false, "normalized": false, "special": true}),
+    );
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": false, "ignore_merges": false, "vocab": map, "merges": merges}
+    })
+}
+
+const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}";
+
+/// A tiny target (+ draft) with tokenizer files, in a temp dir.
+struct Model {
+    _dir: tempfile::TempDir,
+    target: PathBuf,
+    draft: PathBuf,
+}
+
+fn model() -> Model {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = TinyTarget::qwen3(7);
+    t.vocab = VOCAB;
+    t.extra = json!({"max_position_embeddings": 65536});
+    let target = dir.path().join("target");
+    t.write(&target).unwrap();
+    write_json(&target.join("tokenizer.json"), &tokenizer_json()).unwrap();
+    write_json(
+        &target.join("tokenizer_config.json"),
+        &json!({"eos_token": "<|im_end|>", "chat_template": CHATML}),
+    )
+    .unwrap();
+    let d = TinyDraft::for_target(&t, 1, vec![1, 3], 4, 11);
+    let draft = dir.path().join("draft");
+    d.write(&draft, VOCAB).unwrap();
+    Model {
+        _dir: dir,
+        target,
+        draft,
+    }
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Server {
+    fn start(m: &Model, draft: bool, args: &[&str]) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash"));
+        cmd.args(["serve", "--port", "0", "--model"])
+            .arg(&m.target)
+            .args(["--served-model-name", "tiny"]);
+        if draft {
+            cmd.arg("--draft").arg(&m.draft);
+        }
+        let mut child = cmd
+            .args(args)
+            .env_remove("DFLASH_API_KEY")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(vec![]));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let l = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(i) = line.find("listening on http://") {
+                    let _ = tx.send(line[i + "listening on http://".len()..].to_string());
+                }
+                l.lock().unwrap().push(line);
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("server did not start: {:?}", log.lock().unwrap()));
+        Server { child, addr, log }
+    }
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+    fn rss_kb(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let l = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        l.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(120)))
+        .build()
+        .into()
+}
+
+/// POST JSON (or raw text); returns status, Retry-After and the body.
+fn post(s: &Server, path: &str, body: &str, key: Option<&str>) -> (u16, Option<String>, String) {
+    let mut r = agent()
+        .post(s.url(path))
+        .header("Content-Type", "application/json");
+    if let Some(k) = key {
+        r = r.header("Authorization", format!("Bearer {k}"));
+    }
+    let mut resp = r.send(body).unwrap();
+    let st = resp.status().as_u16();
+    let ra = resp
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string());
+    (st, ra, resp.body_mut().read_to_string().unwrap())
+}
+
+fn post_json(s: &Server, path: &str, body: Value) -> (u16, Value) {
+    let (st, _, b) = post(s, path, &body.to_string(), None);
+    let v = serde_json::from_str(&b).unwrap_or_else(|e| panic!("not JSON ({e}): {b}"));
+    (st, v)
+}
+
+fn get(s: &Server, path: &str) -> (u16, String) {
+    let mut resp = agent().get(s.url(path)).call().unwrap();
+    (
+        resp.status().as_u16(),
+        resp.body_mut().read_to_string().unwrap(),
+    )
+}
+
+/// A streaming request: the `data:` payloads, in order (ending with `[DONE]`).
+fn stream(s: &Server, path: &str, body: Value) -> Vec<String> {
+    let resp = agent()
+        .post(s.url(path))
+        .header("Content-Type", "application/json")
+        .send(body.to_string())
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .unwrap()
+        .to_str()
+        .unwrap();
+    assert!(ct.starts_with("text/event-stream"), "{ct}");
+    let r = BufReader::new(resp.into_body().into_reader());
+    r.lines()
+        .map(|l| l.unwrap())
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+/// Text deltas of a stream, plus the parsed chunks.
+fn deltas(events: &[String]) -> (Vec<String>, Vec<Value>) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let mut texts = vec![];
+    for c in &chunks {
+        assert!(c.get("error").is_none(), "{c}");
+        if let Some(ch) = c["choices"].as_array().and_then(|a| a.first()) {
+            let t = ch["delta"]["content"]
+                .as_str()
+                .or(ch["text"].as_str())
+                .unwrap_or("");
+            if !t.is_empty() {
+                texts.push(t.to_string());
+            }
+        }
+    }
+    (texts, chunks)
+}
+
+fn chat_body(content: &str, max_tokens: usize) -> Value {
+    json!({"model": "tiny", "messages": [{"role": "system", "content": "be brief"},
+        {"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": true})
+}
+
+fn check_dflash(v: &Value, mode: &str) {
+    let d = &v["dflash"];
+    assert_eq!(d["mode"], mode, "{v}");
+    for k in ["tau", "acceptance_ratio", "decode_tok_s"] {
+        assert!(d[k].is_number(), "{k} in {v}");
+    }
+    assert!(d["block_size"].as_u64().unwrap() >= 1);
+}
+
+#[test]
+fn chat_streaming_and_not_agree_with_usage_and_dflash_stats() {
+    let m = model();
+    let s = Server::start(&m, true, &[]);
+    let (st, v) = post_json(&s, "/v1/chat/completions", chat_body("the cat sat", 24));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "tiny");
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    let pt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(pt > 5);
+    assert_eq!(v["usage"]["total_tokens"].as_u64().unwrap(), pt + 24);
+    check_dflash(&v, "dflash");
+    assert_eq!(v["dflash"]["block_size"], 4);
+    assert!(v["dflash"]["tau"].as_f64().unwrap() >= 1.0);
+    assert!(!text.is_empty());
+
+    let mut body = chat_body("the cat sat", 24);
+    body["stream"] = true.into();
+    body["stream_options"] = json!({"include_usage": true});
+    let ev = stream(&s, "/v1/chat/completions", body);
+    let (texts, chunks) = deltas(&ev);
+    assert_eq!(texts.concat(), text, "stream == non-stream (greedy)");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk" && c["id"] == chunks[0]["id"]));
+    let fin = &chunks[chunks.len() - 2];
+    assert_eq!(fin["choices"][0]["finish_reason"], "length");
+    let u = chunks.last().unwrap();
+    assert_eq!(u["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(u["usage"]["completion_tokens"], 24);
+    assert_eq!(u["usage"]["prompt_tokens"].as_u64().unwrap(), pt);
+    check_dflash(u, "dflash");
+    // without include_usage: no usage chunk, usage absent from chunks
+    let mut body = chat_body("the cat sat", 5);
+    body["stream"] = true.into();
+    let ev = stream(&s, "/v1/chat/completions", body);
+    let (_, chunks) = deltas(&ev);
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+    assert!(chunks
+        .iter()
+        .all(|c| !c["choices"].as_array().unwrap().is_empty()));
+
+    // enable_thinking=false renders an empty think block: a longer prompt
+    let mut b = chat_body("hi", 2);
+    b["chat_template_kwargs"] = json!({"enable_thinking": false});
+    let (_, v0) = post_json(&s, "/v1/chat/completions", b);
+    let mut b = chat_body("hi", 2);
+    b["chat_template_kwargs"] = json!({"enable_thinking": true});
+    let (_, v1) = post_json(&s, "/v1/chat/completions", b);
+    assert!(
+        v0["usage"]["prompt_tokens"].as_u64().unwrap()
+            > v1["usage"]["prompt_tokens"].as_u64().unwrap(),
+        "{v0} {v1}"
+    );
+
+    // models, health, metrics
+    let (st, b) = get(&s, "/v1/models");
+    assert_eq!(st, 200);
+    let v: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "tiny");
+    let (st, b) = get(&s, "/health");
+    assert_eq!(st, 200, "{b}");
+    let (st, b) = get(&s, "/metrics");
+    assert_eq!(st, 200);
+    for k in [
+        "dflash_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 5",
+        "dflash_generation_tokens_total",
+        "dflash_tau ",
+        "dflash_acceptance_ratio ",
+        "dflash_decode_tokens_per_second ",
+        "dflash_queue_depth 0",
+        "dflash_generations_total{outcome=\"length\"} 5",
+    ] {
+        assert!(b.contains(k), "{k} missing in:\n{b}");
+    }
+}
+
+#[test]
+fn completions_text_ids_and_stream() {
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    let body = json!({"model": "tiny", "prompt": "the rain in", "max_tokens": 12,
+        "temperature": 0, "ignore_eos": true});
+    let (st, v) = post_json(&s, "/v1/completions", body.clone());
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    check_dflash(&v, "plain");
+    let mut sb = body.clone();
+    sb["stream"] = true.into();
+    let (texts, chunks) = deltas(&stream(&s, "/v1/completions", sb));
+    assert_eq!(texts.concat(), text);
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+    // token ids as the prompt; a seeded sample is reproducible
+    let body = json!({"prompt": [5, 17, 42, 9], "max_tokens": 10, "temperature": 0.8,
+        "top_p": 0.9, "top_k": 50, "min_p": 0.05, "seed": 3, "ignore_eos": true});
+    let (st, a) = post_json(&s, "/v1/completions", body.clone());
+    assert_eq!(st, 200, "{a}");
+    let (_, b) = post_json(&s, "/v1/completions", body);
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert_eq!(a["usage"]["prompt_tokens"], 4);
+}
+
+#[test]
+fn stop_strings_are_cut_across_token_boundaries() {
+    let m = model();
+    // Plain decoding streams one token per delta, which shows the token boundaries.
+    let plain = Server::start(&m, false, &[]);
+    let spec = Server::start(&m, true, &[]);
+    let body = json!({"prompt": "the rain in spain", "max_tokens": 60, "temperature": 0,
+        "ignore_eos": true, "stream": true});
+    let (pieces, _) = deltas(&stream(&plain, "/v1/completions", body.clone()));
+    let text = pieces.concat();
+    // A stop string made of the end of one token and the start of the next, whose first
+    // occurrence is at that boundary.
+    let mut chosen = None;
+    let mut start = 0;
+    for i in 0..pieces.len() - 1 {
+        let (a, b) = (&pieces[i], &pieces[i + 1]);
+        let boundary = start + a.len();
+        start = boundary;
+        let a_tail: String = a
+            .chars()
+            .rev()
+            .take(2)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        let b_head: String = b.chars().take(2).collect();
+        let stop = format!("{a_tail}{b_head}");
+        if text.find(&stop) == Some(boundary - a_tail.len()) {
+            chosen = Some((stop, boundary - a_tail.len()));
+            break;
+        }
+    }
+    let (stop, pos) = chosen.unwrap_or_else(|| panic!("no boundary stop string in {pieces:?}"));
+    let want = &text[..pos];
+    for s in [&plain, &spec] {
+        let mut b = body.clone();
+        b["stop"] = json!(["never-there", stop]);
+        let (texts, chunks) = deltas(&stream(s, "/v1/completions", b.clone()));
+        assert_eq!(texts.concat(), want, "stream, stop {stop:?}");
+        let fin = chunks.last().unwrap();
+        assert_eq!(fin["choices"][0]["finish_reason"], "stop");
+        b["stream"] = false.into();
+        let (st, v) = post_json(s, "/v1/completions", b);
+        assert_eq!(st, 200);
+        assert_eq!(v["choices"][0]["text"], want, "non-stream, stop {stop:?}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["dflash"]["stop"], stop.as_str());
+    }
+    // A stop token id: the text ends before that token's text.
+    let vocab = vocab();
+    let k = pieces
+        .iter()
+        .position(|p| p.len() >= 2)
+        .expect("a multi-char token");
+    let id = vocab.iter().position(|v| v == &pieces[k]).unwrap();
+    let first = pieces.iter().position(|p| p == &pieces[k]).unwrap();
+    let mut b = body.clone();
+    b["stream"] = false.into();
+    b["stop_token_ids"] = json!([id]);
+    let (_, v) = post_json(&plain, "/v1/completions", b);
+    assert_eq!(v["choices"][0]["text"], pieces[..first].concat());
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["usage"]["completion_tokens"], first + 1);
+}
+
+/// Sends a streaming request on a raw socket and reads until the first content delta.
+fn open_stream(s: &Server, max_tokens: usize) -> TcpStream {
+    let body = json!({"prompt": "a", "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("\"text\":\"") {
+        let n = c.read(&mut buf).unwrap();
+        assert!(n > 0, "stream closed: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"));
+    c
+}
+
+#[test]
+fn client_disconnect_cancels_the_generation() {
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    // A generation of 60k tokens would take minutes; the client leaves after the first delta.
+    let c = open_stream(&s, 60_000);
+    drop(c);
+    let t0 = Instant::now();
+    let (st, v) = post_json(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "b", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "the next request waited {:?}",
+        t0.elapsed()
+    );
+    let (_, metrics) = get(&s, "/metrics");
+    assert!(
+        metrics.contains("dflash_generations_total{outcome=\"cancelled\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn client_disconnect_cancels_a_non_streaming_generation() {
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    let body = json!({"prompt": "a", "max_tokens": 60_000, "ignore_eos": true}).to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // wait until it runs on the engine, then leave
+    let t0 = Instant::now();
+    while !get(&s, "/metrics").1.contains("dflash_requests_running 1") {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(c);
+    let t0 = Instant::now();
+    let (st, v) = post_json(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "b", "max_tokens": 4}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let (_, metrics) = get(&s, "/metrics");
+    assert!(
+        metrics.contains("dflash_generations_total{outcome=\"cancelled\"} 1"),
+        "{metrics}"
+    );
+}
+
+/// The curl and openai examples of docs/serve.md, run as written against a tiny model
+/// (only the address and the model id are substituted).
+#[test]
+fn docs_serve_examples_work() {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md"))
+            .unwrap();
+    let block = |lang: &str, needle: &str| -> String {
+        doc.split(&format!("```{lang}\n"))
+            .skip(1)
+            .map(|b| b.split("```").next().unwrap().to_string())
+            .find(|b| b.contains(needle))
+            .unwrap_or_else(|| panic!("no {lang} block with {needle}"))
+    };
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    let fix = |b: String| {
+        b.replace("http://127.0.0.1:8000", &format!("http://{}", s.addr))
+            .replace("Qwen/Qwen3-8B", "tiny")
+    };
+    let curl = fix(block("sh", "curl"));
+    let o = Command::new("sh").args(["-c", &curl]).output().unwrap();
+    assert!(o.status.success(), "{curl}");
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    assert!(v["dflash"]["tau"].is_number());
+    let Some(py) = python_with_openai() else {
+        eprintln!(
+            "\n*** SKIPPED the openai example of docs/serve.md: no python3 with `openai` ***\n"
+        );
+        return;
+    };
+    let script = fix(block("python", "OpenAI"));
+    let o = Command::new(py).args(["-c", &script]).output().unwrap();
+    assert!(
+        o.status.success(),
+        "{script}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("completion_tokens"));
+}
+
+#[test]
+fn full_queue_is_503_with_retry_after() {
+    let m = model();
+    let s = Server::start(&m, false, &["--max-queue", "1"]);
+    let running = open_stream(&s, 60_000);
+    // The second waits in the queue: its headers come back once it is queued.
+    let body = json!({"prompt": "a", "max_tokens": 5, "stream": true}).to_string();
+    let mut queued = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        queued,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 64];
+    let n = queued.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let (st, ra, b) = post(&s, "/v1/completions", &body, None);
+    assert_eq!(st, 503, "{b}");
+    assert_eq!(ra.as_deref(), Some("1"));
+    let v: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["error"]["code"], "queue_full");
+    assert_eq!(v["error"]["type"], "server_overloaded");
+    drop(running);
+    drop(queued);
+    // the engine is free again once it has seen both clients leave
+    let t0 = Instant::now();
+    loop {
+        let (st, v) = post_json(
+            &s,
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 3}),
+        );
+        if st == 200 {
+            break;
+        }
+        assert_eq!(st, 503, "{v}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "queue never drained"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // 1 + the retries above that came before the engine saw both clients leave
+    let (_, metrics) = get(&s, "/metrics");
+    let n: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("dflash_queue_rejections_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n >= 1, "{metrics}");
+}
+
+#[test]
+fn per_request_timeout_stops_a_long_generation() {
+    let m = model();
+    let s = Server::start(&m, false, &["--request-timeout", "1"]);
+    let t0 = Instant::now();
+    let (st, v) = post_json(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "a", "max_tokens": 60000, "ignore_eos": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["dflash"]["timed_out"], true);
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 60000);
+}
+
+#[test]
+fn bad_input_is_4xx_naming_the_field() {
+    let m = model();
+    let s = Server::start(
+        &m,
+        false,
+        &["--max-context", "128", "--max-body-bytes", "65536"],
+    );
+    let chat = |extra: Value| {
+        let mut b = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let long = "the ".repeat(200);
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(70_000));
+    let cases: Vec<(&str, String, u16, Option<&str>, &str)> = vec![
+        (
+            "/v1/chat/completions",
+            "{\"model\": ".into(),
+            400,
+            None,
+            "invalid JSON",
+        ),
+        (
+            "/v1/chat/completions",
+            "[1, 2]".into(),
+            400,
+            None,
+            "JSON object",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": "hot"})),
+            400,
+            Some("temperature"),
+            "number",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": -1})),
+            400,
+            Some("temperature"),
+            ">= 0",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_p": 0})),
+            400,
+            Some("top_p"),
+            "(0, 1]",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_k": -5})),
+            400,
+            Some("top_k"),
+            ">= 0",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"min_p": 2})),
+            400,
+            Some("min_p"),
+            "[0, 1]",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"seed": "x"})),
+            400,
+            Some("seed"),
+            "integer",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 0})),
+            400,
+            Some("max_tokens"),
+            "between 1",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 1_000_000})),
+            400,
+            Some("max_tokens"),
+            "between 1",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_completion_tokens": -3})),
+            400,
+            Some("max_completion_tokens"),
+            "between 1",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 2.5})),
+            400,
+            Some("max_tokens"),
+            "integer",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"n": 2})),
+            400,
+            Some("n"),
+            "must be 1",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream": "yes"})),
+            400,
+            Some("stream"),
+            "boolean",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stop": 5})),
+            400,
+            Some("stop"),
+            "string",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stop": [""]})),
+            400,
+            Some("stop"),
+            "empty",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stop_token_ids": [99999]})),
+            400,
+            Some("stop_token_ids"),
+            "token ids",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream_options": {"include_usage": 1}})),
+            400,
+            Some("stream_options.include_usage"),
+            "boolean",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"chat_template_kwargs": {"enable_thinking": "no"}})),
+            400,
+            Some("chat_template_kwargs.enable_thinking"),
+            "boolean",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"model": "gpt-9"})),
+            404,
+            Some("model"),
+            "does not exist",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"messages": []})),
+            400,
+            Some("messages"),
+            "at least one",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"messages": "hi"})),
+            400,
+            Some("messages"),
+            "array",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model": "tiny"}"#.into(),
+            400,
+            Some("messages"),
+            "required",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"messages": [{"role": "wizard", "content": "x"}]})),
+            400,
+            Some("messages[0].role"),
+            "wizard",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"messages": [{"role": "user", "content": 7}]})),
+            400,
+            Some("messages[0].content"),
+            "string",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})),
+            400,
+            Some("messages[0].content"),
+            "text",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"messages": [{"role": "user", "content": long}]})),
+            400,
+            Some("messages"),
+            "context",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long}).to_string(),
+            400,
+            Some("prompt"),
+            "context",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 99999]}).to_string(),
+            400,
+            Some("prompt"),
+            "token ids",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ["a", "b"]}).to_string(),
+            400,
+            Some("prompt"),
+            "batches",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ""}).to_string(),
+            400,
+            Some("prompt"),
+            "no tokens",
+        ),
+        (
+            "/v1/completions",
+            json!({}).to_string(),
+            400,
+            Some("prompt"),
+            "required",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "echo": true}).to_string(),
+            400,
+            Some("echo"),
+            "not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logprobs": 3}).to_string(),
+            400,
+            Some("logprobs"),
+            "not supported",
+        ),
+        ("/v1/completions", big, 413, None, "larger than 65536"),
+        ("/v1/nothing", "{}".into(), 404, None, "no such endpoint"),
+    ];
+    for (path, body, status, param, msg) in cases {
+        let (st, _, b) = post(&s, path, &body, None);
+        let v: Value =
+            serde_json::from_str(&b).unwrap_or_else(|_| panic!("{path} {body:.80}: not JSON: {b}"));
+        let e = &v["error"];
+        assert_eq!(st, status, "{body:.100} -> {b}");
+        assert!(e["type"].is_string() && e["message"].is_string(), "{b}");
+        if let Some(p) = param {
+            assert_eq!(e["param"], p, "{body:.100} -> {b}");
+        }
+        assert!(
+            e["message"].as_str().unwrap().contains(msg),
+            "{body:.100}: `{msg}` not in {b}"
+        );
+    }
+    let (st, b) = get(&s, "/v1/chat/completions");
+    assert_eq!(st, 405, "{b}");
+    // still serving after all that
+    let (st, _) = post_json(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "a", "max_tokens": 2}),
+    );
+    assert_eq!(st, 200);
+    let (_, metrics) = get(&s, "/metrics");
+    assert!(metrics.contains("dflash_errors_total{type=\"invalid_request_error\"}"));
+    assert!(!s.log.lock().unwrap().iter().any(|l| l.contains("panicked")));
+}
+
+#[test]
+fn api_key_is_enforced() {
+    let m = model();
+    let s = Server::start(&m, false, &["--api-key", "sekret"]);
+    let body = json!({"prompt": "a", "max_tokens": 2}).to_string();
+    let (st, _, b) = post(&s, "/v1/completions", &body, None);
+    assert_eq!(st, 401, "{b}");
+    let v: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let (st, _, _) = post(&s, "/v1/completions", &body, Some("wrong"));
+    assert_eq!(st, 401);
+    let (st, _, b) = post(&s, "/v1/completions", &body, Some("sekret"));
+    assert_eq!(st, 200, "{b}");
+    let (st, _) = get(&s, "/v1/models");
+    assert_eq!(st, 401);
+    let (st, _) = get(&s, "/health");
+    assert_eq!(st, 200);
+}
+
+#[test]
+fn sigterm_finishes_gracefully() {
+    let m = model();
+    let mut s = Server::start(&m, false, &["--shutdown-grace", "0.5"]);
+    let mut c = open_stream(&s, 60_000);
+    let t0 = Instant::now();
+    let rc = Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(rc.success());
+    // the running stream is cancelled after the grace period and ends properly
+    let mut rest = String::new();
+    let _ = c.read_to_string(&mut rest);
+    assert!(
+        rest.contains("data: [DONE]"),
+        "{}",
+        &rest[rest.len().saturating_sub(300)..]
+    );
+    loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            assert!(st.success(), "exit {st:?}: {:?}", s.log.lock().unwrap());
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(15), "did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(s.log.lock().unwrap().iter().any(|l| l.contains("stopped")));
+}
+
+fn python_with_openai() -> Option<&'static str> {
+    let ok = |c: &mut Command| c.output().map(|o| o.status.success()).unwrap_or(false);
+    if ok(Command::new("python3").args(["-c", "import openai"])) {
+        return Some("python3");
+    }
+    eprintln!("openai SDK missing: trying `python3 -m pip install openai`");
+    let _ = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--retries",
+            "1",
+            "--timeout",
+            "10",
+            "openai",
+        ])
+        .status();
+    if ok(Command::new("python3").args(["-c", "import openai"])) {
+        return Some("python3");
+    }
+    None
+}
+
+#[test]
+fn openai_python_sdk_streaming_and_not() {
+    let Some(py) = python_with_openai() else {
+        eprintln!("\n*** SKIPPED openai_python_sdk_streaming_and_not: python3 with the `openai` package is not available and pip could not install it ***\n");
+        return;
+    };
+    let m = model();
+    let s = Server::start(&m, true, &["--api-key", "sk-test"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_sdk.py");
+    let o = Command::new(py)
+        .arg(script)
+        .arg(s.url("/v1"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("OK"), "{out}");
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+/// 200 requests at concurrency 16, twice; no 5xx, every body well-formed, RSS stable.
+#[test]
+fn load_200_requests_at_concurrency_16() {
+    let m = model();
+    let s = Server::start(&m, true, &["--max-queue", "32"]);
+    let round = |s: &Server| -> (Vec<f64>, HashMap<u16, usize>) {
+        let next = Arc::new(Mutex::new(0usize));
+        let results = Arc::new(Mutex::new((vec![], HashMap::new())));
+        std::thread::scope(|sc| {
+            for _ in 0..16 {
+                let (next, results) = (next.clone(), results.clone());
+                sc.spawn(move || {
+                    let a = agent();
+                    loop {
+                        let i = {
+                            let mut n = next.lock().unwrap();
+                            if *n >= 200 {
+                                return;
+                            }
+                            *n += 1;
+                            *n
+                        };
+                        let stream = i % 4 == 0;
+                        let body = json!({"model": "tiny", "messages": [{"role": "user",
+                            "content": format!("request {i}")}], "max_tokens": 16,
+                            "temperature": 0.7, "seed": i, "stream": stream});
+                        let t0 = Instant::now();
+                        let mut resp = a
+                            .post(s.url("/v1/chat/completions"))
+                            .header("Content-Type", "application/json")
+                            .send(body.to_string())
+                            .unwrap();
+                        let st = resp.status().as_u16();
+                        let b = resp.body_mut().read_to_string().unwrap();
+                        let dt = t0.elapsed().as_secs_f64() * 1e3;
+                        if st == 200 {
+                            if stream {
+                                assert!(b.trim_end().ends_with("data: [DONE]"), "{b}");
+                                for l in b.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                                    if l != "[DONE]" {
+                                        let v: Value = serde_json::from_str(l).unwrap();
+                                        assert!(v.get("error").is_none(), "{v}");
+                                    }
+                                }
+                            } else {
+                                let v: Value = serde_json::from_str(&b).unwrap();
+                                assert!(v["choices"][0]["message"]["content"].is_string());
+                                assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+                            }
+                        } else {
+                            let v: Value = serde_json::from_str(&b).unwrap();
+                            assert_eq!(st, 503, "{v}");
+                            assert_eq!(v["error"]["code"], "queue_full");
+                        }
+                        let mut r = results.lock().unwrap();
+                        r.0.push(dt);
+                        *r.1.entry(st).or_insert(0) += 1;
+                    }
+                });
+            }
+        });
+        Arc::try_unwrap(results).ok().unwrap().into_inner().unwrap()
+    };
+    let rss0 = s.rss_kb();
+    let t0 = Instant::now();
+    let (mut lat1, st1) = round(&s);
+    let wall1 = t0.elapsed().as_secs_f64();
+    let rss1 = s.rss_kb();
+    let (mut lat2, st2) = round(&s);
+    let rss2 = s.rss_kb();
+    for st in [&st1, &st2] {
+        assert_eq!(st.values().sum::<usize>(), 200);
+        assert!(st.keys().all(|k| *k == 200 || *k == 503), "{st:?}");
+        assert_eq!(
+            st.get(&503),
+            None,
+            "queue 32 > concurrency 16: no 503 expected"
+        );
+    }
+    lat1.sort_by(f64::total_cmp);
+    lat2.sort_by(f64::total_cmp);
+    println!(
+        "LOAD round 1: 200 req, conc 16, wall {wall1:.2}s, p50 {:.1} ms, p99 {:.1} ms; round 2: p50 {:.1} ms, p99 {:.1} ms; RSS start {rss0} kB, after round 1 {rss1} kB, after round 2 {rss2} kB",
+        percentile(&lat1, 0.5),
+        percentile(&lat1, 0.99),
+        percentile(&lat2, 0.5),
+        percentile(&lat2, 0.99),
+    );
+    // No growth across runs beyond allocator noise.
+    assert!(
+        rss2 < rss1 + 32 * 1024,
+        "RSS grew from {rss1} kB to {rss2} kB"
+    );
+}
+
+#[test]
+fn startup_errors_are_one_line() {
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .arg("serve")
+            .args(args)
+            .env_remove("DFLASH_API_KEY")
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?}");
+        String::from_utf8_lossy(&o.stderr).to_string()
+    };
+    let e = run(&[]);
+    assert!(e.contains("--model is required"), "{e}");
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    let bare = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dflash/tests/fixtures/targets/qwen3");
+    let e = run(&["--model", bare.to_str().unwrap(), "--port", "0"]);
+    assert!(e.contains("no tokenizer.json"), "{e}");
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    // the port is taken
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    let port = s.addr.rsplit(':').next().unwrap().to_string();
+    let e = run(&["--model", m.target.to_str().unwrap(), "--port", &port]);
+    assert!(e.contains(&format!("binding 127.0.0.1:{port}")), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+}

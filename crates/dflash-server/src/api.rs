@@ -1,0 +1,580 @@
+//! The OpenAI wire format: error objects, request parsing and validation (every bad input is
+//! a 4xx naming the field), and the response / stream chunk bodies.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use dflash::chat::ChatMessage;
+use dflash::sampling::SamplingParams;
+use dflash::stats::GenerationStats;
+use serde_json::{json, Map, Value};
+
+/// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    pub retry_after_s: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after_s: None,
+        }
+    }
+    /// 400 naming the offending field.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message);
+        e.param = Some(param.to_string());
+        e
+    }
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, json_body(&self.body())).into_response();
+        if let Some(s) = self.retry_after_s {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+/// A JSON response body with its content type.
+pub fn json_body(v: &Value) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        serde_json::to_string(v).expect("json"),
+    )
+        .into_response()
+}
+
+/// Typed access to the fields of a request object, naming the field on error.
+pub struct Fields<'a>(pub &'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    fn get(&self, k: &str) -> Option<&'a Value> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+    pub fn f32(&self, k: &str) -> Result<Option<f32>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64().map(|x| x as f32)),
+            Some(v) => Err(ApiError::invalid(
+                k,
+                format!("`{k}` must be a number, got {}", type_name(v)),
+            )),
+        }
+    }
+    pub fn i64(&self, k: &str) -> Result<Option<i64>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Number(n)) => match n.as_i64() {
+                Some(x) => Ok(Some(x)),
+                None if n.as_u64().is_some() => {
+                    Err(ApiError::invalid(k, format!("`{k}` is out of range: {n}")))
+                }
+                None => Err(ApiError::invalid(
+                    k,
+                    format!("`{k}` must be an integer, got {n}"),
+                )),
+            },
+            Some(v) => Err(ApiError::invalid(
+                k,
+                format!("`{k}` must be an integer, got {}", type_name(v)),
+            )),
+        }
+    }
+    pub fn bool(&self, k: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(ApiError::invalid(
+                k,
+                format!("`{k}` must be a boolean, got {}", type_name(v)),
+            )),
+        }
+    }
+    pub fn str(&self, k: &str) -> Result<Option<&'a str>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(ApiError::invalid(
+                k,
+                format!("`{k}` must be a string, got {}", type_name(v)),
+            )),
+        }
+    }
+    pub fn object(&self, k: &str) -> Result<Option<&'a Map<String, Value>>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Object(o)) => Ok(Some(o)),
+            Some(v) => Err(ApiError::invalid(
+                k,
+                format!("`{k}` must be an object, got {}", type_name(v)),
+            )),
+        }
+    }
+}
+
+pub fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// What the server knows about its model, for validation.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub model_names: Vec<String>,
+    pub vocab_size: usize,
+    pub max_context: usize,
+    pub max_tokens_default: usize,
+    pub max_stop: usize,
+}
+
+/// The fields shared by chat and completion requests, validated.
+#[derive(Debug, Clone)]
+pub struct Common {
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop_strings: Vec<String>,
+    pub stop_ids: Vec<u32>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub ignore_eos: bool,
+}
+
+/// Parse the body into a JSON object: malformed JSON and non-objects are 400s.
+pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(v) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!(
+                "the request body must be a JSON object, got {}",
+                type_name(&v)
+            ),
+        )),
+        Err(e) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!("invalid JSON in the request body: {e}"),
+        )
+        .with_code("invalid_json")),
+    }
+}
+
+pub fn parse_common(f: &Fields, lim: &Limits) -> Result<Common, ApiError> {
+    if let Some(m) = f.str("model")? {
+        if !lim.model_names.iter().any(|n| n == m) {
+            let mut e = ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found_error",
+                format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    lim.model_names[0]
+                ),
+            )
+            .with_code("model_not_found");
+            e.param = Some("model".into());
+            return Err(e);
+        }
+    }
+    if let Some(n) = f.i64("n")? {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` must be 1 (one choice per request), got {n}"),
+            ));
+        }
+    }
+    if let Some(n) = f.i64("best_of")? {
+        if n != 1 {
+            return Err(ApiError::invalid("best_of", "`best_of` must be 1"));
+        }
+    }
+    if f.bool("echo")? == Some(true) {
+        return Err(ApiError::invalid("echo", "`echo` is not supported"));
+    }
+    // `logprobs` is a boolean in chat and an integer in completions.
+    match f.0.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+        Some(Value::Number(n)) if n.as_u64() == Some(0) => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                "`logprobs` is not supported by this server",
+            ))
+        }
+    }
+    let max_tokens = match f.i64("max_completion_tokens")? {
+        Some(v) => Some(("max_completion_tokens", v)),
+        None => f.i64("max_tokens")?.map(|v| ("max_tokens", v)),
+    };
+    let max_tokens = match max_tokens {
+        None => None,
+        Some((k, v)) => {
+            if v < 1 || v as u64 > lim.max_context as u64 {
+                return Err(ApiError::invalid(
+                    k,
+                    format!(
+                        "`{k}` must be between 1 and the context size {}, got {v}",
+                        lim.max_context
+                    ),
+                ));
+            }
+            Some(v as usize)
+        }
+    };
+    let mut sp = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::default()
+    };
+    if let Some(t) = f.f32("temperature")? {
+        if !t.is_finite() || t < 0.0 {
+            return Err(ApiError::invalid(
+                "temperature",
+                format!("`temperature` must be a number >= 0, got {t}"),
+            ));
+        }
+        sp.temperature = t;
+    }
+    if let Some(p) = f.f32("top_p")? {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(ApiError::invalid(
+                "top_p",
+                format!("`top_p` must be in (0, 1], got {p}"),
+            ));
+        }
+        sp.top_p = p;
+    }
+    if let Some(k) = f.i64("top_k")? {
+        if k < -1 {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` must be >= 0 (0 or -1 = off), got {k}"),
+            ));
+        }
+        sp.top_k = k.max(0) as usize;
+    }
+    if let Some(m) = f.f32("min_p")? {
+        if !(0.0..=1.0).contains(&m) {
+            return Err(ApiError::invalid(
+                "min_p",
+                format!("`min_p` must be in [0, 1], got {m}"),
+            ));
+        }
+        sp.min_p = m;
+    }
+    if let Some(s) = f.i64("seed")? {
+        sp.seed = s as u64;
+    } else {
+        // No seed: a different sample each request.
+        sp.seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+    }
+    sp.validate()
+        .map_err(|e| ApiError::invalid("sampling", e.to_string()))?;
+
+    let mut stop_strings = Vec::new();
+    let mut stop_ids = Vec::new();
+    let mut add_stop = |v: &Value, param: &str| -> Result<(), ApiError> {
+        match v {
+            Value::String(s) if s.is_empty() => {
+                Err(ApiError::invalid(param, "stop strings must not be empty"))
+            }
+            Value::String(s) => {
+                stop_strings.push(s.clone());
+                Ok(())
+            }
+            Value::Number(n) => match n.as_u64() {
+                Some(id) if (id as usize) < lim.vocab_size => {
+                    stop_ids.push(id as u32);
+                    Ok(())
+                }
+                _ => Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "stop token ids must be integers in [0, {}), got {n}",
+                        lim.vocab_size
+                    ),
+                )),
+            },
+            v => Err(ApiError::invalid(
+                param,
+                format!(
+                    "`{param}` entries must be strings or token ids, got {}",
+                    type_name(v)
+                ),
+            )),
+        }
+    };
+    match f.0.get("stop") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) => {
+            for v in a {
+                add_stop(v, "stop")?;
+            }
+        }
+        Some(v @ Value::String(_)) => add_stop(v, "stop")?,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "stop",
+                format!(
+                    "`stop` must be a string or an array of strings, got {}",
+                    type_name(v)
+                ),
+            ))
+        }
+    }
+    match f.0.get("stop_token_ids") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) => {
+            for v in a {
+                if !v.is_number() {
+                    return Err(ApiError::invalid(
+                        "stop_token_ids",
+                        "`stop_token_ids` must be an array of integers",
+                    ));
+                }
+                add_stop(v, "stop_token_ids")?;
+            }
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop_token_ids",
+                "`stop_token_ids` must be an array of integers",
+            ))
+        }
+    }
+    if stop_strings.len() + stop_ids.len() > lim.max_stop {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {} stop sequences", lim.max_stop),
+        ));
+    }
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.object("stream_options")? {
+        Some(o) => Fields(o)
+            .bool("include_usage")
+            .map_err(|e| ApiError::invalid("stream_options.include_usage", e.message))?
+            .unwrap_or(false),
+        None => false,
+    };
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    Ok(Common {
+        max_tokens,
+        sampling: sp,
+        stop_strings,
+        stop_ids,
+        stream,
+        include_usage,
+        ignore_eos,
+    })
+}
+
+/// `messages`: a non-empty array of `{role, content}`; content is a string or text parts.
+pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
+    let arr = match f.0.get("messages") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("messages", "`messages` is required"))
+        }
+        Some(Value::Array(a)) => a,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "messages",
+                format!("`messages` must be an array, got {}", type_name(v)),
+            ))
+        }
+    };
+    if arr.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` must contain at least one message",
+        ));
+    }
+    let mut out = Vec::with_capacity(arr.len());
+    for (i, m) in arr.iter().enumerate() {
+        let o = m.as_object().ok_or_else(|| {
+            ApiError::invalid(
+                &format!("messages[{i}]"),
+                format!("`messages[{i}]` must be an object, got {}", type_name(m)),
+            )
+        })?;
+        let role = match o.get("role") {
+            Some(Value::String(r)) => r.as_str(),
+            _ => {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].role"),
+                    format!("`messages[{i}].role` must be a string"),
+                ))
+            }
+        };
+        let role = match role {
+            "developer" => "system",
+            r @ ("system" | "user" | "assistant" | "tool") => r,
+            r => {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].role"),
+                    format!(
+                        "`messages[{i}].role` must be system, user, assistant or tool, got `{r}`"
+                    ),
+                ))
+            }
+        };
+        let p = format!("messages[{i}].content");
+        let content = match o.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            None | Some(Value::Null) if role == "assistant" => String::new(),
+            Some(Value::Array(parts)) => {
+                let mut s = String::new();
+                for part in parts {
+                    match (
+                        part.get("type").and_then(Value::as_str),
+                        part.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => s.push_str(t),
+                        (ty, _) => {
+                            return Err(ApiError::invalid(
+                                &p,
+                                format!(
+                                    "`{p}` parts must be {{\"type\": \"text\", \"text\": ...}}, got type {}",
+                                    ty.unwrap_or("(none)")
+                                ),
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+            Some(v) => {
+                return Err(ApiError::invalid(
+                    &p,
+                    format!(
+                        "`{p}` must be a string or an array of text parts, got {}",
+                        type_name(v)
+                    ),
+                ))
+            }
+            None => return Err(ApiError::invalid(&p, format!("`{p}` is required"))),
+        };
+        out.push(ChatMessage::new(role, content));
+    }
+    Ok(out)
+}
+
+/// `prompt` of /v1/completions: a string, a one-element array of a string, or token ids.
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+pub fn parse_prompt(f: &Fields, vocab: usize) -> Result<Prompt, ApiError> {
+    let bad_id = |n: &Value| {
+        ApiError::invalid(
+            "prompt",
+            format!("prompt token ids must be integers in [0, {vocab}), got {n}"),
+        )
+    };
+    match f.0.get("prompt") {
+        None | Some(Value::Null) => Err(ApiError::invalid("prompt", "`prompt` is required")),
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Ok(Prompt::Text(a[0].as_str().unwrap().to_string()))
+        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) && !a.is_empty() => {
+            let mut ids = Vec::with_capacity(a.len());
+            for n in a {
+                match n.as_u64() {
+                    Some(id) if (id as usize) < vocab => ids.push(id as u32),
+                    _ => return Err(bad_id(n)),
+                }
+            }
+            Ok(Prompt::Ids(ids))
+        }
+        Some(Value::Array(a)) if a.is_empty() => {
+            Err(ApiError::invalid("prompt", "`prompt` must not be empty"))
+        }
+        Some(Value::Array(_)) => Err(ApiError::invalid(
+            "prompt",
+            "`prompt` must be a string, one string in an array, or an array of token ids (batches of prompts are not supported)",
+        )),
+        Some(v) => Err(ApiError::invalid(
+            "prompt",
+            format!("`prompt` must be a string or an array of token ids, got {}", type_name(v)),
+        )),
+    }
+}
+
+/// Why a generation ended and what it cost.
+#[derive(Debug, Clone)]
+pub struct Finish {
+    /// OpenAI's: "stop" or "length".
+    pub finish_reason: &'static str,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub stats: GenerationStats,
+    pub timed_out: bool,
+    pub stopped_by: Option<String>,
+}
+
+pub fn usage(f: &Finish) -> Value {
+    json!({
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+    })
+}
+
+/// The `dflash` extension object.
+pub fn dflash_ext(f: &Finish) -> Value {
+    let s = &f.stats;
+    let mut v = json!({
+        "mode": s.mode,
+        "block_size": s.block_size,
+        "tau": s.tau,
+        "acceptance_ratio": s.acceptance_ratio,
+        "decode_tok_s": s.decode_tok_s,
+        "prefill_tok_s": s.prefill_tok_s,
+        "ttft_ms": s.ttft_ms,
+        "cycles": s.cycles,
+        "engine_finish_reason": s.finish_reason,
+    });
+    if f.timed_out {
+        v["timed_out"] = true.into();
+    }
+    if let Some(st) = &f.stopped_by {
+        v["stop"] = st.clone().into();
+    }
+    v
+}

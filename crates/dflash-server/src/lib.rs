@@ -1,0 +1,745 @@
+//! `dflash serve`: an OpenAI-compatible HTTP server over the dflash engine.
+//!
+//! ```text
+//! HTTP (axum, tokio) -- parse + validate + tokenize --> bounded queue --> engine thread
+//!       ^                                                              (one generation at a time,
+//!       +---------- text deltas / finish / error (per-request channel) -- detokenize, stop strings)
+//! ```
+//! The engine is synchronous and CPU-bound: it runs on its own OS thread, never on the async
+//! runtime. A full queue is a 503 with Retry-After. A client that goes away closes its
+//! channel; the engine's token callback sees that and stops within one decode cycle.
+
+pub mod api;
+pub mod metrics;
+pub mod worker;
+
+use crate::api::{
+    dflash_ext, json_body, parse_common, parse_messages, parse_object, parse_prompt, usage,
+    ApiError, Common, Fields, Finish, Limits, Prompt,
+};
+use crate::metrics::Metrics;
+use crate::worker::{Control, Event, Job};
+use anyhow::{Context, Result};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use dflash::chat::ChatTemplate;
+use dflash::engine::GenerateRequest;
+use dflash::pipeline::{Pipeline, PipelineOptions};
+use dflash::tokenizer::Tokenizer;
+use serde_json::{json, Map, Value};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// Everything `dflash serve` is configured with.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub pipeline: PipelineOptions,
+    /// The id clients use in `model` and see in /v1/models; None = the model spec.
+    pub served_model_name: Option<String>,
+    pub host: String,
+    pub port: u16,
+    /// max_tokens when a request gives none.
+    pub max_tokens_default: usize,
+    /// Verify block size; None = the draft's.
+    pub block_size: Option<usize>,
+    /// Bearer token required on /v1/* when set.
+    pub api_key: Option<String>,
+    /// Requests that may wait for the engine besides the one running; more get 503.
+    pub max_queue: usize,
+    /// Queue wait + generation; a generation past it stops (finish_reason "length",
+    /// `dflash.timed_out`), a request still queued gets 504.
+    pub request_timeout: Duration,
+    pub max_body_bytes: usize,
+    /// After SIGTERM / ctrl-c: how long the running generation may go on before it is
+    /// cancelled. Queued requests are refused with 503 at once.
+    pub shutdown_grace: Duration,
+}
+
+impl ServerConfig {
+    pub fn new(pipeline: PipelineOptions) -> Self {
+        Self {
+            pipeline,
+            served_model_name: None,
+            host: "127.0.0.1".into(),
+            port: 8000,
+            max_tokens_default: 256,
+            block_size: None,
+            api_key: None,
+            max_queue: 64,
+            request_timeout: Duration::from_secs(600),
+            max_body_bytes: 4 << 20,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Shared state of the HTTP side.
+pub struct App {
+    cfg: ServerConfig,
+    limits: Limits,
+    model_name: String,
+    tokenizer: Tokenizer,
+    template: Option<Arc<ChatTemplate>>,
+    stop_ids: Vec<u32>,
+    jobs: SyncSender<Job>,
+    metrics: Arc<Metrics>,
+    control: Arc<Control>,
+    started: u64,
+    next_id: AtomicU64,
+    draft_name: Option<String>,
+    block_size: usize,
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Loads the model and starts the engine thread. Returns the state to serve and the thread.
+pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>)> {
+    let p = Pipeline::load(&cfg.pipeline)?;
+    let Pipeline {
+        engine,
+        tokenizer,
+        template,
+        stop_ids,
+        model_name,
+        draft_name,
+        ..
+    } = p;
+    let tokenizer = tokenizer.with_context(|| {
+        format!(
+            "model {model_name} has no tokenizer.json: the server needs one to read and write text"
+        )
+    })?;
+    let vocab_size = engine.target.info().vocab_size;
+    let max_context = engine.max_context;
+    let block_size = match (&engine.draft, cfg.block_size) {
+        (None, _) => 1,
+        (Some(d), None) => d.block_size(),
+        (Some(_), Some(b)) => b.max(1),
+    };
+    let served = cfg.served_model_name.clone().unwrap_or(model_name.clone());
+    let mut names = vec![served.clone()];
+    if model_name != served {
+        names.push(model_name.clone());
+    }
+    let limits = Limits {
+        model_names: names,
+        vocab_size,
+        max_context,
+        max_tokens_default: cfg.max_tokens_default,
+        max_stop: 16,
+    };
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(cfg.max_queue);
+    let metrics = Arc::new(Metrics::default());
+    let control = Arc::new(Control::default());
+    let thread = {
+        let (m, c, t) = (metrics.clone(), control.clone(), tokenizer.clone());
+        std::thread::Builder::new()
+            .name("dflash-engine".into())
+            .spawn(move || worker::run(engine, t, rx, m, c))?
+    };
+    let app = Arc::new(App {
+        cfg,
+        limits,
+        model_name: served,
+        tokenizer,
+        template: template.map(Arc::new),
+        stop_ids,
+        jobs: tx,
+        metrics,
+        control,
+        started: now_s(),
+        next_id: AtomicU64::new(1),
+        draft_name,
+        block_size,
+    });
+    Ok((app, thread))
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(app)
+}
+
+/// Binds, serves until `shutdown` resolves, then drains: the running generation gets
+/// `shutdown_grace` to finish before it is cancelled.
+pub async fn serve(
+    app: Arc<App>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let control = app.control.clone();
+    let grace = app.cfg.shutdown_grace;
+    let signal = async move {
+        shutdown.await;
+        eprintln!("dflash serve: shutting down (running generation gets {grace:?})");
+        control.draining.store(true, Ordering::SeqCst);
+        let c = control.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            c.cancel_running.store(true, Ordering::SeqCst);
+        });
+    };
+    axum::serve(listener, router(app))
+        .with_graceful_shutdown(signal)
+        .await
+        .context("serving HTTP")
+}
+
+/// SIGTERM or ctrl-c.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// `dflash serve`: load, bind, print the address, serve until SIGTERM / ctrl-c.
+pub fn run(cfg: ServerConfig) -> Result<()> {
+    let (host, port) = (cfg.host.clone(), cfg.port);
+    let (app, engine_thread) = start(cfg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let listener = TcpListener::bind((host.as_str(), port))
+            .await
+            .with_context(|| format!("binding {host}:{port}"))?;
+        let addr = listener.local_addr()?;
+        eprintln!(
+            "dflash serve: model `{}` listening on http://{addr}",
+            app.model_name
+        );
+        serve(app, listener, shutdown_signal()).await
+    })?;
+    // The router (and with it the queue's sender) is gone: the engine thread ends.
+    let _ = engine_thread.join();
+    eprintln!("dflash serve: stopped");
+    Ok(())
+}
+
+// ---- handlers ----
+
+fn record(app: &App, endpoint: &str, r: Response) -> Response {
+    app.metrics.request(endpoint, r.status().as_u16());
+    r
+}
+
+fn fail(app: &App, endpoint: &str, e: ApiError) -> Response {
+    app.metrics.error(e.kind);
+    record(app, endpoint, e.into_response())
+}
+
+fn check_auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &app.cfg.api_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    if given == Some(key.as_str()) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        if given.is_none() {
+            "missing API key: send `Authorization: Bearer <key>`"
+        } else {
+            "invalid API key"
+        },
+    )
+    .with_code("invalid_api_key"))
+}
+
+async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
+    let limit = app.cfg.max_body_bytes;
+    axum::body::to_bytes(body, limit).await.map_err(|_| {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("the request body is larger than {limit} bytes (or could not be read)"),
+        )
+        .with_code("request_too_large")
+    })
+}
+
+async fn not_found() -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        "no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics",
+    )
+    .into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method not allowed on this endpoint",
+    )
+    .into_response()
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    let draining = app.control.draining.load(Ordering::SeqCst);
+    let status = if draining {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    let v = json!({
+        "status": if draining { "shutting_down" } else { "ok" },
+        "model": app.model_name,
+        "queue_depth": app.metrics.queue_depth().max(0),
+    });
+    let mut r = json_body(&v);
+    *r.status_mut() = status;
+    record(&app, "/health", r)
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    app.metrics.request("/metrics", 200);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_auth(&app, &headers) {
+        return fail(&app, "/v1/models", e);
+    }
+    let v = json!({"object": "list", "data": [{
+        "id": app.model_name,
+        "object": "model",
+        "created": app.started,
+        "owned_by": "dflash",
+        "max_model_len": app.limits.max_context,
+        "dflash": {"draft": app.draft_name, "block_size": app.block_size},
+    }]});
+    record(&app, "/v1/models", json_body(&v))
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn endpoint(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
+}
+
+async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    handle(app, Kind::Chat, headers, body).await
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    handle(app, Kind::Completion, headers, body).await
+}
+
+/// A validated request, ready for the engine.
+struct Prepared {
+    common: Common,
+    prompt_ids: Vec<u32>,
+    max_tokens: usize,
+}
+
+/// Parse, validate and tokenize (CPU work: runs on the blocking pool).
+fn prepare(app: &App, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
+    let obj = parse_object(body)?;
+    let f = Fields(&obj);
+    let common = parse_common(&f, &app.limits)?;
+    let (prompt_ids, param) = match kind {
+        Kind::Chat => {
+            let msgs = parse_messages(&f)?;
+            let kwargs: Map<String, Value> = f
+                .object("chat_template_kwargs")?
+                .cloned()
+                .unwrap_or_default();
+            let enable_thinking = match kwargs.get("enable_thinking") {
+                None | Some(Value::Null) => None,
+                Some(Value::Bool(b)) => Some(*b),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "chat_template_kwargs.enable_thinking",
+                        "`chat_template_kwargs.enable_thinking` must be a boolean",
+                    ))
+                }
+            };
+            let ids = match &app.template {
+                Some(t) => {
+                    let text = t
+                        .render(&msgs, true, enable_thinking, &kwargs)
+                        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+                    app.tokenizer.encode(&text, false)
+                }
+                None => {
+                    let text: Vec<&str> = msgs.iter().map(|m| m.content.as_str()).collect();
+                    app.tokenizer.encode(&text.join("\n"), true)
+                }
+            }
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            (ids, "messages")
+        }
+        Kind::Completion => {
+            let ids = match parse_prompt(&f, app.limits.vocab_size)? {
+                Prompt::Ids(ids) => ids,
+                Prompt::Text(t) => app
+                    .tokenizer
+                    .encode(&t, true)
+                    .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+            };
+            (ids, "prompt")
+        }
+    };
+    if prompt_ids.is_empty() {
+        return Err(ApiError::invalid(
+            param,
+            format!("`{param}` encodes to no tokens: nothing to condition on"),
+        ));
+    }
+    let ctx = app.limits.max_context;
+    if prompt_ids.len() >= ctx {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "this model's context is {ctx} tokens; the prompt has {} tokens (at least one token must be generated); shorten `{param}`",
+                prompt_ids.len()
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let room = ctx - prompt_ids.len();
+    let max_tokens = common
+        .max_tokens
+        .unwrap_or(app.limits.max_tokens_default)
+        .min(room);
+    Ok(Prepared {
+        common,
+        prompt_ids,
+        max_tokens,
+    })
+}
+
+async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
+    let ep = kind.endpoint();
+    if let Err(e) = check_auth(&app, &headers) {
+        return fail(&app, ep, e);
+    }
+    if app.control.draining.load(Ordering::SeqCst) {
+        return fail(&app, ep, worker::shutting_down());
+    }
+    let bytes = match read_body(&app, body).await {
+        Ok(b) => b,
+        Err(e) => return fail(&app, ep, e),
+    };
+    let a = app.clone();
+    let prepared = match tokio::task::spawn_blocking(move || prepare(&a, kind, &bytes)).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => return fail(&app, ep, e),
+        Err(_) => {
+            return fail(
+                &app,
+                ep,
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "request parsing failed unexpectedly",
+                ),
+            )
+        }
+    };
+    let Prepared {
+        common,
+        prompt_ids,
+        max_tokens,
+    } = prepared;
+    let mut stop_ids = if common.ignore_eos {
+        vec![]
+    } else {
+        app.stop_ids.clone()
+    };
+    stop_ids.extend(&common.stop_ids);
+    let req = GenerateRequest {
+        prompt_ids,
+        max_tokens,
+        sampling: common.sampling.clone(),
+        stop_ids,
+        block_size: app.cfg.block_size,
+        adaptive: true,
+        trace: false,
+    };
+    let (tx, rx) = unbounded_channel();
+    let timeout = app.cfg.request_timeout;
+    let job = Job {
+        req,
+        stop_strings: common.stop_strings.clone(),
+        deadline: Instant::now() + timeout,
+        events: tx,
+    };
+    app.metrics.enqueued();
+    match app.jobs.try_send(job) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => {
+            app.metrics.dequeued();
+            app.metrics.rejected_full();
+            let mut e = ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_overloaded",
+                format!(
+                    "the engine is busy and {} requests are already waiting; retry later",
+                    app.cfg.max_queue
+                ),
+            )
+            .with_code("queue_full");
+            e.retry_after_s = Some(1);
+            return fail(&app, ep, e);
+        }
+        Err(TrySendError::Disconnected(_)) => {
+            app.metrics.dequeued();
+            return fail(&app, ep, worker::shutting_down());
+        }
+    }
+    let id = format!(
+        "{}-{:x}{:04x}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        app.started,
+        app.next_id.fetch_add(1, Ordering::Relaxed)
+    );
+    let ctx = ChunkCtx {
+        id,
+        created: now_s(),
+        model: app.model_name.clone(),
+        kind,
+        include_usage: common.include_usage,
+    };
+    if common.stream {
+        app.metrics.request(ep, 200);
+        return stream_response(ctx, rx);
+    }
+    collect_response(app, ctx, rx, timeout).await
+}
+
+async fn collect_response(
+    app: Arc<App>,
+    ctx: ChunkCtx,
+    mut rx: UnboundedReceiver<Event>,
+    timeout: Duration,
+) -> Response {
+    let ep = ctx.kind.endpoint();
+    let mut text = String::new();
+    let wait = async {
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Text(t) => text.push_str(&t),
+                Event::Done(f) => return Ok(f),
+                Event::Error(e) => return Err(e),
+            }
+        }
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the engine dropped the request",
+        ))
+    };
+    // The engine enforces the deadline itself; this only guards against a stuck queue.
+    let r = match tokio::time::timeout(timeout + Duration::from_secs(5), wait).await {
+        Ok(r) => r,
+        Err(_) => Err(worker::timeout_error()),
+    };
+    match r {
+        Ok(f) => {
+            let v = ctx.full(&text, &f);
+            record(&app, ep, json_body(&v))
+        }
+        Err(e) => fail(&app, ep, e),
+    }
+}
+
+/// What every chunk of one response shares.
+struct ChunkCtx {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+    include_usage: bool,
+}
+
+impl ChunkCtx {
+    fn full(&self, text: &str, f: &Finish) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": f.finish_reason,
+            }),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": f.finish_reason,
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(f),
+            "dflash": dflash_ext(f),
+        })
+    }
+
+    fn chunk(&self, choices: Value) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    fn delta(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut d = json!({});
+                if role {
+                    d["role"] = "assistant".into();
+                }
+                if let Some(t) = text {
+                    d["content"] = t.into();
+                }
+                json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Completion => json!({
+                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish,
+            }),
+        };
+        self.chunk(json!([choice]))
+    }
+
+    /// SSE events for one engine event.
+    fn events(&self, ev: Event, out: &mut VecDeque<SseEvent>) {
+        let data = |v: Value| SseEvent::default().data(v.to_string());
+        match ev {
+            Event::Text(t) => out.push_back(data(self.delta(Some(&t), false, None))),
+            Event::Done(f) => {
+                let mut last = self.delta(None, false, Some(f.finish_reason));
+                last["dflash"] = dflash_ext(&f);
+                out.push_back(data(last));
+                if self.include_usage {
+                    let mut u = self.chunk(json!([]));
+                    u["usage"] = usage(&f);
+                    u["dflash"] = dflash_ext(&f);
+                    out.push_back(data(u));
+                }
+                out.push_back(SseEvent::default().data("[DONE]"));
+            }
+            Event::Error(e) => {
+                out.push_back(data(e.body()));
+                out.push_back(SseEvent::default().data("[DONE]"));
+            }
+        }
+    }
+}
+
+fn stream_response(ctx: ChunkCtx, mut rx: UnboundedReceiver<Event>) -> Response {
+    let mut buf: VecDeque<SseEvent> = VecDeque::new();
+    if ctx.kind == Kind::Chat {
+        buf.push_back(SseEvent::default().data(ctx.delta(Some(""), true, None).to_string()));
+    }
+    let mut ended = false;
+    // The stream owns the receiver: when the client goes away the response body (and the
+    // receiver) is dropped, and the engine stops at its next callback.
+    let stream = futures_util::stream::poll_fn(move |cx| loop {
+        if let Some(e) = buf.pop_front() {
+            return Poll::Ready(Some(Ok::<_, std::convert::Infallible>(e)));
+        }
+        if ended {
+            return Poll::Ready(None);
+        }
+        match rx.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Some(ev)) => {
+                if matches!(ev, Event::Done(_) | Event::Error(_)) {
+                    ended = true;
+                }
+                ctx.events(ev, &mut buf);
+            }
+            Poll::Ready(None) => {
+                ended = true;
+                ctx.events(
+                    Event::Error(ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        "the engine dropped the request",
+                    )),
+                    &mut buf,
+                );
+            }
+        }
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
+        .into_response()
+}
