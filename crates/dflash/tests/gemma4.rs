@@ -187,6 +187,7 @@ fn gemma4_bf16_runs() {
         let opts = LoadOptions {
             dtype: candle_core::DType::BF16,
             device: candle_core::Device::Cpu,
+            keep_quant: false,
         };
         let m = load_target(&src, &opts).unwrap().1;
         let mut c = m.new_cache(ids.len()).unwrap();
@@ -424,6 +425,7 @@ fn gemma4_cuda_matches_transformers() {
             let opts = LoadOptions {
                 dtype: dt,
                 device: dev.clone(),
+                keep_quant: false,
             };
             let m = load_target(&src, &opts).unwrap().1;
             let tol = if dt == candle_core::DType::F32 {
