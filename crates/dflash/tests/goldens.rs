@@ -88,3 +88,8 @@ fn qwen3_moe_matches_transformers() {
 fn qwen3_moe_unnormalized_sparse_step_tied_matches_transformers() {
     check("qwen3_moe_nonorm");
 }
+
+#[test]
+fn gemma3_sliding_local_rope_softcap_matches_transformers() {
+    check("gemma3");
+}
