@@ -11,9 +11,14 @@ use std::io::Write;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// Target model: a local directory (HF layout) or a hub repo id (Org/Name).
+    /// Target model: a local directory (HF layout), a .gguf file, or a hub repo id (Org/Name).
+    /// Default: the demo model, SmolLM2-135M-Instruct (GGUF, fetched on first use).
     #[arg(long)]
-    pub model: String,
+    pub model: Option<String>,
+    /// GGUF: keep quantized weights in their stored type (no requantization to a type with a
+    /// fast multi-row CPU kernel).
+    #[arg(long)]
+    pub keep_quant: bool,
     /// DFlash draft: a local directory or a hub repo id. Without it: plain decoding.
     #[arg(long)]
     pub draft: Option<String>,
@@ -89,14 +94,16 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if a.trace && !a.json {
         bail!("--trace needs --json");
     }
+    let model = dflash::pipeline::resolve_model_spec(a.model.as_deref())?;
     let p = Pipeline::load(&PipelineOptions {
-        model: a.model.clone(),
+        model,
         draft: a.draft.clone(),
         dtype: a.dtype.clone(),
         device: a.device.clone(),
         max_context: None,
         no_draft: a.no_draft,
         require_draft: a.require_draft,
+        keep_quant: a.keep_quant,
     })?;
     for n in &p.notices {
         eprintln!("note: {n}");

@@ -54,13 +54,10 @@ pub struct ServeArgs {
     pub device: Option<String>,
 }
 
-/// The target to serve: `--model` when given. This is the one place that decides the
-/// default model.
+/// The target to serve: `--model`, or the demo default model when none is given.
+
 pub fn resolve_model_spec(model: Option<&str>) -> Result<String> {
-    match model {
-        Some(m) => Ok(m.to_string()),
-        None => bail!("--model is required: a local model directory or a hub repo id"),
-    }
+    Ok(dflash::pipeline::resolve_model_spec(model)?)
 }
 
 fn seconds(flag: &str, s: f64) -> Result<Duration> {
@@ -83,6 +80,7 @@ pub fn config(a: ServeArgs) -> Result<ServerConfig> {
         max_context: a.max_context,
         no_draft: false,
         require_draft: false,
+        keep_quant: false,
     });
     c.served_model_name = a.served_model_name;
     c.host = a.host;

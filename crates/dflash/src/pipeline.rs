@@ -27,6 +27,20 @@ pub struct PipelineOptions {
     pub no_draft: bool,
     /// Fail when no draft is given or registered.
     pub require_draft: bool,
+    /// GGUF: keep every quantized matrix in its stored type (no requantization at load).
+    pub keep_quant: bool,
+}
+
+/// The model to load: the user's `--model`, or the demo default (SmolLM2-135M-Instruct GGUF,
+/// fetched into the user cache on first use) when none is given.
+pub fn resolve_model_spec(model: Option<&str>) -> Result<String> {
+    match model {
+        Some(m) => Ok(m.to_string()),
+        None => {
+            let p = crate::source::demo_model_path()?;
+            Ok(p.display().to_string())
+        }
+    }
 }
 
 /// A loaded target (+ draft) and everything needed to turn text into ids and back.
@@ -89,7 +103,7 @@ impl Pipeline {
         let lo = LoadOptions {
             dtype,
             device: device.clone(),
-            keep_quant: false,
+            keep_quant: opts.keep_quant,
         };
         let src = ModelSource::resolve(&opts.model)?;
         let (target_config, target) = load_target(&src, &lo)?;
@@ -131,34 +145,51 @@ impl Pipeline {
             }
             None => None,
         };
-        let tokenizer = src
-            .tokenizer
-            .as_ref()
-            .map(Tokenizer::from_file)
-            .transpose()?;
-        let template = match &src.tokenizer_config {
-            Some(p) => match ChatTemplate::from_tokenizer_config(p) {
-                Ok(t) => Some(t),
-                Err(e) => {
-                    tracing::warn!("no usable chat template: {e}");
-                    None
-                }
-            },
-            None => None,
-        };
-        let mut stop_ids = match &tokenizer {
-            Some(t) => stop_token_ids_from_dir(t, &src.dir)?,
+        let (tokenizer, template, mut stop_ids) = match &src.gguf {
+            // GGUF: tokenizer, chat template and end-of-generation ids from the metadata.
+            Some(path) => {
+                let g = crate::source::gguf::GgufFile::open(path)?;
+                (
+                    Some(g.tokenizer()?),
+                    g.chat_template()?,
+                    g.stop_token_ids()?,
+                )
+            }
             None => {
-                let mut ids = target_config.eos_token_ids.clone();
-                if let Some(g) = &src.generation_config {
-                    let v = read_json(g)?;
-                    let name = g.display().to_string();
-                    let f = crate::config::Fields::new(&name, &v)?;
-                    ids.extend(f.opt_id_list("eos_token_id")?);
-                }
-                ids
+                let tokenizer = src
+                    .tokenizer
+                    .as_ref()
+                    .map(Tokenizer::from_file)
+                    .transpose()?;
+                let template = match &src.tokenizer_config {
+                    Some(p) => match ChatTemplate::from_tokenizer_config(p) {
+                        Ok(t) => Some(t),
+                        Err(e) => {
+                            notices.push(format!("no usable chat template: {e}"));
+                            None
+                        }
+                    },
+                    None => None,
+                };
+                let stop_ids = match &tokenizer {
+                    Some(t) => stop_token_ids_from_dir(t, &src.dir)?,
+                    None => {
+                        let mut ids = target_config.eos_token_ids.clone();
+                        if let Some(g) = &src.generation_config {
+                            let v = read_json(g)?;
+                            let name = g.display().to_string();
+                            let f = crate::config::Fields::new(&name, &v)?;
+                            ids.extend(f.opt_id_list("eos_token_id")?);
+                        }
+                        ids
+                    }
+                };
+                (tokenizer, template, stop_ids)
             }
         };
+        if let Some(q) = &target.info().quantization {
+            notices.push(format!("weights: {q}"));
+        }
         stop_ids.sort_unstable();
         stop_ids.dedup();
         let mut engine = Engine::new(target, draft);
