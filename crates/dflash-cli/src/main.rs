@@ -1,5 +1,6 @@
 //! The `dflash` command line: a thin surface over the `dflash` library.
 
+mod doctor;
 mod generate;
 mod models;
 mod serve;
@@ -18,6 +19,17 @@ struct Cli {
 enum Command {
     /// Generate text (or token ids) from a prompt, with or without a DFlash draft.
     Generate(generate::GenerateArgs),
+    /// What this build can do, and why a model would not run.
+    Doctor {
+        #[arg(long)]
+        model: Option<String>,
+        #[arg(long)]
+        draft: Option<String>,
+        #[arg(long)]
+        device: Option<String>,
+        #[arg(long)]
+        dtype: Option<String>,
+    },
     /// List the DFlash draft registry and whether this build supports each target family.
     Models {
         /// Print JSON instead of a table.
@@ -39,6 +51,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Command::Generate(a) => generate::run(a),
+        Command::Doctor {
+            model,
+            draft,
+            device,
+            dtype,
+        } => doctor::run(model, draft, device, dtype),
         Command::Models { json } => models::run(json),
         Command::Serve(a) => serve::run(a),
     };

