@@ -1,5 +1,6 @@
 //! The `dflash` command line: a thin surface over the `dflash` library.
 
+mod bench;
 mod generate;
 
 use clap::{Parser, Subcommand};
@@ -16,6 +17,8 @@ struct Cli {
 enum Command {
     /// Generate text (or token ids) from a prompt, with or without a DFlash draft.
     Generate(generate::GenerateArgs),
+    /// Benchmark DFlash against plain decoding (same engine): one pair, a matrix, or --micro.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Command::Generate(a) => generate::run(a),
+        Command::Bench(a) => bench::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
