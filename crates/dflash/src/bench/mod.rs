@@ -450,7 +450,11 @@ pub fn bench_pair(
         load_s: Some(t0.elapsed().as_secs_f64()),
         ..row
     };
-    match run_protocol(&p, prompts, opts, progress, &mut row) {
+    match encode_prompts(&p, prompts, opts) {
+        Ok(v) => row.prompts = v,
+        Err(e) => return row.fail(classify(&e, "prompt")),
+    }
+    match run_protocol(&p, opts, progress, &mut row) {
         Ok(()) => {}
         Err(e) => {
             let f = classify(&e, "generate");
@@ -469,35 +473,14 @@ pub fn bench_pair(
     row
 }
 
-/// Encode, warm up, run the repeats, aggregate.
+/// Warm up, run the repeats, aggregate (the prompts are in `row.prompts`).
 fn run_protocol(
     p: &Pipeline,
-    prompts: &[Prompt],
     opts: &BenchOptions,
     progress: &mut dyn Progress,
     row: &mut RowResult,
 ) -> Result<()> {
-    if prompts.is_empty() {
-        return Err(Error::input("no prompts"));
-    }
-    // Encode every prompt once; both modes use these very ids.
-    let mut encoded: Vec<Vec<u32>> = Vec::new();
-    for pr in prompts {
-        let ids = match (&pr.prompt_ids, &pr.text) {
-            (Some(ids), _) => ids.clone(),
-            (None, Some(text)) => p.encode_prompt(
-                &[ChatMessage::user(text.clone())],
-                true,
-                Some(opts.enable_thinking),
-            )?,
-            (None, None) => return Err(Error::input(format!("prompt {}: empty", pr.id))),
-        };
-        row.prompts.push(PromptRecord {
-            id: pr.id.clone(),
-            prompt_ids: ids.clone(),
-        });
-        encoded.push(ids);
-    }
+    let encoded: Vec<Vec<u32>> = row.prompts.iter().map(|p| p.prompt_ids.clone()).collect();
     let with_draft = p.engine.draft.is_some();
     let stop_ids = if opts.ignore_eos {
         vec![]
@@ -591,6 +574,43 @@ fn run_protocol(
     }
     aggregate(row, opts.temperature == 0.0);
     Ok(())
+}
+
+/// Encode every prompt once (token ids as given, else the first turn through the chat
+/// template with the thinking flag); both modes use these very ids.
+fn encode_prompts(
+    p: &Pipeline,
+    prompts: &[Prompt],
+    opts: &BenchOptions,
+) -> Result<Vec<PromptRecord>> {
+    if prompts.is_empty() {
+        return Err(Error::input("no prompts"));
+    }
+    let mut out = Vec::new();
+    for pr in prompts {
+        let ids = match (&pr.prompt_ids, &pr.text) {
+            (Some(ids), _) => ids.clone(),
+            (None, Some(text)) => {
+                if p.tokenizer.is_none() {
+                    return Err(Error::input(format!(
+                        "prompt {}: the model has no tokenizer.json; give `prompt_ids` in the prompts JSONL",
+                        pr.id
+                    )));
+                }
+                p.encode_prompt(
+                    &[ChatMessage::user(text.clone())],
+                    true,
+                    Some(opts.enable_thinking),
+                )?
+            }
+            (None, None) => return Err(Error::input(format!("prompt {}: empty", pr.id))),
+        };
+        out.push(PromptRecord {
+            id: pr.id.clone(),
+            prompt_ids: ids,
+        });
+    }
+    Ok(out)
 }
 
 /// Pooled tok/s of the runs of one repeat and mode.

@@ -220,8 +220,8 @@ pub fn markdown(s: &Summary) -> String {
             if !r.histogram.iter().any(|&c| c > 0) {
                 continue;
             }
-            let h: Vec<String> = r
-                .histogram
+            let last = r.histogram.iter().rposition(|&c| c > 0).unwrap_or(0);
+            let h: Vec<String> = r.histogram[..=last]
                 .iter()
                 .enumerate()
                 .skip(1)
