@@ -466,8 +466,8 @@ pub fn bench_pair(
         row.status = Status::NoDraft;
         row.failure = Some(Failure::new(
             Status::NoDraft,
-            "no draft for this target: baseline only",
-            "the row names no draft",
+            "baseline only (the row names no draft)",
+            "no draft for this target",
         ));
     }
     row
