@@ -744,7 +744,23 @@ pub fn bench_matrix(
             progress.phase(&format!("cooldown {:.0} s", opts.cooldown_s));
             std::thread::sleep(Duration::from_secs_f64(opts.cooldown_s));
         }
-        let row = bench_pair(spec, prompts, opts, progress);
+        // A panic inside one row (a kernel assertion, the protocol's own checks) becomes
+        // that row's error; the matrix goes on.
+        let row = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            bench_pair(spec, prompts, opts, &mut *progress)
+        }))
+        .unwrap_or_else(|e| {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panic".into());
+            RowResult::new(spec).fail(Failure::new(
+                Status::Error,
+                format!("panic: {msg}"),
+                msg.clone(),
+            ))
+        });
         progress.row_done(&row);
         rows.push(row);
     }
