@@ -1,5 +1,6 @@
 //! The `dflash` command line: a thin surface over the `dflash` library.
 
+mod bench;
 mod doctor;
 mod generate;
 mod models;
@@ -38,6 +39,8 @@ enum Command {
     },
     /// Serve the OpenAI API (chat completions, completions, models) over HTTP.
     Serve(serve::ServeArgs),
+    /// Benchmark DFlash against plain decoding (same engine): one pair, a matrix, or --micro.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         } => doctor::run(model, draft, device, dtype),
         Command::Models { json } => models::run(json),
         Command::Serve(a) => serve::run(a),
+        Command::Bench(a) => bench::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,6 +5,7 @@
 //! [`nn`] layers) -> [`draft`] (the block-diffusion draft) -> [`engine`] (decode loop) ->
 //! [`sampling`] / [`stats`]. Text in and out: [`tokenizer`], [`chat`].
 pub mod archs;
+pub mod bench;
 pub mod chat;
 pub mod config;
 pub mod draft;

