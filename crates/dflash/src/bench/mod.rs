@@ -33,7 +33,6 @@ pub use prompts::Prompt;
 use crate::archs::family_for;
 use crate::chat::ChatMessage;
 use crate::config::draft::DraftConfig;
-use crate::config::TargetConfig;
 use crate::engine::GenerateRequest;
 use crate::pipeline::{Pipeline, PipelineOptions};
 use crate::sampling::SamplingParams;
@@ -372,7 +371,7 @@ fn reset_peak_rss() {
 /// Cheap checks before loading, so that a failure names the model at fault.
 fn preflight(spec: &PairSpec) -> std::result::Result<(), Failure> {
     let target = ModelSource::resolve(&spec.model).map_err(|e| classify(&e, "target"))?;
-    let tcfg = TargetConfig::from_file(&target.config).map_err(|e| classify(&e, "target"))?;
+    let tcfg = target.target_config().map_err(|e| classify(&e, "target"))?;
     family_for(&tcfg).map_err(|e| classify(&e, "target"))?;
     if let Some(d) = &spec.draft {
         let dsrc = ModelSource::resolve(d).map_err(|e| classify(&e, "draft"))?;

@@ -7,8 +7,9 @@
 //! - acceptance per depth: `p[i]` = P(proposal i accepted | proposals 1..i-1 accepted),
 //!   from decayed counts with a weak prior.
 //! Expected tokens of a q-block: `E(q) = 1 + sum_{k=1}^{q-1} prod_{i<=k} p[i]`.
-//! Speculation is probed periodically while plain decoding wins (interval doubling from 8 to
-//! 64 plain steps), so a temporarily bad phase does not lock it off.
+//! Speculation is probed periodically while plain decoding wins (a 2-row block; the interval
+//! doubles from 8 to 128 plain steps), so a temporarily bad phase does not lock it off. The
+//! estimates persist across the generations of one engine (see `Engine`).
 
 use serde::Serialize;
 
@@ -44,18 +45,31 @@ impl Ewma {
             None => x,
         });
     }
-    /// Estimate at q from the measured points (linear interpolation, flat extrapolation).
+    /// Estimate at q from the measured points: linear interpolation between neighbours,
+    /// linear extrapolation from the two nearest measured points beyond them (flat when only
+    /// one point is known).
     fn at(&self, q: usize) -> Option<f64> {
         if let Some(x) = self.v[q] {
             return Some(x);
         }
-        let lo = (1..q).rev().find_map(|i| self.v[i].map(|x| (i, x)));
-        let hi = (q + 1..self.v.len()).find_map(|i| self.v[i].map(|x| (i, x)));
-        match (lo, hi) {
-            (Some((i, a)), Some((j, b))) => Some(a + (b - a) * (q - i) as f64 / (j - i) as f64),
-            (Some((_, a)), None) => Some(a),
-            (None, Some((_, b))) => Some(b),
-            (None, None) => None,
+        let below: Vec<(usize, f64)> = (1..q)
+            .rev()
+            .filter_map(|i| self.v[i].map(|x| (i, x)))
+            .take(2)
+            .collect();
+        let above: Vec<(usize, f64)> = (q + 1..self.v.len())
+            .filter_map(|i| self.v[i].map(|x| (i, x)))
+            .take(2)
+            .collect();
+        let line = |(i, a): (usize, f64), (j, b): (usize, f64)| {
+            a + (b - a) * (q as f64 - i as f64) / (j as f64 - i as f64)
+        };
+        match (below.as_slice(), above.as_slice()) {
+            ([lo, ..], [hi, ..]) => Some(line(*lo, *hi)),
+            ([hi, lo], []) => Some(line(*lo, *hi).max(hi.1)),
+            ([only], []) | ([], [only]) => Some(only.1),
+            ([], [lo, hi]) => Some(line(*lo, *hi).max(0.0)),
+            _ => None,
         }
     }
 }
@@ -73,6 +87,9 @@ pub struct AdaptivePolicy {
     cycles: usize,
 }
 
+/// Block size of the warm-up cycle.
+const WARMUP_Q: usize = 4;
+
 /// Decay of the acceptance counts per observed cycle (a half-life of ~14 cycles).
 const DECAY: f64 = 0.95;
 
@@ -87,6 +104,10 @@ impl AdaptivePolicy {
             probe_interval: 8,
             cycles: 0,
         }
+    }
+
+    pub fn max_q(&self) -> usize {
+        self.max_q
     }
 
     /// Conditional acceptance at depth i (1-based), with a weak prior of 0.5.
@@ -119,10 +140,10 @@ impl AdaptivePolicy {
         if limit == 1 {
             return (1, Reason::Model);
         }
-        // Warm-up: one full block (costs + acceptance), then one plain step (its cost).
-        if self.verify.v[self.max_q].is_none() && self.verify.v.iter().skip(2).all(|x| x.is_none())
-        {
-            return (limit, Reason::Warmup);
+        // Warm-up: one small block (a first cost and acceptance point; a full block can cost
+        // several plain steps on a CPU), then one plain step (its cost).
+        if self.verify.v.iter().skip(2).all(|x| x.is_none()) {
+            return (limit.min(WARMUP_Q), Reason::Warmup);
         }
         if self.verify.v[1].is_none() {
             return (1, Reason::Warmup);
@@ -141,9 +162,10 @@ impl AdaptivePolicy {
                 self.plain_streak += 1;
                 if self.plain_streak >= self.probe_interval {
                     self.plain_streak = 0;
-                    self.probe_interval = (self.probe_interval * 2).min(64);
-                    // probe with the q the model likes best among speculative sizes
-                    (best.map_or(limit, |b| b.0), Reason::Probe)
+                    self.probe_interval = (self.probe_interval * 2).min(128);
+                    // the cheapest probe (one draft token) refreshes the first acceptance depth,
+                    // the one that decides whether speculation can pay at all
+                    (2, Reason::Probe)
                 } else {
                     (1, Reason::PlainFaster)
                 }

@@ -85,6 +85,9 @@ pub struct Engine {
     pub draft: Option<DraftModel>,
     /// Largest context (prompt + generated) a generation may reach.
     pub max_context: usize,
+    /// The adaptive policy's cost and acceptance estimates, kept across generations (costs
+    /// are a property of the machine and model; decayed acceptance follows the prompt).
+    policy: std::sync::Mutex<Option<AdaptivePolicy>>,
 }
 
 impl Engine {
@@ -94,6 +97,7 @@ impl Engine {
             target,
             draft,
             max_context,
+            policy: std::sync::Mutex::new(None),
         }
     }
 
@@ -156,7 +160,8 @@ impl Engine {
         let prefill_s = t0.elapsed().as_secs_f64();
         stats.ttft_ms = prefill_s * 1e3;
         stats.prefill_tok_s = p as f64 / prefill_s;
-        let mut ctx_rows: Option<Tensor> = pre.taps;
+        // Taps of committed positions not yet given to the draft (concatenated at its next call).
+        let mut ctx_rows: Vec<Tensor> = pre.taps.into_iter().collect();
         let mut start = p;
         let mut last = first;
         let mut draft_tokens = 0usize;
@@ -190,9 +195,10 @@ impl Engine {
             if let (Some(d), Some(dc), true) = (draft, dcache.as_mut(), q > 1) {
                 let td = Instant::now();
                 block.resize(q, d.mask_token_id());
-                let ctx = ctx_rows
-                    .take()
-                    .expect("context rows from the previous step");
+                let ctx = match ctx_rows.len() {
+                    1 => ctx_rows.pop().expect("one"),
+                    _ => Tensor::cat(&std::mem::take(&mut ctx_rows), 0)?,
+                };
                 let props = d.propose(target, &ctx, &block, start, dc)?;
                 block[1..].copy_from_slice(&props);
                 let dt = td.elapsed().as_secs_f64();
@@ -219,11 +225,7 @@ impl Engine {
             if let Some(t) = fw.taps {
                 // Taps of the committed rows 0..=a become the draft's next context rows (a
                 // single-token step without a draft call keeps accumulating them).
-                let new = t.narrow(0, 0, a + 1)?;
-                ctx_rows = Some(match ctx_rows.take() {
-                    Some(prev) => Tensor::cat(&[&prev, &new], 0)?,
-                    None => new,
-                });
+                ctx_rows.push(t.narrow(0, 0, a + 1)?);
             }
             if let Some(s) = steps.as_mut() {
                 s.push(StepTrace {
@@ -242,6 +244,9 @@ impl Engine {
             // Tokens cut after a stop were never committed: they do not count as drafted.
             draft_tokens += pushed.min(a);
             finish = f;
+        }
+        if let (Some(p), Ok(mut slot)) = (policy.take(), self.policy.lock()) {
+            *slot = Some(p);
         }
         let decode_s = (decode_t0.elapsed().as_secs_f64() - excluded_s).max(1e-9);
         stats.generated_tokens = out.len();

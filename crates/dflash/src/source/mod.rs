@@ -60,6 +60,14 @@ impl ModelSource {
         )))
     }
 
+    /// The target config: `config.json`, or the GGUF metadata mapped onto it.
+    pub fn target_config(&self) -> Result<crate::config::TargetConfig> {
+        match &self.gguf {
+            Some(p) => gguf::GgufFile::open(p)?.target_config(),
+            None => crate::config::TargetConfig::from_file(&self.config),
+        }
+    }
+
     /// A local directory in Hugging Face layout.
     pub fn from_dir(spec: &str, dir: &Path) -> Result<Self> {
         let config = dir.join("config.json");
