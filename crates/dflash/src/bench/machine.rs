@@ -16,7 +16,8 @@ pub struct Machine {
     /// `cpu`, `cuda:0`, ...
     pub device: String,
     pub dtype: String,
-    /// Weight quantization; this engine loads safetensors in `dtype`, so `none`.
+    /// Weight quantization of safetensors models (`none`); GGUF rows record theirs in the
+    /// row's `quantization`.
     pub quantization: String,
     /// `git rev-parse HEAD` of the working directory (plus `-dirty`), when available.
     pub git_commit: Option<String>,
@@ -67,7 +68,7 @@ impl Machine {
             os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
             device: device.into(),
             dtype: dtype.into(),
-            quantization: "none".into(),
+            quantization: "none (safetensors); GGUF: per row".into(),
             git_commit,
             versions,
         }

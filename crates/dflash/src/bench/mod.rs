@@ -256,6 +256,9 @@ pub struct RowResult {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<Failure>,
     pub block_size: Option<usize>,
+    /// Target weight quantization as loaded (e.g. "Q4_1->Q8_0 x210"), None for dense.
+    #[serde(default)]
+    pub quantization: Option<String>,
     pub load_s: Option<f64>,
     pub baseline_tok_s: Option<Spread>,
     pub dflash_tok_s: Option<Spread>,
@@ -299,6 +302,7 @@ impl RowResult {
             status: Status::Ok,
             failure: None,
             block_size: None,
+            quantization: None,
             load_s: None,
             baseline_tok_s: None,
             dflash_tok_s: None,
@@ -456,6 +460,7 @@ pub fn bench_pair(
     };
     let mut row = RowResult {
         load_s: Some(t0.elapsed().as_secs_f64()),
+        quantization: p.engine.target.info().quantization.clone(),
         ..row
     };
     match encode_prompts(&p, prompts, opts) {
