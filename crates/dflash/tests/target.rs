@@ -178,3 +178,105 @@ fn forward_errors_are_reported_not_panics() {
     assert!(e.contains("start position 3"), "{e}");
     assert_eq!(c.len(), 0);
 }
+
+#[test]
+fn sharded_checkpoint_with_index_loads_like_a_single_file() {
+    let spec = TinyTarget::qwen3(13);
+    let dir = tempfile::tempdir().unwrap();
+    spec.write(dir.path()).unwrap();
+    let single = load(dir.path());
+    // split into two shards + model.safetensors.index.json, as save_pretrained does
+    let st = candle_core::safetensors::load(
+        dir.path().join("model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let shard_dir = tempfile::tempdir().unwrap();
+    let mut names: Vec<&String> = st.keys().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", a),
+        ("model-00002-of-00002.safetensors", b),
+    ] {
+        let m: std::collections::HashMap<String, candle_core::Tensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), st[*n].clone()))
+            .collect();
+        candle_core::safetensors::save(&m, shard_dir.path().join(file)).unwrap();
+        for n in part.iter() {
+            map.insert((*n).clone(), file.into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        shard_dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    std::fs::copy(
+        dir.path().join("config.json"),
+        shard_dir.path().join("config.json"),
+    )
+    .unwrap();
+    let src = dflash::source::ModelSource::from_dir("sharded", shard_dir.path()).unwrap();
+    assert_eq!(src.weight_files.len(), 2);
+    let sharded = load(shard_dir.path());
+    let toks = ids(8, 10, spec.vocab);
+    let mut c1 = single.new_cache(16).unwrap();
+    let mut c2 = sharded.new_cache(16).unwrap();
+    let l1 = single
+        .forward(&toks, 0, &mut c1, &[], Logits::All)
+        .unwrap()
+        .logits
+        .unwrap();
+    let l2 = sharded
+        .forward(&toks, 0, &mut c2, &[], Logits::All)
+        .unwrap()
+        .logits
+        .unwrap();
+    assert_eq!(max_abs_diff(&l1, &l2), 0.0);
+    // a shard listed in the index but missing is a clear error
+    std::fs::remove_file(shard_dir.path().join("model-00002-of-00002.safetensors")).unwrap();
+    let e = dflash::source::ModelSource::from_dir("sharded", shard_dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model-00002-of-00002.safetensors") && e.contains("missing"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bf16_and_f16_compute_stay_close_to_f32() {
+    let dir =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/targets/qwen3");
+    let src = dflash::source::ModelSource::from_dir("t", &dir).unwrap();
+    let toks = ids(9, 12, 256);
+    let run = |dt| {
+        let opts = dflash::archs::LoadOptions {
+            dtype: dt,
+            ..Default::default()
+        };
+        let m = dflash::archs::load_target(&src, &opts).unwrap().1;
+        let mut c = m.new_cache(16).unwrap();
+        m.forward(&toks, 0, &mut c, &[], Logits::All)
+            .unwrap()
+            .logits
+            .unwrap()
+    };
+    let f32l = run(candle_core::DType::F32);
+    let scale = f32l
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    for dt in [candle_core::DType::BF16, candle_core::DType::F16] {
+        let d = max_abs_diff(&run(dt), &f32l);
+        // relative to the logit range: bf16 keeps 8 bits of mantissa
+        assert!(d / scale < 0.08, "{dt:?}: max diff {d} of {scale}");
+    }
+}
