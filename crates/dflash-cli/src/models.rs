@@ -43,6 +43,23 @@ pub fn run(json: bool) -> Result<()> {
             supported
         );
     }
+    println!("\nfamily capabilities (taps, KV truncate, recurrent rollback, sliding window, shared KV, MoE, GGUF):");
+    for f in FAMILIES {
+        let c = f.caps;
+        let b = |x: bool| if x { "yes" } else { "-" };
+        println!(
+            "  {:<10} {:<28} taps {} truncate {} rollback {} sliding {} shared-kv {} moe {} gguf {}",
+            f.name,
+            f.model_types.join(", "),
+            b(c.taps),
+            b(c.kv_truncate),
+            b(c.recurrent_rollback),
+            b(c.sliding_window),
+            b(c.shared_kv),
+            b(c.moe),
+            b(c.gguf)
+        );
+    }
     let n = DRAFT_REGISTRY
         .iter()
         .filter(|e| family_supported(e.family))

@@ -172,6 +172,38 @@ pub struct Family {
     pub name: &'static str,
     pub model_types: &'static [&'static str],
     pub load: fn(&TargetConfig, &Weights) -> Result<Box<dyn TargetModel>>,
+    pub caps: Capabilities,
+}
+
+/// What a family's targets can do and what state they keep (docs/architecture.md's table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Capabilities {
+    /// Hidden-state taps (output of any decoder layer).
+    pub taps: bool,
+    /// Attention KV cache, cropped in O(1) after a partial acceptance.
+    pub kv_truncate: bool,
+    /// Recurrent / conv state that must be rolled back to the last accepted token.
+    pub recurrent_rollback: bool,
+    /// Sliding-window attention layers.
+    pub sliding_window: bool,
+    /// Layers that reuse another layer's K/V.
+    pub shared_kv: bool,
+    /// Mixture-of-experts feed-forward.
+    pub moe: bool,
+    /// Loads from GGUF as well as safetensors.
+    pub gguf: bool,
+}
+
+const fn caps(sliding_window: bool, shared_kv: bool, moe: bool, gguf: bool) -> Capabilities {
+    Capabilities {
+        taps: true,
+        kv_truncate: true,
+        recurrent_rollback: false,
+        sliding_window,
+        shared_kv,
+        moe,
+        gguf,
+    }
 }
 
 /// The family registry: exact `model_type` matches only.
@@ -180,31 +212,37 @@ pub const FAMILIES: &[Family] = &[
         name: "qwen3",
         model_types: &["qwen3"],
         load: qwen3::load,
+        caps: caps(true, false, false, true),
     },
     Family {
         name: "qwen3_moe",
         model_types: &["qwen3_moe"],
         load: qwen3_moe::load,
+        caps: caps(false, false, true, false),
     },
     Family {
         name: "llama",
         model_types: &["llama"],
         load: llama::load,
+        caps: caps(true, false, false, true),
     },
     Family {
         name: "qwen2",
         model_types: &["qwen2"],
         load: qwen2::load,
+        caps: caps(true, false, false, true),
     },
     Family {
         name: "gemma3",
         model_types: &["gemma3_text", "gemma3"],
         load: gemma3::load,
+        caps: caps(true, false, false, true),
     },
     Family {
         name: "gemma4",
         model_types: &["gemma4_text", "gemma4"],
         load: gemma4::load,
+        caps: caps(true, true, true, false),
     },
 ];
 
