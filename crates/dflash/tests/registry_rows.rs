@@ -206,7 +206,7 @@ fn every_supported_registry_row_has_a_shape_test() {
     let rows = rows();
     for e in DRAFT_REGISTRY.iter().filter(|e| family_supported(e.family)) {
         if e.family == "gemma4" {
-            continue; // covered by tests/gemma4.rs (speculators draft shape)
+            continue; // gemma4_speculator_row below
         }
         assert!(
             rows.iter()
@@ -270,5 +270,82 @@ fn tiny_models_with_the_rows_shape_ratios_are_lossless() {
             assert_eq!(a.output_ids, b.output_ids, "{} seed {seed}", r.target);
             assert_eq!(a.stats.mode, "dflash");
         }
+    }
+}
+
+/// The Gemma-4-31B-it row: a speculators-format draft (RedHatAI). The published shape (spec
+/// section 5: 60 target layers, z-lab taps [1,12,23,35,46,57] -> aux ids +1, mask 4) parses;
+/// a tiny gemma4 target (the transformers golden fixture) with a speculators draft of the same
+/// layout decodes losslessly.
+#[test]
+fn gemma4_speculator_row() {
+    let entry = resolve_draft("google/gemma-4-31B-it").unwrap();
+    assert_eq!(entry.format, dflash::registry::DraftFormat::Speculators);
+    let published = json!({
+        "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": {"model_type": "llama", "hidden_size": 5376, "intermediate_size": 21504,
+            "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+            "vocab_size": 262144, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 262144},
+        "aux_hidden_state_layer_ids": [2, 13, 24, 36, 47, 58], "mask_token_id": 4, "block_size": 16,
+        "draft_vocab_size": 32000, "target_hidden_size": 5376,
+        "speculators_config": {"algorithm": "dflash", "verifier": {"name_or_path": "google/gemma-4-31B-it"}}
+    });
+    let d = DraftConfig::from_value("speculator.json", published).unwrap();
+    assert_eq!(d.target_layer_ids, Some(vec![1, 12, 23, 35, 46, 57]));
+    assert_eq!(
+        (d.mask_token_id, d.block_size, d.draft_vocab_size),
+        (4, 16, Some(32000))
+    );
+    assert_eq!(d.verifier.as_deref(), Some("google/gemma-4-31B-it"));
+
+    let fx =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/targets/gemma4");
+    let lo = LoadOptions::default();
+    let (cfg, target) =
+        dflash::archs::load_target(&ModelSource::from_dir("gemma4", &fx).unwrap(), &lo).unwrap();
+    assert_eq!(cfg.model_type, "gemma4_text");
+    let tiny = TinyTarget {
+        hidden: cfg.hidden_size,
+        vocab: cfg.vocab_size,
+        layers: cfg.num_hidden_layers,
+        ..TinyTarget::qwen3(1)
+    };
+    let mut dr = TinyDraft::for_target(&tiny, 2, vec![0, 2, 4], 8, 77);
+    dr.mask_token_id = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let map: Vec<u32> = (0..64).map(|i| (i * 4) as u32).collect();
+    let st =
+        candle_core::safetensors::load(fx.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let idx = candle_core::Tensor::new(map.as_slice(), &candle_core::Device::Cpu).unwrap();
+    let rows = st["model.embed_tokens.weight"]
+        .index_select(&idx, 0)
+        .unwrap(); // tied head rows
+    dr.write_speculators(
+        dir.path(),
+        cfg.vocab_size,
+        &map,
+        &rows,
+        "google/gemma-4-31B-it",
+    )
+    .unwrap();
+    let draft = load_draft(
+        &ModelSource::from_dir("d", dir.path()).unwrap(),
+        &cfg,
+        "gemma4",
+        &lo,
+    )
+    .unwrap();
+    let e = Engine::new(target, Some(draft));
+    for seed in 0..3u64 {
+        let p = ids(seed, 4 + 5 * seed as usize, cfg.vocab_size);
+        let mut req = GenerateRequest::new(p, 20);
+        req.adaptive = false;
+        let a = e.generate(&req, &mut |_| Flow::Continue).unwrap();
+        req.block_size = Some(1);
+        let b = e.generate(&req, &mut |_| Flow::Continue).unwrap();
+        assert_eq!(a.output_ids, b.output_ids, "seed {seed}");
+        assert_eq!(a.stats.mode, "dflash");
+        assert!(a.output_ids.iter().all(|&t| (t as usize) < cfg.vocab_size));
     }
 }
