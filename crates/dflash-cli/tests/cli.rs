@@ -79,6 +79,8 @@ fn generate_with_draft_prints_trace_and_acceptance() {
         "--trace",
         "--dtype",
         "f32",
+        "--adaptive",
+        "off",
     ]);
     assert_eq!(rc, 0, "{err}");
     let v: Value = serde_json::from_str(&out).unwrap();

@@ -4,14 +4,17 @@
 //! A family file builds a [`DecoderSpec`] from its config and calls [`DecoderModel::load`];
 //! the differences between families are fields of the spec, not copies of this code.
 
-use super::{ForwardOutput, LayerCache, Logits, TargetCache, TargetInfo, TargetModel};
+use super::{
+    checked_forward, ForwardOutput, LayerCache, Logits, TapRecorder, TargetCache, TargetInfo,
+    TargetModel,
+};
 use crate::config::{LayerType, TargetConfig};
 use crate::nn::{
     attention_mask, Activation, Attention, AttentionSpec, Embedding, GatedMlp, KvCache, Linear,
     RmsNorm, Rope, RopeTables, SparseMoe,
 };
 use crate::source::Weights;
-use crate::{Error, Result};
+use crate::Result;
 use candle_core::{DType, Tensor};
 
 /// What distinguishes one dense family from another.
@@ -284,7 +287,7 @@ impl DecoderModel {
             None
         };
         let mask_slide = attention_mask(n, start, k_len, true, self.sliding_window, dt, dev)?;
-        let mut tapped: Vec<Option<Tensor>> = vec![None; taps.len()];
+        let mut tapped = TapRecorder::new(taps);
         for (i, layer) in self.layers.iter().enumerate() {
             let LayerCache::Kv(kv) = &mut cache.layers[i];
             let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
@@ -305,21 +308,9 @@ impl DecoderModel {
                     (h1 + post_ff.forward(&m)?)?
                 }
             };
-            for (slot, &t) in taps.iter().enumerate() {
-                if t == i {
-                    tapped[slot] = Some(h.clone());
-                }
-            }
+            tapped.record(i, &h);
         }
-        let taps_out = if taps.is_empty() {
-            None
-        } else {
-            let parts: Vec<Tensor> = tapped
-                .into_iter()
-                .map(|t| t.expect("tap indices validated"))
-                .collect();
-            Some(Tensor::cat(&parts, 1)?)
-        };
+        let taps_out = tapped.finish()?;
         let logits = match logits {
             Logits::None => None,
             Logits::Last => Some(self.logits(&h.narrow(0, n - 1, 1)?)?),
@@ -360,45 +351,15 @@ impl TargetModel for DecoderModel {
         taps: &[usize],
         logits: Logits,
     ) -> Result<ForwardOutput> {
-        if tokens.is_empty() {
-            return Err(Error::input("forward: no tokens"));
-        }
-        if start != cache.len() {
-            return Err(Error::input(format!(
-                "forward: start position {start} != cached length {}",
-                cache.len()
-            )));
-        }
-        if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
-            return Err(Error::input(format!(
-                "tap layer {bad} out of range: the target has {} layers",
-                self.layers.len()
-            )));
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.info.vocab_size) {
-            return Err(Error::input(format!(
-                "token id {bad} out of range: vocab size is {}",
-                self.info.vocab_size
-            )));
-        }
-        if start + tokens.len() > cache.capacity() {
-            return Err(Error::input(format!(
-                "context overflow: {start} cached + {} new positions exceed the context size {}",
-                tokens.len(),
-                cache.capacity()
-            )));
-        }
-        match self.forward_inner(tokens, start, cache, taps, logits) {
-            Ok(out) => {
-                cache.advance(tokens.len());
-                Ok(out)
-            }
-            Err(e) => {
-                // Layers that already appended must forget the partial step.
-                cache.truncate(start).ok();
-                Err(e)
-            }
-        }
+        checked_forward(
+            tokens,
+            start,
+            cache,
+            taps,
+            self.layers.len(),
+            self.info.vocab_size,
+            |c| self.forward_inner(tokens, start, c, taps, logits),
+        )
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {

@@ -15,7 +15,10 @@
 //! - an optional MoE block next to the dense MLP (router with its own norm and scales, experts
 //!   stored as `[E, 2I, H]` / `[E, H, I]`), `layer_scalar` per layer, final logit softcapping.
 
-use super::{ForwardOutput, LayerCache, Logits, TargetCache, TargetInfo, TargetModel};
+use super::{
+    checked_forward, ForwardOutput, LayerCache, Logits, TapRecorder, TargetCache, TargetInfo,
+    TargetModel,
+};
 use crate::config::{Fields, LayerType, RopeConfig, RopeKind, TargetConfig};
 use crate::nn::attention::sdpa;
 use crate::nn::{attention_mask, Activation, GatedMlp, KvCache, Linear, RmsNorm, Rope, RopeTables};
@@ -752,7 +755,7 @@ impl Gemma4Model {
             None
         };
         let mask_slide = attention_mask(n, start, k_len, true, Some(self.sliding_window), dt, dev)?;
-        let mut tapped: Vec<Option<Tensor>> = vec![None; taps.len()];
+        let mut tapped = TapRecorder::new(taps);
         for (i, layer) in self.layers.iter().enumerate() {
             #[allow(unreachable_patterns)]
             let kv = match &mut cache.layers[layer.cache_slot] {
@@ -779,21 +782,9 @@ impl Gemma4Model {
                 h2 = (&h2 + pl.post_norm.forward(&y)?)?;
             }
             h = h2.broadcast_mul(&layer.layer_scalar)?;
-            for (slot, &t) in taps.iter().enumerate() {
-                if t == i {
-                    tapped[slot] = Some(h.clone());
-                }
-            }
+            tapped.record(i, &h);
         }
-        let taps_out = if taps.is_empty() {
-            None
-        } else {
-            let parts: Vec<Tensor> = tapped
-                .into_iter()
-                .map(|t| t.expect("tap indices validated"))
-                .collect();
-            Some(Tensor::cat(&parts, 1)?)
-        };
+        let taps_out = tapped.finish()?;
         let logits = match logits {
             Logits::None => None,
             Logits::Last => Some(self.logits(&h.narrow(0, n - 1, 1)?)?),
@@ -836,48 +827,14 @@ impl TargetModel for Gemma4Model {
         taps: &[usize],
         logits: Logits,
     ) -> Result<ForwardOutput> {
-        if tokens.is_empty() {
-            return Err(Error::input("forward: no tokens"));
-        }
-        if start != cache.len() {
-            return Err(Error::input(format!(
-                "forward: start position {start} != cached length {}",
-                cache.len()
-            )));
-        }
-        if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
-            return Err(Error::input(format!(
-                "tap layer {bad} out of range: the target has {} layers",
-                self.layers.len()
-            )));
-        }
         let limit = if self.ple.is_some() {
             self.info.vocab_size.min(self.ple_vocab)
         } else {
             self.info.vocab_size
         };
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= limit) {
-            return Err(Error::input(format!(
-                "token id {bad} out of range: vocab size is {limit}"
-            )));
-        }
-        if start + tokens.len() > cache.capacity() {
-            return Err(Error::input(format!(
-                "context overflow: {start} cached + {} new positions exceed the context size {}",
-                tokens.len(),
-                cache.capacity()
-            )));
-        }
-        match self.forward_inner(tokens, start, cache, taps, logits) {
-            Ok(out) => {
-                cache.advance(tokens.len());
-                Ok(out)
-            }
-            Err(e) => {
-                cache.truncate(start).ok();
-                Err(e)
-            }
-        }
+        checked_forward(tokens, start, cache, taps, self.layers.len(), limit, |c| {
+            self.forward_inner(tokens, start, c, taps, logits)
+        })
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {

@@ -147,6 +147,92 @@ pub trait TargetModel: Send + Sync {
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor>;
 }
 
+/// Collects the outputs of the tapped layers during one forward, in the requested order.
+pub struct TapRecorder<'a> {
+    layers: &'a [usize],
+    got: Vec<Option<Tensor>>,
+}
+
+impl<'a> TapRecorder<'a> {
+    pub fn new(layers: &'a [usize]) -> Self {
+        Self {
+            layers,
+            got: vec![None; layers.len()],
+        }
+    }
+    /// `h` is the output of decoder layer `layer`.
+    pub fn record(&mut self, layer: usize, h: &Tensor) {
+        for (slot, &t) in self.layers.iter().enumerate() {
+            if t == layer {
+                self.got[slot] = Some(h.clone());
+            }
+        }
+    }
+    /// `[positions, taps * hidden]`, or None when no taps were requested.
+    pub fn finish(self) -> Result<Option<Tensor>> {
+        if self.layers.is_empty() {
+            return Ok(None);
+        }
+        let parts = self
+            .got
+            .into_iter()
+            .zip(self.layers)
+            .map(|(t, l)| t.ok_or_else(|| Error::input(format!("tap layer {l} was not reached"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Tensor::cat(&parts, 1)?))
+    }
+}
+
+/// The checks every family makes before a forward (`tokens` < `vocab_limit`, taps < `layers`,
+/// `start` == cached length, capacity), then `run`; on success the cache advances, on failure
+/// it is cropped back to `start` (layers that had appended forget the partial step).
+pub fn checked_forward(
+    tokens: &[u32],
+    start: usize,
+    cache: &mut TargetCache,
+    taps: &[usize],
+    layers: usize,
+    vocab_limit: usize,
+    run: impl FnOnce(&mut TargetCache) -> Result<ForwardOutput>,
+) -> Result<ForwardOutput> {
+    if tokens.is_empty() {
+        return Err(Error::input("forward: no tokens"));
+    }
+    if start != cache.len() {
+        return Err(Error::input(format!(
+            "forward: start position {start} != cached length {}",
+            cache.len()
+        )));
+    }
+    if let Some(&bad) = taps.iter().find(|&&t| t >= layers) {
+        return Err(Error::input(format!(
+            "tap layer {bad} out of range: the target has {layers} layers"
+        )));
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab_limit) {
+        return Err(Error::input(format!(
+            "token id {bad} out of range: vocab size is {vocab_limit}"
+        )));
+    }
+    if start + tokens.len() > cache.capacity() {
+        return Err(Error::input(format!(
+            "context overflow: {start} cached + {} new positions exceed the context size {}",
+            tokens.len(),
+            cache.capacity()
+        )));
+    }
+    match run(cache) {
+        Ok(out) => {
+            cache.advance(tokens.len());
+            Ok(out)
+        }
+        Err(e) => {
+            cache.truncate(start).ok();
+            Err(e)
+        }
+    }
+}
+
 /// Options for loading a target.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
