@@ -279,20 +279,37 @@ impl DecoderModel {
             h = (h * s)?;
         }
         let t_full = self.rope_full.tables(start, n, dev, dt)?;
-        let t_slide = self.rope_sliding.tables(start, n, dev, dt)?;
+        // Sliding-layer tables and mask only when the model has sliding layers (this runs
+        // every decode step; the mask scan is O(context)).
+        let sliding = self.layers.iter().any(|l| l.kind == LayerType::Sliding);
+        let t_slide = if sliding {
+            Some(self.rope_sliding.tables(start, n, dev, dt)?)
+        } else {
+            None
+        };
         let k_len = start + n;
         let mask_full = if n > 1 {
             attention_mask(n, start, k_len, true, None, dt, dev)?
         } else {
             None
         };
-        let mask_slide = attention_mask(n, start, k_len, true, self.sliding_window, dt, dev)?;
+        let mask_slide = if sliding {
+            attention_mask(n, start, k_len, true, self.sliding_window, dt, dev)?
+        } else {
+            None
+        };
         let mut tapped = TapRecorder::new(taps);
         for (i, layer) in self.layers.iter().enumerate() {
             let LayerCache::Kv(kv) = &mut cache.layers[i];
             let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
                 LayerType::Full => (&self.rope_full, &t_full, mask_full.as_ref()),
-                LayerType::Sliding => (&self.rope_sliding, &t_slide, mask_slide.as_ref()),
+                LayerType::Sliding => (
+                    &self.rope_sliding,
+                    t_slide
+                        .as_ref()
+                        .expect("sliding tables exist when a layer is sliding"),
+                    mask_slide.as_ref(),
+                ),
             };
             let x = layer.input_norm.forward(&h)?;
             let a = layer.attn.forward(&x, rope, tables, kv, mask)?;
@@ -311,11 +328,7 @@ impl DecoderModel {
             tapped.record(i, &h);
         }
         let taps_out = tapped.finish()?;
-        let logits = match logits {
-            Logits::None => None,
-            Logits::Last => Some(self.logits(&h.narrow(0, n - 1, 1)?)?),
-            Logits::All => Some(self.logits(&h)?),
-        };
+        let logits = logits.rows(&h)?.map(|r| self.logits(&r)).transpose()?;
         Ok(ForwardOutput {
             logits,
             taps: taps_out,

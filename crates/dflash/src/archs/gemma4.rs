@@ -785,11 +785,7 @@ impl Gemma4Model {
             tapped.record(i, &h);
         }
         let taps_out = tapped.finish()?;
-        let logits = match logits {
-            Logits::None => None,
-            Logits::Last => Some(self.logits(&h.narrow(0, n - 1, 1)?)?),
-            Logits::All => Some(self.logits(&h)?),
-        };
+        let logits = logits.rows(&h)?.map(|r| self.logits(&r)).transpose()?;
         Ok(ForwardOutput {
             logits,
             taps: taps_out,

@@ -29,6 +29,18 @@ pub enum Logits {
     All,
 }
 
+impl Logits {
+    /// The final hidden rows the LM head must see: none, the last one, or all.
+    pub fn rows(self, h: &Tensor) -> Result<Option<Tensor>> {
+        let n = h.dim(0)?;
+        Ok(match self {
+            Logits::None => None,
+            Logits::Last => Some(h.narrow(0, n - 1, 1)?),
+            Logits::All => Some(h.clone()),
+        })
+    }
+}
+
 /// What a target forward pass returns.
 #[derive(Debug)]
 pub struct ForwardOutput {
