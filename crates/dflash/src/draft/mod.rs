@@ -115,14 +115,18 @@ impl DraftModel {
                     eps,
                     false,
                 )?,
-                mlp: GatedMlp::load(
-                    w,
-                    &format!("{p}.mlp"),
-                    h,
-                    c.intermediate_size,
-                    c.mlp_bias,
-                    act,
-                )?,
+                mlp: {
+                    let mut m = GatedMlp::load(
+                        w,
+                        &format!("{p}.mlp"),
+                        h,
+                        c.intermediate_size,
+                        c.mlp_bias,
+                        act,
+                    )?;
+                    m.fuse()?;
+                    m
+                },
                 kind: c.layer_types[i],
             });
         }
