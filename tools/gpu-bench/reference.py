@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--models-only", action="store_true",
+                    help="only make the model files (keeps the previous reference.json)")
     a = ap.parse_args()
 
     import torch
@@ -77,6 +79,10 @@ def main():
     ids = torch.randint(0, s["target"]["vocab_size"] - 1000, (1, a.prompt_len), generator=g)
     with open(os.path.join(a.models, "prompts.jsonl"), "w") as f:
         f.write(json.dumps({"prompt_ids": ids[0].tolist()}) + "\n")
+    if a.models_only:
+        with open(os.path.join(a.out, "reference.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
     ids = ids.to(a.device)
 
     def timed(fn):

@@ -23,12 +23,17 @@ if [ "$DEV" != cpu ]; then
   export LD_LIBRARY_PATH=$($PY -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))'):/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$RES/gpu.txt"
 fi
+if [ -x "$root/.device/cuda_probe" ] && [ "$DEV" != cpu ]; then
+  echo "== probe (candle op overhead, GEMV bandwidth)" >&2
+  "$root/.device/cuda_probe" 2>&1 | tee "$RES/probe.txt" >&2 || echo "probe FAILED" >&2
+fi
 refdir=$(mktemp -d)
 (cd "$refdir" && $PY -m zipfile -e "$root"/tools/goldens/wheels/dflash-*.whl .)
 export PYTHONPATH="$refdir:${PYTHONPATH:-}"
 
 echo "== reference (PyTorch) and model files" >&2
-$PY "$here/reference.py" --shape "$SHAPE" --models "$MODELS" --out "$RES" --device "$DEV" \
+[ "${SKIP_REF:-0}" = 1 ] && ref_only="--models-only" || ref_only=""
+$PY "$here/reference.py" $ref_only --shape "$SHAPE" --models "$MODELS" --out "$RES" --device "$DEV" \
   --dtype "$DTYPE" --max-new "$MAXNEW" --repeat "$REPEAT" 2>&1 | tee "$RES/reference.log" >&2
 
 poll() { # tag: record GPU memory used (MiB) every 100 ms until killed

@@ -102,6 +102,35 @@ def main(out):
         if mine:
             t = 1.0 if mode == "ar" else row.get("tau")
             p(f"| {mode} | {f(t)} / {r['tau']:.2f} | {mine['median'] / r['tok_s']:.2f}x |")
+    # Where a decode cycle's time goes (ours): verify (target forward + choosing tokens), draft,
+    # and the engine's own work between them.
+    parts = []
+    for t in (0, 1):
+        for fn in sorted(glob.glob(os.path.join(out, f"e2e-t{t}", "[0-9]*.json"))):
+            row = (load(fn) or {}).get("row", {})
+            for mode in ("baseline", "dflash"):
+                runs = [r for r in row.get("runs", []) if r.get("mode") == mode and r.get("cycles")]
+                if not runs or "verify_ms" not in runs[0]:
+                    continue
+                med = lambda xs: sorted(xs)[len(xs) // 2]
+                cyc = med([r["decode_ms"] / r["cycles"] for r in runs])
+                ver = med([r["verify_ms"] / r["cycles"] for r in runs])
+                dra = med([r["draft_ms"] / r["cycles"] for r in runs])
+                name = row.get("name", "?").replace("draft-", "") if mode == "dflash" else "plain"
+                parts.append(f"| {name} | {cyc:.2f} | {ver:.2f} | {dra:.2f} | {cyc - ver - dra:.2f} |")
+    if parts:
+        p("")
+        p("| ours, per cycle | total ms | verify ms | draft ms | engine ms |")
+        p("|---|---|---|---|---|")
+        for x in dict.fromkeys(parts):
+            p(x)
+    try:
+        probe = open(os.path.join(out, "probe.txt")).read().strip()
+        p("")
+        p("probe (cuda_probe):")
+        p(probe)
+    except OSError:
+        pass
     txt = "\n".join(lines)
     open(os.path.join(out, "table.md"), "w").write(txt + "\n")
     print(txt)

@@ -30,6 +30,10 @@ enum Command {
         device: Option<String>,
         #[arg(long)]
         dtype: Option<String>,
+        /// CUDA builds: time one candle op on the host and the bf16 projections at the
+        /// Qwen3-8B shapes (cuBLAS vs dflash's GEMV kernel) on --device (default cuda:0).
+        #[arg(long)]
+        gpu_probe: bool,
     },
     /// List the DFlash draft registry and whether this build supports each target family.
     Models {
@@ -59,7 +63,14 @@ fn main() -> ExitCode {
             draft,
             device,
             dtype,
-        } => doctor::run(model, draft, device, dtype),
+            gpu_probe,
+        } => {
+            if gpu_probe {
+                doctor::gpu_probe(device)
+            } else {
+                doctor::run(model, draft, device, dtype)
+            }
+        }
         Command::Models { json } => models::run(json),
         Command::Serve(a) => serve::run(a),
         Command::Bench(a) => bench::run(a),

@@ -1,5 +1,7 @@
-//! GPU probe for docs/perf.md: per-op host overhead and bf16 GEMV bandwidth at the Qwen3-8B
-//! shapes, through candle. `cargo run --release --features cuda --example cuda_probe`.
+//! `dflash doctor --gpu-probe` (CUDA builds): what one candle op costs on the host, and the
+//! bandwidth of the bf16 projections at the Qwen3-8B shapes through cuBLAS and through our GEMV
+//! kernel (with its error against an f32 product). docs/perf.md quotes it.
+
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
 
@@ -8,8 +10,9 @@ fn med(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() -> candle_core::Result<()> {
-    let dev = Device::new_cuda(0)?;
+pub fn gpu_probe(dev: &Device) -> crate::Result<String> {
+    let dev = dev.clone();
+    let mut rep = String::new();
     let x = Tensor::randn(0f32, 1.0, (1, 4096), &dev)?.to_dtype(DType::BF16)?;
     // 1. Host cost of one small elementwise op, and of a chain of them (async: host-bound).
     let mut y = x.clone();
@@ -25,7 +28,11 @@ fn main() -> candle_core::Result<()> {
     let host = t.elapsed().as_secs_f64();
     dev.synchronize()?;
     let all = t.elapsed().as_secs_f64();
-    println!("small add chain: host {:.2} us/op, with sync {:.2} us/op", host / n as f64 * 1e6, all / n as f64 * 1e6);
+    rep += &format!(
+        "small add chain: host {:.2} us/op, with sync {:.2} us/op\n",
+        host / n as f64 * 1e6,
+        all / n as f64 * 1e6
+    );
     // Non-contiguous op (strided params uploaded per op).
     let xt = Tensor::randn(0f32, 1.0, (64, 64), &dev)?.to_dtype(DType::BF16)?.t()?;
     let t = Instant::now();
@@ -33,7 +40,7 @@ fn main() -> candle_core::Result<()> {
         let _ = xt.contiguous()?;
     }
     dev.synchronize()?;
-    println!("strided copy 64x64: {:.2} us/op", t.elapsed().as_secs_f64() / n as f64 * 1e6);
+    rep += &format!("strided copy 64x64: {:.2} us/op\n", t.elapsed().as_secs_f64() / n as f64 * 1e6);
     // 2. GEMV bandwidth for each weight shape [out, in] (x [m, in] @ W^T).
     for (m, out, inp) in [
         (1usize, 4096usize, 4096usize),
@@ -49,10 +56,10 @@ fn main() -> candle_core::Result<()> {
         // several weight copies so that the L2 (50 MB) does not serve repeats
         let ws: Vec<Tensor> = (0..4)
             .map(|_| Tensor::randn(0f32, 0.02, (out, inp), &dev).and_then(|w| w.to_dtype(DType::BF16)))
-            .collect::<candle_core::Result<_>>()?;
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let xi = Tensor::randn(0f32, 1.0, (m, inp), &dev)?.to_dtype(DType::BF16)?;
         let bytes = (out * inp * 2) as f64;
-        let time = |f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>| -> candle_core::Result<f64> {
+        let time = |f: &dyn Fn(&Tensor) -> crate::Result<Tensor>| -> crate::Result<f64> {
             for w in &ws {
                 let _ = f(w)?;
             }
@@ -66,19 +73,19 @@ fn main() -> candle_core::Result<()> {
             }
             Ok(med(ts))
         };
-        let s = time(&|w| xi.matmul(&w.t()?))?;
-        print!("m={m} [{out}x{inp}]: cublas {:.1} us {:.2} TB/s", s * 1e6, bytes / s / 1e12);
-        if m <= dflash::nn::cuda::GEMV_MAX_ROWS {
-            let g = time(&|w| Ok(dflash::nn::cuda::gemv(&xi, w)?.expect("gemv applies")))?;
+        let s = time(&|w| Ok(xi.matmul(&w.t()?)?))?;
+        rep += &format!("m={m} [{out}x{inp}]: cublas {:.1} us {:.2} TB/s", s * 1e6, bytes / s / 1e12);
+        if m <= crate::nn::cuda::GEMV_MAX_ROWS {
+            let g = time(&|w| Ok(crate::nn::cuda::gemv(&xi, w)?.expect("gemv applies")))?;
             // Correctness against an f32 reference product.
             let r = xi.to_dtype(DType::F32)?.matmul(&ws[0].to_dtype(DType::F32)?.t()?)?;
-            let y = dflash::nn::cuda::gemv(&xi, &ws[0])?.expect("gemv").to_dtype(DType::F32)?;
+            let y = crate::nn::cuda::gemv(&xi, &ws[0])?.expect("gemv").to_dtype(DType::F32)?;
             let err = ((&y - &r)?.sqr()?.sum_all()?.to_scalar::<f32>()?
                 / r.sqr()?.sum_all()?.to_scalar::<f32>()?)
             .sqrt();
-            print!(" | gemv {:.1} us {:.2} TB/s, rel err {err:.2e}", g * 1e6, bytes / g / 1e12);
+            rep += &format!(" | gemv {:.1} us {:.2} TB/s, rel err {err:.2e}", g * 1e6, bytes / g / 1e12);
         }
-        println!();
+        rep.push('\n');
     }
-    Ok(())
+    Ok(rep)
 }
