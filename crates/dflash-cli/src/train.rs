@@ -90,6 +90,16 @@ pub struct TrainArgs {
     /// Format prompts without the chat template.
     #[arg(long)]
     pub no_chat_template: bool,
+    /// Stop generating `self` responses after this many seconds (keep what was generated).
+    #[arg(long)]
+    pub data_time_limit: Option<f64>,
+    /// Training time budget in seconds: after 20 steps the step count is cut to what fits
+    /// (the cosine schedule follows the new count).
+    #[arg(long)]
+    pub time_limit: Option<f64>,
+    /// Save a checkpoint every N steps (0 = only at the end).
+    #[arg(long, default_value_t = 500)]
+    pub save_every: usize,
     /// Log every N steps.
     #[arg(long, default_value_t = 10)]
     pub log_every: usize,
@@ -178,7 +188,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
                     seed: a.seed,
                     chat_template: !a.no_chat_template,
                 },
-                &mut |i, _| b.set_position(i as u64),
+                &mut |i, _| {
+                    b.set_position(i as u64);
+                    a.data_time_limit.is_none_or(|l| b.elapsed().as_secs_f64() < l)
+                },
             )?;
             b.finish();
             for n in notes {
@@ -239,16 +252,30 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let (mut tok_window, mut t_window) = (0usize, Instant::now());
     let mut first_loss = None;
     let mut last = None;
-    for step in 0..a.steps {
+    let save = if a.save_dtype == "f32" { candle_core::DType::F32 } else { candle_core::DType::BF16 };
+    let mut step = 0;
+    while step < trainer.opts.steps {
         let s = trainer.step(target, examples)?;
+        step += 1;
+        if let (Some(limit), 20) = (a.time_limit, step) {
+            let per = t0.elapsed().as_secs_f64() / 20.0;
+            let fit = (limit / per) as usize;
+            if fit < trainer.opts.steps {
+                trainer.opts.steps = fit.max(21);
+                trainer.opts.warmup = trainer.opts.warmup.min(trainer.opts.steps / 2);
+                eprintln!("{per:.3}s/step: --time-limit {limit}s fits {} steps; schedule shortened", trainer.opts.steps);
+            }
+        }
+        let step = step - 1;
+        let steps = trainer.opts.steps;
         first_loss.get_or_insert(s.loss);
         tok_window += s.tokens;
-        if (step + 1) % a.log_every.max(1) == 0 || step + 1 == a.steps {
+        if (step + 1) % a.log_every.max(1) == 0 || step + 1 == steps {
             let dt = t_window.elapsed().as_secs_f64();
             let line = format!(
                 "step {:>5}/{} loss {:.4} acc1 {:.3} lr {:.2e} |g| {:.3} {:.0} tok/s {:.0}s",
                 step + 1,
-                a.steps,
+                steps,
                 s.loss,
                 s.acc1,
                 s.lr,
@@ -264,13 +291,15 @@ pub fn run(a: TrainArgs) -> Result<()> {
             t_window = Instant::now();
         }
         last = Some(s);
+        if a.save_every > 0 && (step + 1) % a.save_every == 0 && step + 1 < steps {
+            trainer.save(&a.out, save)?;
+        }
     }
     std::fs::write(&log_path, &log).with_context(|| format!("writing {}", log_path.display()))?;
     if !held.is_empty() {
         let l = trainer.eval_loss(target, held, a.blocks_per_seq)?;
         eprintln!("held-out loss ({} sequences): {l:.4}", held.len());
     }
-    let save = if a.save_dtype == "f32" { candle_core::DType::F32 } else { candle_core::DType::BF16 };
     trainer.save(&a.out, save)?;
     eprintln!(
         "saved {} (loss {:.4} -> {:.4}, {:.0}s)",

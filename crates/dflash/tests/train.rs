@@ -164,7 +164,7 @@ fn training_lowers_loss_and_raises_tau() {
             seed: 0,
             chat_template: false,
         },
-        &mut |_, _| {},
+        &mut |_, _| true,
     )
     .unwrap();
     assert_eq!(seqs.len(), 40);

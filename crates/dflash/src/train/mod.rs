@@ -583,18 +583,24 @@ pub struct SequenceOptions {
 
 /// Sequences for `records` with the pipeline's target, tokenizer and chat template. Records
 /// that cannot make a sequence (no reference in `relabel` mode, a prompt longer than
-/// `max_seq`, an empty response) are skipped and counted in the returned notes.
+/// `max_seq`, an empty response) are skipped and counted in the returned notes. `progress`
+/// is called before each record with (done, total) and returns false to stop early (a time
+/// budget).
 pub fn build_sequences(
     p: &crate::pipeline::Pipeline,
     records: &[data::Record],
     o: &SequenceOptions,
-    progress: &mut dyn FnMut(usize, usize),
+    progress: &mut dyn FnMut(usize, usize) -> bool,
 ) -> Result<(Vec<data::Sequence>, Vec<String>)> {
     use crate::chat::ChatMessage;
     use crate::engine::{Flow, GenerateRequest};
     let (mut out, mut no_ref, mut too_long, mut empty) = (Vec::new(), 0, 0, 0);
+    let mut stopped = None;
     for (i, r) in records.iter().enumerate() {
-        progress(i, records.len());
+        if !progress(i, records.len()) {
+            stopped = Some(i);
+            break;
+        }
         let prompt = match (&r.prompt.prompt_ids, &r.prompt.text) {
             (Some(ids), _) => ids.clone(),
             (None, Some(t)) => p.encode_prompt(&[ChatMessage::user(t.clone())], o.chat_template, None)?,
@@ -645,6 +651,9 @@ pub fn build_sequences(
     }
     progress(records.len(), records.len());
     let mut notes = vec![];
+    if let Some(i) = stopped {
+        notes.push(format!("stopped after {i} of {} records (time budget)", records.len()));
+    }
     if no_ref > 0 {
         notes.push(format!("{no_ref} records without a reference response skipped (relabel needs one; use --data self)"));
     }
