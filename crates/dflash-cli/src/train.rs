@@ -320,6 +320,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             ..Default::default()
         })?;
         p.engine.max_context = p.engine.max_context.min(4096);
+        let mut report = vec![];
         for spec in &a.eval_prompts {
             let f = data::resolve_file(spec)?;
             let recs = data::read_records(&f, a.eval_n)?;
@@ -339,12 +340,21 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 lens.extend(out.stats.acceptance_lengths);
             }
             let tau = lens.iter().sum::<usize>() as f64 / lens.len().max(1) as f64;
+            // Tokens that came from the draft: every cycle's accepted rows (length - bonus).
+            let drafted: usize = lens.iter().map(|l| l.saturating_sub(1)).sum();
+            let ratio = drafted as f64 / gen.max(1) as f64;
             eprintln!(
-                "eval {spec}: {} prompts, {gen} tokens, tau {tau:.3} (greedy, block {})",
+                "eval {spec}: {} prompts, {gen} tokens, tau {tau:.3}, acceptance ratio {ratio:.3} (greedy, block {})",
                 recs.len(),
                 a.block_size
             );
+            report.push(serde_json::json!({"prompts": spec, "n": recs.len(), "generated_tokens": gen,
+                "cycles": lens.len(), "tau": tau, "acceptance_ratio": ratio, "temperature": 0.0,
+                "block_size": a.block_size, "max_tokens": a.eval_max_tokens}));
         }
+        let f = a.out.join("eval.json");
+        std::fs::write(&f, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", f.display()))?;
     }
     Ok(())
 }
