@@ -621,9 +621,6 @@ pub fn build_sequences(
                     Error::input("--data relabel needs a tokenizer to encode the reference texts")
                 })?;
                 let mut ids = tok.encode(reference, false)?;
-                if let Some(&stop) = p.stop_ids.first() {
-                    ids.push(stop);
-                }
                 ids.truncate(room);
                 ids
             }
