@@ -286,11 +286,31 @@ impl Trainer {
                 shapes.push((format!("{p}.{n}.weight"), s, norm));
             }
         }
+        // The frozen LM head, dense: head(I) = W^T. (A quantized head has no backward in
+        // candle; this copy is exact for float heads, and the dequantized weights otherwise.)
+        let eye = Tensor::eye(h, target.info().dtype, &device)?;
+        let head_t = target.lm_head(&eye)?.to_dtype(opts.dtype)?.detach();
+        // The final norm starts at 1 / (mean LM-head row norm), so that initial logits have
+        // about unit scale (with 1, real heads give logits in the tens: loss ~70 at step 0).
+        let row_norm = head_t
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum(0)?
+            .sqrt()?
+            .mean_all()?
+            .to_scalar::<f32>()?;
+        let out_norm = if row_norm.is_finite() && row_norm > 0.0 {
+            1.0 / row_norm
+        } else {
+            1.0
+        };
         let mut rng = Rng::new(opts.seed);
         let mut vars = Vec::new();
         for (name, shape, norm) in shapes {
             let n: usize = shape.iter().product();
-            let v: Vec<f32> = if norm {
+            let v: Vec<f32> = if name == "norm.weight" {
+                vec![out_norm; n]
+            } else if norm {
                 vec![1.0; n]
             } else {
                 (0..n).map(|_| (rng.normal() * 0.02) as f32).collect()
@@ -298,19 +318,6 @@ impl Trainer {
             let t = Tensor::from_vec(v, shape, &device)?.to_dtype(opts.dtype)?;
             vars.push((name, Var::from_tensor(&t)?));
         }
-        Self::assemble(target, opts, config, dcfg, taps, vars, rng)
-    }
-
-    fn assemble(
-        target: &dyn TargetModel,
-        opts: TrainOptions,
-        config: Value,
-        dcfg: DraftConfig,
-        taps: Vec<usize>,
-        vars: Vec<(String, Var)>,
-        rng: Rng,
-    ) -> Result<Self> {
-        let device = target.info().device.clone();
         let tensors: BTreeMap<String, Tensor> = vars
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
@@ -325,11 +332,6 @@ impl Trainer {
                 ..Default::default()
             },
         )?;
-        // The frozen LM head, dense: head(I) = W^T. (A quantized head has no backward in
-        // candle; this copy is exact for float heads, and the dequantized weights otherwise.)
-        let hdim = target.info().hidden_size;
-        let eye = Tensor::eye(hdim, target.info().dtype, &device)?;
-        let head_t = target.lm_head(&eye)?.to_dtype(opts.dtype)?.detach();
         Ok(Self {
             opts,
             config,
