@@ -146,14 +146,22 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let vocab = p.target_config.vocab_size;
     let mask_token_id = match a.mask_token.as_str() {
         "auto" => {
-            let spare = ["<|mask|>", "<mask>", "<|MASK|>", "<|fim_pad|>", "<gh_stars>"];
+            let spare = [
+                "<|mask|>",
+                "<mask>",
+                "<|MASK|>",
+                "<|fim_pad|>",
+                "<gh_stars>",
+            ];
             let t = p.tokenizer.as_ref();
             spare
                 .iter()
                 .find_map(|s| t.and_then(|t| t.token_to_id(s)))
                 .unwrap_or(vocab as u32 - 1)
         }
-        s => s.parse().with_context(|| format!("--mask-token {s}: expected auto or an id"))?,
+        s => s
+            .parse()
+            .with_context(|| format!("--mask-token {s}: expected auto or an id"))?,
     };
     let taps = match a.taps.as_str() {
         "auto" => None,
@@ -161,7 +169,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             s.split(',')
                 .map(|x| x.trim().parse::<usize>())
                 .collect::<std::result::Result<Vec<_>, _>>()
-                .with_context(|| format!("--taps {s}: expected auto or comma-separated layer ids"))?,
+                .with_context(|| {
+                    format!("--taps {s}: expected auto or comma-separated layer ids")
+                })?,
         ),
     };
     let mode = DataMode::parse(&a.data)?;
@@ -176,7 +186,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 let f = data::resolve_file(spec)?;
                 records.extend(data::read_records(&f, a.max_prompts)?);
             }
-            let b = bar(records.len(), if mode == DataMode::SelfGenerated { "generating responses" } else { "encoding references" });
+            let b = bar(
+                records.len(),
+                if mode == DataMode::SelfGenerated {
+                    "generating responses"
+                } else {
+                    "encoding references"
+                },
+            );
             let (seqs, notes) = train::build_sequences(
                 &p,
                 &records,
@@ -190,7 +207,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 },
                 &mut |i, _| {
                     b.set_position(i as u64);
-                    a.data_time_limit.is_none_or(|l| b.elapsed().as_secs_f64() < l)
+                    a.data_time_limit
+                        .is_none_or(|l| b.elapsed().as_secs_f64() < l)
                 },
             )?;
             b.finish();
@@ -199,7 +217,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
             }
             let f = a.out.join("sequences.jsonl");
             data::write_sequences(&f, &seqs)?;
-            eprintln!("{} sequences ({} tokens) -> {}", seqs.len(), seqs.iter().map(|s| s.ids.len()).sum::<usize>(), f.display());
+            eprintln!(
+                "{} sequences ({} tokens) -> {}",
+                seqs.len(),
+                seqs.iter().map(|s| s.ids.len()).sum::<usize>(),
+                f.display()
+            );
             seqs
         }
     };
@@ -239,9 +262,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
     // Hold out ~5% of sequences (at least 1 when there are 20+) for a loss check.
     let n_hold = if seqs.len() >= 20 { seqs.len() / 20 } else { 0 };
     let b = bar(seqs.len(), "target passes (taps, labels)");
-    let examples = train::make_examples(target, &trainer.taps.clone(), &seqs, mode, &mut |i, _| {
-        b.set_position(i as u64)
-    })?;
+    let examples =
+        train::make_examples(target, &trainer.taps.clone(), &seqs, mode, &mut |i, _| {
+            b.set_position(i as u64)
+        })?;
     b.finish();
     let (held, examples) = examples.split_at(n_hold);
 
@@ -252,7 +276,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let (mut tok_window, mut t_window) = (0usize, Instant::now());
     let mut first_loss = None;
     let mut last = None;
-    let save = if a.save_dtype == "f32" { candle_core::DType::F32 } else { candle_core::DType::BF16 };
+    let save = if a.save_dtype == "f32" {
+        candle_core::DType::F32
+    } else {
+        candle_core::DType::BF16
+    };
     let mut step = 0;
     while step < trainer.opts.steps {
         let s = trainer.step(target, examples)?;
@@ -263,7 +291,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if fit < trainer.opts.steps {
                 trainer.opts.steps = fit.max(21);
                 trainer.opts.warmup = trainer.opts.warmup.min(trainer.opts.steps / 2);
-                eprintln!("{per:.3}s/step: --time-limit {limit}s fits {} steps; schedule shortened", trainer.opts.steps);
+                eprintln!(
+                    "{per:.3}s/step: --time-limit {limit}s fits {} steps; schedule shortened",
+                    trainer.opts.steps
+                );
             }
         }
         let step = step - 1;
@@ -284,8 +315,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 t0.elapsed().as_secs_f64()
             );
             eprintln!("{line}");
-            log.push_str(&serde_json::json!({"step": step + 1, "loss": s.loss, "acc1": s.acc1, "lr": s.lr,
-                "grad_norm": s.grad_norm, "elapsed_s": t0.elapsed().as_secs_f64()}).to_string());
+            log.push_str(
+                &serde_json::json!({"step": step + 1, "loss": s.loss, "acc1": s.acc1, "lr": s.lr,
+                "grad_norm": s.grad_norm, "elapsed_s": t0.elapsed().as_secs_f64()})
+                .to_string(),
+            );
             log.push('\n');
             tok_window = 0;
             t_window = Instant::now();
@@ -328,7 +362,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             for r in &recs {
                 let ids = match (&r.prompt.prompt_ids, &r.prompt.text) {
                     (Some(ids), _) => ids.clone(),
-                    (None, Some(t)) => p.encode_prompt(&[ChatMessage::user(t.clone())], !a.no_chat_template, None)?,
+                    (None, Some(t)) => {
+                        p.encode_prompt(&[ChatMessage::user(t.clone())], !a.no_chat_template, None)?
+                    }
                     _ => continue,
                 };
                 let mut req = GenerateRequest::new(ids, a.eval_max_tokens);
@@ -348,9 +384,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 recs.len(),
                 a.block_size
             );
-            report.push(serde_json::json!({"prompts": spec, "n": recs.len(), "generated_tokens": gen,
+            report.push(
+                serde_json::json!({"prompts": spec, "n": recs.len(), "generated_tokens": gen,
                 "cycles": lens.len(), "tau": tau, "acceptance_ratio": ratio, "temperature": 0.0,
-                "block_size": a.block_size, "max_tokens": a.eval_max_tokens}));
+                "block_size": a.block_size, "max_tokens": a.eval_max_tokens}),
+            );
         }
         let f = a.out.join("eval.json");
         std::fs::write(&f, serde_json::to_string_pretty(&report)?)

@@ -33,11 +33,37 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     std::fs::write(&prompts, lines.join("\n")).unwrap();
     let out = dir.path().join("draft");
     let (rc, _, err) = dflash(&[
-        "train", "--target", td.to_str().unwrap(), "--prompts", prompts.to_str().unwrap(),
-        "--out", out.to_str().unwrap(), "--max-new", "24", "--block-size", "4",
-        "--steps", "30", "--batch-blocks", "8", "--blocks-per-seq", "4", "--lr", "2e-3",
-        "--warmup", "5", "--mask-token", "127", "--intermediate-size", "64",
-        "--eval-prompts", prompts.to_str().unwrap(), "--eval-n", "2", "--eval-max-tokens", "8",
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--max-new",
+        "24",
+        "--block-size",
+        "4",
+        "--steps",
+        "30",
+        "--batch-blocks",
+        "8",
+        "--blocks-per-seq",
+        "4",
+        "--lr",
+        "2e-3",
+        "--warmup",
+        "5",
+        "--mask-token",
+        "127",
+        "--intermediate-size",
+        "64",
+        "--eval-prompts",
+        prompts.to_str().unwrap(),
+        "--eval-n",
+        "2",
+        "--eval-max-tokens",
+        "8",
     ]);
     assert_eq!(rc, 0, "{err}");
     assert!(err.contains("eval ") && err.contains("tau"), "{err}");
@@ -45,18 +71,30 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["architectures"][0], "DFlashDraftModel");
     assert_eq!(cfg["dflash_config"]["mask_token_id"], 127);
-    assert_eq!(cfg["dflash_config"]["target_layer_ids"], serde_json::json!([0, 1, 2, 3]));
+    assert_eq!(
+        cfg["dflash_config"]["target_layer_ids"],
+        serde_json::json!([0, 1, 2, 3])
+    );
     assert_eq!(cfg["block_size"], 4);
     let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
     assert_eq!(log.lines().count(), 3, "steps 10, 20, 30");
     assert_eq!(
-        std::fs::read_to_string(out.join("sequences.jsonl")).unwrap().lines().count(),
+        std::fs::read_to_string(out.join("sequences.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
         12
     );
     let gen = |draft: Option<&str>| -> Value {
         let mut a = vec![
-            "generate", "--model", td.to_str().unwrap(), "--prompt-ids", "5,40,9",
-            "--max-tokens", "20", "--json",
+            "generate",
+            "--model",
+            td.to_str().unwrap(),
+            "--prompt-ids",
+            "5,40,9",
+            "--max-tokens",
+            "20",
+            "--json",
         ];
         match draft {
             Some(d) => a.extend(["--draft", d, "--block-size", "4"]),
@@ -72,9 +110,17 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
 
     // Reuse the sequences; bad taps are a one-line error.
     let (rc, _, err) = dflash(&[
-        "train", "--target", td.to_str().unwrap(), "--sequences",
-        out.join("sequences.jsonl").to_str().unwrap(), "--out",
-        dir.path().join("d2").to_str().unwrap(), "--taps", "1,9", "--steps", "2",
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--sequences",
+        out.join("sequences.jsonl").to_str().unwrap(),
+        "--out",
+        dir.path().join("d2").to_str().unwrap(),
+        "--taps",
+        "1,9",
+        "--steps",
+        "2",
     ]);
     assert_ne!(rc, 0);
     assert!(err.contains("tap layer 9"), "{err}");

@@ -6,7 +6,7 @@
 mod common;
 use candle_core::{Device, Tensor};
 use common::*;
-use dflash::archs::{Logits, LoadOptions, TargetModel};
+use dflash::archs::{LoadOptions, Logits, TargetModel};
 use dflash::bench::prompts::Prompt;
 use dflash::draft::{load_draft, DraftModel};
 use dflash::engine::{Engine, Flow, GenerateRequest};
@@ -39,15 +39,24 @@ fn inference_logits(
                 d.forward(t, &taps.narrow(0, 0, cut).unwrap(), &b0, cut, &mut cache)
                     .unwrap();
             }
-            d.forward(t, &taps.narrow(0, cut, a - cut).unwrap(), &block, a, &mut cache)
-                .unwrap()
+            d.forward(
+                t,
+                &taps.narrow(0, cut, a - cut).unwrap(),
+                &block,
+                a,
+                &mut cache,
+            )
+            .unwrap()
         })
         .collect()
 }
 
 fn target_taps(t: &dyn TargetModel, ids: &[u32], taps: &[usize]) -> Tensor {
     let mut c = t.new_cache(ids.len()).unwrap();
-    t.forward(ids, 0, &mut c, taps, Logits::None).unwrap().taps.unwrap()
+    t.forward(ids, 0, &mut c, taps, Logits::None)
+        .unwrap()
+        .taps
+        .unwrap()
 }
 
 /// Many blocks in one training forward (block-sparse mask) give, block by block, the logits
@@ -62,14 +71,22 @@ fn training_forward_equals_inference_forward() {
     for (i, sliding) in [false, true].into_iter().enumerate() {
         let mut d = TinyDraft::for_target(&t, 3, vec![0, 2, 3], 6, 40 + i as u64);
         if sliding {
-            d.layer_types = Some(vec!["sliding_attention", "full_attention", "sliding_attention"]);
+            d.layer_types = Some(vec![
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ]);
             d.sliding_window = 4;
         }
         let dd = dir.path().join(format!("d{i}"));
         d.write(&dd, t.vocab).unwrap();
-        let draft =
-            load_draft(&ModelSource::from_dir("d", &dd).unwrap(), &cfg, "t", &LoadOptions::default())
-                .unwrap();
+        let draft = load_draft(
+            &ModelSource::from_dir("d", &dd).unwrap(),
+            &cfg,
+            "t",
+            &LoadOptions::default(),
+        )
+        .unwrap();
         let ids = ids(7, 40, t.vocab - 1);
         let taps = target_taps(&*target, &ids, &draft.taps);
         let anchors = [1usize, 9, 10, 23, 33];
@@ -86,7 +103,10 @@ fn training_forward_equals_inference_forward() {
         for (b, l) in inf.iter().enumerate() {
             let tb = train.narrow(0, b * (q - 1), q - 1).unwrap();
             let diff = max_abs_diff(&tb, l);
-            assert!(diff < 1e-4, "sliding={sliding} block {b}: max |diff| {diff}");
+            assert!(
+                diff < 1e-4,
+                "sliding={sliding} block {b}: max |diff| {diff}"
+            );
         }
     }
 }
@@ -184,8 +204,14 @@ fn training_lowers_loss_and_raises_tau() {
     };
     let target = &*p.engine.target;
     let mut tr = Trainer::new(target, &p.target_config, opts).unwrap();
-    let ex = train::make_examples(target, &tr.taps.clone(), &seqs, DataMode::SelfGenerated, &mut |_, _| {})
-        .unwrap();
+    let ex = train::make_examples(
+        target,
+        &tr.taps.clone(),
+        &seqs,
+        DataMode::SelfGenerated,
+        &mut |_, _| {},
+    )
+    .unwrap();
     let untrained = dir.path().join("untrained");
     tr.save(&untrained, candle_core::DType::F32).unwrap();
     let mut losses = vec![];
@@ -230,11 +256,28 @@ fn training_lowers_loss_and_raises_tau() {
     let (tau0, out0) = tau_with(&td, &untrained, &held, q);
     let (tau1, out1) = tau_with(&td, &trained, &held, q);
     assert_eq!(out0, out1, "greedy output must not depend on the draft");
-    let plain = Engine::new(dflash::archs::load_target(&ModelSource::from_dir("t", &td).unwrap(), &LoadOptions::default()).unwrap().1, None);
+    let plain = Engine::new(
+        dflash::archs::load_target(
+            &ModelSource::from_dir("t", &td).unwrap(),
+            &LoadOptions::default(),
+        )
+        .unwrap()
+        .1,
+        None,
+    );
     for (r, o) in held.iter().zip(&out1) {
         let req = GenerateRequest::new(r.prompt.prompt_ids.clone().unwrap(), 40);
-        assert_eq!(&plain.generate(&req, &mut |_| Flow::Continue).unwrap().output_ids, o);
+        assert_eq!(
+            &plain
+                .generate(&req, &mut |_| Flow::Continue)
+                .unwrap()
+                .output_ids,
+            o
+        );
     }
     eprintln!("loss {first:.3} -> {last:.3}; tau untrained {tau0:.2} -> trained {tau1:.2}");
-    assert!(tau1 > tau0 + 1.0 && tau1 > 2.5, "tau {tau0:.2} -> {tau1:.2}");
+    assert!(
+        tau1 > tau0 + 1.0 && tau1 > 2.5,
+        "tau {tau0:.2} -> {tau1:.2}"
+    );
 }

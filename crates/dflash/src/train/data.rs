@@ -10,8 +10,8 @@
 //!   labels past the first are teacher-forced), but it costs one forward per sequence
 //!   instead of a generation.
 
-use crate::bench::prompts::{dataset_file, json_array_prefix_values, prompt_from_value, Dataset};
 use crate::bench::prompts::Prompt;
+use crate::bench::prompts::{dataset_file, json_array_prefix_values, prompt_from_value, Dataset};
 use crate::{Error, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -33,7 +33,12 @@ pub fn reference_from_value(v: &Value) -> Option<String> {
             .position(|m| m.get("from").and_then(|f| f.as_str()) == Some("human"))?;
         return c[h + 1..]
             .iter()
-            .find(|m| matches!(m.get("from").and_then(|f| f.as_str()), Some("gpt" | "chatgpt" | "assistant")))
+            .find(|m| {
+                matches!(
+                    m.get("from").and_then(|f| f.as_str()),
+                    Some("gpt" | "chatgpt" | "assistant")
+                )
+            })
             .and_then(|m| m.get("value"))
             .and_then(|t| t.as_str())
             .map(str::to_string);
@@ -200,12 +205,19 @@ mod tests {
     fn records_from_jsonl_gz_and_truncated_array() {
         let d = tempfile::tempdir().unwrap();
         let f = d.path().join("p.jsonl");
-        std::fs::write(&f, "{\"prompt\": \"a\", \"completion\": \"b\"}\n\n{\"turns\": [\"c\"]}\n").unwrap();
+        std::fs::write(
+            &f,
+            "{\"prompt\": \"a\", \"completion\": \"b\"}\n\n{\"turns\": [\"c\"]}\n",
+        )
+        .unwrap();
         let r = read_records(&f, 10).unwrap();
         assert_eq!(r.len(), 2);
         assert_eq!(r[0].reference.as_deref(), Some("b"));
         assert_eq!(read_records(&f, 1).unwrap().len(), 1);
-        let gz = std::process::Command::new("gzip").arg("-k").arg(&f).status();
+        let gz = std::process::Command::new("gzip")
+            .arg("-k")
+            .arg(&f)
+            .status();
         if gz.map(|s| s.success()).unwrap_or(false) {
             let r = read_records(&d.path().join("p.jsonl.gz"), 10).unwrap();
             assert_eq!(r.len(), 2);
@@ -216,6 +228,9 @@ mod tests {
         assert_eq!((r.len(), r[0].reference.as_deref()), (1, Some("r")));
         let bad = d.path().join("bad.jsonl");
         std::fs::write(&bad, "{\"other\": 1}\n").unwrap();
-        assert!(read_records(&bad, 10).unwrap_err().to_string().contains("no usable prompts"));
+        assert!(read_records(&bad, 10)
+            .unwrap_err()
+            .to_string()
+            .contains("no usable prompts"));
     }
 }

@@ -203,7 +203,9 @@ pub fn make_example(
                 .ok_or_else(|| Error::input("target returned no logits"))?;
             let am = l.argmax(D::Minus1)?.to_vec1::<u32>()?;
             // labels[p] = the target's choice after position p - 1.
-            std::iter::once(ids[0]).chain(am[..n - 1].iter().copied()).collect()
+            std::iter::once(ids[0])
+                .chain(am[..n - 1].iter().copied())
+                .collect()
         }
     };
     Ok(Example {
@@ -527,7 +529,10 @@ impl Trainer {
         for (n, v) in &self.vars {
             tensors.insert(
                 n.clone(),
-                v.as_tensor().detach().to_dtype(dtype)?.to_device(&Device::Cpu)?,
+                v.as_tensor()
+                    .detach()
+                    .to_dtype(dtype)?
+                    .to_device(&Device::Cpu)?,
             );
         }
         let st = dir.join("model.safetensors");
@@ -557,7 +562,9 @@ impl DataMode {
         match s {
             "self" => Ok(DataMode::SelfGenerated),
             "relabel" => Ok(DataMode::Relabel),
-            o => Err(Error::input(format!("--data {o}: expected self or relabel"))),
+            o => Err(Error::input(format!(
+                "--data {o}: expected self or relabel"
+            ))),
         }
     }
     pub fn labels(self) -> Labels {
@@ -605,7 +612,9 @@ pub fn build_sequences(
         }
         let prompt = match (&r.prompt.prompt_ids, &r.prompt.text) {
             (Some(ids), _) => ids.clone(),
-            (None, Some(t)) => p.encode_prompt(&[ChatMessage::user(t.clone())], o.chat_template, None)?,
+            (None, Some(t)) => {
+                p.encode_prompt(&[ChatMessage::user(t.clone())], o.chat_template, None)?
+            }
             (None, None) => continue,
         };
         if prompt.is_empty() || prompt.len() + 2 > o.max_seq {
@@ -651,7 +660,10 @@ pub fn build_sequences(
     progress(records.len(), records.len());
     let mut notes = vec![];
     if let Some(i) = stopped {
-        notes.push(format!("stopped after {i} of {} records (time budget)", records.len()));
+        notes.push(format!(
+            "stopped after {i} of {} records (time budget)",
+            records.len()
+        ));
     }
     if no_ref > 0 {
         notes.push(format!("{no_ref} records without a reference response skipped (relabel needs one; use --data self)"));
