@@ -5,6 +5,7 @@ mod doctor;
 mod generate;
 mod models;
 mod serve;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -45,6 +46,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Benchmark DFlash against plain decoding (same engine): one pair, a matrix, or --micro.
     Bench(bench::BenchArgs),
+    /// Train a DFlash draft for a target (z-lab format; loads with `generate --draft DIR`).
+    Train(train::TrainArgs),
 }
 
 fn main() -> ExitCode {
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
         Command::Models { json } => models::run(json),
         Command::Serve(a) => serve::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Train(a) => train::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -207,7 +207,12 @@ pub fn sdpa(
             .reshape((kvh, rep * n, l))?,
         None => scores,
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    // The fused softmax has no backward; training (tracked scores) takes the composite one.
+    let probs = if scores.track_op() {
+        candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?
+    } else {
+        candle_nn::ops::softmax_last_dim(&scores)?
+    };
     let o = probs.matmul(v)?; // [kvh, rep*n, vd]
     Ok(o.reshape((heads, n, vd))?
         .transpose(0, 1)?
