@@ -316,7 +316,11 @@ pub fn load_draft(
 ) -> Result<DraftModel> {
     let cfg = DraftConfig::from_file(&src.config)?;
     let taps = cfg.validate_against(target, target_name)?;
-    let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?;
+    let mlx = crate::source::mlx::MlxQuant::from_config(
+        &cfg.file,
+        &crate::config::read_json(&src.config)?,
+    )?;
+    let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?.with_mlx_quant(mlx);
     let d = DraftModel::load(cfg, taps, &w)?;
     if let Some(d2t) = &d.d2t {
         if let Some((i, _)) = d2t
