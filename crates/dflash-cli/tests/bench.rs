@@ -103,14 +103,17 @@ fn bench_pair_json_agrees_with_raw_runs_and_table() {
     assert!(!m["cpu"].as_str().unwrap().is_empty());
     assert!(m["threads"].as_u64().unwrap() >= 1);
     assert_eq!(m["dtype"], "f32");
-    assert_eq!(m["quantization"], "none (safetensors); GGUF: per row");
+    assert_eq!(
+        m["quantization"],
+        "none (float safetensors); GGUF and MLX-quantized: per row"
+    );
     assert!(m["versions"]["dflash"].is_string() && m["versions"]["candle-core"].is_string());
     assert!(m.get("git_commit").is_some());
     assert_eq!(summary["options"]["repeat"], 2);
     let file = summary["row_files"][0].as_str().unwrap();
     assert!(
         read(&out.join(file))["quantization"].is_null(),
-        "a safetensors row is not quantized"
+        "a float safetensors row is not quantized"
     );
     let row = read(&out.join(file))["row"].clone();
     assert_eq!(row["status"], "ok");

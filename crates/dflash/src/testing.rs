@@ -512,6 +512,16 @@ pub fn write_gguf(
     dir: &Path,
     dtype: candle_core::quantized::GgmlDType,
 ) -> Result<std::path::PathBuf> {
+    write_gguf_with(t, dir, |_| dtype)
+}
+
+/// [`write_gguf`] with a type per 2-D weight, chosen from its HF name (mixed files like
+/// llama.cpp's Q4_K_M).
+pub fn write_gguf_with(
+    t: &TinyTarget,
+    dir: &Path,
+    dtype: impl Fn(&str) -> candle_core::quantized::GgmlDType,
+) -> Result<std::path::PathBuf> {
     use crate::source::gguf::{gguf_name, permute_qk};
     use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
     let st = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)?;
@@ -523,7 +533,11 @@ pub fn write_gguf(
         let w = &st[name];
         let gname = gguf_name(arch, name)
             .ok_or_else(|| Error::input(format!("no GGUF name for {name}")))?;
-        let ty = if w.rank() == 2 { dtype } else { GgmlDType::F32 };
+        let ty = if w.rank() == 2 {
+            dtype(name)
+        } else {
+            GgmlDType::F32
+        };
         let mut q = QTensor::quantize(w, ty)?;
         if arch == "llama" && gname.contains(".attn_q.") {
             q = permute_qk(&q, t.heads)?;

@@ -64,9 +64,10 @@ pub struct TargetInfo {
     pub device: Device,
     /// Bytes of weights held.
     pub weight_bytes: usize,
-    /// For quantized (GGUF) sources, what the load did per tensor type, e.g.
+    /// For quantized sources, what the load did per tensor type, e.g. GGUF
     /// `Q4_1->Q8_0 x210, Q8_0 x1` (requantized for fast CPU kernels) or `Q4_1 x210`
-    /// (`keep_quant`); None for float checkpoints.
+    /// (`keep_quant`), MLX `mlx affine 4-bit g64 x197; dequantized to f32`; None for float
+    /// checkpoints.
     pub quantization: Option<String>,
 }
 
@@ -377,7 +378,8 @@ pub fn load_target(
     }
     let cfg = TargetConfig::from_file(&src.config)?;
     let fam = family_for(&cfg)?;
-    let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?;
+    let mlx = crate::source::mlx::MlxQuant::from_config(&cfg.file, &cfg.raw)?;
+    let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?.with_mlx_quant(mlx);
     let model = (fam.load)(&cfg, &w)?;
     Ok((cfg, model))
 }

@@ -16,8 +16,8 @@ pub struct Machine {
     /// `cpu`, `cuda:0`, ...
     pub device: String,
     pub dtype: String,
-    /// Weight quantization of safetensors models (`none`); GGUF rows record theirs in the
-    /// row's `quantization`.
+    /// Weight quantization of float safetensors models (`none`); GGUF and MLX-quantized rows
+    /// record theirs in the row's `quantization`.
     pub quantization: String,
     /// `git rev-parse HEAD` of the working directory (plus `-dirty`), when available.
     pub git_commit: Option<String>,
@@ -68,7 +68,7 @@ impl Machine {
             os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
             device: device.into(),
             dtype: dtype.into(),
-            quantization: "none (safetensors); GGUF: per row".into(),
+            quantization: "none (float safetensors); GGUF and MLX-quantized: per row".into(),
             git_commit,
             versions,
         }

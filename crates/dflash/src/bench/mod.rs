@@ -264,7 +264,8 @@ pub struct RowResult {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<Failure>,
     pub block_size: Option<usize>,
-    /// Target weight quantization as loaded (e.g. "Q4_1->Q8_0 x210"), None for dense.
+    /// Target weight quantization as loaded (e.g. "Q4_1->Q8_0 x210", "mlx affine 4-bit g64
+    /// x197; dequantized to f32"), None for float checkpoints.
     #[serde(default)]
     pub quantization: Option<String>,
     pub load_s: Option<f64>,

@@ -6,8 +6,11 @@
 //! kernel unless `keep_quant`). Every tensor is checked for presence and shape. Names that
 //! were read are recorded so a loader can list the tensors a checkpoint carries that the
 //! model did not use, and a GGUF load keeps a report of what it did to each tensor type.
+//! MLX affine-quantized safetensors (packed `uint32` + `scales` + `biases`) are dequantized
+//! here at load by [`super::mlx`], for every family.
 
 use super::gguf::{gguf_name, unpermute_qk, GgufFile};
+use super::mlx::{AffineParams, MlxQuant};
 use crate::nn::{Embedding, Linear};
 use crate::{Error, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
@@ -41,6 +44,10 @@ pub struct Weights {
     pub dtype: DType,
     pub device: Device,
     used: RefCell<BTreeSet<String>>,
+    /// The MLX `quantization` entry of the config (safetensors), see [`Self::with_mlx_quant`].
+    mlx: Option<MlxQuant>,
+    /// MLX-quantized tensors dequantized so far, per (bits, group size).
+    mlx_report: RefCell<BTreeMap<AffineParams, usize>>,
 }
 
 /// The quantized type a CPU matmul weight of type `dt` is converted to at load, or None to
@@ -84,6 +91,8 @@ impl Weights {
             dtype,
             device: device.clone(),
             used: RefCell::default(),
+            mlx: None,
+            mlx_report: RefCell::default(),
         })
     }
 
@@ -113,6 +122,8 @@ impl Weights {
             dtype,
             device: device.clone(),
             used: RefCell::default(),
+            mlx: None,
+            mlx_report: RefCell::default(),
         })
     }
 
@@ -124,7 +135,17 @@ impl Weights {
             dtype,
             device: device.clone(),
             used: RefCell::default(),
+            mlx: None,
+            mlx_report: RefCell::default(),
         }
+    }
+
+    /// The MLX affine quantization named by the checkpoint's config (see
+    /// [`MlxQuant::from_config`]): its packed weights are then dequantized at load. Without
+    /// it, a packed weight is an error naming the missing config entry.
+    pub fn with_mlx_quant(mut self, quant: Option<MlxQuant>) -> Self {
+        self.mlx = quant;
+        self
     }
 
     /// True for GGUF sources (their Gemma norms already include the `+ 1`).
@@ -209,6 +230,17 @@ impl Weights {
         let shape = shape.into();
         let t = match &self.backend {
             Backend::Safetensors { st, .. } => {
+                if let Some(d) = super::mlx::load_dequantized(
+                    st,
+                    self.mlx.as_ref(),
+                    name,
+                    shape.dims(),
+                    &self.file_desc(),
+                )? {
+                    self.used.borrow_mut().extend(d.read);
+                    *self.mlx_report.borrow_mut().entry(d.params).or_default() += 1;
+                    return Ok(d.tensor.to_dtype(dtype)?.to_device(&self.device)?);
+                }
                 let view = st.get(name).map_err(|_| self.missing(name, &shape))?;
                 self.check_shape(name, view.shape(), &shape)?;
                 self.used.borrow_mut().insert(name.to_string());
@@ -235,7 +267,10 @@ impl Weights {
     /// Shape of `name` (HF naming) from the header, without loading it.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
         match &self.backend {
-            Backend::Safetensors { st, .. } => st.get(name).ok().map(|v| v.shape().to_vec()),
+            Backend::Safetensors { st, .. } => st.get(name).ok().map(|v| {
+                super::mlx::logical_shape(st, self.mlx.as_ref(), name, v.shape())
+                    .unwrap_or_else(|| v.shape().to_vec())
+            }),
             Backend::Memory(m) => m.get(name).map(|t| t.dims().to_vec()),
             Backend::Gguf(g) => self.stored_name(name).and_then(|n| g.file.tensor_shape(&n)),
         }
@@ -387,11 +422,12 @@ impl Weights {
         })
     }
 
-    /// What the load did to quantized tensors, e.g. `Q4_1->Q8_0 x210, Q8_0 x1` (GGUF), or
-    /// None for safetensors.
+    /// What the load did to quantized tensors, e.g. `Q4_1->Q8_0 x210, Q8_0 x1` (GGUF),
+    /// `mlx affine 4-bit g64 x197; dequantized to f32` (MLX safetensors), or None for float
+    /// safetensors.
     pub fn quant_report(&self) -> Option<String> {
         let Backend::Gguf(g) = &self.backend else {
-            return None;
+            return super::mlx::report(&self.mlx_report.borrow(), self.dtype);
         };
         let r = g.report.borrow();
         Some(

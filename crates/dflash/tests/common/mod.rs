@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod mlx;
+
 use candle_core::Tensor;
 use dflash::archs::{load_target, LoadOptions, TargetModel};
 use dflash::source::ModelSource;
