@@ -275,6 +275,58 @@ fn chunked_prefill_in_any_split_equals_one_prefill() {
 }
 
 #[test]
+fn long_prompt_in_pieces_equals_token_steps_and_undoes_as_one_forward() {
+    // 1100 rows: three passes of the layer stack (PREFILL_PIECE = 512) inside one forward
+    let (_d, m) = tiny("qwen3_next", 83);
+    let v = m.info().vocab_size;
+    let prompt = ids(5, 1100, v);
+    let mut one = m.new_cache(1200).unwrap();
+    let out = m
+        .forward(&prompt, 0, &mut one, &[0, 4], Logits::All)
+        .unwrap();
+    let (l, t) = (out.logits.unwrap(), out.taps.unwrap());
+    assert_eq!(l.dims(), &[1100, v]);
+    assert_eq!(t.dim(0).unwrap(), 1100);
+    // the same rows from a split that crosses the piece boundaries elsewhere
+    let mut c = m.new_cache(1200).unwrap();
+    let a = m
+        .forward(&prompt[..700], 0, &mut c, &[0, 4], Logits::All)
+        .unwrap();
+    let b = m
+        .forward(&prompt[700..], 700, &mut c, &[0, 4], Logits::Last)
+        .unwrap();
+    assert!(rel_diff(&a.logits.unwrap(), &l.narrow(0, 0, 700).unwrap()) < 1e-4);
+    assert!(rel_diff(&a.taps.unwrap(), &t.narrow(0, 0, 700).unwrap()) < 1e-4);
+    assert!(rel_diff(&b.logits.unwrap(), &l.narrow(0, 1099, 1).unwrap()) < 1e-4);
+    assert!(state_diff(&c, &one) < 1e-5);
+    // the last 30 rows by single-token steps
+    let mut s = m.new_cache(1200).unwrap();
+    m.forward(&prompt[..1070], 0, &mut s, &[], Logits::None)
+        .unwrap();
+    for i in 1070..1100 {
+        let x = logits(m.as_ref(), &prompt[i..=i], i, &mut s, Logits::Last);
+        assert!(rel_diff(&x, &l.narrow(0, i, 1).unwrap()) < 1e-4, "row {i}");
+    }
+    // a forward is undone as one step: 400 rows after 700, then 1000 rows (two pieces)
+    // after 100
+    let mut before = m.new_cache(1200).unwrap();
+    m.forward(&prompt[..700], 0, &mut before, &[], Logits::None)
+        .unwrap();
+    c.truncate(700).unwrap();
+    assert_eq!(state_diff(&c, &before), 0.0);
+    let mut d = m.new_cache(1200).unwrap();
+    m.forward(&prompt[..100], 0, &mut d, &[], Logits::None)
+        .unwrap();
+    m.forward(&prompt[100..], 100, &mut d, &[], Logits::None)
+        .unwrap();
+    d.truncate(100).unwrap();
+    let mut e = m.new_cache(1200).unwrap();
+    m.forward(&prompt[..100], 0, &mut e, &[], Logits::None)
+        .unwrap();
+    assert_eq!(state_diff(&d, &e), 0.0);
+}
+
+#[test]
 fn undo_a_whole_forward_and_refuse_unreachable_positions() {
     let (_d, m) = tiny("qwen3_5", 81);
     let v = m.info().vocab_size;

@@ -24,12 +24,16 @@ use super::{
 use crate::config::{Fields, LayerType, RopeConfig, TargetConfig};
 use crate::nn::{
     attention_mask, Activation, AttentionSpec, ChunkMasks, Embedding, GatedAttention,
-    GatedDeltaNet, GatedDeltaSpec, GatedMlp, InProjLayout, KvCache, Linear, RmsNorm, Rope,
-    SparseMoe,
+    GatedDeltaNet, GatedDeltaSpec, GatedMlp, InProjLayout, KvCache, Linear, RecurrentCache,
+    RmsNorm, Rope, SparseMoe,
 };
 use crate::source::Weights;
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
+
+/// Longest run of rows one pass through the layer stack takes; longer inputs (prompts) go
+/// through in pieces (a multiple of the delta rule's chunk).
+pub const PREFILL_PIECE: usize = 512;
 
 /// Capabilities of the hybrid families (`archs::FAMILIES`).
 pub const fn caps(moe: bool) -> Capabilities {
@@ -421,6 +425,69 @@ impl HybridModel {
         b
     }
 
+    /// A long input (a prompt) runs through the whole stack in pieces of [`PREFILL_PIECE`]
+    /// rows, so attention masks and scores are `piece x context`, not `T x T`. The forward
+    /// stays one step for the cache: a failing piece restores the recurrent layers to the
+    /// forward's start (KV layers are cropped by `checked_forward`), and after success the
+    /// forward's start stays reachable by `truncate`, as for a one-piece forward.
+    fn forward_pieces(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        cache: &mut TargetCache,
+        taps: &[usize],
+        logits: Logits,
+    ) -> Result<ForwardOutput> {
+        let n = tokens.len();
+        if n <= PREFILL_PIECE {
+            return self.forward_inner(tokens, start, cache, taps, logits);
+        }
+        let before: Vec<Option<RecurrentCache>> = cache
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Recurrent(r) => Some(r.clone()),
+                LayerCache::Kv(_) => None,
+            })
+            .collect();
+        let mut run = || -> Result<ForwardOutput> {
+            let (mut rows, mut tapped) = (vec![], vec![]);
+            let mut at = 0;
+            while at < n {
+                let m = PREFILL_PIECE.min(n - at);
+                let want = match logits {
+                    Logits::All => Logits::All,
+                    Logits::Last if at + m == n => Logits::Last,
+                    _ => Logits::None,
+                };
+                let out = self.forward_inner(&tokens[at..at + m], start + at, cache, taps, want)?;
+                rows.extend(out.logits);
+                tapped.extend(out.taps);
+                at += m;
+            }
+            let cat = |v: Vec<Tensor>| -> Result<Option<Tensor>> {
+                Ok(match v.len() {
+                    0 => None,
+                    _ => Some(Tensor::cat(&v, 0)?),
+                })
+            };
+            Ok(ForwardOutput {
+                logits: cat(rows)?,
+                taps: cat(tapped)?,
+            })
+        };
+        let out = run();
+        for (l, b) in cache.layers.iter_mut().zip(before) {
+            if let (LayerCache::Recurrent(r), Some(b)) = (l, b) {
+                match &out {
+                    Err(_) => *r = b,
+                    Ok(_) => r.undo_from(&b),
+                }
+            }
+        }
+        out
+    }
+
     fn forward_inner(
         &self,
         tokens: &[u32],
@@ -520,7 +587,7 @@ impl TargetModel for HybridModel {
             taps,
             self.layers.len(),
             self.info.vocab_size,
-            |c| self.forward_inner(tokens, start, c, taps, logits),
+            |c| self.forward_pieces(tokens, start, c, taps, logits),
         )
     }
 

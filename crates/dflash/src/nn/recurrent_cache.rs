@@ -152,6 +152,16 @@ impl RecurrentCache {
         self.len = start + n;
     }
 
+    /// After a forward that ran in several steps from the state `before`: make `before`'s
+    /// position (the forward's start) the one `truncate` restores, keeping the last chunk.
+    pub fn undo_from(&mut self, before: &RecurrentCache) {
+        if let Some(u) = &mut self.undo {
+            u.start = before.len;
+            u.conv = before.conv.clone();
+            u.state = before.state.clone();
+        }
+    }
+
     /// Whether [`truncate`](Self::truncate) to `len` would succeed.
     pub fn check_truncate(&self, len: usize) -> Result<()> {
         if len == self.len {
