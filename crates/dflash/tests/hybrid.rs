@@ -793,3 +793,74 @@ fn bf16_compute_stays_close_to_f32_and_rolls_back() {
         assert!(d < 1e-2, "{name}: bf16 rollback state {d}");
     }
 }
+
+#[test]
+fn config_errors_name_the_file_and_field() {
+    let base = || TinyHybrid::new("qwen3_next", 1).config();
+    let parse = |v: Value| TargetConfig::from_value("config.json", v);
+    // a recurrent layer in a family without recurrent layers
+    let mut c = base();
+    c["model_type"] = "qwen3".into();
+    c["intermediate_size"] = 64.into();
+    let e = match dflash::archs::family_for(&parse(c).unwrap()) {
+        Err(e) => e.to_string(),
+        Ok(f) => panic!("accepted by {}", f.name),
+    };
+    assert!(
+        e.contains("layer_types") && e.contains("linear_attention") && e.contains("qwen3"),
+        "{e}"
+    );
+    // value heads must be a multiple of key heads
+    let mut c = base();
+    c["linear_num_value_heads"] = 5.into();
+    let cfg = parse(c).unwrap();
+    let e = dflash::archs::hybrid::HybridConfig::parse(&cfg, dflash::nn::InProjLayout::Fused)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("config.json") && e.contains("linear_num_value_heads"),
+        "{e}"
+    );
+    // sliding layers do not exist in these families
+    let mut c = base();
+    c["layer_types"][0] = "sliding_attention".into();
+    c["sliding_window"] = 8.into();
+    let cfg = parse(c).unwrap();
+    let e = dflash::archs::hybrid::HybridConfig::parse(&cfg, dflash::nn::InProjLayout::Fused)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("layer_types") && e.contains("sliding_attention"),
+        "{e}"
+    );
+    // an unknown layer kind
+    let mut c = base();
+    c["layer_types"][0] = "mamba2".into();
+    let e = parse(c).unwrap_err().to_string();
+    assert!(e.contains("layer_types") && e.contains("mamba2"), "{e}");
+    // a MoE-only text config has no intermediate_size; a dense one must
+    let mut c = TinyHybrid::new("qwen3_5", 1).config();
+    c["text_config"]
+        .as_object_mut()
+        .unwrap()
+        .remove("intermediate_size");
+    let e = parse(c).unwrap_err().to_string();
+    assert!(e.contains("text_config.intermediate_size"), "{e}");
+    // a tensor missing from the checkpoint is named
+    let t = TinyHybrid::new("qwen3_5", 2);
+    let dir = tempfile::tempdir().unwrap();
+    t.write(dir.path()).unwrap();
+    let st = dir.path().join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&st, &Device::Cpu).unwrap();
+    w.remove("model.language_model.layers.0.linear_attn.A_log");
+    candle_core::safetensors::save(&w, &st).unwrap();
+    let src = ModelSource::from_dir("t", dir.path()).unwrap();
+    let e = match dflash::archs::load_target(&src, &LoadOptions::default()) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("loaded without A_log"),
+    };
+    assert!(
+        e.contains("model.language_model.layers.0.linear_attn.A_log"),
+        "{e}"
+    );
+}
