@@ -744,8 +744,8 @@ fn hybrid_registry_rows_are_supported_and_lossless() {
         let (_dir, e) = engine_for(t, &dr);
         assert_eq!(e.target.info().family, entry.family);
         let mut seen = Seen::default();
-        lossless(&e, t.vocab, 700, 2, r.target, &mut seen);
-        assert_eq!(seen.generations, 18);
+        lossless(&e, t.vocab, 700, 1, r.target, &mut seen);
+        assert_eq!(seen.generations, 9);
     }
 }
 
