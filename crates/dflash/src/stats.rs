@@ -21,6 +21,10 @@ pub struct GenerationStats {
     /// Draft and verify time summed over cycles, ms.
     pub draft_ms: f64,
     pub verify_ms: f64,
+    /// Target-cache rollback after the verifies, summed, ms: rebuilding the recurrent state
+    /// after a partial acceptance (hybrid targets; measured up to a device sync), ~0 for
+    /// attention-only targets, whose KV crop is O(1).
+    pub rollback_ms: f64,
     /// Decode cycles (target forward passes after prefill).
     pub cycles: usize,
     /// Committed tokens per cycle (accepted draft tokens + the bonus).

@@ -4,6 +4,9 @@
 //! same model on every machine and crate version. Files are written exactly like a Hugging
 //! Face checkpoint (`config.json` + `model.safetensors`), so they go through the real loader.
 
+pub mod hybrid;
+pub use hybrid::TinyHybrid;
+
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};

@@ -208,6 +208,9 @@ fn every_supported_registry_row_has_a_shape_test() {
         if e.family == "gemma4" {
             continue; // gemma4_speculator_row below
         }
+        if ["qwen3_5", "qwen3_5_moe", "qwen3_next"].contains(&e.family) {
+            continue; // tests/hybrid.rs: hybrid_registry_rows_are_supported_and_lossless
+        }
         assert!(
             rows.iter()
                 .any(|r| resolve_draft(r.target).map(|x| x.target) == Some(e.target)),

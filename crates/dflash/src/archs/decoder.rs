@@ -307,9 +307,16 @@ impl DecoderModel {
         };
         let mut tapped = TapRecorder::new(taps);
         for (i, layer) in self.layers.iter().enumerate() {
-            let LayerCache::Kv(kv) = &mut cache.layers[i];
+            let LayerCache::Kv(kv) = &mut cache.layers[i] else {
+                return Err(crate::Error::input(
+                    "decoder: cache layer is not a KV cache",
+                ));
+            };
             let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
-                LayerType::Full => (&self.rope_full, &t_full, mask_full.as_ref()),
+                // (linear_attention layers are refused at load: `archs::load_target`)
+                LayerType::Full | LayerType::Linear => {
+                    (&self.rope_full, &t_full, mask_full.as_ref())
+                }
                 LayerType::Sliding => (
                     &self.rope_sliding,
                     t_slide

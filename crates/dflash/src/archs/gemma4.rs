@@ -763,8 +763,11 @@ impl Gemma4Model {
                 _ => return Err(Error::input("gemma4: cache layer is not a KV cache")),
             };
             let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
-                LayerType::Full => (&self.rope_full, &t_full, mask_full.as_ref()),
                 LayerType::Sliding => (&self.rope_sliding, &t_slide, mask_slide.as_ref()),
+                // (linear_attention layers are refused at load: `archs::load_target`)
+                LayerType::Full | LayerType::Linear => {
+                    (&self.rope_full, &t_full, mask_full.as_ref())
+                }
             };
             let x = layer.input_norm.forward(&h)?;
             let a = layer.attn.forward(&x, rope, tables, kv, mask)?;

@@ -7,13 +7,17 @@
 pub mod decoder;
 pub mod gemma3;
 pub mod gemma4;
+pub mod hybrid;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_5;
+pub mod qwen3_5_moe;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 
 use crate::config::TargetConfig;
-use crate::nn::KvCache;
+use crate::nn::{KvCache, RecurrentCache};
 use crate::source::{ModelSource, Weights};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -82,6 +86,9 @@ pub struct TargetCache {
 pub enum LayerCache {
     /// Attention keys and values.
     Kv(KvCache),
+    /// Conv window + recurrent state of a Gated DeltaNet layer, with what the last forward
+    /// kept to roll back inside it (`nn::recurrent_cache`).
+    Recurrent(RecurrentCache),
 }
 
 impl TargetCache {
@@ -102,7 +109,10 @@ impl TargetCache {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
-    /// Drop every position at or after `len` (after a partial acceptance). O(1) for KV layers.
+    /// Drop every position at or after `len` (after a partial acceptance). O(1) for KV layers;
+    /// recurrent layers rebuild their state after exactly `len` positions (one small matmul
+    /// per layer, nothing when the whole verify block was accepted). All layers are checked
+    /// before any changes, so an impossible rollback leaves the cache as it was.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len > self.len {
             return Err(Error::input(format!(
@@ -110,13 +120,25 @@ impl TargetCache {
                 self.len
             )));
         }
+        for l in &self.layers {
+            if let LayerCache::Recurrent(r) = l {
+                r.check_truncate(len)?;
+            }
+        }
         for l in &mut self.layers {
             match l {
                 LayerCache::Kv(kv) => kv.truncate(len),
+                LayerCache::Recurrent(r) => r.truncate(len)?,
             }
         }
         self.len = len;
         Ok(())
+    }
+    /// Whether some layer keeps recurrent state (its rollback does work on the device).
+    pub fn has_recurrent(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| matches!(l, LayerCache::Recurrent(_)))
     }
     /// Called by the model after a forward of `n` positions.
     pub fn advance(&mut self, n: usize) {
@@ -127,6 +149,7 @@ impl TargetCache {
             .iter()
             .map(|l| match l {
                 LayerCache::Kv(kv) => kv.bytes(),
+                LayerCache::Recurrent(r) => r.bytes(),
             })
             .sum()
     }
@@ -343,6 +366,24 @@ pub const FAMILIES: &[Family] = &[
         load: gemma4::load,
         caps: caps(true, true, true, false),
     },
+    Family {
+        name: "qwen3_5",
+        model_types: &["qwen3_5", "qwen3_5_text"],
+        load: qwen3_5::load,
+        caps: hybrid::caps(false),
+    },
+    Family {
+        name: "qwen3_5_moe",
+        model_types: &["qwen3_5_moe", "qwen3_5_moe_text"],
+        load: qwen3_5_moe::load,
+        caps: hybrid::caps(true),
+    },
+    Family {
+        name: "qwen3_next",
+        model_types: &["qwen3_next"],
+        load: qwen3_next::load,
+        caps: hybrid::caps(true),
+    },
 ];
 
 pub fn supported_model_types() -> Vec<&'static str> {
@@ -353,14 +394,32 @@ pub fn supported_model_types() -> Vec<&'static str> {
 }
 
 pub fn family_for(cfg: &TargetConfig) -> Result<&'static Family> {
-    FAMILIES
+    let fam = FAMILIES
         .iter()
         .find(|f| f.model_types.contains(&cfg.model_type.as_str()))
         .ok_or_else(|| Error::UnsupportedArch {
             model_type: cfg.model_type.clone(),
             file: cfg.file.clone(),
             supported: supported_model_types().join(", "),
-        })
+        })?;
+    // Recurrent (linear_attention) layers only in families that implement them.
+    if !fam.caps.recurrent_rollback {
+        if let Some(i) = cfg
+            .layer_types
+            .iter()
+            .position(|&t| t == crate::config::LayerType::Linear)
+        {
+            return Err(Error::config(
+                &cfg.file,
+                "layer_types",
+                format!(
+                    "layer {i} is linear_attention, but family {} has no recurrent layers",
+                    fam.name
+                ),
+            ));
+        }
+    }
+    Ok(fam)
 }
 
 /// Load a target model from a resolved source (a safetensors directory or a GGUF file).

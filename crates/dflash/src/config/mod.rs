@@ -167,22 +167,27 @@ pub fn read_json(path: &Path) -> Result<Value> {
     })
 }
 
-/// The kind of attention a layer does.
+/// The token mixer of a layer: the kind of attention it does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerType {
     Full,
     Sliding,
+    /// `linear_attention` (legacy `mamba`): a recurrent mixer (Gated DeltaNet in the hybrid
+    /// Qwen families) with a conv state and a recurrent state instead of a KV cache. Only
+    /// families with recurrent layers accept it (`archs::load_target` checks).
+    Linear,
 }
 
 impl LayerType {
     pub fn parse(f: &Fields, key: &str, s: &str) -> Result<Self> {
         match s {
-            "full_attention" => Ok(LayerType::Full),
+            "full_attention" | "attention" => Ok(LayerType::Full),
             "sliding_attention" => Ok(LayerType::Sliding),
+            "linear_attention" | "mamba" => Ok(LayerType::Linear),
             other => Err(f.err(
                 key,
                 format!(
-                    "unknown layer type `{other}` (expected full_attention or sliding_attention)"
+                    "unknown layer type `{other}` (expected full_attention, sliding_attention or linear_attention)"
                 ),
             )),
         }
@@ -309,7 +314,12 @@ impl TargetConfig {
         let cfg = TargetConfig {
             file: file.to_string(),
             architectures: f.opt_str_list("architectures")?.unwrap_or_default(),
-            intermediate_size: f.pos_usize("intermediate_size")?,
+            // MoE-only configs (qwen3_5_moe) have no dense MLP width: 0 = none.
+            intermediate_size: if !f.has("intermediate_size") && f.has("moe_intermediate_size") {
+                0
+            } else {
+                f.pos_usize("intermediate_size")?
+            },
             vocab_size: f.pos_usize("vocab_size")?,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             attention_bias: f.opt_bool("attention_bias")?.unwrap_or(false),

@@ -104,6 +104,15 @@ impl DraftModel {
             },
             e => e,
         })?;
+        if let Some(i) = c.layer_types.iter().position(|&t| t == LayerType::Linear) {
+            return Err(Error::config(
+                &c.file,
+                "layer_types",
+                format!(
+                    "draft layer {i} is linear_attention: DFlash draft layers are attention layers"
+                ),
+            ));
+        }
         let mut layers = Vec::new();
         for i in 0..c.num_hidden_layers {
             let p = format!("layers.{i}");
@@ -285,8 +294,8 @@ impl DraftModel {
             // Block K/V go into the cache only for this call: written in place, then dropped.
             let (k, v) = kv.append(&kb, &vb)?;
             let mask = match layer.kind {
-                LayerType::Full => None,
                 LayerType::Sliding => mask_sliding.as_ref(),
+                LayerType::Full | LayerType::Linear => None,
             };
             let o = sdpa(&qb, &k, &v, mask, a.spec.scale);
             kv.truncate(start);
@@ -437,7 +446,8 @@ impl DraftModel {
                 None => (kb, vb),
             };
             let mask = match layer.kind {
-                LayerType::Full => &mask_full,
+                // (Linear layers are refused at load.)
+                LayerType::Full | LayerType::Linear => &mask_full,
                 LayerType::Sliding => mask_sliding.as_ref().unwrap_or(&mask_full),
             };
             let o = sdpa(&qb, &k, &v, Some(mask), a.spec.scale)?;

@@ -221,7 +221,13 @@ impl Engine {
             if let Some(p) = policy.as_mut() {
                 p.observe(q, a, draft_s, verify_s);
             }
+            let tr = Instant::now();
             tcache.truncate(start + a + 1)?;
+            if a + 1 < q && tcache.has_recurrent() {
+                // the rebuild runs on the device: wait for it so that the time is its own
+                target.info().device.synchronize()?;
+            }
+            stats.rollback_ms += tr.elapsed().as_secs_f64() * 1e3;
             if let Some(t) = fw.taps {
                 // Taps of the committed rows 0..=a become the draft's next context rows (a
                 // single-token step without a draft call keeps accumulating them).
