@@ -300,7 +300,7 @@ impl DecoderModel {
         };
         let mut tapped = TapRecorder::new(taps);
         for (i, layer) in self.layers.iter().enumerate() {
-            let LayerCache::Kv(kv) = &mut cache.layers[i];
+            let kv = cache.layers[i].kv_mut()?;
             let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
                 LayerType::Full => (&self.rope_full, &t_full, mask_full.as_ref()),
                 LayerType::Sliding => (

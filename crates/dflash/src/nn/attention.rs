@@ -136,6 +136,20 @@ pub fn sdpa(
     mask: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
+    sdpa_with_sinks(q, k, v, mask, scale, None)
+}
+
+/// [`sdpa`] with optional attention sinks (gpt-oss): `sinks [heads]` is a learned logit per
+/// head that joins every query's softmax as one extra column and is then dropped, so the
+/// probabilities over the real keys sum to less than one.
+pub fn sdpa_with_sinks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    sinks: Option<&Tensor>,
+) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
     let (kvh, l, _) = k.dims3()?;
     let rep = heads / kvh;
@@ -150,7 +164,19 @@ pub fn sdpa(
             .reshape((kvh, rep * n, l))?,
         None => scores,
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    let probs = match sinks {
+        None => candle_nn::ops::softmax_last_dim(&scores)?,
+        Some(s) => {
+            // [heads] -> [kvh, rep * n, 1]: each query row of head h gets sink h.
+            let col = s
+                .to_dtype(scores.dtype())?
+                .reshape((kvh, rep, 1, 1))?
+                .broadcast_as((kvh, rep, n, 1))?
+                .reshape((kvh, rep * n, 1))?;
+            let all = candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&scores, &col], 2)?)?;
+            all.narrow(2, 0, l)?.contiguous()?
+        }
+    };
     let o = probs.matmul(v)?; // [kvh, rep*n, vd]
     Ok(o.reshape((heads, n, vd))?
         .transpose(0, 1)?

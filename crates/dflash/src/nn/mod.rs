@@ -6,15 +6,18 @@
 pub mod attention;
 pub mod embedding;
 pub mod kv_cache;
+pub mod latent_cache;
 pub mod linear;
 pub mod mlp;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod routing;
 
-pub use attention::{attention_mask, Attention, AttentionSpec};
+pub use attention::{attention_mask, sdpa_with_sinks, Attention, AttentionSpec};
 pub use embedding::Embedding;
 pub use kv_cache::KvCache;
+pub use latent_cache::LatentCache;
 pub use linear::Linear;
 pub use mlp::{Activation, GatedMlp};
 pub use moe::SparseMoe;

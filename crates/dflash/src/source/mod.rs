@@ -7,6 +7,7 @@ pub mod demo;
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hub;
+pub mod mxfp4;
 pub mod weights;
 
 pub use demo::demo_model_path;
