@@ -93,3 +93,32 @@ fn qwen3_moe_unnormalized_sparse_step_tied_matches_transformers() {
 fn gemma3_sliding_local_rope_softcap_matches_transformers() {
     check("gemma3");
 }
+
+#[test]
+fn gpt_oss_sinks_sliding_yarn_moe_matches_transformers() {
+    check("gpt_oss");
+}
+
+/// Experts stored as MXFP4 blocks/scales (transformers' own dequantization of the same file
+/// gives the float experts of the golden bit for bit: tools/goldens/make_moe_mla_goldens.py).
+#[test]
+fn gpt_oss_mxfp4_experts_match_transformers() {
+    check("gpt_oss_mxfp4");
+}
+
+#[test]
+fn deepseek_v3_mla_q_lora_interleaved_yarn_mscale_grouped_routing_matches_transformers() {
+    check("deepseek_v3");
+}
+
+#[test]
+fn deepseek_v3_plain_q_tied_bias_ungrouped_matches_transformers() {
+    check("deepseek_v3_plain");
+}
+
+/// Kimi-K2.5 layout: `text_config`, tensors under `language_model.model.` (as published),
+/// vision tower tensors present and unused.
+#[test]
+fn kimi_k25_text_model_matches_transformers() {
+    check("kimi_k25");
+}

@@ -5,15 +5,17 @@
 //! maps config keys and tensor names onto shared layers (`nn/`).
 
 pub mod decoder;
+pub mod deepseek_v3;
 pub mod gemma3;
 pub mod gemma4;
+pub mod gpt_oss;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_moe;
 
 use crate::config::TargetConfig;
-use crate::nn::KvCache;
+use crate::nn::{KvCache, LatentCache};
 use crate::source::{ModelSource, Weights};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -81,6 +83,18 @@ pub struct TargetCache {
 pub enum LayerCache {
     /// Attention keys and values.
     Kv(KvCache),
+    /// Multi-head latent attention (deepseek_v3 / kimi_k25): one compressed row per position.
+    Latent(LatentCache),
+}
+
+impl LayerCache {
+    /// The KV cache of an attention layer; an error for other kinds of state.
+    pub fn kv_mut(&mut self) -> Result<&mut KvCache> {
+        match self {
+            LayerCache::Kv(kv) => Ok(kv),
+            _ => Err(Error::input("layer cache is not an attention KV cache")),
+        }
+    }
 }
 
 impl TargetCache {
@@ -112,6 +126,7 @@ impl TargetCache {
         for l in &mut self.layers {
             match l {
                 LayerCache::Kv(kv) => kv.truncate(len),
+                LayerCache::Latent(c) => c.truncate(len),
             }
         }
         self.len = len;
@@ -126,6 +141,7 @@ impl TargetCache {
             .iter()
             .map(|l| match l {
                 LayerCache::Kv(kv) => kv.bytes(),
+                LayerCache::Latent(c) => c.bytes(),
             })
             .sum()
     }
@@ -341,6 +357,18 @@ pub const FAMILIES: &[Family] = &[
         model_types: &["gemma4_text", "gemma4"],
         load: gemma4::load,
         caps: caps(true, true, true, false),
+    },
+    Family {
+        name: "gpt_oss",
+        model_types: &["gpt_oss"],
+        load: gpt_oss::load,
+        caps: caps(true, false, true, false),
+    },
+    Family {
+        name: "deepseek_v3",
+        model_types: &["deepseek_v3", "kimi_k2", "kimi_k25"],
+        load: deepseek_v3::load,
+        caps: caps(false, false, true, false),
     },
 ];
 
