@@ -116,11 +116,12 @@ pub const DRAFT_REGISTRY: &[DraftEntry] = &[
         "gpt_oss",
         Some(8)
     ),
+    // The published draft config says block_size 10 (taps [1,9,17,25,33] over 36 layers).
     row!(
         "gpt-oss-120b",
         "z-lab/gpt-oss-120b-DFlash",
         "gpt_oss",
-        Some(8)
+        Some(10)
     ),
     row!(
         "Gemma-4-31B-it",

@@ -36,8 +36,7 @@ use crate::config::{Fields, RopeKind, TargetConfig};
 use crate::nn::attention::sdpa;
 use crate::nn::routing::{top_k_desc, Routes};
 use crate::nn::{
-    attention_mask, Activation, Embedding, GatedMlp, LatentCache, Linear, RmsNorm, Rope,
-    SparseMoe,
+    attention_mask, Activation, Embedding, GatedMlp, LatentCache, Linear, RmsNorm, Rope, SparseMoe,
 };
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -231,7 +230,12 @@ fn permute_rows(l: Linear, idx: &Tensor) -> Result<Linear> {
 /// RoPE pairs `(x0, x1), (x2, x3), ..`, into rotate-half order (evens, then odds). transformers'
 /// interleaved RoPE returns exactly the rotate-half RoPE of that reordering, so the loader
 /// permutes the producing weights once and the shared rotate-half [`Rope`] does the rest.
-fn rope_deinterleave_index(blocks: usize, width: usize, rope: usize, dev: &Device) -> Result<Tensor> {
+fn rope_deinterleave_index(
+    blocks: usize,
+    width: usize,
+    rope: usize,
+    dev: &Device,
+) -> Result<Tensor> {
     let pass = width - rope;
     let mut idx = Vec::with_capacity(blocks * width);
     for b in 0..blocks {
@@ -299,7 +303,9 @@ fn tensor_bytes(t: &Tensor) -> usize {
 
 fn linear_bytes(l: &Linear) -> usize {
     match l {
-        Linear::Dense { weight, bias } => tensor_bytes(weight) + bias.as_ref().map_or(0, tensor_bytes),
+        Linear::Dense { weight, bias } => {
+            tensor_bytes(weight) + bias.as_ref().map_or(0, tensor_bytes)
+        }
         Linear::Quant { weight, bias, .. } => {
             let w = match weight {
                 candle_core::quantized::QMatMul::QTensor(q) => q.storage_size_in_bytes(),
@@ -354,7 +360,13 @@ impl DeepseekV3Model {
                 None => QProj::Plain(interleave(lin("q_proj", h, heads * qk, false)?, &q_perm)?),
                 Some(r) => QProj::LowRank {
                     a: lin("q_a_proj", h, r, c.attention_bias)?,
-                    norm: RmsNorm::load(w, &format!("{a}.q_a_layernorm.weight"), r, LORA_NORM_EPS, false)?,
+                    norm: RmsNorm::load(
+                        w,
+                        &format!("{a}.q_a_layernorm.weight"),
+                        r,
+                        LORA_NORM_EPS,
+                        false,
+                    )?,
                     b: interleave(lin("q_b_proj", r, heads * qk, false)?, &q_perm)?,
                 },
             };
@@ -430,7 +442,13 @@ impl DeepseekV3Model {
                 })
             };
             layers.push(Layer {
-                input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), h, eps, false)?,
+                input_norm: RmsNorm::load(
+                    w,
+                    &format!("{p}.input_layernorm.weight"),
+                    h,
+                    eps,
+                    false,
+                )?,
                 attn,
                 post_attn_norm: RmsNorm::load(
                     w,
@@ -532,12 +550,12 @@ impl DeepseekV3Model {
             .apply(&kv.narrow(1, kvr, rd)?.contiguous()?.unsqueeze(0)?, t)?;
         let row = Tensor::cat(&[&latent.unsqueeze(0)?, &k_rope], 2)?;
         let rows = cache.append(&row)?; // [1, L, kvr + rd]
-        // 3. absorbed queries: q_nope W_UK per head, then the rope part: [heads, n, kvr + rd]
+                                        // 3. absorbed queries: q_nope W_UK per head, then the rope part: [heads, n, kvr + rd]
         let q_lat = q_nope.matmul(&a.w_uk)?;
         let q_full = Tensor::cat(&[&q_lat, &q_rope], 2)?;
         // 4. MQA over the cached rows; values are the latent part
         let o = sdpa(&q_full, &rows, &rows.narrow(2, 0, kvr)?, mask, c.scale)?; // [n, heads*kvr]
-        // 5. per-head latent -> value space, then o_proj
+                                                                                // 5. per-head latent -> value space, then o_proj
         let o = o
             .reshape((n, self.heads, kvr))?
             .transpose(0, 1)?
@@ -619,7 +637,9 @@ impl DeepseekV3Model {
         let mut tapped = TapRecorder::new(taps);
         for (i, layer) in self.layers.iter().enumerate() {
             let LayerCache::Latent(lc) = &mut cache.layers[i] else {
-                return Err(Error::input("deepseek_v3: cache layer is not a latent cache"));
+                return Err(Error::input(
+                    "deepseek_v3: cache layer is not a latent cache",
+                ));
             };
             let x = layer.input_norm.forward(&h)?;
             let a = self.attention(&layer.attn, &x, &tables, lc, mask.as_ref())?;
@@ -723,7 +743,10 @@ mod tests {
         let cfg = TargetConfig::from_value("config.json", kimi_k25()).unwrap();
         assert_eq!(cfg.model_type, "kimi_k2");
         let c = MlaConfig::parse(&cfg).unwrap();
-        assert_eq!((c.q_lora_rank, c.kv_lora_rank, c.v_head_dim), (Some(1536), 512, 128));
+        assert_eq!(
+            (c.q_lora_rank, c.kv_lora_rank, c.v_head_dim),
+            (Some(1536), 512, 128)
+        );
         assert!(c.rope_interleave);
         // softmax scale: 192^-0.5 * (0.1 ln 64 + 1)^2; rope cos/sin factor: mscale/mscale_all_dim = 1
         let ms = 0.1 * 64f64.ln() + 1.0;

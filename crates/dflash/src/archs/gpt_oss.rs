@@ -21,11 +21,13 @@ use super::{
     checked_forward, ForwardOutput, LayerCache, Logits, TapRecorder, TargetCache, TargetInfo,
     TargetModel,
 };
-use crate::config::{Fields, LayerType, RopeConfig, RopeKind, TargetConfig};
+#[cfg(test)]
+use crate::config::RopeKind;
+use crate::config::{Fields, LayerType, RopeConfig, TargetConfig};
 use crate::nn::routing::{top_k_desc, Routes};
 use crate::nn::{
-    attention_mask, sdpa_with_sinks, Attention, AttentionSpec, Embedding, KvCache, Linear,
-    RmsNorm, Rope,
+    attention_mask, sdpa_with_sinks, Attention, AttentionSpec, Embedding, KvCache, Linear, RmsNorm,
+    Rope,
 };
 use crate::source::mxfp4::{self, Packed};
 use crate::source::Weights;
@@ -67,52 +69,19 @@ impl GptOssConfig {
                 format!("{top_k} must be in 1..={num_experts} (num_local_experts)"),
             ));
         }
-        let n = cfg.num_hidden_layers;
-        // transformers' __post_init__: layer_types default to sliding on even layers.
-        let layer_types = if f.has("layer_types") {
-            cfg.layer_types.clone()
-        } else {
-            (0..n)
-                .map(|i| {
-                    if i % 2 == 0 {
-                        LayerType::Sliding
-                    } else {
-                        LayerType::Full
-                    }
-                })
-                .collect()
-        };
-        let sliding_window = f.opt_usize("sliding_window")?.unwrap_or(128);
-        if sliding_window == 0 && layer_types.contains(&LayerType::Sliding) {
+        // Layer types, window and rope defaults are transformers' (TargetConfig applies them).
+        let sliding_window = cfg.sliding_window.unwrap_or(128);
+        if sliding_window == 0 && cfg.layer_types.contains(&LayerType::Sliding) {
             return Err(f.err("sliding_window", "must be > 0"));
         }
-        // transformers' default rope for gpt_oss when the config names none.
-        let rope = if f.has("rope_parameters") || f.has("rope_scaling") {
-            cfg.rope.clone()
-        } else {
-            RopeConfig {
-                theta: f.opt_f64("rope_theta")?.unwrap_or(150_000.0),
-                kind: RopeKind::Yarn {
-                    factor: 32.0,
-                    original_max_position: 4096.0,
-                    beta_fast: 32.0,
-                    beta_slow: 1.0,
-                    mscale: None,
-                    mscale_all_dim: None,
-                    attention_factor: None,
-                    truncate: false,
-                },
-                partial_rotary_factor: 1.0,
-            }
-        };
         Ok(Self {
             num_experts,
             top_k,
             swiglu_limit: f.opt_f64("swiglu_limit")?.unwrap_or(7.0),
             sliding_window,
-            layer_types,
+            layer_types: cfg.layer_types.clone(),
             attention_bias: f.opt_bool("attention_bias")?.unwrap_or(true),
-            rope,
+            rope: cfg.rope.clone(),
         })
     }
 }
@@ -144,7 +113,11 @@ impl Moe {
 
     /// `x [n, hidden] -> [n, hidden]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let logits = self.router.forward(x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let logits = self
+            .router
+            .forward(x)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
         let mut routes = Routes::new(self.experts.len());
         for (row, l) in logits.iter().enumerate() {
             // softmax over the top-k logits only
@@ -188,7 +161,9 @@ fn tensor_bytes(t: &Tensor) -> usize {
 
 fn linear_bytes(l: &Linear) -> usize {
     match l {
-        Linear::Dense { weight, bias } => tensor_bytes(weight) + bias.as_ref().map_or(0, tensor_bytes),
+        Linear::Dense { weight, bias } => {
+            tensor_bytes(weight) + bias.as_ref().map_or(0, tensor_bytes)
+        }
         Linear::Quant { weight, bias, .. } => {
             let w = match weight {
                 candle_core::quantized::QMatMul::QTensor(q) => q.storage_size_in_bytes(),
@@ -226,24 +201,26 @@ fn load_experts(
     let perm = deinterleave_index(2 * inter, dev)?;
     let mxfp4 = mxfp4::is_mxfp4(w, &gu_name);
     // Per expert: gate_up [2I, H] and down [H, I] as (out, in), in the compute dtype.
-    let (gu_at, down_at): (Box<dyn Fn(usize) -> Result<Tensor>>, Box<dyn Fn(usize) -> Result<Tensor>>) =
-        if mxfp4 {
-            let gu = Packed::load(w, &gu_name, &[e, 2 * inter], h)?;
-            let down = Packed::load(w, &down_name, &[e, h], inter)?;
-            let (dt, dev2) = (w.dtype, dev.clone());
-            let dev3 = dev.clone();
-            (
-                Box::new(move |i| Ok(gu.slice(i)?.to_dtype(dt)?.to_device(&dev2)?)),
-                Box::new(move |i| Ok(down.slice(i)?.to_dtype(dt)?.to_device(&dev3)?)),
-            )
-        } else {
-            let gu = w.get(&gu_name, (e, h, 2 * inter))?;
-            let down = w.get(&down_name, (e, inter, h))?;
-            (
-                Box::new(move |i| Ok(gu.get(i)?.t()?.contiguous()?)),
-                Box::new(move |i| Ok(down.get(i)?.t()?.contiguous()?)),
-            )
-        };
+    let (gu_at, down_at): (
+        Box<dyn Fn(usize) -> Result<Tensor>>,
+        Box<dyn Fn(usize) -> Result<Tensor>>,
+    ) = if mxfp4 {
+        let gu = Packed::load(w, &gu_name, &[e, 2 * inter], h)?;
+        let down = Packed::load(w, &down_name, &[e, h], inter)?;
+        let (dt, dev2) = (w.dtype, dev.clone());
+        let dev3 = dev.clone();
+        (
+            Box::new(move |i| Ok(gu.slice(i)?.to_dtype(dt)?.to_device(&dev2)?)),
+            Box::new(move |i| Ok(down.slice(i)?.to_dtype(dt)?.to_device(&dev3)?)),
+        )
+    } else {
+        let gu = w.get(&gu_name, (e, h, 2 * inter))?;
+        let down = w.get(&down_name, (e, inter, h))?;
+        (
+            Box::new(move |i| Ok(gu.get(i)?.t()?.contiguous()?)),
+            Box::new(move |i| Ok(down.get(i)?.t()?.contiguous()?)),
+        )
+    };
     let experts = (0..e)
         .map(|i| {
             let gu = gu_at(i)?.index_select(&perm, 0)?;
@@ -479,12 +456,19 @@ mod tests {
         let g = GptOssConfig::parse(&cfg(json!({}))).unwrap();
         assert_eq!(
             g.layer_types,
-            vec![LayerType::Sliding, LayerType::Full, LayerType::Sliding, LayerType::Full]
+            vec![
+                LayerType::Sliding,
+                LayerType::Full,
+                LayerType::Sliding,
+                LayerType::Full
+            ]
         );
         assert_eq!((g.sliding_window, g.top_k, g.swiglu_limit), (128, 4, 7.0));
         assert!(g.attention_bias);
         assert_eq!(g.rope.theta, 150_000.0);
-        assert!(matches!(g.rope.kind, RopeKind::Yarn { factor, truncate: false, .. } if factor == 32.0));
+        assert!(
+            matches!(g.rope.kind, RopeKind::Yarn { factor, truncate: false, .. } if factor == 32.0)
+        );
     }
 
     #[test]
@@ -502,6 +486,9 @@ mod tests {
         let e = GptOssConfig::parse(&cfg(json!({"num_experts_per_tok": 5})))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("num_experts_per_tok") && e.contains("config.json"), "{e}");
+        assert!(
+            e.contains("num_experts_per_tok") && e.contains("config.json"),
+            "{e}"
+        );
     }
 }
