@@ -195,6 +195,37 @@ impl MlaConfig {
     }
 }
 
+/// Float checkpoints only: the published Kimi-K2.5 (int4 routed experts, compressed-tensors)
+/// and DeepSeek-V3 (fp8 blocks) checkpoints are refused with what they would need.
+fn refuse_quantized(cfg: &TargetConfig) -> Result<()> {
+    let top = Fields::new(&cfg.file, &cfg.raw)?;
+    let q = match top.sub("quantization_config")? {
+        Some(q) => Some(q),
+        None => match top.sub("text_config")? {
+            Some(t) => t.sub("quantization_config")?,
+            None => None,
+        },
+    };
+    let Some(q) = q else { return Ok(()) };
+    let method = q.opt_str("quant_method")?.unwrap_or("unknown");
+    let need = super::footprint::estimate(cfg)
+        .ok()
+        .flatten()
+        .map(|f| {
+            format!(
+                "; dequantized, its weights would take {} at bf16",
+                super::footprint::human_bytes(f.loaded_bytes_bf16)
+            )
+        })
+        .unwrap_or_default();
+    Err(q.err(
+        "quant_method",
+        format!(
+            "`{method}` checkpoints are not supported for deepseek_v3 / kimi_k25 (this build loads bf16/f16/f32 weights){need}"
+        ),
+    ))
+}
+
 /// Where the text model's tensors live: `(prefix of embed/layers/norm, name of the LM head)`.
 fn tensor_prefix(w: &Weights) -> Result<(&'static str, &'static str)> {
     for (p, head) in [
@@ -329,6 +360,7 @@ impl DeepseekV3Model {
             ));
         }
         let c = MlaConfig::parse(cfg)?;
+        refuse_quantized(cfg)?;
         let (h, v, heads) = (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads);
         let (nope, rope_d, vd, kvr) = (
             c.qk_nope_head_dim,
@@ -769,6 +801,23 @@ mod tests {
         let cfg = TargetConfig::from_value("config.json", v).unwrap();
         let e = MlaConfig::parse(&cfg).unwrap_err().to_string();
         assert!(e.contains("scoring_func"), "{e}");
+    }
+
+    #[test]
+    fn published_int4_checkpoint_is_refused_with_its_size() {
+        let mut v = kimi_k25();
+        v["text_config"]["quantization_config"] = json!({"quant_method": "compressed-tensors",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}}});
+        let cfg = TargetConfig::from_value("config.json", v).unwrap();
+        let e = refuse_quantized(&cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("text_config.quantization_config.quant_method")
+                && e.contains("compressed-tensors")
+                && e.contains("TB at bf16"),
+            "{e}"
+        );
+        let cfg = TargetConfig::from_value("config.json", kimi_k25()).unwrap();
+        assert!(refuse_quantized(&cfg).is_ok());
     }
 
     #[test]

@@ -52,6 +52,20 @@ const ALPHA: f64 = 1.702;
 impl GptOssConfig {
     pub fn parse(cfg: &TargetConfig) -> Result<Self> {
         let f = Fields::new(&cfg.file, &cfg.raw)?;
+        if let Some(q) = f.sub("quantization_config")? {
+            match q.opt_str("quant_method")? {
+                Some("mxfp4") => {}
+                other => {
+                    return Err(q.err(
+                        "quant_method",
+                        format!(
+                            "`{}` is not supported for gpt_oss (supported: mxfp4 experts, or float weights)",
+                            other.unwrap_or("unknown")
+                        ),
+                    ))
+                }
+            }
+        }
         let num_experts = match f.opt_usize("num_local_experts")? {
             Some(n) => n,
             None => f.pos_usize("num_experts")?,

@@ -6,6 +6,7 @@
 
 pub mod decoder;
 pub mod deepseek_v3;
+pub mod footprint;
 pub mod gemma3;
 pub mod gemma4;
 pub mod gpt_oss;

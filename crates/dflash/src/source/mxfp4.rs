@@ -149,14 +149,22 @@ mod tests {
         let sign = if code & 8 != 0 { -1.0 } else { 1.0 };
         let e = ((code >> 1) & 3) as i32;
         let m = (code & 1) as f64;
-        sign * if e == 0 { m * 0.5 } else { (1.0 + m / 2.0) * 2f64.powi(e - 1) }
+        sign * if e == 0 {
+            m * 0.5
+        } else {
+            (1.0 + m / 2.0) * 2f64.powi(e - 1)
+        }
     }
 
     #[test]
     fn table_matches_the_e2m1_definition() {
         for c in 0..16u8 {
             assert_eq!(E2M1[c as usize] as f64, e2m1_def(c), "code {c}");
-            assert_eq!(E2M1[c as usize].is_sign_negative(), c & 8 != 0, "sign of {c}");
+            assert_eq!(
+                E2M1[c as usize].is_sign_negative(),
+                c & 8 != 0,
+                "sign of {c}"
+            );
         }
     }
 
@@ -221,7 +229,12 @@ mod tests {
         let s1 = packed.slice(1).unwrap();
         assert_eq!(
             s1.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            t.get(1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            t.get(1)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
         );
         assert!(packed.slice(2).is_err());
         let flat = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
