@@ -101,8 +101,7 @@ pub fn estimate(cfg: &TargetConfig) -> Result<Option<Footprint>> {
             + if bias { qd + 2 * kd } else { 0 }
             + if o_bias { h } else { 0 }
     };
-    let cache_per_token;
-    match cfg.model_type.as_str() {
+    let cache_per_token = match cfg.model_type.as_str() {
         "qwen3" | "llama" | "qwen2" | "qwen3_moe" => {
             let qk_norm = matches!(cfg.model_type.as_str(), "qwen3" | "qwen3_moe");
             let bias = cfg.attention_bias || cfg.model_type == "qwen2";
@@ -123,7 +122,7 @@ pub fn estimate(cfg: &TargetConfig) -> Result<Option<Footprint>> {
                     _ => c.plain += 3 * h * cfg.intermediate_size as u64,
                 }
             }
-            cache_per_token = l * 2 * kv * hd * 2;
+            l * 2 * kv * hd * 2
         }
         "gpt_oss" => {
             let g = GptOssConfig::parse(cfg)?;
@@ -132,7 +131,7 @@ pub fn estimate(cfg: &TargetConfig) -> Result<Option<Footprint>> {
             c.plain += l * (gqa(g.attention_bias, g.attention_bias) + heads + 2 * h + e * h + e);
             c.plain += l * e * (2 * i + h);
             c.experts += l * e * (2 * i * h + i * h);
-            cache_per_token = l * 2 * kv * hd * 2;
+            l * 2 * kv * hd * 2
         }
         "deepseek_v3" | "kimi_k2" | "kimi_k25" => {
             let m = MlaConfig::parse(cfg)?;
@@ -164,10 +163,10 @@ pub fn estimate(cfg: &TargetConfig) -> Result<Option<Footprint>> {
                     c.experts += e * 3 * h * mi;
                 }
             }
-            cache_per_token = l * (kvr + rope) * 2;
+            l * (kvr + rope) * 2
         }
         _ => return Ok(None),
-    }
+    };
     let fb = float_bytes(cfg);
     let stored = expert_bytes_per_value(cfg, fb)?
         .map(|eb| (c.plain as f64 * fb + c.experts as f64 * eb).round() as u64);

@@ -198,6 +198,32 @@ fn deinterleave_index(rows: usize, dev: &candle_core::Device) -> Result<Tensor> 
     Ok(Tensor::from_vec(idx, rows, dev)?)
 }
 
+/// Where a layer's expert matrices come from.
+enum ExpertWeights {
+    /// Packed MXFP4, dequantized one expert at a time.
+    Mxfp4 { gate_up: Packed, down: Packed },
+    /// Floats in transformers' layout: `gate_up [E, H, 2I]`, `down [E, I, H]`.
+    Float { gate_up: Tensor, down: Tensor },
+}
+
+impl ExpertWeights {
+    /// Expert `i`: `gate_up [2I, H]` and `down [H, I]` as (out, in), compute dtype and device.
+    fn expert(&self, i: usize, w: &Weights) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            ExpertWeights::Mxfp4 { gate_up, down } => {
+                let on = |t: Tensor| -> Result<Tensor> {
+                    Ok(t.to_dtype(w.dtype)?.to_device(&w.device)?)
+                };
+                (on(gate_up.slice(i)?)?, on(down.slice(i)?)?)
+            }
+            ExpertWeights::Float { gate_up, down } => (
+                gate_up.get(i)?.t()?.contiguous()?,
+                down.get(i)?.t()?.contiguous()?,
+            ),
+        })
+    }
+}
+
 /// The experts of layer `p` (`{p}.mlp.experts.*`), from MXFP4 or float tensors.
 /// Returns the experts and whether they were MXFP4.
 fn load_experts(
@@ -207,41 +233,32 @@ fn load_experts(
     h: usize,
     inter: usize,
 ) -> Result<(Vec<Expert>, bool)> {
-    let dev = &w.device;
     let gu_name = format!("{p}.mlp.experts.gate_up_proj");
     let down_name = format!("{p}.mlp.experts.down_proj");
     let gu_bias = w.get(&format!("{gu_name}_bias"), (e, 2 * inter))?;
     let down_bias = w.get(&format!("{down_name}_bias"), (e, h))?;
-    let perm = deinterleave_index(2 * inter, dev)?;
+    let perm = deinterleave_index(2 * inter, &w.device)?;
     let mxfp4 = mxfp4::is_mxfp4(w, &gu_name);
-    // Per expert: gate_up [2I, H] and down [H, I] as (out, in), in the compute dtype.
-    let (gu_at, down_at): (
-        Box<dyn Fn(usize) -> Result<Tensor>>,
-        Box<dyn Fn(usize) -> Result<Tensor>>,
-    ) = if mxfp4 {
-        let gu = Packed::load(w, &gu_name, &[e, 2 * inter], h)?;
-        let down = Packed::load(w, &down_name, &[e, h], inter)?;
-        let (dt, dev2) = (w.dtype, dev.clone());
-        let dev3 = dev.clone();
-        (
-            Box::new(move |i| Ok(gu.slice(i)?.to_dtype(dt)?.to_device(&dev2)?)),
-            Box::new(move |i| Ok(down.slice(i)?.to_dtype(dt)?.to_device(&dev3)?)),
-        )
+    let src = if mxfp4 {
+        ExpertWeights::Mxfp4 {
+            gate_up: Packed::load(w, &gu_name, &[e, 2 * inter], h)?,
+            down: Packed::load(w, &down_name, &[e, h], inter)?,
+        }
     } else {
-        let gu = w.get(&gu_name, (e, h, 2 * inter))?;
-        let down = w.get(&down_name, (e, inter, h))?;
-        (
-            Box::new(move |i| Ok(gu.get(i)?.t()?.contiguous()?)),
-            Box::new(move |i| Ok(down.get(i)?.t()?.contiguous()?)),
-        )
+        ExpertWeights::Float {
+            gate_up: w.get(&gu_name, (e, h, 2 * inter))?,
+            down: w.get(&down_name, (e, inter, h))?,
+        }
     };
     let experts = (0..e)
         .map(|i| {
-            let gu = gu_at(i)?.index_select(&perm, 0)?;
+            let (gu, down) = src.expert(i, w)?;
+            // gate (even rows) first, then up (odd rows)
+            let gu = gu.index_select(&perm, 0)?;
             let gb = gu_bias.get(i)?.index_select(&perm, 0)?;
             Ok(Expert {
                 gate_up: Linear::dense(gu, Some(gb)),
-                down: Linear::dense(down_at(i)?, Some(down_bias.get(i)?.contiguous()?)),
+                down: Linear::dense(down, Some(down_bias.get(i)?.contiguous()?)),
             })
         })
         .collect::<Result<Vec<_>>>()?;
