@@ -171,3 +171,21 @@ fn draft_report(d: &str, target: &TargetConfig, target_name: &str) {
         },
     }
 }
+
+/// `dflash doctor --gpu-probe`.
+pub fn gpu_probe(device: Option<String>) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        let dev = parse_device(Some(device.as_deref().unwrap_or("cuda")))?;
+        print!("{}", dflash::bench::gpu_probe::gpu_probe(&dev)?);
+        Ok(())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        Err(dflash::Error::input(
+            "--gpu-probe needs a CUDA build: cargo build --release --features cuda",
+        )
+        .into())
+    }
+}

@@ -5,6 +5,7 @@ mod doctor;
 mod generate;
 mod models;
 mod serve;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -30,6 +31,10 @@ enum Command {
         device: Option<String>,
         #[arg(long)]
         dtype: Option<String>,
+        /// CUDA builds: time one candle op on the host and the bf16 projections at the
+        /// Qwen3-8B shapes (cuBLAS vs dflash's GEMV kernel) on --device (default cuda:0).
+        #[arg(long)]
+        gpu_probe: bool,
     },
     /// List the DFlash draft registry and whether this build supports each target family.
     Models {
@@ -41,6 +46,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Benchmark DFlash against plain decoding (same engine): one pair, a matrix, or --micro.
     Bench(bench::BenchArgs),
+    /// Train a DFlash draft for a target (z-lab format; loads with `generate --draft DIR`).
+    Train(train::TrainArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,10 +66,18 @@ fn main() -> ExitCode {
             draft,
             device,
             dtype,
-        } => doctor::run(model, draft, device, dtype),
+            gpu_probe,
+        } => {
+            if gpu_probe {
+                doctor::gpu_probe(device)
+            } else {
+                doctor::run(model, draft, device, dtype)
+            }
+        }
         Command::Models { json } => models::run(json),
         Command::Serve(a) => serve::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Train(a) => train::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

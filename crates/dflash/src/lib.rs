@@ -3,7 +3,8 @@
 //! Data flow (one module per step):
 //! [`config`] -> [`source`] (files, weights) -> [`archs`] (target families over shared
 //! [`nn`] layers) -> [`draft`] (the block-diffusion draft) -> [`engine`] (decode loop) ->
-//! [`sampling`] / [`stats`]. Text in and out: [`tokenizer`], [`chat`].
+//! [`sampling`] / [`stats`]. Text in and out: [`tokenizer`], [`chat`]. Draft training:
+//! [`train`].
 pub mod archs;
 pub mod bench;
 pub mod chat;
@@ -19,5 +20,6 @@ pub mod source;
 pub mod stats;
 pub mod testing;
 pub mod tokenizer;
+pub mod train;
 
 pub use error::{Error, Result};

@@ -142,9 +142,12 @@ impl DecoderModel {
             } else {
                 None
             };
+            // One matmul for q/k/v and one for gate/up (dense weights only).
+            let mut attn = Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?;
+            attn.fuse()?;
             layers.push(Layer {
                 input_norm: norm(&format!("{p}.input_layernorm.weight"), h)?,
-                attn: Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?,
+                attn,
                 post_attn_norm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 ff_norms,
                 mlp: match &spec.moe {
@@ -158,14 +161,18 @@ impl DecoderModel {
                         m.norm_topk_prob,
                         act,
                     )?),
-                    _ => Ffn::Dense(GatedMlp::load(
-                        w,
-                        &format!("{p}.mlp"),
-                        h,
-                        cfg.intermediate_size,
-                        cfg.mlp_bias,
-                        act,
-                    )?),
+                    _ => Ffn::Dense({
+                        let mut m = GatedMlp::load(
+                            w,
+                            &format!("{p}.mlp"),
+                            h,
+                            cfg.intermediate_size,
+                            cfg.mlp_bias,
+                            act,
+                        )?;
+                        m.fuse()?;
+                        m
+                    }),
                 },
                 kind: cfg.layer_types[i],
             });

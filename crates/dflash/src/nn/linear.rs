@@ -37,6 +37,43 @@ impl Linear {
         w.linear(prefix, in_dim, out_dim, bias)
     }
 
+    /// Several dense linears with the same input as one (weights stacked along the output
+    /// dim, biases too): one matmul launch instead of several, and a longer GEMV. None when
+    /// any part is quantized or the biases are mixed.
+    pub fn concat(parts: &[&Linear]) -> Result<Option<Linear>> {
+        let mut ws = Vec::new();
+        let mut bs = Vec::new();
+        for p in parts {
+            match p {
+                Linear::Dense { weight, bias } => {
+                    ws.push(weight.clone());
+                    if let Some(b) = bias {
+                        bs.push(b.clone());
+                    }
+                }
+                Linear::Quant { .. } => return Ok(None),
+            }
+        }
+        if !bs.is_empty() && bs.len() != ws.len() {
+            return Ok(None);
+        }
+        let weight = Tensor::cat(&ws, 0)?;
+        let bias = if bs.is_empty() { None } else { Some(Tensor::cat(&bs, 0)?) };
+        Ok(Some(Linear::Dense { weight, bias }))
+    }
+
+    /// A 0x0 dense stand-in for a linear whose weight moved into a fused one (frees it).
+    pub fn emptied(&self) -> Result<Linear> {
+        let (dtype, device) = match self {
+            Linear::Dense { weight, .. } => (weight.dtype(), weight.device().clone()),
+            Linear::Quant { .. } => (DType::F32, candle_core::Device::Cpu),
+        };
+        Ok(Linear::Dense {
+            weight: Tensor::zeros((0, 0), dtype, &device)?,
+            bias: None,
+        })
+    }
+
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Dense { weight, .. } => weight.dims()[0],
@@ -47,7 +84,17 @@ impl Linear {
     /// `x [n, in] -> [n, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = match self {
-            Linear::Dense { weight, bias } => (x.matmul(&weight.t()?)?, bias),
+            Linear::Dense { weight, bias } => {
+                // Decode / short verify on CUDA: the bandwidth-bound GEMV kernel.
+                #[cfg(feature = "cuda")]
+                if let Some(y) = super::cuda::gemv(x, weight)? {
+                    return Ok(match bias {
+                        Some(b) => y.broadcast_add(b)?,
+                        None => y,
+                    });
+                }
+                (x.matmul(&weight.t()?)?, bias)
+            }
             Linear::Quant { weight, bias, .. } => {
                 // candle's quantized CPU kernels take f32 activations.
                 let y = if x.dtype() == DType::F32 {

@@ -3,7 +3,7 @@
 use super::Linear;
 use crate::source::Weights;
 use crate::{Error, Result};
-use candle_core::Tensor;
+use candle_core::{Tensor, D};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
@@ -37,6 +37,8 @@ pub struct GatedMlp {
     pub up: Linear,
     pub down: Linear,
     pub act: Activation,
+    /// `gate` and `up` stacked (see `fuse`): one matmul for both.
+    pub gate_up: Option<Linear>,
 }
 
 impl GatedMlp {
@@ -54,12 +56,33 @@ impl GatedMlp {
             up: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inter, bias)?,
             down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?,
             act,
+            gate_up: None,
         })
     }
 
+    /// Stack `gate` and `up` into one linear when both are dense (the separate weights are
+    /// then dropped, so memory does not grow). A no-op for quantized weights.
+    pub fn fuse(&mut self) -> Result<()> {
+        if self.gate_up.is_none() {
+            if let Some(f) = Linear::concat(&[&self.gate, &self.up])? {
+                self.gate = self.gate.emptied()?;
+                self.up = self.up.emptied()?;
+                self.gate_up = Some(f);
+            }
+        }
+        Ok(())
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.act.apply(&self.gate.forward(x)?)?;
-        let u = self.up.forward(x)?;
+        let (g, u) = match &self.gate_up {
+            Some(gu) => {
+                let y = gu.forward(x)?;
+                let i = y.dim(D::Minus1)? / 2;
+                (y.narrow(D::Minus1, 0, i)?, y.narrow(D::Minus1, i, i)?)
+            }
+            None => (self.gate.forward(x)?, self.up.forward(x)?),
+        };
+        let g = self.act.apply(&g)?;
         self.down.forward(&(g * u)?)
     }
 }

@@ -4,6 +4,8 @@
 //! Activations are 2-D `[tokens, features]` (batch 1): the engine decodes one sequence.
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod embedding;
 pub mod kv_cache;
 pub mod latent_cache;

@@ -48,6 +48,7 @@ impl SparseMoe {
                         up: Linear::dense(g.narrow(0, inter, inter)?.contiguous()?, None),
                         down: Linear::dense(down.get(e)?.contiguous()?, None),
                         act,
+                        gate_up: None,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?

@@ -25,8 +25,12 @@ impl RmsNorm {
         })
     }
 
-    /// Normalize over the last dimension.
+    /// Normalize over the last dimension. When autograd tracks `x` or the weight (draft
+    /// training), the composite form runs: candle's fused kernel has no backward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.track_op() || self.weight.track_op() {
+            return Ok(candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps)?);
+        }
         let x = if x.is_contiguous() {
             x.clone()
         } else {

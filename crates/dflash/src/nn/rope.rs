@@ -58,15 +58,48 @@ impl Rope {
         Ok(RopeTables { cos, sin })
     }
 
-    /// Rotate `x [heads, len, head_dim]` (contiguous) by the tables of its positions.
+    /// Tables for arbitrary positions (one row per entry of `positions`), e.g. the blocks of
+    /// a training batch that sit at different anchors.
+    pub fn tables_at(
+        &self,
+        positions: &[usize],
+        device: &Device,
+        dtype: DType,
+    ) -> Result<RopeTables> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let a = (p as f32) * f;
+                cos.push(a.cos() * self.scale);
+                sin.push(a.sin() * self.scale);
+            }
+        }
+        let n = positions.len();
+        let cos = Tensor::from_vec(cos, (n, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (n, half), device)?.to_dtype(dtype)?;
+        Ok(RopeTables { cos, sin })
+    }
+
+    /// Rotate `x [heads, len, head_dim]` (contiguous) by the tables of its positions. When
+    /// autograd tracks `x` (draft training) the composite form runs (the fused kernel has no
+    /// backward).
     pub fn apply(&self, x: &Tensor, t: &RopeTables) -> Result<Tensor> {
         let x4 = x.unsqueeze(0)?;
+        let rope = |x: &Tensor| -> Result<Tensor> {
+            Ok(if x.track_op() {
+                candle_nn::rotary_emb::rope_slow(x, &t.cos, &t.sin)?
+            } else {
+                candle_nn::rotary_emb::rope(x, &t.cos, &t.sin)?
+            })
+        };
         let out = if self.rotary_dim == self.head_dim {
-            candle_nn::rotary_emb::rope(&x4, &t.cos, &t.sin)?
+            rope(&x4)?
         } else {
             let rot = x4.narrow(3, 0, self.rotary_dim)?.contiguous()?;
             let pass = x4.narrow(3, self.rotary_dim, self.head_dim - self.rotary_dim)?;
-            let rot = candle_nn::rotary_emb::rope(&rot, &t.cos, &t.sin)?;
+            let rot = rope(&rot)?;
             Tensor::cat(&[&rot, &pass], 3)?
         };
         Ok(out.squeeze(0)?)

@@ -23,6 +23,8 @@ enum Backend {
         files: Vec<PathBuf>,
     },
     Gguf(GgufSource),
+    /// In-memory tensors (a draft being trained: the tensors of its `Var`s).
+    Memory(BTreeMap<String, Tensor>),
 }
 
 struct GgufSource {
@@ -114,6 +116,17 @@ impl Weights {
         })
     }
 
+    /// Tensors held in memory, e.g. the trainable variables of a draft in training: loaders
+    /// then build the model on those very tensors (autograd reaches them).
+    pub fn from_tensors(tensors: BTreeMap<String, Tensor>, dtype: DType, device: &Device) -> Self {
+        Self {
+            backend: Backend::Memory(tensors),
+            dtype,
+            device: device.clone(),
+            used: RefCell::default(),
+        }
+    }
+
     /// True for GGUF sources (their Gemma norms already include the `+ 1`).
     pub fn is_gguf(&self) -> bool {
         matches!(self.backend, Backend::Gguf(_))
@@ -122,6 +135,7 @@ impl Weights {
     fn file_desc(&self) -> String {
         match &self.backend {
             Backend::Gguf(g) => g.file.file_desc(),
+            Backend::Memory(_) => "(in-memory tensors)".to_string(),
             Backend::Safetensors { files, .. } => match files.as_slice() {
                 [one] => one.display().to_string(),
                 many => format!(
@@ -139,7 +153,7 @@ impl Weights {
     /// The stored name of an HF name (itself for safetensors).
     fn stored_name(&self, name: &str) -> Option<String> {
         match &self.backend {
-            Backend::Safetensors { .. } => Some(name.to_string()),
+            Backend::Safetensors { .. } | Backend::Memory(_) => Some(name.to_string()),
             Backend::Gguf(g) => gguf_name(&g.file.arch, name),
         }
     }
@@ -147,6 +161,7 @@ impl Weights {
     pub fn contains(&self, name: &str) -> bool {
         match (&self.backend, self.stored_name(name)) {
             (Backend::Safetensors { st, .. }, _) => st.get(name).is_ok(),
+            (Backend::Memory(m), _) => m.contains_key(name),
             (Backend::Gguf(g), Some(n)) => g.file.has_tensor(&n),
             (Backend::Gguf(_), None) => false,
         }
@@ -156,6 +171,7 @@ impl Weights {
     pub fn names(&self) -> Vec<String> {
         match &self.backend {
             Backend::Safetensors { st, .. } => st.tensors().into_iter().map(|(n, _)| n).collect(),
+            Backend::Memory(m) => m.keys().cloned().collect(),
             Backend::Gguf(g) => g.file.content.tensor_infos.keys().cloned().collect(),
         }
     }
@@ -201,6 +217,12 @@ impl Weights {
                 })?
             }
             Backend::Gguf(_) => self.qtensor(name, &shape)?.dequantize(&Device::Cpu)?,
+            Backend::Memory(m) => {
+                let t = m.get(name).ok_or_else(|| self.missing(name, &shape))?;
+                self.check_shape(name, t.dims(), &shape)?;
+                self.used.borrow_mut().insert(name.to_string());
+                t.clone()
+            }
         };
         let t = if t.dtype() != dtype {
             t.to_dtype(dtype)?
@@ -231,6 +253,7 @@ impl Weights {
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
         match &self.backend {
             Backend::Safetensors { st, .. } => st.get(name).ok().map(|v| v.shape().to_vec()),
+            Backend::Memory(m) => m.get(name).map(|t| t.dims().to_vec()),
             Backend::Gguf(g) => self.stored_name(name).and_then(|n| g.file.tensor_shape(&n)),
         }
     }

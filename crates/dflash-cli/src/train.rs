@@ -1,0 +1,398 @@
+//! `dflash train`: train a DFlash draft for a target on the engine's own code (see
+//! `dflash::train`), save it in the z-lab format, and optionally measure its tau on held-out
+//! prompts with the normal loader and engine.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dflash::chat::ChatMessage;
+use dflash::engine::{Flow, GenerateRequest};
+use dflash::pipeline::{Pipeline, PipelineOptions};
+use dflash::train::{self, data, DataMode, SequenceOptions, TrainOptions, Trainer};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// Target model: a local directory, a .gguf file or a hub repo id. Default: the demo model.
+    #[arg(long)]
+    pub target: Option<String>,
+    /// Prompt files (.jsonl, .jsonl.gz, .json array; HumanEval `prompt`, MT-Bench `turns`,
+    /// ShareGPT `conversations`) or dataset names (sharegpt, humaneval, mtbench).
+    #[arg(long, num_args = 1.., required_unless_present = "sequences")]
+    pub prompts: Vec<String>,
+    /// Reuse sequences written by an earlier run (DIR/sequences.jsonl) instead of --prompts.
+    #[arg(long)]
+    pub sequences: Option<PathBuf>,
+    /// Output directory (config.json + model.safetensors, sequences.jsonl, train_log.jsonl).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    pub draft_layers: usize,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// `auto` (5 layers spread over the target) or comma-separated 0-based layer ids.
+    #[arg(long, default_value = "auto")]
+    pub taps: String,
+    /// Mask token id; `auto`: a spare special token of the tokenizer, else the last id.
+    #[arg(long, default_value = "auto")]
+    pub mask_token: String,
+    /// Draft MLP width (default: the target's intermediate size).
+    #[arg(long)]
+    pub intermediate_size: Option<usize>,
+    #[arg(long, default_value_t = 1000)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 6e-4)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 50)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    /// Loss decay over block rows (default 7 * block_size / 16).
+    #[arg(long)]
+    pub gamma: Option<f64>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// self (the target's own responses, generated) | relabel (reference responses, labels =
+    /// the target's argmax; one forward per sequence, no generation).
+    #[arg(long, default_value = "self", value_parser = ["self", "relabel"])]
+    pub data: String,
+    /// Prompts read per file.
+    #[arg(long, default_value_t = 200)]
+    pub max_prompts: usize,
+    /// `self`: tokens generated per prompt.
+    #[arg(long, default_value_t = 256)]
+    pub max_new: usize,
+    /// `self`: sampling temperature for the responses (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Longest training sequence (prompt + response), tokens.
+    #[arg(long, default_value_t = 1024)]
+    pub max_seq: usize,
+    /// Blocks per optimizer step.
+    #[arg(long, default_value_t = 64)]
+    pub batch_blocks: usize,
+    /// Blocks drawn from one sequence per forward.
+    #[arg(long, default_value_t = 16)]
+    pub blocks_per_seq: usize,
+    /// cpu | cuda | cuda:N.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Target compute dtype (default f32 on CPU, bf16 on CUDA). The draft trains in f32.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Dtype of the saved weights: bf16 | f32.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    pub save_dtype: String,
+    /// Format prompts without the chat template.
+    #[arg(long)]
+    pub no_chat_template: bool,
+    /// Stop generating `self` responses after this many seconds (keep what was generated).
+    #[arg(long)]
+    pub data_time_limit: Option<f64>,
+    /// Training time budget in seconds: after 20 steps the step count is cut to what fits
+    /// (the cosine schedule follows the new count).
+    #[arg(long)]
+    pub time_limit: Option<f64>,
+    /// Save a checkpoint every N steps (0 = only at the end).
+    #[arg(long, default_value_t = 500)]
+    pub save_every: usize,
+    /// Log every N steps.
+    #[arg(long, default_value_t = 10)]
+    pub log_every: usize,
+    /// After training, load the saved draft and measure tau (greedy) on these prompts.
+    #[arg(long, num_args = 1..)]
+    pub eval_prompts: Vec<String>,
+    /// Held-out prompts evaluated per --eval-prompts file.
+    #[arg(long, default_value_t = 10)]
+    pub eval_n: usize,
+    /// Tokens generated per evaluation prompt.
+    #[arg(long, default_value_t = 128)]
+    pub eval_max_tokens: usize,
+}
+
+fn bar(n: usize, what: &str) -> ProgressBar {
+    let b = ProgressBar::new(n as u64);
+    b.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed_precise} eta {eta}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    b.set_message(what.to_string());
+    b
+}
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    if a.block_size < 2 {
+        bail!("--block-size must be at least 2");
+    }
+    if a.draft_layers == 0 {
+        bail!("--draft-layers must be at least 1");
+    }
+    let model = dflash::pipeline::resolve_model_spec(a.target.as_deref())?;
+    let p = Pipeline::load(&PipelineOptions {
+        model: model.clone(),
+        dtype: a.dtype.clone(),
+        device: a.device.clone(),
+        no_draft: true,
+        ..Default::default()
+    })?;
+    for n in &p.notices {
+        eprintln!("{n}");
+    }
+    let vocab = p.target_config.vocab_size;
+    let mask_token_id = match a.mask_token.as_str() {
+        "auto" => {
+            let spare = [
+                "<|mask|>",
+                "<mask>",
+                "<|MASK|>",
+                "<|fim_pad|>",
+                "<gh_stars>",
+            ];
+            let t = p.tokenizer.as_ref();
+            spare
+                .iter()
+                .find_map(|s| t.and_then(|t| t.token_to_id(s)))
+                .unwrap_or(vocab as u32 - 1)
+        }
+        s => s
+            .parse()
+            .with_context(|| format!("--mask-token {s}: expected auto or an id"))?,
+    };
+    let taps = match a.taps.as_str() {
+        "auto" => None,
+        s => Some(
+            s.split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .with_context(|| {
+                    format!("--taps {s}: expected auto or comma-separated layer ids")
+                })?,
+        ),
+    };
+    let mode = DataMode::parse(&a.data)?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+
+    // 1. Sequences: generated (self) or reference (relabel), or reused.
+    let seqs = match &a.sequences {
+        Some(f) => data::read_sequences(f)?,
+        None => {
+            let mut records = vec![];
+            for spec in &a.prompts {
+                let f = data::resolve_file(spec)?;
+                records.extend(data::read_records(&f, a.max_prompts)?);
+            }
+            let b = bar(
+                records.len(),
+                if mode == DataMode::SelfGenerated {
+                    "generating responses"
+                } else {
+                    "encoding references"
+                },
+            );
+            let (seqs, notes) = train::build_sequences(
+                &p,
+                &records,
+                &SequenceOptions {
+                    mode,
+                    max_seq: a.max_seq,
+                    max_new: a.max_new,
+                    temperature: a.temperature,
+                    seed: a.seed,
+                    chat_template: !a.no_chat_template,
+                },
+                &mut |i, _| {
+                    b.set_position(i as u64);
+                    a.data_time_limit
+                        .is_none_or(|l| b.elapsed().as_secs_f64() < l)
+                },
+            )?;
+            b.finish();
+            for n in notes {
+                eprintln!("{n}");
+            }
+            let f = a.out.join("sequences.jsonl");
+            data::write_sequences(&f, &seqs)?;
+            eprintln!(
+                "{} sequences ({} tokens) -> {}",
+                seqs.len(),
+                seqs.iter().map(|s| s.ids.len()).sum::<usize>(),
+                f.display()
+            );
+            seqs
+        }
+    };
+    if seqs.is_empty() {
+        bail!("no training sequences (see the notes above)");
+    }
+
+    // 2. The draft and the target passes (taps + labels), cached on the device.
+    let opts = TrainOptions {
+        draft_layers: a.draft_layers,
+        block_size: a.block_size,
+        taps,
+        mask_token_id,
+        intermediate_size: a.intermediate_size,
+        steps: a.steps,
+        lr: a.lr,
+        warmup: a.warmup.min(a.steps / 2),
+        weight_decay: a.weight_decay,
+        clip: a.clip,
+        gamma: a.gamma,
+        seed: a.seed,
+        batch_blocks: a.batch_blocks,
+        blocks_per_seq: a.blocks_per_seq,
+        ..Default::default()
+    };
+    let target = &*p.engine.target;
+    let mut trainer = Trainer::new(target, &p.target_config, opts.clone())?;
+    eprintln!(
+        "draft: {} layers, {} params, taps {:?}, block {}, mask token {mask_token_id}, gamma {:.2}, data {}",
+        a.draft_layers,
+        trainer.num_params(),
+        trainer.taps,
+        a.block_size,
+        opts.gamma(),
+        a.data
+    );
+    // Hold out ~5% of sequences (at least 1 when there are 20+) for a loss check.
+    let n_hold = if seqs.len() >= 20 { seqs.len() / 20 } else { 0 };
+    let b = bar(seqs.len(), "target passes (taps, labels)");
+    let examples =
+        train::make_examples(target, &trainer.taps.clone(), &seqs, mode, &mut |i, _| {
+            b.set_position(i as u64)
+        })?;
+    b.finish();
+    let (held, examples) = examples.split_at(n_hold);
+
+    // 3. Optimize.
+    let log_path = a.out.join("train_log.jsonl");
+    let mut log = String::new();
+    let t0 = Instant::now();
+    let (mut tok_window, mut t_window) = (0usize, Instant::now());
+    let mut first_loss = None;
+    let mut last = None;
+    let save = if a.save_dtype == "f32" {
+        candle_core::DType::F32
+    } else {
+        candle_core::DType::BF16
+    };
+    let mut step = 0;
+    while step < trainer.opts.steps {
+        let s = trainer.step(target, examples)?;
+        step += 1;
+        if let (Some(limit), 20) = (a.time_limit, step) {
+            let per = t0.elapsed().as_secs_f64() / 20.0;
+            let fit = (limit / per) as usize;
+            if fit < trainer.opts.steps {
+                trainer.opts.steps = fit.max(21);
+                trainer.opts.warmup = trainer.opts.warmup.min(trainer.opts.steps / 2);
+                eprintln!(
+                    "{per:.3}s/step: --time-limit {limit}s fits {} steps; schedule shortened",
+                    trainer.opts.steps
+                );
+            }
+        }
+        let step = step - 1;
+        let steps = trainer.opts.steps;
+        first_loss.get_or_insert(s.loss);
+        tok_window += s.tokens;
+        if (step + 1) % a.log_every.max(1) == 0 || step + 1 == steps {
+            let dt = t_window.elapsed().as_secs_f64();
+            let line = format!(
+                "step {:>5}/{} loss {:.4} acc1 {:.3} lr {:.2e} |g| {:.3} {:.0} tok/s {:.0}s",
+                step + 1,
+                steps,
+                s.loss,
+                s.acc1,
+                s.lr,
+                s.grad_norm,
+                tok_window as f64 / dt.max(1e-9),
+                t0.elapsed().as_secs_f64()
+            );
+            eprintln!("{line}");
+            log.push_str(
+                &serde_json::json!({"step": step + 1, "loss": s.loss, "acc1": s.acc1, "lr": s.lr,
+                "grad_norm": s.grad_norm, "elapsed_s": t0.elapsed().as_secs_f64()})
+                .to_string(),
+            );
+            log.push('\n');
+            tok_window = 0;
+            t_window = Instant::now();
+        }
+        last = Some(s);
+        if a.save_every > 0 && (step + 1) % a.save_every == 0 && step + 1 < steps {
+            trainer.save(&a.out, save)?;
+        }
+    }
+    std::fs::write(&log_path, &log).with_context(|| format!("writing {}", log_path.display()))?;
+    if !held.is_empty() {
+        let l = trainer.eval_loss(target, held, a.blocks_per_seq)?;
+        eprintln!("held-out loss ({} sequences): {l:.4}", held.len());
+    }
+    trainer.save(&a.out, save)?;
+    eprintln!(
+        "saved {} (loss {:.4} -> {:.4}, {:.0}s)",
+        a.out.display(),
+        first_loss.unwrap_or(f64::NAN),
+        last.map_or(f64::NAN, |s| s.loss),
+        t0.elapsed().as_secs_f64()
+    );
+    drop(trainer);
+
+    // 4. Held-out tau with the saved checkpoint through the normal loader.
+    if !a.eval_prompts.is_empty() {
+        let mut p = Pipeline::load(&PipelineOptions {
+            model,
+            draft: Some(a.out.display().to_string()),
+            dtype: a.dtype.clone(),
+            device: a.device.clone(),
+            ..Default::default()
+        })?;
+        p.engine.max_context = p.engine.max_context.min(4096);
+        let mut report = vec![];
+        for spec in &a.eval_prompts {
+            let f = data::resolve_file(spec)?;
+            let recs = data::read_records(&f, a.eval_n)?;
+            let (mut lens, mut gen) = (vec![], 0usize);
+            for r in &recs {
+                let ids = match (&r.prompt.prompt_ids, &r.prompt.text) {
+                    (Some(ids), _) => ids.clone(),
+                    (None, Some(t)) => {
+                        p.encode_prompt(&[ChatMessage::user(t.clone())], !a.no_chat_template, None)?
+                    }
+                    _ => continue,
+                };
+                let mut req = GenerateRequest::new(ids, a.eval_max_tokens);
+                req.stop_ids = p.stop_ids.clone();
+                req.block_size = Some(a.block_size);
+                req.adaptive = false;
+                let out = p.engine.generate(&req, &mut |_| Flow::Continue)?;
+                gen += out.stats.generated_tokens;
+                lens.extend(out.stats.acceptance_lengths);
+            }
+            let tau = lens.iter().sum::<usize>() as f64 / lens.len().max(1) as f64;
+            // Tokens that came from the draft: every cycle's accepted rows (length - bonus).
+            let drafted: usize = lens.iter().map(|l| l.saturating_sub(1)).sum();
+            let ratio = drafted as f64 / gen.max(1) as f64;
+            eprintln!(
+                "eval {spec}: {} prompts, {gen} tokens, tau {tau:.3}, acceptance ratio {ratio:.3} (greedy, block {})",
+                recs.len(),
+                a.block_size
+            );
+            report.push(
+                serde_json::json!({"prompts": spec, "n": recs.len(), "generated_tokens": gen,
+                "cycles": lens.len(), "tau": tau, "acceptance_ratio": ratio, "temperature": 0.0,
+                "block_size": a.block_size, "max_tokens": a.eval_max_tokens}),
+            );
+        }
+        let f = a.out.join("eval.json");
+        std::fs::write(&f, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", f.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,127 @@
+//! `dflash train` end to end on a tiny random target (prompts as token ids, `self` data):
+//! it writes a z-lab checkpoint, the sequences and the loss log; `dflash generate --draft`
+//! loads the checkpoint unchanged and its greedy output equals plain decoding; bad input is
+//! a one-line error.
+
+use dflash::testing::TinyTarget;
+use serde_json::Value;
+use std::process::Command;
+
+fn dflash(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+#[test]
+fn train_saves_a_draft_that_generate_loads_losslessly() {
+    let dir = tempfile::tempdir().unwrap();
+    let td = dir.path().join("t");
+    let mut t = TinyTarget::qwen3(31);
+    t.dominant = vec![(3, 4.0), (7, 3.0)];
+    t.write(&td).unwrap();
+    let prompts = dir.path().join("p.jsonl");
+    let lines: Vec<String> = (0..12)
+        .map(|i| format!("{{\"prompt_ids\": [{}, {}, {}]}}", 5 + i, 40 + i, 9 + 2 * i))
+        .collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let out = dir.path().join("draft");
+    let (rc, _, err) = dflash(&[
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--max-new",
+        "24",
+        "--block-size",
+        "4",
+        "--steps",
+        "30",
+        "--batch-blocks",
+        "8",
+        "--blocks-per-seq",
+        "4",
+        "--lr",
+        "2e-3",
+        "--warmup",
+        "5",
+        "--mask-token",
+        "127",
+        "--intermediate-size",
+        "64",
+        "--eval-prompts",
+        prompts.to_str().unwrap(),
+        "--eval-n",
+        "2",
+        "--eval-max-tokens",
+        "8",
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(err.contains("eval ") && err.contains("tau"), "{err}");
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "DFlashDraftModel");
+    assert_eq!(cfg["dflash_config"]["mask_token_id"], 127);
+    assert_eq!(
+        cfg["dflash_config"]["target_layer_ids"],
+        serde_json::json!([0, 1, 2, 3])
+    );
+    assert_eq!(cfg["block_size"], 4);
+    let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
+    assert_eq!(log.lines().count(), 3, "steps 10, 20, 30");
+    assert_eq!(
+        std::fs::read_to_string(out.join("sequences.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        12
+    );
+    let gen = |draft: Option<&str>| -> Value {
+        let mut a = vec![
+            "generate",
+            "--model",
+            td.to_str().unwrap(),
+            "--prompt-ids",
+            "5,40,9",
+            "--max-tokens",
+            "20",
+            "--json",
+        ];
+        match draft {
+            Some(d) => a.extend(["--draft", d, "--block-size", "4"]),
+            None => a.push("--no-draft"),
+        }
+        let (rc, o, e) = dflash(&a);
+        assert_eq!(rc, 0, "{e}");
+        serde_json::from_str(&o).unwrap()
+    };
+    let with = gen(Some(out.to_str().unwrap()));
+    assert_eq!(with["stats"]["mode"], "dflash");
+    assert_eq!(with["output_ids"], gen(None)["output_ids"]);
+
+    // Reuse the sequences; bad taps are a one-line error.
+    let (rc, _, err) = dflash(&[
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--sequences",
+        out.join("sequences.jsonl").to_str().unwrap(),
+        "--out",
+        dir.path().join("d2").to_str().unwrap(),
+        "--taps",
+        "1,9",
+        "--steps",
+        "2",
+    ]);
+    assert_ne!(rc, 0);
+    assert!(err.contains("tap layer 9"), "{err}");
+}

@@ -1,0 +1,701 @@
+//! Training a DFlash draft (`dflash train`) on the engine's own target and draft code.
+//!
+//! Beside the data flow: the target ([`crate::archs`]) produces taps and labels; the draft
+//! ([`crate::draft::DraftModel`]) is built by its normal loader on tensors that are candle
+//! `Var`s ([`Weights::from_tensors`]), so training runs the very forward inference runs
+//! ([`DraftModel::forward_blocks`] is the many-blocks form of [`DraftModel::forward`], and a
+//! test checks they agree). Checkpoints are z-lab format and load with `dflash generate
+//! --draft DIR` unchanged.
+//!
+//! Recipe (spec, issue 9): per sequence, anchors among response positions; a block
+//! `[token at anchor, MASK x (B-1)]` at positions `anchor..anchor+B` sees the context taps
+//! strictly before its anchor and its own block; loss = cross-entropy at block rows 1..B-1
+//! against the target's tokens, weighted by `exp(-(k-1)/gamma)`; AdamW, linear warm-up then
+//! cosine decay, global grad-norm clipping; target embedding and LM head frozen.
+
+pub mod data;
+
+use crate::archs::{Logits, TargetModel};
+use crate::config::draft::{default_taps, DraftConfig};
+use crate::config::TargetConfig;
+use crate::draft::DraftModel;
+use crate::source::Weights;
+use crate::testing::Rng;
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// Hyper-parameters of a training run.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Draft decoder layers (1..=5 usual).
+    pub draft_layers: usize,
+    pub block_size: usize,
+    /// Target layers tapped; None = `auto` (see [`auto_taps`]).
+    pub taps: Option<Vec<usize>>,
+    /// Token whose (frozen, target) embedding marks the positions to fill.
+    pub mask_token_id: u32,
+    /// Draft MLP width; None = the target's.
+    pub intermediate_size: Option<usize>,
+    pub steps: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Linear warm-up steps (then cosine decay to `lr * min_lr_ratio`).
+    pub warmup: usize,
+    pub min_lr_ratio: f64,
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0 = none).
+    pub clip: f64,
+    /// Loss decay over block rows; None = 7 * block_size / 16.
+    pub gamma: Option<f64>,
+    pub seed: u64,
+    /// Blocks per optimizer step (over several sequences).
+    pub batch_blocks: usize,
+    /// Blocks drawn from one sequence (one forward) per step.
+    pub blocks_per_seq: usize,
+    /// Dtype of the trainable weights and the draft compute.
+    pub dtype: DType,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        Self {
+            draft_layers: 1,
+            block_size: 16,
+            taps: None,
+            mask_token_id: 0,
+            intermediate_size: None,
+            steps: 1000,
+            lr: 6e-4,
+            warmup: 50,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.01,
+            clip: 1.0,
+            gamma: None,
+            seed: 0,
+            batch_blocks: 64,
+            blocks_per_seq: 16,
+            dtype: DType::F32,
+        }
+    }
+}
+
+impl TrainOptions {
+    pub fn gamma(&self) -> f64 {
+        self.gamma.unwrap_or(7.0 * self.block_size as f64 / 16.0)
+    }
+    /// Learning rate at `step` (0-based): linear warm-up, then cosine to `lr * min_lr_ratio`.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        if step < self.warmup {
+            return self.lr * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = (self.steps.saturating_sub(self.warmup)).max(1) as f64;
+        let t = ((step - self.warmup) as f64 / span).min(1.0);
+        let min = self.lr * self.min_lr_ratio;
+        min + 0.5 * (self.lr - min) * (1.0 + (std::f64::consts::PI * t).cos())
+    }
+}
+
+/// `--taps auto`: five layers spread over the target (the z-lab rule for five), as every
+/// published z-lab draft taps five layers; fewer for targets under five layers.
+pub fn auto_taps(target_layers: usize) -> Vec<usize> {
+    if target_layers <= 5 {
+        return (0..target_layers).collect();
+    }
+    default_taps(5, target_layers)
+}
+
+/// The z-lab `config.json` of a draft for `target` with these options.
+pub fn draft_config_json(target: &TargetConfig, opts: &TrainOptions, taps: &[usize]) -> Value {
+    let dtype = match opts.dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    };
+    json!({
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": opts.block_size,
+        "dflash_config": {
+            "mask_token_id": opts.mask_token_id,
+            "target_layer_ids": taps,
+            "block_size": opts.block_size,
+        },
+        "num_target_layers": target.num_hidden_layers,
+        "hidden_size": target.hidden_size,
+        "intermediate_size": opts.intermediate_size.unwrap_or(target.intermediate_size),
+        "num_hidden_layers": opts.draft_layers,
+        "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope.theta,
+        "max_position_embeddings": target.max_position_embeddings,
+        "vocab_size": target.vocab_size,
+        "tie_word_embeddings": false,
+        "attention_bias": false,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+        "trained_by": "dflash train",
+    })
+}
+
+/// One training sequence after the target pass: its taps and the target's token at every
+/// position.
+pub struct Example {
+    /// Token ids (prompt + response).
+    pub ids: Vec<u32>,
+    /// `[len, taps * hidden]` on the device (target compute dtype).
+    pub taps: Tensor,
+    /// `labels[p]` = the target's token at position p (p >= 1).
+    pub labels: Vec<u32>,
+    /// First position that may be an anchor (the first response token).
+    pub response_start: usize,
+}
+
+impl Example {
+    /// Anchors a in `response_start ..= len - 2` (each has at least one label).
+    pub fn anchor_range(&self) -> std::ops::Range<usize> {
+        self.response_start..self.ids.len().saturating_sub(1)
+    }
+}
+
+/// How labels are made from the target pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Labels {
+    /// The sequence is the target's own output: labels are its tokens.
+    Sequence,
+    /// The target's argmax after each position (a reference text relabelled).
+    Argmax,
+}
+
+/// Run the target once over `ids` (taps + logits when relabelling) and build an [`Example`].
+pub fn make_example(
+    target: &dyn TargetModel,
+    taps: &[usize],
+    ids: Vec<u32>,
+    response_start: usize,
+    labels: Labels,
+) -> Result<Example> {
+    let n = ids.len();
+    if n < 2 || response_start >= n {
+        return Err(Error::input(format!(
+            "training sequence of {n} tokens has no response tokens after position {response_start}"
+        )));
+    }
+    let mut cache = target.new_cache(n)?;
+    let logits = match labels {
+        Labels::Sequence => Logits::None,
+        Labels::Argmax => Logits::All,
+    };
+    let out = target.forward(&ids, 0, &mut cache, taps, logits)?;
+    let t = out
+        .taps
+        .ok_or_else(|| Error::input("target returned no taps"))?;
+    let labels = match labels {
+        Labels::Sequence => ids.clone(),
+        Labels::Argmax => {
+            let l = out
+                .logits
+                .ok_or_else(|| Error::input("target returned no logits"))?;
+            let am = l.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            // labels[p] = the target's choice after position p - 1.
+            std::iter::once(ids[0])
+                .chain(am[..n - 1].iter().copied())
+                .collect()
+        }
+    };
+    Ok(Example {
+        ids,
+        taps: t,
+        labels,
+        response_start,
+    })
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy)]
+pub struct StepStats {
+    pub loss: f64,
+    /// Weighted-loss label positions in the step.
+    pub tokens: usize,
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// Top-1 accuracy of block row 1 (the first proposed token).
+    pub acc1: f64,
+}
+
+/// A draft in training: its variables, the draft model built on them, the optimizer.
+pub struct Trainer {
+    pub opts: TrainOptions,
+    pub config: Value,
+    pub taps: Vec<usize>,
+    vars: Vec<(String, Var)>,
+    draft: DraftModel,
+    opt: AdamW,
+    /// The target's LM head as a dense `[hidden, vocab]` matrix (frozen).
+    head_t: Tensor,
+    rng: Rng,
+    step: usize,
+    device: Device,
+}
+
+impl Trainer {
+    /// A freshly initialized draft for `target` (seeded: linear weights N(0, 0.02), norms 1).
+    pub fn new(
+        target: &dyn TargetModel,
+        target_cfg: &TargetConfig,
+        opts: TrainOptions,
+    ) -> Result<Self> {
+        let taps = opts
+            .taps
+            .clone()
+            .unwrap_or_else(|| auto_taps(target_cfg.num_hidden_layers));
+        let config = draft_config_json(target_cfg, &opts, &taps);
+        let dcfg = DraftConfig::from_value("(draft in training)", config.clone())?;
+        let taps = dcfg.validate_against(target_cfg, &target_cfg.file)?;
+        let device = target.info().device.clone();
+        let c = &dcfg.layers;
+        let (h, k, d) = (c.hidden_size, taps.len(), c.head_dim);
+        let (qd, kd, i) = (
+            c.num_attention_heads * d,
+            c.num_key_value_heads * d,
+            c.intermediate_size,
+        );
+        let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![
+            ("fc.weight".into(), vec![h, k * h], false),
+            ("hidden_norm.weight".into(), vec![h], true),
+            ("norm.weight".into(), vec![h], true),
+        ];
+        for l in 0..c.num_hidden_layers {
+            let p = format!("layers.{l}");
+            for (n, s, norm) in [
+                ("input_layernorm", vec![h], true),
+                ("post_attention_layernorm", vec![h], true),
+                ("self_attn.q_proj", vec![qd, h], false),
+                ("self_attn.k_proj", vec![kd, h], false),
+                ("self_attn.v_proj", vec![kd, h], false),
+                ("self_attn.o_proj", vec![h, qd], false),
+                ("self_attn.q_norm", vec![d], true),
+                ("self_attn.k_norm", vec![d], true),
+                ("mlp.gate_proj", vec![i, h], false),
+                ("mlp.up_proj", vec![i, h], false),
+                ("mlp.down_proj", vec![h, i], false),
+            ] {
+                shapes.push((format!("{p}.{n}.weight"), s, norm));
+            }
+        }
+        // The frozen LM head, dense: head(I) = W^T. (A quantized head has no backward in
+        // candle; this copy is exact for float heads, and the dequantized weights otherwise.)
+        let eye = Tensor::eye(h, target.info().dtype, &device)?;
+        let head_t = target.lm_head(&eye)?.to_dtype(opts.dtype)?.detach();
+        // The final norm starts at 1 / (mean LM-head row norm), so that initial logits have
+        // about unit scale (with 1, real heads give logits in the tens: loss ~70 at step 0).
+        let row_norm = head_t
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum(0)?
+            .sqrt()?
+            .mean_all()?
+            .to_scalar::<f32>()?;
+        let out_norm = if row_norm.is_finite() && row_norm > 0.0 {
+            1.0 / row_norm
+        } else {
+            1.0
+        };
+        let mut rng = Rng::new(opts.seed);
+        let mut vars = Vec::new();
+        for (name, shape, norm) in shapes {
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = if name == "norm.weight" {
+                vec![out_norm; n]
+            } else if norm {
+                vec![1.0; n]
+            } else {
+                (0..n).map(|_| (rng.normal() * 0.02) as f32).collect()
+            };
+            let t = Tensor::from_vec(v, shape, &device)?.to_dtype(opts.dtype)?;
+            vars.push((name, Var::from_tensor(&t)?));
+        }
+        let tensors: BTreeMap<String, Tensor> = vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let w = Weights::from_tensors(tensors, opts.dtype, &device);
+        let draft = DraftModel::load(dcfg, taps.clone(), &w)?;
+        let opt = AdamW::new(
+            vars.iter().map(|(_, v)| v.clone()).collect(),
+            ParamsAdamW {
+                lr: opts.lr,
+                weight_decay: opts.weight_decay,
+                ..Default::default()
+            },
+        )?;
+        Ok(Self {
+            opts,
+            config,
+            taps,
+            vars,
+            draft,
+            opt,
+            head_t,
+            rng,
+            step: 0,
+            device,
+        })
+    }
+
+    /// The draft being trained (its weights are the live variables).
+    pub fn draft(&self) -> &DraftModel {
+        &self.draft
+    }
+
+    /// The frozen LM head used for training logits, `[hidden, vocab]`.
+    pub fn head_t(&self) -> &Tensor {
+        &self.head_t
+    }
+
+    /// Trainable parameters.
+    pub fn num_params(&self) -> usize {
+        self.vars.iter().map(|(_, v)| v.elem_count()).sum()
+    }
+
+    /// Draw anchors (distinct, seeded) from one example.
+    fn anchors(&mut self, ex: &Example, n: usize) -> Vec<usize> {
+        let r = ex.anchor_range();
+        let mut all: Vec<usize> = r.collect();
+        // Partial Fisher-Yates.
+        let n = n.min(all.len());
+        for i in 0..n {
+            let j = i + self.rng.below(all.len() - i);
+            all.swap(i, j);
+        }
+        all.truncate(n);
+        all.sort_unstable();
+        all
+    }
+
+    /// Weighted cross-entropy terms of one sequence's blocks: (sum of w * -log p, sum of w,
+    /// labelled positions, row-1 hits, row-1 count).
+    fn seq_loss(
+        &self,
+        target: &dyn TargetModel,
+        ex: &Example,
+        anchors: &[usize],
+    ) -> Result<(Tensor, f64, usize, usize, usize)> {
+        let q = self.opts.block_size;
+        let gamma = self.opts.gamma();
+        let mask = self.opts.mask_token_id;
+        let n = ex.ids.len();
+        let mut block_ids = Vec::with_capacity(anchors.len() * q);
+        let mut labels = Vec::with_capacity(anchors.len() * (q - 1));
+        let mut weights = Vec::with_capacity(anchors.len() * (q - 1));
+        for &a in anchors {
+            block_ids.push(ex.ids[a]);
+            block_ids.extend(std::iter::repeat(mask).take(q - 1));
+            for k in 1..q {
+                if a + k < n {
+                    labels.push(ex.labels[a + k]);
+                    weights.push((-((k - 1) as f64) / gamma).exp() as f32);
+                } else {
+                    labels.push(0);
+                    weights.push(0.0);
+                }
+            }
+        }
+        let logits =
+            self.draft
+                .forward_blocks(target, &ex.taps, anchors, &block_ids, Some(&self.head_t))?;
+        let m = labels.len();
+        let wsum: f64 = weights.iter().map(|&w| w as f64).sum();
+        let count = weights.iter().filter(|&&w| w > 0.0).count();
+        // Row-1 accuracy (cheap: argmax over the rows already computed).
+        let pred = logits.detach().argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let (mut hit, mut tot) = (0, 0);
+        for (b, _) in anchors.iter().enumerate() {
+            let r = b * (q - 1);
+            if weights[r] > 0.0 {
+                tot += 1;
+                hit += usize::from(pred[r] == labels[r]);
+            }
+        }
+        let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let lab = Tensor::from_vec(labels, (m, 1), &self.device)?;
+        let picked = lp.gather(&lab, 1)?.squeeze(1)?;
+        let w = Tensor::from_vec(weights, m, &self.device)?;
+        let nll = (picked * w)?.sum_all()?.neg()?;
+        Ok((nll, wsum, count, hit, tot))
+    }
+
+    /// One optimizer step on `batch_blocks` blocks drawn from random examples.
+    pub fn step(&mut self, target: &dyn TargetModel, examples: &[Example]) -> Result<StepStats> {
+        let usable: Vec<usize> = (0..examples.len())
+            .filter(|&i| !examples[i].anchor_range().is_empty())
+            .collect();
+        if usable.is_empty() {
+            return Err(Error::input(
+                "no training sequence has a response token to anchor a block on",
+            ));
+        }
+        let per = self.opts.blocks_per_seq.max(1);
+        let mut left = self.opts.batch_blocks.max(1);
+        let mut parts = Vec::new();
+        let (mut wsum, mut tokens, mut hit, mut tot) = (0.0, 0, 0, 0);
+        while left > 0 {
+            let ex = &examples[usable[self.rng.below(usable.len())]];
+            let anchors = self.anchors(ex, per.min(left));
+            left -= anchors.len();
+            let (nll, w, c, h, t) = self.seq_loss(target, ex, &anchors)?;
+            parts.push(nll);
+            wsum += w;
+            tokens += c;
+            hit += h;
+            tot += t;
+        }
+        let total = parts
+            .iter()
+            .skip(1)
+            .try_fold(parts[0].clone(), |a, b| a + b)?;
+        let loss = (total / wsum.max(1e-9))?;
+        let mut grads = loss.backward()?;
+        // Global gradient-norm clipping.
+        let mut sq = 0f64;
+        for (_, v) in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                sq += g
+                    .to_dtype(DType::F32)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f32>()? as f64;
+            }
+        }
+        let norm = sq.sqrt();
+        if self.opts.clip > 0.0 && norm > self.opts.clip {
+            let s = self.opts.clip / norm;
+            for (_, v) in &self.vars {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    let g = (g * s)?;
+                    grads.insert(v.as_tensor(), g);
+                }
+            }
+        }
+        let lr = self.opts.lr_at(self.step);
+        self.opt.set_learning_rate(lr);
+        self.opt.step(&grads)?;
+        self.step += 1;
+        let loss = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        if !loss.is_finite() {
+            return Err(Error::input(format!(
+                "training diverged at step {}: loss {loss} (lower --lr)",
+                self.step
+            )));
+        }
+        Ok(StepStats {
+            loss,
+            tokens,
+            grad_norm: norm,
+            lr,
+            acc1: hit as f64 / tot.max(1) as f64,
+        })
+    }
+
+    /// Mean weighted loss over `blocks` blocks per example (no update), for a held-out check.
+    pub fn eval_loss(
+        &mut self,
+        target: &dyn TargetModel,
+        examples: &[Example],
+        blocks: usize,
+    ) -> Result<f64> {
+        let (mut nll, mut w) = (0f64, 0f64);
+        for ex in examples {
+            if ex.anchor_range().is_empty() {
+                continue;
+            }
+            let anchors = self.anchors(ex, blocks);
+            let (l, ws, ..) = self.seq_loss(target, ex, &anchors)?;
+            nll += l.detach().to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+            w += ws;
+        }
+        Ok(nll / w.max(1e-9))
+    }
+
+    /// Write `config.json` + `model.safetensors` (weights in `dtype`) into `dir`.
+    pub fn save(&self, dir: &Path, dtype: DType) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut tensors = HashMap::new();
+        for (n, v) in &self.vars {
+            tensors.insert(
+                n.clone(),
+                v.as_tensor()
+                    .detach()
+                    .to_dtype(dtype)?
+                    .to_device(&Device::Cpu)?,
+            );
+        }
+        let st = dir.join("model.safetensors");
+        candle_core::safetensors::save(&tensors, &st)
+            .map_err(|e| Error::weights(st.display().to_string(), e.to_string()))?;
+        let mut cfg = self.config.clone();
+        cfg["torch_dtype"] = json!(match dtype {
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            _ => "float32",
+        });
+        crate::testing::write_json(&dir.join("config.json"), &cfg)
+    }
+}
+
+/// How training sequences get their responses (see [`data`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataMode {
+    /// The target's own responses, generated by the engine.
+    SelfGenerated,
+    /// The dataset's reference responses, relabelled by the target's argmax.
+    Relabel,
+}
+
+impl DataMode {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "self" => Ok(DataMode::SelfGenerated),
+            "relabel" => Ok(DataMode::Relabel),
+            o => Err(Error::input(format!(
+                "--data {o}: expected self or relabel"
+            ))),
+        }
+    }
+    pub fn labels(self) -> Labels {
+        match self {
+            DataMode::SelfGenerated => Labels::Sequence,
+            DataMode::Relabel => Labels::Argmax,
+        }
+    }
+}
+
+/// How to turn records into sequences.
+#[derive(Debug, Clone)]
+pub struct SequenceOptions {
+    pub mode: DataMode,
+    /// Longest sequence (prompt + response), tokens.
+    pub max_seq: usize,
+    /// `self`: tokens generated per prompt.
+    pub max_new: usize,
+    /// `self`: sampling temperature (0 = greedy), seeded per prompt.
+    pub temperature: f32,
+    pub seed: u64,
+    /// Format prompts with the chat template (when the model has one).
+    pub chat_template: bool,
+}
+
+/// Sequences for `records` with the pipeline's target, tokenizer and chat template. Records
+/// that cannot make a sequence (no reference in `relabel` mode, a prompt longer than
+/// `max_seq`, an empty response) are skipped and counted in the returned notes. `progress`
+/// is called before each record with (done, total) and returns false to stop early (a time
+/// budget).
+pub fn build_sequences(
+    p: &crate::pipeline::Pipeline,
+    records: &[data::Record],
+    o: &SequenceOptions,
+    progress: &mut dyn FnMut(usize, usize) -> bool,
+) -> Result<(Vec<data::Sequence>, Vec<String>)> {
+    use crate::chat::ChatMessage;
+    use crate::engine::{Flow, GenerateRequest};
+    let (mut out, mut no_ref, mut too_long, mut empty) = (Vec::new(), 0, 0, 0);
+    let mut stopped = None;
+    for (i, r) in records.iter().enumerate() {
+        if !progress(i, records.len()) {
+            stopped = Some(i);
+            break;
+        }
+        let prompt = match (&r.prompt.prompt_ids, &r.prompt.text) {
+            (Some(ids), _) => ids.clone(),
+            (None, Some(t)) => {
+                p.encode_prompt(&[ChatMessage::user(t.clone())], o.chat_template, None)?
+            }
+            (None, None) => continue,
+        };
+        if prompt.is_empty() || prompt.len() + 2 > o.max_seq {
+            too_long += 1;
+            continue;
+        }
+        let room = o.max_seq - prompt.len();
+        let response = match o.mode {
+            DataMode::Relabel => {
+                let Some(reference) = &r.reference else {
+                    no_ref += 1;
+                    continue;
+                };
+                let tok = p.tokenizer.as_ref().ok_or_else(|| {
+                    Error::input("--data relabel needs a tokenizer to encode the reference texts")
+                })?;
+                let mut ids = tok.encode(reference, false)?;
+                ids.truncate(room);
+                ids
+            }
+            DataMode::SelfGenerated => {
+                let mut req = GenerateRequest::new(prompt.clone(), o.max_new.min(room));
+                req.stop_ids = p.stop_ids.clone();
+                req.block_size = Some(1);
+                req.adaptive = false;
+                req.sampling.temperature = o.temperature;
+                req.sampling.seed = o.seed.wrapping_add(i as u64);
+                p.engine.generate(&req, &mut |_| Flow::Continue)?.output_ids
+            }
+        };
+        if response.is_empty() {
+            empty += 1;
+            continue;
+        }
+        let response_start = prompt.len();
+        let mut ids = prompt;
+        ids.extend(response);
+        out.push(data::Sequence {
+            ids,
+            response_start,
+        });
+    }
+    progress(records.len(), records.len());
+    let mut notes = vec![];
+    if let Some(i) = stopped {
+        notes.push(format!(
+            "stopped after {i} of {} records (time budget)",
+            records.len()
+        ));
+    }
+    if no_ref > 0 {
+        notes.push(format!("{no_ref} records without a reference response skipped (relabel needs one; use --data self)"));
+    }
+    if too_long > 0 {
+        notes.push(format!("{too_long} prompts longer than --max-seq skipped"));
+    }
+    if empty > 0 {
+        notes.push(format!("{empty} empty responses skipped"));
+    }
+    Ok((out, notes))
+}
+
+/// Target passes over `seqs` (taps + labels), held on the device for the whole run.
+pub fn make_examples(
+    target: &dyn TargetModel,
+    taps: &[usize],
+    seqs: &[data::Sequence],
+    mode: DataMode,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<Example>> {
+    let mut out = Vec::with_capacity(seqs.len());
+    for (i, s) in seqs.iter().enumerate() {
+        progress(i, seqs.len());
+        out.push(make_example(
+            target,
+            taps,
+            s.ids.clone(),
+            s.response_start,
+            mode.labels(),
+        )?);
+    }
+    progress(seqs.len(), seqs.len());
+    Ok(out)
+}

@@ -1,0 +1,283 @@
+//! Draft training (`dflash::train`): the training forward equals the inference forward
+//! (no drift), and a tiny draft trained for a few hundred CPU steps on a learnable tiny target
+//! lowers its loss and raises tau over the untrained draft, losslessly, through the normal
+//! loader and engine.
+
+mod common;
+use candle_core::{Device, Tensor};
+use common::*;
+use dflash::archs::{LoadOptions, Logits, TargetModel};
+use dflash::bench::prompts::Prompt;
+use dflash::draft::{load_draft, DraftModel};
+use dflash::engine::{Engine, Flow, GenerateRequest};
+use dflash::pipeline::{Pipeline, PipelineOptions};
+use dflash::source::ModelSource;
+use dflash::testing::{TinyDraft, TinyTarget};
+use dflash::train::{self, data, DataMode, SequenceOptions, TrainOptions, Trainer};
+use std::path::Path;
+
+/// Logits of `draft.forward` (inference: context cache + one block) for each anchor.
+fn inference_logits(
+    d: &DraftModel,
+    t: &dyn TargetModel,
+    taps: &Tensor,
+    ids: &[u32],
+    anchors: &[usize],
+    q: usize,
+) -> Vec<Tensor> {
+    anchors
+        .iter()
+        .map(|&a| {
+            let mut cache = d.new_cache(a + q).unwrap();
+            let mut block = vec![ids[a]];
+            block.extend(std::iter::repeat(d.mask_token_id()).take(q - 1));
+            // Context in two chunks, as the engine feeds it (prefill, then accepted rows).
+            let cut = a / 2;
+            if cut > 0 {
+                let mut b0 = block.clone();
+                b0[0] = ids[cut];
+                d.forward(t, &taps.narrow(0, 0, cut).unwrap(), &b0, cut, &mut cache)
+                    .unwrap();
+            }
+            d.forward(
+                t,
+                &taps.narrow(0, cut, a - cut).unwrap(),
+                &block,
+                a,
+                &mut cache,
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+fn target_taps(t: &dyn TargetModel, ids: &[u32], taps: &[usize]) -> Tensor {
+    let mut c = t.new_cache(ids.len()).unwrap();
+    t.forward(ids, 0, &mut c, taps, Logits::None)
+        .unwrap()
+        .taps
+        .unwrap()
+}
+
+/// Many blocks in one training forward (block-sparse mask) give, block by block, the logits
+/// of the inference path (context cache, one block per call): full and sliding layers.
+#[test]
+fn training_forward_equals_inference_forward() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = TinyTarget::qwen3(5);
+    t.write(&dir.path().join("t")).unwrap();
+    let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
+    let (cfg, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
+    for (i, sliding) in [false, true].into_iter().enumerate() {
+        let mut d = TinyDraft::for_target(&t, 3, vec![0, 2, 3], 6, 40 + i as u64);
+        if sliding {
+            d.layer_types = Some(vec![
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ]);
+            d.sliding_window = 4;
+        }
+        let dd = dir.path().join(format!("d{i}"));
+        d.write(&dd, t.vocab).unwrap();
+        let draft = load_draft(
+            &ModelSource::from_dir("d", &dd).unwrap(),
+            &cfg,
+            "t",
+            &LoadOptions::default(),
+        )
+        .unwrap();
+        let ids = ids(7, 40, t.vocab - 1);
+        let taps = target_taps(&*target, &ids, &draft.taps);
+        let anchors = [1usize, 9, 10, 23, 33];
+        let q = 6;
+        let mut block_ids = vec![];
+        for &a in &anchors {
+            block_ids.push(ids[a]);
+            block_ids.extend(std::iter::repeat(draft.mask_token_id()).take(q - 1));
+        }
+        let train = draft
+            .forward_blocks(&*target, &taps, &anchors, &block_ids, None)
+            .unwrap();
+        let inf = inference_logits(&draft, &*target, &taps, &ids, &anchors, q);
+        for (b, l) in inf.iter().enumerate() {
+            let tb = train.narrow(0, b * (q - 1), q - 1).unwrap();
+            let diff = max_abs_diff(&tb, l);
+            assert!(
+                diff < 1e-4,
+                "sliding={sliding} block {b}: max |diff| {diff}"
+            );
+        }
+    }
+}
+
+/// A target whose next token is a function of the current token only: attention and MLP
+/// outputs are zeroed, so the residual stream stays the token's embedding.
+fn learnable_target(dir: &Path) -> TinyTarget {
+    let mut t = TinyTarget::qwen3(21);
+    t.layers = 2;
+    t.write(dir).unwrap();
+    let st = dir.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&st, &Device::Cpu).unwrap();
+    for (n, v) in w.iter_mut() {
+        if n.ends_with("o_proj.weight") || n.ends_with("down_proj.weight") {
+            *v = v.zeros_like().unwrap();
+        }
+    }
+    candle_core::safetensors::save(&w, &st).unwrap();
+    t
+}
+
+fn prompts(seed: u64, n: usize, vocab: usize) -> Vec<data::Record> {
+    (0..n)
+        .map(|i| data::Record {
+            prompt: Prompt {
+                id: format!("{i}"),
+                text: None,
+                prompt_ids: Some(ids(seed + i as u64, 3 + i % 7, vocab)),
+            },
+            reference: None,
+        })
+        .collect()
+}
+
+/// (tau, outputs) of greedy DFlash with the draft saved in `dd`, through the normal loader.
+fn tau_with(model: &Path, dd: &Path, prompts: &[data::Record], q: usize) -> (f64, Vec<Vec<u32>>) {
+    let p = Pipeline::load(&PipelineOptions {
+        model: model.display().to_string(),
+        draft: Some(dd.display().to_string()),
+        ..Default::default()
+    })
+    .unwrap();
+    let (mut lens, mut outs) = (vec![], vec![]);
+    for r in prompts {
+        let mut req = GenerateRequest::new(r.prompt.prompt_ids.clone().unwrap(), 40);
+        req.block_size = Some(q);
+        req.adaptive = false;
+        let o = p.engine.generate(&req, &mut |_| Flow::Continue).unwrap();
+        lens.extend(o.stats.acceptance_lengths);
+        outs.push(o.output_ids);
+    }
+    (lens.iter().sum::<usize>() as f64 / lens.len() as f64, outs)
+}
+
+#[test]
+fn training_lowers_loss_and_raises_tau() {
+    let dir = tempfile::tempdir().unwrap();
+    let td = dir.path().join("t");
+    let t = learnable_target(&td);
+    let p = Pipeline::load(&PipelineOptions {
+        model: td.display().to_string(),
+        no_draft: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let vocab = t.vocab - 1; // the last id is the mask token
+    let (seqs, _) = train::build_sequences(
+        &p,
+        &prompts(1000, 40, vocab),
+        &SequenceOptions {
+            mode: DataMode::SelfGenerated,
+            max_seq: 96,
+            max_new: 48,
+            temperature: 0.0,
+            seed: 0,
+            chat_template: false,
+        },
+        &mut |_, _| true,
+    )
+    .unwrap();
+    assert_eq!(seqs.len(), 40);
+    let q = 8;
+    let opts = TrainOptions {
+        draft_layers: 1,
+        block_size: q,
+        mask_token_id: (t.vocab - 1) as u32,
+        intermediate_size: Some(128),
+        steps: 300,
+        lr: 3e-3,
+        warmup: 20,
+        batch_blocks: 32,
+        blocks_per_seq: 8,
+        seed: 3,
+        ..Default::default()
+    };
+    let target = &*p.engine.target;
+    let mut tr = Trainer::new(target, &p.target_config, opts).unwrap();
+    let ex = train::make_examples(
+        target,
+        &tr.taps.clone(),
+        &seqs,
+        DataMode::SelfGenerated,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let untrained = dir.path().join("untrained");
+    tr.save(&untrained, candle_core::DType::F32).unwrap();
+    let mut losses = vec![];
+    for _ in 0..300 {
+        losses.push(tr.step(target, &ex).unwrap().loss);
+    }
+    let first: f64 = losses[..10].iter().sum::<f64>() / 10.0;
+    let last: f64 = losses[290..].iter().sum::<f64>() / 10.0;
+    assert!(last < 0.5 * first, "loss {first:.3} -> {last:.3}");
+
+    // Training forward == inference forward on the trained weights (autograd path vs the
+    // fused kernels of a checkpoint loaded from disk, f32).
+    let trained = dir.path().join("trained");
+    tr.save(&trained, candle_core::DType::F32).unwrap();
+    let loaded = load_draft(
+        &ModelSource::from_dir("d", &trained).unwrap(),
+        &p.target_config,
+        "t",
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    let e = &ex[3];
+    let anchors = [e.response_start, e.response_start + 5];
+    let mut block_ids = vec![];
+    for &a in &anchors {
+        block_ids.push(e.ids[a]);
+        block_ids.extend(std::iter::repeat(loaded.mask_token_id()).take(q - 1));
+    }
+    let train_logits = tr
+        .draft()
+        .forward_blocks(target, &e.taps, &anchors, &block_ids, Some(tr.head_t()))
+        .unwrap();
+    let inf = inference_logits(&loaded, target, &e.taps, &e.ids, &anchors, q);
+    for (b, l) in inf.iter().enumerate() {
+        let d = max_abs_diff(&train_logits.narrow(0, b * (q - 1), q - 1).unwrap(), l);
+        assert!(d < 1e-3, "block {b}: max |diff| {d}");
+    }
+    drop(tr);
+
+    // Held-out prompts: tau rises; output stays the target's greedy decoding.
+    let held = prompts(5000, 8, vocab);
+    let (tau0, out0) = tau_with(&td, &untrained, &held, q);
+    let (tau1, out1) = tau_with(&td, &trained, &held, q);
+    assert_eq!(out0, out1, "greedy output must not depend on the draft");
+    let plain = Engine::new(
+        dflash::archs::load_target(
+            &ModelSource::from_dir("t", &td).unwrap(),
+            &LoadOptions::default(),
+        )
+        .unwrap()
+        .1,
+        None,
+    );
+    for (r, o) in held.iter().zip(&out1) {
+        let req = GenerateRequest::new(r.prompt.prompt_ids.clone().unwrap(), 40);
+        assert_eq!(
+            &plain
+                .generate(&req, &mut |_| Flow::Continue)
+                .unwrap()
+                .output_ids,
+            o
+        );
+    }
+    eprintln!("loss {first:.3} -> {last:.3}; tau untrained {tau0:.2} -> trained {tau1:.2}");
+    assert!(
+        tau1 > tau0 + 1.0 && tau1 > 2.5,
+        "tau {tau0:.2} -> {tau1:.2}"
+    );
+}

@@ -1,0 +1,33 @@
+"""Write a small training prompt file from the ShareGPT wheel's data (which is cut off
+mid-record and 125 MB): the first N records with a human turn followed by a gpt turn, as
+JSONL `{"id", "conversations": [human, gpt]}` lines, gzipped. `dflash train --prompts` reads
+it (first human turn = prompt; first gpt turn = the reference for `--data relabel`).
+
+usage: python3 tools/train/sharegpt_subset.py SHAREGPT_JSON OUT.jsonl.gz [N] [MAX_PROMPT_CHARS]
+"""
+import gzip, json, sys
+
+src, out = sys.argv[1], sys.argv[2]
+n = int(sys.argv[3]) if len(sys.argv) > 3 else 3000
+max_chars = int(sys.argv[4]) if len(sys.argv) > 4 else 2000
+dec = json.JSONDecoder()
+text = open(src, encoding="utf-8").read()
+i = text.index("[") + 1
+kept = 0
+with gzip.open(out, "wt", encoding="utf-8") as f:
+    while kept < n:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        conv = rec.get("conversations") or []
+        if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
+            continue
+        q, a = conv[0].get("value", ""), conv[1].get("value", "")
+        if not q.strip() or not a.strip() or len(q) > max_chars:
+            continue
+        f.write(json.dumps({"id": rec.get("id"), "conversations": conv[:2]}) + "\n")
+        kept += 1
+print(f"{kept} records -> {out}")
