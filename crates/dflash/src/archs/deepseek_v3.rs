@@ -349,7 +349,10 @@ fn linear_bytes(l: &Linear) -> usize {
 }
 
 fn mlp_bytes(m: &GatedMlp) -> usize {
-    linear_bytes(&m.gate) + linear_bytes(&m.up) + linear_bytes(&m.down)
+    linear_bytes(&m.gate)
+        + linear_bytes(&m.up)
+        + linear_bytes(&m.down)
+        + m.gate_up.as_ref().map_or(0, linear_bytes)
 }
 
 impl DeepseekV3Model {
@@ -425,14 +428,10 @@ impl DeepseekV3Model {
                 kv_b_bytes: tensor_bytes(&kv_b),
             };
             let ffn = if i < c.first_k_dense_replace {
-                Ffn::Dense(GatedMlp::load(
-                    w,
-                    &format!("{p}.mlp"),
-                    h,
-                    cfg.intermediate_size,
-                    false,
-                    act,
-                )?)
+                let mut m =
+                    GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, false, act)?;
+                m.fuse()?;
+                Ffn::Dense(m)
             } else {
                 let e = c.n_routed_experts;
                 let mi = c.moe_intermediate_size;
@@ -455,14 +454,16 @@ impl DeepseekV3Model {
                     )?
                     .to_vec1::<f32>()?;
                 let shared = if c.n_shared_experts > 0 {
-                    Some(GatedMlp::load(
+                    let mut m = GatedMlp::load(
                         w,
                         &format!("{p}.mlp.shared_experts"),
                         h,
                         mi * c.n_shared_experts,
                         false,
                         act,
-                    )?)
+                    )?;
+                    m.fuse()?;
+                    Some(m)
                 } else {
                     None
                 };

@@ -26,8 +26,7 @@ use crate::config::RopeKind;
 use crate::config::{Fields, LayerType, RopeConfig, TargetConfig};
 use crate::nn::routing::{top_k_desc, Routes};
 use crate::nn::{
-    attention_mask, sdpa_with_sinks, Attention, AttentionSpec, Embedding, KvCache, Linear, RmsNorm,
-    Rope,
+    attention_mask, Attention, AttentionSpec, Embedding, KvCache, Linear, RmsNorm, Rope,
 };
 use crate::source::mxfp4::{self, Packed};
 use crate::source::Weights;
@@ -149,9 +148,8 @@ impl Moe {
 
 struct Layer {
     input_norm: RmsNorm,
+    /// With its `sinks` set.
     attn: Attention,
-    /// `[heads]` learned sink logits.
-    sinks: Tensor,
     post_attn_norm: RmsNorm,
     moe: Moe,
     kind: LayerType,
@@ -295,10 +293,12 @@ impl GptOssModel {
             let p = format!("model.layers.{i}");
             let (experts, mx) = load_experts(w, &p, g.num_experts, h, inter)?;
             mxfp4_layers += mx as usize;
+            let mut attn = Attention::load(w, &format!("{p}.self_attn"), spec.clone())?;
+            attn.sinks = Some(w.get(&format!("{p}.self_attn.sinks"), cfg.num_attention_heads)?);
+            attn.fuse()?;
             layers.push(Layer {
                 input_norm: norm(&format!("{p}.input_layernorm.weight"))?,
-                attn: Attention::load(w, &format!("{p}.self_attn"), spec.clone())?,
-                sinks: w.get(&format!("{p}.self_attn.sinks"), cfg.num_attention_heads)?,
+                attn,
                 post_attn_norm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
                 moe: Moe {
                     router: Linear::load(w, &format!("{p}.mlp.router"), h, g.num_experts, true)?,
@@ -347,8 +347,9 @@ impl GptOssModel {
         b += linear_bytes(&self.lm_head);
         for l in &self.layers {
             b += tensor_bytes(&l.input_norm.weight) + tensor_bytes(&l.post_attn_norm.weight);
-            b += tensor_bytes(&l.sinks);
             let a = &l.attn;
+            b += a.sinks.as_ref().map_or(0, tensor_bytes);
+            b += a.qkv.as_ref().map_or(0, linear_bytes);
             b += [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.moe.router]
                 .iter()
                 .map(|x| linear_bytes(x))
@@ -393,12 +394,9 @@ impl GptOssModel {
                 LayerType::Sliding => mask_slide.as_ref(),
             };
             let x = layer.input_norm.forward(&h)?;
-            // 1. q, k, v (biases), rope; 2. append k/v; 3. softmax with the sink column.
-            let q = layer.attn.queries(&x, &self.rope, &tables)?;
-            let (k, v) = layer.attn.keys_values(&x, &self.rope, &tables)?;
-            let (k, v) = kv.append(&k, &v)?;
-            let o = sdpa_with_sinks(&q, &k, &v, mask, layer.attn.spec.scale, Some(&layer.sinks))?;
-            let h1 = (h + layer.attn.o_proj.forward(&o)?)?;
+            // q/k/v with biases, rope, cache append, softmax with the sink column, o_proj
+            let a = layer.attn.forward(&x, &self.rope, &tables, kv, mask)?;
+            let h1 = (h + a)?;
             let m = layer.moe.forward(&layer.post_attn_norm.forward(&h1)?)?;
             h = (h1 + m)?;
             tapped.record(i, &h);

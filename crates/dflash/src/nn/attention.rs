@@ -39,6 +39,8 @@ pub struct Attention {
     pub spec: AttentionSpec,
     /// q, k and v stacked (see `fuse`): one matmul for the three in `forward`.
     pub qkv: Option<Linear>,
+    /// Attention sinks `[heads]` (gpt-oss): a learned logit per head joining the softmax.
+    pub sinks: Option<Tensor>,
 }
 
 impl Attention {
@@ -76,6 +78,7 @@ impl Attention {
             },
             spec,
             qkv: None,
+            sinks: None,
         })
     }
 
@@ -179,7 +182,7 @@ impl Attention {
         let q = self.finish_queries(q, rope, t)?;
         let (k, v) = self.finish_keys_values(k, v, rope, t)?;
         let (k, v) = cache.append(&k, &v)?;
-        let o = sdpa(&q, &k, &v, mask, self.spec.scale)?;
+        let o = sdpa_with_sinks(&q, &k, &v, mask, self.spec.scale, self.sinks.as_ref())?;
         self.o_proj.forward(&o)
     }
 }
