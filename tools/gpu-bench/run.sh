@@ -23,9 +23,9 @@ if [ "$DEV" != cpu ]; then
   export LD_LIBRARY_PATH=$($PY -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))'):/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$RES/gpu.txt"
 fi
-if [ -x "$root/.device/cuda_probe" ] && [ "$DEV" != cpu ]; then
+if [ "$DEV" != cpu ]; then
   echo "== probe (candle op overhead, GEMV bandwidth)" >&2
-  "$root/.device/cuda_probe" 2>&1 | tee "$RES/probe.txt" >&2 || echo "probe FAILED" >&2
+  "$BIN" doctor --gpu-probe --device "$DEV" 2>&1 | tee "$RES/probe.txt" >&2 || echo "probe FAILED" >&2
 fi
 refdir=$(mktemp -d)
 (cd "$refdir" && $PY -m zipfile -e "$root"/tools/goldens/wheels/dflash-*.whl .)

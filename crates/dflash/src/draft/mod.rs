@@ -65,6 +65,14 @@ impl DraftCache {
 }
 
 impl DraftModel {
+    /// Stack each layer's gate/up weights into one linear (inference; see `load_draft`).
+    pub fn fuse(&mut self) -> Result<()> {
+        for l in &mut self.layers {
+            l.mlp.fuse()?;
+        }
+        Ok(())
+    }
+
     /// Load a z-lab format draft (`fc`, `hidden_norm`, `layers.*`, `norm`). `taps` come from
     /// [`DraftConfig::validate_against`]. A checkpoint with tensors the model does not use is
     /// an error listing them.
@@ -115,18 +123,14 @@ impl DraftModel {
                     eps,
                     false,
                 )?,
-                mlp: {
-                    let mut m = GatedMlp::load(
-                        w,
-                        &format!("{p}.mlp"),
-                        h,
-                        c.intermediate_size,
-                        c.mlp_bias,
-                        act,
-                    )?;
-                    m.fuse()?;
-                    m
-                },
+                mlp: GatedMlp::load(
+                    w,
+                    &format!("{p}.mlp"),
+                    h,
+                    c.intermediate_size,
+                    c.mlp_bias,
+                    act,
+                )?,
                 kind: c.layer_types[i],
             });
         }
@@ -459,7 +463,10 @@ pub fn load_draft(
     let cfg = DraftConfig::from_file(&src.config)?;
     let taps = cfg.validate_against(target, target_name)?;
     let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?;
-    let d = DraftModel::load(cfg, taps, &w)?;
+    let mut d = DraftModel::load(cfg, taps, &w)?;
+    // Inference only: stacked gate/up weights (one matmul). Not in `DraftModel::load`, which
+    // the trainer builds on trainable Vars: a stacked copy would not follow their updates.
+    d.fuse()?;
     if let Some(d2t) = &d.d2t {
         if let Some((i, _)) = d2t
             .iter()
