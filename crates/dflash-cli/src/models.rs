@@ -1,8 +1,19 @@
 //! `dflash models`: the draft registry and the target families this build supports.
 
 use anyhow::Result;
+use dflash::archs::footprint::{estimate, host_memory, human_bytes, Footprint};
 use dflash::archs::FAMILIES;
-use dflash::registry::{family_supported, DraftFormat, DRAFT_REGISTRY};
+use dflash::config::TargetConfig;
+use dflash::registry::{
+    family_supported, published_target_config, DraftEntry, DraftFormat, DRAFT_REGISTRY,
+};
+
+/// The memory a row's published target checkpoint needs (None: shapes not recorded).
+fn footprint(e: &DraftEntry) -> Option<Footprint> {
+    let v = published_target_config(e.target)?;
+    let cfg = TargetConfig::from_value(e.target, v).ok()?;
+    estimate(&cfg).ok().flatten()
+}
 
 pub fn run(json: bool) -> Result<()> {
     if json {
@@ -14,6 +25,13 @@ pub fn run(json: bool) -> Result<()> {
                     "block_size": e.block_size,
                     "format": match e.format { DraftFormat::ZLab => "z-lab", DraftFormat::Speculators => "speculators" },
                     "supported": family_supported(e.family), "note": e.note,
+                    "memory": footprint(e).map(|f| serde_json::json!({
+                        "params": f.params, "checkpoint_bytes": f.stored_bytes,
+                        "loaded_bytes_bf16": f.loaded_bytes_bf16,
+                        "loaded_bytes_f32": 2 * f.loaded_bytes_bf16,
+                        "cache_bytes_per_token_bf16": f.cache_bytes_per_token_bf16,
+                        "fits_in_ram_bf16": host_memory().map(|(total, _)| f.loaded_bytes_bf16 < total),
+                    })),
                 })
             })
             .collect();
@@ -26,7 +44,11 @@ pub fn run(json: bool) -> Result<()> {
     );
     for e in DRAFT_REGISTRY {
         let supported = if family_supported(e.family) {
-            "yes".to_string()
+            if e.note.is_empty() {
+                "yes".to_string()
+            } else {
+                format!("yes ({})", e.note)
+            }
         } else {
             format!("no: target family `{}` is not in this build", e.family)
         };
@@ -43,12 +65,56 @@ pub fn run(json: bool) -> Result<()> {
             supported
         );
     }
+    let host = host_memory();
+    println!(
+        "\nmemory: published checkpoint -> weights loaded with bf16 compute (f32, the CPU default, doubles it); {}",
+        match host {
+            Some((total, avail)) => format!(
+                "this machine has {} RAM ({} available)",
+                human_bytes(total),
+                human_bytes(avail)
+            ),
+            None => "this machine's memory is unknown".into(),
+        }
+    );
+    for e in DRAFT_REGISTRY {
+        let Some(f) = footprint(e) else {
+            println!(
+                "  {:<22} ? (published shapes not recorded in this build)",
+                e.target
+            );
+            continue;
+        };
+        let params = if f.params >= 1_000_000_000_000 {
+            format!("{:.2} T", f.params as f64 / 1e12)
+        } else {
+            format!("{:.1} B", f.params as f64 / 1e9)
+        };
+        let fits = match host {
+            Some((total, _)) if f.loaded_bytes_bf16 >= total => format!(
+                "does not fit: needs {} at bf16, this machine has {}",
+                human_bytes(f.loaded_bytes_bf16),
+                human_bytes(total)
+            ),
+            Some(_) => "fits in RAM at bf16".into(),
+            None => String::new(),
+        };
+        println!(
+            "  {:<22} {:>7} params  {:>9} -> {:>9}  + {} per 1k tokens of context  {}",
+            e.target,
+            params,
+            f.stored_bytes.map_or("?".into(), human_bytes),
+            human_bytes(f.loaded_bytes_bf16),
+            human_bytes(f.cache_bytes_per_token_bf16 * 1000),
+            fits
+        );
+    }
     println!("\nfamily capabilities (taps, KV truncate, recurrent rollback, sliding window, shared KV, MoE, GGUF):");
     for f in FAMILIES {
         let c = f.caps;
         let b = |x: bool| if x { "yes" } else { "-" };
         println!(
-            "  {:<10} {:<28} taps {} truncate {} rollback {} sliding {} shared-kv {} moe {} gguf {}",
+            "  {:<12} {:<32} taps {} truncate {} rollback {} sliding {} shared-kv {} moe {} gguf {}",
             f.name,
             f.model_types.join(", "),
             b(c.taps),

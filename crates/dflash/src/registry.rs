@@ -103,7 +103,14 @@ pub const DRAFT_REGISTRY: &[DraftEntry] = &[
         "qwen3_next",
         Some(16)
     ),
-    row!("Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", "kimi_k25", Some(8)),
+    row!(
+        "Kimi-K2.5",
+        "z-lab/Kimi-K2.5-DFlash",
+        "kimi_k25",
+        Some(8),
+        DraftFormat::ZLab,
+        "the published checkpoint's int4 experts are refused: a bf16 export loads"
+    ),
     row!(
         "Llama-3.1-8B-Instruct",
         "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
@@ -116,11 +123,12 @@ pub const DRAFT_REGISTRY: &[DraftEntry] = &[
         "gpt_oss",
         Some(8)
     ),
+    // The published draft config says block_size 10 (taps [1,9,17,25,33] over 36 layers).
     row!(
         "gpt-oss-120b",
         "z-lab/gpt-oss-120b-DFlash",
         "gpt_oss",
-        Some(8)
+        Some(10)
     ),
     row!(
         "Gemma-4-31B-it",
@@ -131,6 +139,53 @@ pub const DRAFT_REGISTRY: &[DraftEntry] = &[
         "speculators format (narrow draft vocab, d2t/t2d)"
     ),
 ];
+
+/// The published target `config.json` of a registry row, reduced to the fields that size it
+/// (for `dflash models`' memory figures; see [`crate::archs::footprint`]). None for rows whose
+/// shapes are not recorded here.
+pub fn published_target_config(target: &str) -> Option<serde_json::Value> {
+    use serde_json::json;
+    let qwen3 = |h: u64, i: u64, tied: bool| {
+        json!({"model_type": "qwen3", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "tie_word_embeddings": tied, "torch_dtype": "bfloat16"})
+    };
+    let gpt_oss = |layers: u64, experts: u64| {
+        json!({"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+            "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+            "vocab_size": 201088, "num_local_experts": experts, "num_experts_per_tok": 4,
+            "attention_bias": true, "sliding_window": 128, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "mxfp4"}})
+    };
+    Some(match target {
+        "Qwen3-4B" => qwen3(2560, 9728, true),
+        "Qwen3-8B" => qwen3(4096, 12288, false),
+        "Qwen3-Coder-30B-A3B" => json!({"model_type": "qwen3_moe", "hidden_size": 2048,
+            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+            "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16"}),
+        "Llama-3.1-8B-Instruct" => json!({"model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16"}),
+        "gpt-oss-20b" => gpt_oss(24, 32),
+        "gpt-oss-120b" => gpt_oss(36, 128),
+        // text model only (the vision tower adds about 0.4 G parameters); routed experts are
+        // int4 (compressed-tensors pack-quantized, group 32) in the published checkpoint
+        "Kimi-K2.5" => json!({"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2",
+            "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 1, "topk_group": 1,
+            "vocab_size": 163840, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32,
+                    "type": "int", "symmetric": true, "strategy": "group"}}}}}}),
+        _ => return None,
+    })
+}
 
 /// The name part of a target reference: the last path component, lowercased, without a
 /// `meta-` prefix.

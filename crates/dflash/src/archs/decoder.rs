@@ -307,11 +307,7 @@ impl DecoderModel {
         };
         let mut tapped = TapRecorder::new(taps);
         for (i, layer) in self.layers.iter().enumerate() {
-            let LayerCache::Kv(kv) = &mut cache.layers[i] else {
-                return Err(crate::Error::input(
-                    "decoder: cache layer is not a KV cache",
-                ));
-            };
+            let kv = cache.layers[i].kv_mut()?;
             let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
                 // (linear_attention layers are refused at load: `archs::load_target`)
                 LayerType::Full | LayerType::Linear => {

@@ -447,7 +447,7 @@ impl HybridModel {
             .iter()
             .map(|l| match l {
                 LayerCache::Recurrent(r) => Some(r.clone()),
-                LayerCache::Kv(_) => None,
+                LayerCache::Kv(_) | LayerCache::Latent(_) => None,
             })
             .collect();
         let mut run = || -> Result<ForwardOutput> {

@@ -5,9 +5,12 @@
 //! maps config keys and tensor names onto shared layers (`nn/`).
 
 pub mod decoder;
+pub mod deepseek_v3;
+pub mod footprint;
 pub mod gemma3;
 pub mod gemma4;
 pub mod hybrid;
+pub mod gpt_oss;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
@@ -17,7 +20,7 @@ pub mod qwen3_moe;
 pub mod qwen3_next;
 
 use crate::config::TargetConfig;
-use crate::nn::{KvCache, RecurrentCache};
+use crate::nn::{KvCache, LatentCache, RecurrentCache};
 use crate::source::{ModelSource, Weights};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -89,6 +92,18 @@ pub enum LayerCache {
     /// Conv window + recurrent state of a Gated DeltaNet layer, with what the last forward
     /// kept to roll back inside it (`nn::recurrent_cache`).
     Recurrent(RecurrentCache),
+    /// Multi-head latent attention (deepseek_v3 / kimi_k25): one compressed row per position.
+    Latent(LatentCache),
+}
+
+impl LayerCache {
+    /// The KV cache of an attention layer; an error for other kinds of state.
+    pub fn kv_mut(&mut self) -> Result<&mut KvCache> {
+        match self {
+            LayerCache::Kv(kv) => Ok(kv),
+            _ => Err(Error::input("layer cache is not an attention KV cache")),
+        }
+    }
 }
 
 impl TargetCache {
@@ -129,6 +144,7 @@ impl TargetCache {
             match l {
                 LayerCache::Kv(kv) => kv.truncate(len),
                 LayerCache::Recurrent(r) => r.truncate(len)?,
+                LayerCache::Latent(c) => c.truncate(len),
             }
         }
         self.len = len;
@@ -150,6 +166,7 @@ impl TargetCache {
             .map(|l| match l {
                 LayerCache::Kv(kv) => kv.bytes(),
                 LayerCache::Recurrent(r) => r.bytes(),
+                LayerCache::Latent(c) => c.bytes(),
             })
             .sum()
     }
@@ -383,6 +400,18 @@ pub const FAMILIES: &[Family] = &[
         model_types: &["qwen3_next"],
         load: qwen3_next::load,
         caps: hybrid::caps(true),
+    },
+    Family {
+        name: "gpt_oss",
+        model_types: &["gpt_oss"],
+        load: gpt_oss::load,
+        caps: caps(true, false, true, false),
+    },
+    Family {
+        name: "deepseek_v3",
+        model_types: &["deepseek_v3", "kimi_k2", "kimi_k25"],
+        load: deepseek_v3::load,
+        caps: caps(false, false, true, false),
     },
 ];
 

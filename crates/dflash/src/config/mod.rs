@@ -296,6 +296,11 @@ impl TargetConfig {
             }
             None => vec![LayerType::Full; num_hidden_layers],
         };
+        let (rope, layer_types, sliding_window) = if model_type == "gpt_oss" {
+            gpt_oss_defaults(&f, rope, layer_types, sliding_window)?
+        } else {
+            (rope, layer_types, sliding_window)
+        };
         if layer_types.contains(&LayerType::Sliding) && sliding_window.is_none() {
             return Err(f.err(
                 "sliding_window",
@@ -347,6 +352,51 @@ impl TargetConfig {
         };
         Ok(cfg)
     }
+}
+
+/// transformers' `GptOssConfig.__post_init__` defaults, for gpt-oss targets and for DFlash
+/// drafts whose config says `model_type: gpt_oss` (z-lab's gpt-oss drafts): absent
+/// `layer_types` alternate sliding (even layers) and full attention with `sliding_window` 128,
+/// and absent rope settings mean yarn (factor 32, original 4096, beta 32/1, no truncation) over
+/// `rope_theta` (default 150000).
+fn gpt_oss_defaults(
+    f: &Fields,
+    rope: RopeConfig,
+    layer_types: Vec<LayerType>,
+    sliding_window: Option<usize>,
+) -> Result<(RopeConfig, Vec<LayerType>, Option<usize>)> {
+    let layer_types = if f.has("layer_types") {
+        layer_types
+    } else {
+        (0..layer_types.len())
+            .map(|i| {
+                if i % 2 == 0 {
+                    LayerType::Sliding
+                } else {
+                    LayerType::Full
+                }
+            })
+            .collect()
+    };
+    let rope = if f.has("rope_parameters") || f.has("rope_scaling") {
+        rope
+    } else {
+        RopeConfig {
+            theta: f.opt_f64("rope_theta")?.unwrap_or(150_000.0),
+            kind: RopeKind::Yarn {
+                factor: 32.0,
+                original_max_position: 4096.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: None,
+                mscale_all_dim: None,
+                attention_factor: None,
+                truncate: false,
+            },
+            partial_rotary_factor: 1.0,
+        }
+    };
+    Ok((rope, layer_types, sliding_window.or(Some(128))))
 }
 
 #[cfg(test)]

@@ -39,6 +39,8 @@ pub struct Attention {
     pub spec: AttentionSpec,
     /// q, k and v stacked (see `fuse`): one matmul for the three in `forward`.
     pub qkv: Option<Linear>,
+    /// Attention sinks `[heads]` (gpt-oss): a learned logit per head joining the softmax.
+    pub sinks: Option<Tensor>,
 }
 
 impl Attention {
@@ -76,6 +78,7 @@ impl Attention {
             },
             spec,
             qkv: None,
+            sinks: None,
         })
     }
 
@@ -179,7 +182,7 @@ impl Attention {
         let q = self.finish_queries(q, rope, t)?;
         let (k, v) = self.finish_keys_values(k, v, rope, t)?;
         let (k, v) = cache.append(&k, &v)?;
-        let o = sdpa(&q, &k, &v, mask, self.spec.scale)?;
+        let o = sdpa_with_sinks(&q, &k, &v, mask, self.spec.scale, self.sinks.as_ref())?;
         self.o_proj.forward(&o)
     }
 }
@@ -192,6 +195,20 @@ pub fn sdpa(
     v: &Tensor,
     mask: Option<&Tensor>,
     scale: f64,
+) -> Result<Tensor> {
+    sdpa_with_sinks(q, k, v, mask, scale, None)
+}
+
+/// [`sdpa`] with optional attention sinks (gpt-oss): `sinks [heads]` is a learned logit per
+/// head that joins every query's softmax as one extra column and is then dropped, so the
+/// probabilities over the real keys sum to less than one.
+pub fn sdpa_with_sinks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    sinks: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
     let (kvh, l, _) = k.dims3()?;
@@ -208,10 +225,25 @@ pub fn sdpa(
         None => scores,
     };
     // The fused softmax has no backward; training (tracked scores) takes the composite one.
-    let probs = if scores.track_op() {
-        candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?
-    } else {
-        candle_nn::ops::softmax_last_dim(&scores)?
+    let softmax = |x: &Tensor| -> Result<Tensor> {
+        Ok(if x.track_op() {
+            candle_nn::ops::softmax(x, candle_core::D::Minus1)?
+        } else {
+            candle_nn::ops::softmax_last_dim(x)?
+        })
+    };
+    let probs = match sinks {
+        None => softmax(&scores)?,
+        Some(s) => {
+            // [heads] -> [kvh, rep * n, 1]: each query row of head h gets sink h.
+            let col = s
+                .to_dtype(scores.dtype())?
+                .reshape((kvh, rep, 1, 1))?
+                .broadcast_as((kvh, rep, n, 1))?
+                .reshape((kvh, rep * n, 1))?;
+            let all = softmax(&Tensor::cat(&[&scores, &col], 2)?)?;
+            all.narrow(2, 0, l)?.contiguous()?
+        }
     };
     let o = probs.matmul(v)?; // [kvh, rep*n, vd]
     Ok(o.reshape((heads, n, vd))?

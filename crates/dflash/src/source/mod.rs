@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hub;
 pub mod mlx;
+pub mod mxfp4;
 pub mod weights;
 
 pub use demo::demo_model_path;

@@ -264,6 +264,23 @@ impl Weights {
         Ok(t.to_device(&self.device)?)
     }
 
+    /// `name` exactly as stored (dtype unchanged, on the CPU), shape-checked: packed
+    /// quantized data (MXFP4 blocks and scales) that must not go through a float conversion.
+    pub fn get_raw(&self, name: &str, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        let Backend::Safetensors { st, .. } = &self.backend else {
+            return Err(Error::weights(
+                self.file_desc(),
+                format!("tensor `{name}`: packed tensors are read from safetensors only"),
+            ));
+        };
+        let view = st.get(name).map_err(|_| self.missing(name, &shape))?;
+        self.check_shape(name, view.shape(), &shape)?;
+        self.used.borrow_mut().insert(name.to_string());
+        st.load(name, &Device::Cpu)
+            .map_err(|e| Error::weights(self.file_desc(), format!("tensor `{name}`: {e}")))
+    }
+
     /// Shape of `name` (HF naming) from the header, without loading it.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
         match &self.backend {
