@@ -43,6 +43,19 @@ pub fn resolve_model_spec(model: Option<&str>) -> Result<String> {
     }
 }
 
+/// The demo model's own DFlash draft, trained with `dflash train` (docs/training.md) and kept
+/// in the repository (`models/smollm2-135m-dflash`, 17 MB bf16).
+pub fn demo_draft_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/smollm2-135m-dflash")
+}
+
+/// Whether `model` is the demo GGUF (by file name: the draft was trained on exactly it).
+fn is_demo_model(model: &str) -> bool {
+    std::path::Path::new(model)
+        .file_name()
+        .is_some_and(|f| f == crate::source::demo::SMOLLM2_135M.file_name)
+}
+
 /// A loaded target (+ draft) and everything needed to turn text into ids and back.
 pub struct Pipeline {
     pub engine: Engine,
@@ -111,6 +124,14 @@ impl Pipeline {
         let draft_name = match (&opts.draft, opts.no_draft) {
             (Some(d), _) => Some(d.clone()),
             (None, true) => None,
+            (None, false) if is_demo_model(&opts.model) && demo_draft_dir().is_dir() => {
+                let d = demo_draft_dir();
+                notices.push(format!(
+                    "draft: {} (trained for the demo model with `dflash train`, docs/training.md; --draft overrides, --no-draft disables)",
+                    d.display()
+                ));
+                Some(d.display().to_string())
+            }
             (None, false) => match crate::registry::resolve_draft(&opts.model) {
                 Some(e) => {
                     notices.push(format!("draft: {} (registry row {}; --draft overrides, --no-draft disables)", e.draft, e.target));
