@@ -33,6 +33,29 @@ SHAPES = {
                     rms_norm_eps=1e-6, tie_word_embeddings=False),
         draft_layers=5, taps=[1, 9, 17, 25, 33], block=16, mask=151669,
     ),
+    # Qwen3.5-9B (hybrid: 3 Gated DeltaNet layers per full-attention layer; transformers'
+    # Qwen3_5TextConfig defaults are this shape) with a Qwen3-layer draft of hidden 4096.
+    "qwen3.5-9b": dict(
+        arch="qwen3_5",
+        target=dict(),
+        draft=dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, vocab_size=248320,
+                   max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False),
+        draft_layers=5, taps=[1, 8, 15, 22, 29], block=16, mask=248000,
+    ),
+    "tiny-hybrid": dict(
+        arch="qwen3_5",
+        target=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                    linear_value_head_dim=32, vocab_size=1024),
+        draft=dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, vocab_size=1024,
+                   max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False),
+        draft_layers=2, taps=[1, 2], block=16, mask=1000,
+    ),
     "tiny": dict(
         target=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -54,11 +77,19 @@ def build(shape: str, device: str, dtype_name: str):
     s = SHAPES[shape]
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
-    cfg = Qwen3Config(**s["target"], torch_dtype=dtype_name, bos_token_id=None,
-                      eos_token_id=None, pad_token_id=None)
+    if s.get("arch") == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        cfg = Qwen3_5TextConfig(**s["target"], torch_dtype=dtype_name, bos_token_id=None,
+                                eos_token_id=None, pad_token_id=None)
+        cls = Qwen3_5ForCausalLM
+    else:
+        cfg = Qwen3Config(**s["target"], torch_dtype=dtype_name, bos_token_id=None,
+                          eos_token_id=None, pad_token_id=None)
+        cls = Qwen3ForCausalLM
     t0 = time.time()
     with torch.device(device):
-        target = Qwen3ForCausalLM(cfg).to(dtype).eval()
+        target = cls(cfg).to(dtype).eval()
     with torch.no_grad():
         emb = target.model.embed_tokens.weight
         emb[:, 0] = EMBED_DIM0
@@ -71,18 +102,18 @@ def build(shape: str, device: str, dtype_name: str):
         head[TOKEN_A, 0] = 1.0
         # Calibrate beta: with B's row zero, the logit of A is hn_0 at each position.
         g = torch.Generator().manual_seed(2)
-        ids = torch.randint(0, s["target"]["vocab_size"], (1, 64), generator=g).to(device)
+        ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=g).to(device)
         hn0 = target(ids).logits[0, :, TOKEN_A].float().median().item()
         head[TOKEN_B, 0] = 1.0 - P_GAP / hn0
     print(f"target built in {time.time() - t0:.1f}s (hn_0 ~ {hn0:.1f})", flush=True)
 
     from dflash.model import DFlashDraftModel
 
-    dcfg = Qwen3Config(**{**s["target"], "num_hidden_layers": s["draft_layers"]},
+    dcfg = Qwen3Config(**{**s.get("draft", s["target"]), "num_hidden_layers": s["draft_layers"]},
                        torch_dtype=dtype_name, bos_token_id=None, eos_token_id=None,
                        pad_token_id=None)
     dcfg.architectures = ["DFlashDraftModel"]
-    dcfg.num_target_layers = s["target"]["num_hidden_layers"]
+    dcfg.num_target_layers = cfg.num_hidden_layers
     dcfg.block_size = s["block"]
     dcfg.dflash_config = {"mask_token_id": s["mask"], "target_layer_ids": s["taps"]}
     with torch.device(device):

@@ -76,7 +76,7 @@ def main():
     res["weight_bytes_per_step"] = (n_params - emb) * target.model.embed_tokens.weight.element_size()
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, s["target"]["vocab_size"] - 1000, (1, a.prompt_len), generator=g)
+    ids = torch.randint(0, target.config.vocab_size - 1000, (1, a.prompt_len), generator=g)
     with open(os.path.join(a.models, "prompts.jsonl"), "w") as f:
         f.write(json.dumps({"prompt_ids": ids[0].tolist()}) + "\n")
     if a.models_only:

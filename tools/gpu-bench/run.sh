@@ -44,16 +44,19 @@ poll() { # tag: record GPU memory used (MiB) every 100 ms until killed
 }
 stop() { [ "$1" != 0 ] && kill "$1" 2>/dev/null || true; }
 
+if [ "${SKIP_MICRO:-0}" != 1 ]; then
 echo "== ours: micro" >&2
 pid=$(poll micro)
 "$BIN" bench --micro --model "$MODELS/target" --draft "$MODELS/draft-agree" --device "$DEV" \
   --dtype "$ours_dtype" --micro-context 128 --micro-q 1,2,4,8,16 --micro-iters 30 \
   --out "$RES/micro" 2>&1 | tee "$RES/micro.log" >&2 || echo "micro FAILED" >&2
 stop "$pid"
+fi
 
 echo "== ours: end to end (block 16, like the reference)" >&2
 row() { printf '{"model":"%s","draft":"%s","name":"%s"}' "$MODELS/target" "$MODELS/$1" "$2"; }
-echo "[$(row draft-agree draft-high),$(row draft-zero draft-zero)]" > "$RES/matrix-t0.json"
+T0_ROWS=${T0_ROWS:-"$(row draft-agree draft-high),$(row draft-zero draft-zero)"}
+echo "[$T0_ROWS]" > "$RES/matrix-t0.json"
 echo "[$(row draft-agree draft-mid)]" > "$RES/matrix-t1.json"
 for t in 0 1; do
   pid=$(poll e2e-t$t)

@@ -116,12 +116,14 @@ def main(out):
                 cyc = med([r["decode_ms"] / r["cycles"] for r in runs])
                 ver = med([r["verify_ms"] / r["cycles"] for r in runs])
                 dra = med([r["draft_ms"] / r["cycles"] for r in runs])
+                rb = med([r.get("rollback_ms", 0.0) / r["cycles"] for r in runs])
                 name = row.get("name", "?").replace("draft-", "") if mode == "dflash" else "plain"
-                parts.append(f"| {name} | {cyc:.2f} | {ver:.2f} | {dra:.2f} | {cyc - ver - dra:.2f} |")
+                share = rb / max(1e-9, ver + dra + rb)
+                parts.append(f"| {name} | {cyc:.2f} | {ver:.2f} | {dra:.2f} | {rb:.2f} ({share:.1%}) | {cyc - ver - dra - rb:.2f} |")
     if parts:
         p("")
-        p("| ours, per cycle | total ms | verify ms | draft ms | engine ms |")
-        p("|---|---|---|---|---|")
+        p("| ours, per cycle | total ms | verify ms | draft ms | rollback ms (share of verify+draft+rollback) | engine ms |")
+        p("|---|---|---|---|---|---|")
         for x in dict.fromkeys(parts):
             p(x)
     try:

@@ -184,6 +184,9 @@ pub struct RunRecord {
     pub verify_ms: f64,
     #[serde(default)]
     pub draft_ms: f64,
+    /// Recurrent-state rollback after partial acceptances (hybrid targets), part of decode.
+    #[serde(default)]
+    pub rollback_ms: f64,
     pub decode_tok_s: f64,
     pub ttft_ms: f64,
     pub prefill_tok_s: f64,
@@ -572,6 +575,7 @@ fn run_protocol(
                     decode_ms: s.decode_ms,
                     verify_ms: s.verify_ms,
                     draft_ms: s.draft_ms,
+                    rollback_ms: s.rollback_ms,
                     decode_tok_s: s.decode_tok_s,
                     ttft_ms: s.ttft_ms,
                     prefill_tok_s: s.prefill_tok_s,

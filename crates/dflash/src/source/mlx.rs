@@ -65,6 +65,13 @@ impl MlxQuant {
             (Some(q), _) => ("quantization", q),
             (None, Some(q)) => {
                 if let Some(m) = q.get("quant_method") {
+                    // gpt-oss's MXFP4 experts are the gpt_oss family's own format
+                    // (source/mxfp4.rs; that loader refuses any other method).
+                    if m.as_str() == Some("mxfp4")
+                        && cfg.get("model_type").and_then(Value::as_str) == Some("gpt_oss")
+                    {
+                        return Ok(None);
+                    }
                     return Err(Error::config(
                         file,
                         "quantization_config.quant_method",
