@@ -23,7 +23,7 @@ if [ "$DEV" != cpu ]; then
   export LD_LIBRARY_PATH=$($PY -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))'):/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$RES/gpu.txt"
 fi
-if [ "$DEV" != cpu ]; then
+if [ "$DEV" != cpu ] && [ "${SKIP_PROBE:-0}" != 1 ]; then
   echo "== probe (candle op overhead, GEMV bandwidth)" >&2
   "$BIN" doctor --gpu-probe --device "$DEV" 2>&1 | tee "$RES/probe.txt" >&2 || echo "probe FAILED" >&2
 fi
