@@ -158,6 +158,29 @@ impl Sampler {
         if self.params.is_greedy() {
             return argmax(logits);
         }
+        let p = &self.params;
+        if p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0 {
+            // Plain temperature sampling: one pass in token order, no sort of the vocabulary
+            // (a 248k-entry sort per row dominated T > 0 verify steps on the GPU).
+            let t = p.temperature.max(1e-6);
+            let maxl = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let w = |l: f32| if l.is_finite() { ((l - maxl) / t).exp() } else { 0.0 };
+            let total: f64 = logits.iter().map(|&l| w(l) as f64).sum();
+            let target = self.rng.uniform() * total;
+            let mut cum = 0.0f64;
+            let mut last = 0u32;
+            for (i, &l) in logits.iter().enumerate() {
+                let wi = w(l) as f64;
+                if wi > 0.0 {
+                    cum += wi;
+                    last = i as u32;
+                    if target < cum {
+                        return i as u32;
+                    }
+                }
+            }
+            return last;
+        }
         let dist = self.distribution(logits);
         let u = self.rng.uniform() as f32;
         let mut cum = 0.0;
