@@ -59,7 +59,7 @@ pub fn build(g: &GgufFile) -> Result<Tokenizer> {
     let types = g
         .opt_int_array("tokenizer.ggml.token_type")?
         .unwrap_or_default();
-    let id = |key: &str| -> Result<Option<u32>> { Ok(g.opt_u64(key)?.map(|x| x as u32)) };
+    let id = |key: &str| g.opt_token_id(key);
     let bos = id("tokenizer.ggml.bos_token_id")?;
     let eos = id("tokenizer.ggml.eos_token_id")?;
     let unk = id("tokenizer.ggml.unknown_token_id")?;
