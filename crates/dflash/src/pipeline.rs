@@ -112,6 +112,15 @@ fn plan_memory(
     notices: &mut Vec<String>,
 ) -> Result<Option<usize>> {
     use crate::memory::{self, Available, Need};
+    let tcfg = src.target_config()?;
+    if let Some(m) = opts.max_context {
+        if m == 0 || m > tcfg.max_position_embeddings {
+            return Err(Error::input(format!(
+                "--max-context {m}: must be between 1 and the model's max_position_embeddings ({})",
+                tcfg.max_position_embeddings
+            )));
+        }
+    }
     if opts.force_memory {
         return Ok(opts.max_context);
     }
@@ -131,7 +140,6 @@ fn plan_memory(
             }
         },
     };
-    let tcfg = src.target_config()?;
     let mut need = Need {
         weights: memory::weight_bytes(src, dtype, device, opts.keep_quant)?,
         kv_per_token: memory::kv_bytes_per_token(&tcfg, dtype),

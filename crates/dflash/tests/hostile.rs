@@ -275,7 +275,7 @@ fn hostile_chat_templates_are_bounded() {
     .unwrap();
     one_line(
         t.render(&[], true, None, &Default::default()),
-        &["loop.jinja", "fuel"],
+        &["loop.jinja", "instruction budget"],
     );
     // Output beyond the cap.
     let t = ChatTemplate::new(
@@ -585,6 +585,13 @@ fn loader_refuses_a_model_larger_than_the_memory_limit() {
     one_line(
         Pipeline::load(&o).map(|_| ()),
         &["for a context of 2048 tokens", "at most 1000 fits"],
+    );
+
+    // a context beyond the model's
+    o.max_context = Some(4096);
+    one_line(
+        Pipeline::load(&o).map(|_| ()),
+        &["--max-context 4096", "max_position_embeddings (2048)"],
     );
 
     // no context asked for: the model's 2048 is lowered to what fits, with a notice
