@@ -92,34 +92,49 @@ fn stat_field(path: &str, key: &str) -> Option<u64> {
 /// Room left under this process's cgroup memory limit (v2, then v1): the limit minus what
 /// the group uses, not counting inactive page cache (which the kernel reclaims first).
 fn cgroup_available() -> Option<(u64, &'static str)> {
-    let rel = std::fs::read_to_string("/proc/self/cgroup")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
-        })
-        .unwrap_or_default();
-    for dir in [format!("/sys/fs/cgroup{rel}"), "/sys/fs/cgroup".to_string()] {
+    let groups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    // "0::/path" (v2) and "N:...memory...:/path" (v1)
+    let path_of = |v2: bool| -> String {
+        groups
+            .lines()
+            .find_map(|l| {
+                let mut it = l.splitn(3, ':');
+                let (_, ctrl, path) = (it.next()?, it.next()?, it.next()?);
+                let hit = if v2 {
+                    ctrl.is_empty()
+                } else {
+                    ctrl.split(',').any(|c| c == "memory")
+                };
+                hit.then(|| path.trim().trim_end_matches('/').to_string())
+            })
+            .unwrap_or_default()
+    };
+    let room = |max: u64, cur: u64, inactive: u64| max.saturating_sub(cur.saturating_sub(inactive));
+    let v2 = path_of(true);
+    for dir in [format!("/sys/fs/cgroup{v2}"), "/sys/fs/cgroup".to_string()] {
         if let Some(max) = read_u64(&format!("{dir}/memory.max")) {
             let cur = read_u64(&format!("{dir}/memory.current")).unwrap_or(0);
             let inactive = stat_field(&format!("{dir}/memory.stat"), "inactive_file").unwrap_or(0);
-            return Some((
-                max.saturating_sub(cur.saturating_sub(inactive)),
-                "cgroup memory.max",
-            ));
+            return Some((room(max, cur, inactive), "cgroup memory.max"));
         }
     }
-    let d = "/sys/fs/cgroup/memory";
-    let max = read_u64(&format!("{d}/memory.limit_in_bytes"))?;
-    if max >= 1 << 60 {
-        return None; // "unlimited"
+    let v1 = path_of(false);
+    for dir in [
+        format!("/sys/fs/cgroup/memory{v1}"),
+        "/sys/fs/cgroup/memory".to_string(),
+    ] {
+        let Some(max) = read_u64(&format!("{dir}/memory.limit_in_bytes")) else {
+            continue;
+        };
+        if max >= 1 << 60 {
+            continue; // "unlimited"
+        }
+        let cur = read_u64(&format!("{dir}/memory.usage_in_bytes")).unwrap_or(0);
+        let inactive =
+            stat_field(&format!("{dir}/memory.stat"), "total_inactive_file").unwrap_or(0);
+        return Some((room(max, cur, inactive), "cgroup memory.limit_in_bytes"));
     }
-    let cur = read_u64(&format!("{d}/memory.usage_in_bytes")).unwrap_or(0);
-    let inactive = stat_field(&format!("{d}/memory.stat"), "total_inactive_file").unwrap_or(0);
-    Some((
-        max.saturating_sub(cur.saturating_sub(inactive)),
-        "cgroup memory.limit_in_bytes",
-    ))
+    None
 }
 
 /// Memory available for a model on `device`; None when this platform does not say.
