@@ -327,7 +327,8 @@ fn strip_generation_tags(src: &str) -> String {
     while let Some(i) = rest.find("{%") {
         out.push_str(&rest[..i]);
         let tag = &rest[i..];
-        let Some(end) = tag.find("%}") else {
+        // The closing `%}` comes after the opening `{%` (in `{%}` they would overlap).
+        let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
             out.push_str(tag);
             return out;
         };

@@ -611,3 +611,44 @@ fn loader_refuses_a_model_larger_than_the_memory_limit() {
     assert_eq!(p.engine.max_context, 2048);
     assert!(!p.notices.iter().any(|n| n.contains("context limited")));
 }
+
+// ---------------------------------------------------------------- found by fuzzing
+
+/// chat_template: `{%}` made the `{% generation %}` stripper slice `tag[2..1]` (a panic).
+#[test]
+fn fuzz_chat_template_overlapping_tag_delimiters() {
+    for src in ["{%}", "a{%}b%}", "{%}%}", "{%-}"] {
+        if let Ok(t) = ChatTemplate::new(src, None, None, "t.jinja") {
+            let _ = t.render(&[], true, None, &Default::default());
+        }
+    }
+}
+
+/// tokenizer_json: tokenizers 0.23 panics (`expect`) instead of returning an error on a
+/// decoder that fails to deserialize (here: invalid UTF-8 in a key) and on a `Precompiled`
+/// normalizer without its table. Both are one-line errors now.
+#[test]
+fn fuzz_tokenizers_library_panics_become_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("tokenizer.json");
+    let model = r#""model":{"type":"WordLevel","vocab":{"a":0,"<unk>":1},"unk_token":"<unk>"}"#;
+    let mut bad_utf8 = br#"{"decoder":{"type":"ByteLevel","add_prefix_space":true,""#.to_vec();
+    bad_utf8.push(0xc2);
+    bad_utf8.extend_from_slice(format!(r#"trim_offsets":true}},{model}}}"#).as_bytes());
+    std::fs::write(&p, &bad_utf8).unwrap();
+    one_line(
+        Tokenizer::from_file(&p),
+        &["tokenizer.json", "cannot parse"],
+    );
+    let precompiled = format!(r#"{{"normalizer":{{"type":"Precompiled"}},{model}}}"#);
+    std::fs::write(&p, precompiled).unwrap();
+    one_line(
+        Tokenizer::from_file(&p),
+        &["tokenizer.json", "cannot parse"],
+    );
+    // a panic inside a guarded call does not poison later calls on the thread
+    let ok = format!(r#"{{{model}}}"#);
+    std::fs::write(&p, ok).unwrap();
+    let t = Tokenizer::from_file(&p).unwrap();
+    assert_eq!(t.encode("a", false).unwrap(), vec![0]);
+}

@@ -411,7 +411,12 @@ impl GgufFile {
 
     /// The tokenizer stored in the metadata (see [`crate::source::gguf_tokenizer`]).
     pub fn tokenizer(&self) -> Result<Tokenizer> {
-        super::gguf_tokenizer::build(self)
+        crate::tokenizer::guarded(|| super::gguf_tokenizer::build(self)).map_err(|msg| {
+            Error::Tokenizer {
+                file: format!("{} (tokenizer.ggml.*)", self.file_desc()),
+                msg,
+            }
+        })?
     }
 
     /// `tokenizer.chat_template`, compiled, with the BOS/EOS strings it may reference.
