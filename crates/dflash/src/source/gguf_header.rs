@@ -407,7 +407,7 @@ mod tests {
     #[test]
     fn sizes_are_checked() {
         assert_eq!(tensor_bytes(&[64, 2], GgmlDType::F32), Ok(512));
-        assert_eq!(tensor_bytes(&[64, 2], GgmlDType::Q8_0), Ok(2 * 34));
+        assert_eq!(tensor_bytes(&[64, 2], GgmlDType::Q8_0), Ok(4 * 34));
         assert!(tensor_bytes(&[1 << 40, 1 << 40], GgmlDType::F32)
             .unwrap_err()
             .contains("overflow"));
