@@ -19,13 +19,15 @@ max_len() {
 }
 
 cargo +nightly fuzz build -a || exit 1
+# One core: candle's CPU thread pool follows RAYON_NUM_THREADS.
+export RAYON_NUM_THREADS=1
 status=0
 for t in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$t"
   log="fuzz/corpus/$t.log"
   echo "== $t (${secs}s)"
   cargo +nightly fuzz run -a "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
-    -max_total_time="$secs" -max_len="$(max_len "$t")" -timeout=30 -rss_limit_mb=2048 \
+    -max_total_time="$secs" -max_len="$(max_len "$t")" -timeout=30 -rss_limit_mb=2048 -detect_leaks=0 \
     -print_final_stats=1 >"$log" 2>&1
   rc=$?
   grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$log" | tr '\n' ' '
