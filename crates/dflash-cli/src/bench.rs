@@ -261,6 +261,7 @@ fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
         no_draft: a.draft.is_none(),
         require_draft: false,
         keep_quant: a.keep_quant,
+        ..Default::default()
     })?;
     let o = MicroOptions {
         context: a.micro_context,

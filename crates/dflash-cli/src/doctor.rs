@@ -136,6 +136,22 @@ pub fn run(
                             i.weight_bytes as f64 / 1048576.0,
                             kv_per_1k as f64 / 1048576.0
                         );
+                        match dflash::memory::available(&dev) {
+                            Some(a) => {
+                                let need = dflash::memory::Need {
+                                    weights: i.weight_bytes as u64,
+                                    kv_per_token: kv_per_1k as u64 / 1024,
+                                };
+                                println!(
+                                    "  available: {} ({}); largest context that fits: {} (model: {})",
+                                    dflash::memory::human(a.bytes),
+                                    a.source,
+                                    need.max_context(a.bytes).min(cfg.max_position_embeddings),
+                                    cfg.max_position_embeddings
+                                );
+                            }
+                            None => println!("  available memory: unknown on this device"),
+                        }
                         if let Some(d) = &draft {
                             draft_report(d, &cfg, m);
                         } else if let Some(e) = dflash::registry::resolve_draft(m) {

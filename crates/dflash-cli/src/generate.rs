@@ -70,6 +70,13 @@ pub struct GenerateArgs {
     /// cpu | cuda | cuda:N.
     #[arg(long)]
     pub device: Option<String>,
+    /// Load even when the weights + KV cache for the context do not fit in the memory
+    /// available (RAM on the CPU, free device memory on CUDA).
+    #[arg(long)]
+    pub force_memory: bool,
+    /// Memory to plan with instead of what the machine reports, e.g. 8G or 512M.
+    #[arg(long)]
+    pub memory_limit: Option<String>,
     /// Additional stop token ids.
     #[arg(long, value_delimiter = ',')]
     pub stop_ids: Option<Vec<u32>>,
@@ -104,6 +111,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         no_draft: a.no_draft,
         require_draft: a.require_draft,
         keep_quant: a.keep_quant,
+        force_memory: a.force_memory,
+        memory_limit: a
+            .memory_limit
+            .as_deref()
+            .map(dflash::memory::parse_bytes)
+            .transpose()?,
     })?;
     for n in &p.notices {
         eprintln!("note: {n}");

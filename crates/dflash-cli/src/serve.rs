@@ -52,6 +52,13 @@ pub struct ServeArgs {
     /// cpu | cuda | cuda:N.
     #[arg(long)]
     pub device: Option<String>,
+    /// Load even when the weights + KV cache for the context do not fit in the memory
+    /// available (RAM on the CPU, free device memory on CUDA).
+    #[arg(long)]
+    pub force_memory: bool,
+    /// Memory to plan with instead of what the machine reports, e.g. 8G or 512M.
+    #[arg(long)]
+    pub memory_limit: Option<String>,
 }
 
 /// The target to serve: `--model`, or the demo default model when none is given.
@@ -81,6 +88,12 @@ pub fn config(a: ServeArgs) -> Result<ServerConfig> {
         no_draft: false,
         require_draft: false,
         keep_quant: false,
+        force_memory: a.force_memory,
+        memory_limit: a
+            .memory_limit
+            .as_deref()
+            .map(dflash::memory::parse_bytes)
+            .transpose()?,
     });
     c.served_model_name = a.served_model_name;
     c.host = a.host;

@@ -363,3 +363,42 @@ fn demo_default_uses_the_trained_draft_losslessly() {
     let tau = spec["stats"]["tau"].as_f64().unwrap();
     assert!(tau > 1.0, "the trained draft should get some tokens accepted: tau {tau}");
 }
+
+#[test]
+fn a_model_larger_than_the_memory_limit_is_refused_unless_forced() {
+    let t = fixtures().join("targets/qwen3");
+    let base = [
+        "generate",
+        "--model",
+        t.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--max-tokens",
+        "2",
+        "--memory-limit",
+        "100K",
+    ];
+    let (rc, _, err) = dflash(&base);
+    assert_ne!(rc, 0);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("not enough memory"), "{err}");
+    assert!(
+        err.contains("100.0 KiB is available (--memory-limit)"),
+        "{err}"
+    );
+    let mut forced = base.to_vec();
+    forced.push("--force-memory");
+    let (rc, _, err) = dflash(&forced);
+    assert_eq!(rc, 0, "{err}");
+    let (rc, _, err) = dflash(&[
+        "generate",
+        "--model",
+        t.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "--memory-limit",
+        "lots",
+    ]);
+    assert_ne!(rc, 0);
+    assert!(err.contains("`lots`: expected a size"), "{err}");
+}

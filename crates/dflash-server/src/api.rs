@@ -3,9 +3,10 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use dflash::chat::ChatMessage;
+use dflash::chat::{ChatMessage, ChatTemplate};
 use dflash::sampling::SamplingParams;
 use dflash::stats::GenerationStats;
+use dflash::tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
@@ -158,6 +159,11 @@ pub struct Limits {
     pub max_tokens_default: usize,
     pub max_stop: usize,
 }
+
+/// Most messages one chat request may carry.
+pub const MAX_MESSAGES: usize = 8192;
+/// Longest stop string, in bytes (matching costs O(length^2) per generated token).
+pub const MAX_STOP_BYTES: usize = 512;
 
 /// The fields shared by chat and completion requests, validated.
 #[derive(Debug, Clone)]
@@ -313,6 +319,17 @@ pub fn parse_common(f: &Fields, lim: &Limits) -> Result<Common, ApiError> {
             Value::String(s) if s.is_empty() => {
                 Err(ApiError::invalid(param, "stop strings must not be empty"))
             }
+            Value::String(s) if s.len() > MAX_STOP_BYTES => Err(ApiError::invalid(
+                param,
+                format!(
+                    "stop strings must be at most {MAX_STOP_BYTES} bytes, got one of {}",
+                    s.len()
+                ),
+            )),
+            _ if stop_strings.len() + stop_ids.len() >= lim.max_stop => Err(ApiError::invalid(
+                "stop",
+                format!("at most {} stop sequences", lim.max_stop),
+            )),
             Value::String(s) => {
                 stop_strings.push(s.clone());
                 Ok(())
@@ -377,12 +394,6 @@ pub fn parse_common(f: &Fields, lim: &Limits) -> Result<Common, ApiError> {
             ))
         }
     }
-    if stop_strings.len() + stop_ids.len() > lim.max_stop {
-        return Err(ApiError::invalid(
-            "stop",
-            format!("at most {} stop sequences", lim.max_stop),
-        ));
-    }
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.object("stream_options")? {
         Some(o) => Fields(o)
@@ -421,6 +432,15 @@ pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
         return Err(ApiError::invalid(
             "messages",
             "`messages` must contain at least one message",
+        ));
+    }
+    if arr.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid(
+            "messages",
+            format!(
+                "`messages` has {} messages; at most {MAX_MESSAGES} are accepted",
+                arr.len()
+            ),
         ));
     }
     let mut out = Vec::with_capacity(arr.len());
@@ -534,6 +554,115 @@ pub fn parse_prompt(f: &Fields, vocab: usize) -> Result<Prompt, ApiError> {
             format!("`prompt` must be a string or an array of token ids, got {}", type_name(v)),
         )),
     }
+}
+
+/// Which endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    pub fn endpoint(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
+}
+
+/// A validated request, ready for the engine.
+#[derive(Debug)]
+pub struct Prepared {
+    pub common: Common,
+    pub prompt_ids: Vec<u32>,
+    /// The request's max_tokens (or the default), capped to the room the context leaves.
+    pub max_tokens: usize,
+}
+
+/// A request body -> a validated request: parse, validate every field against `lim`, render
+/// the chat template, tokenize, check the context. Pure (no server state), so that it can be
+/// tested and fuzzed on its own; the server calls it on its blocking pool.
+pub fn prepare(
+    kind: Kind,
+    body: &[u8],
+    lim: &Limits,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+) -> Result<Prepared, ApiError> {
+    let obj = parse_object(body)?;
+    let f = Fields(&obj);
+    let common = parse_common(&f, lim)?;
+    let (prompt_ids, param) = match kind {
+        Kind::Chat => {
+            let msgs = parse_messages(&f)?;
+            let kwargs: Map<String, Value> = f
+                .object("chat_template_kwargs")?
+                .cloned()
+                .unwrap_or_default();
+            let enable_thinking = match kwargs.get("enable_thinking") {
+                None | Some(Value::Null) => None,
+                Some(Value::Bool(b)) => Some(*b),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "chat_template_kwargs.enable_thinking",
+                        "`chat_template_kwargs.enable_thinking` must be a boolean",
+                    ))
+                }
+            };
+            let ids = match template {
+                Some(t) => {
+                    let text = t
+                        .render(&msgs, true, enable_thinking, &kwargs)
+                        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+                    tokenizer.encode(&text, false)
+                }
+                None => {
+                    let text: Vec<&str> = msgs.iter().map(|m| m.content.as_str()).collect();
+                    tokenizer.encode(&text.join("\n"), true)
+                }
+            }
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            (ids, "messages")
+        }
+        Kind::Completion => {
+            let ids = match parse_prompt(&f, lim.vocab_size)? {
+                Prompt::Ids(ids) => ids,
+                Prompt::Text(t) => tokenizer
+                    .encode(&t, true)
+                    .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+            };
+            (ids, "prompt")
+        }
+    };
+    if prompt_ids.is_empty() {
+        return Err(ApiError::invalid(
+            param,
+            format!("`{param}` encodes to no tokens: nothing to condition on"),
+        ));
+    }
+    let ctx = lim.max_context;
+    if prompt_ids.len() >= ctx {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "this model's context is {ctx} tokens; the prompt has {} tokens (at least one token must be generated); shorten `{param}`",
+                prompt_ids.len()
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let room = ctx - prompt_ids.len();
+    let max_tokens = common
+        .max_tokens
+        .unwrap_or(lim.max_tokens_default)
+        .min(room);
+    Ok(Prepared {
+        common,
+        prompt_ids,
+        max_tokens,
+    })
 }
 
 /// Why a generation ended and what it cost.

@@ -13,10 +13,7 @@ pub mod api;
 pub mod metrics;
 pub mod worker;
 
-use crate::api::{
-    dflash_ext, json_body, parse_common, parse_messages, parse_object, parse_prompt, usage,
-    ApiError, Common, Fields, Finish, Limits, Prompt,
-};
+use crate::api::{dflash_ext, json_body, usage, ApiError, Finish, Kind, Limits, Prepared};
 use crate::metrics::Metrics;
 use crate::worker::{Control, Event, Job};
 use anyhow::{Context, Result};
@@ -31,7 +28,7 @@ use dflash::chat::ChatTemplate;
 use dflash::engine::GenerateRequest;
 use dflash::pipeline::{Pipeline, PipelineOptions};
 use dflash::tokenizer::Tokenizer;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -363,21 +360,6 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     record(&app, "/v1/models", json_body(&v))
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Kind {
-    Chat,
-    Completion,
-}
-
-impl Kind {
-    fn endpoint(self) -> &'static str {
-        match self {
-            Kind::Chat => "/v1/chat/completions",
-            Kind::Completion => "/v1/completions",
-        }
-    }
-}
-
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     handle(app, Kind::Chat, headers, body).await
 }
@@ -386,88 +368,15 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
     handle(app, Kind::Completion, headers, body).await
 }
 
-/// A validated request, ready for the engine.
-struct Prepared {
-    common: Common,
-    prompt_ids: Vec<u32>,
-    max_tokens: usize,
-}
-
 /// Parse, validate and tokenize (CPU work: runs on the blocking pool).
 fn prepare(app: &App, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
-    let obj = parse_object(body)?;
-    let f = Fields(&obj);
-    let common = parse_common(&f, &app.limits)?;
-    let (prompt_ids, param) = match kind {
-        Kind::Chat => {
-            let msgs = parse_messages(&f)?;
-            let kwargs: Map<String, Value> = f
-                .object("chat_template_kwargs")?
-                .cloned()
-                .unwrap_or_default();
-            let enable_thinking = match kwargs.get("enable_thinking") {
-                None | Some(Value::Null) => None,
-                Some(Value::Bool(b)) => Some(*b),
-                Some(_) => {
-                    return Err(ApiError::invalid(
-                        "chat_template_kwargs.enable_thinking",
-                        "`chat_template_kwargs.enable_thinking` must be a boolean",
-                    ))
-                }
-            };
-            let ids = match &app.template {
-                Some(t) => {
-                    let text = t
-                        .render(&msgs, true, enable_thinking, &kwargs)
-                        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-                    app.tokenizer.encode(&text, false)
-                }
-                None => {
-                    let text: Vec<&str> = msgs.iter().map(|m| m.content.as_str()).collect();
-                    app.tokenizer.encode(&text.join("\n"), true)
-                }
-            }
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-            (ids, "messages")
-        }
-        Kind::Completion => {
-            let ids = match parse_prompt(&f, app.limits.vocab_size)? {
-                Prompt::Ids(ids) => ids,
-                Prompt::Text(t) => app
-                    .tokenizer
-                    .encode(&t, true)
-                    .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
-            };
-            (ids, "prompt")
-        }
-    };
-    if prompt_ids.is_empty() {
-        return Err(ApiError::invalid(
-            param,
-            format!("`{param}` encodes to no tokens: nothing to condition on"),
-        ));
-    }
-    let ctx = app.limits.max_context;
-    if prompt_ids.len() >= ctx {
-        return Err(ApiError::invalid(
-            param,
-            format!(
-                "this model's context is {ctx} tokens; the prompt has {} tokens (at least one token must be generated); shorten `{param}`",
-                prompt_ids.len()
-            ),
-        )
-        .with_code("context_length_exceeded"));
-    }
-    let room = ctx - prompt_ids.len();
-    let max_tokens = common
-        .max_tokens
-        .unwrap_or(app.limits.max_tokens_default)
-        .min(room);
-    Ok(Prepared {
-        common,
-        prompt_ids,
-        max_tokens,
-    })
+    api::prepare(
+        kind,
+        body,
+        &app.limits,
+        &app.tokenizer,
+        app.template.as_deref(),
+    )
 }
 
 async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Response {

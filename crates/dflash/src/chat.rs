@@ -51,6 +51,36 @@ impl ChatMessage {
 /// Name of the template inside the minijinja environment.
 const TEMPLATE: &str = "chat_template";
 
+/// Template instructions one render may execute. Templates come with the model files, so a
+/// broken or hostile one must not loop forever. Measured on llama.cpp's 68 reference
+/// templates: all but one render 8192 messages within this; Gemma 4's is quadratic in the
+/// number of messages and fits about 2000 (a render at the limit takes about a second).
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+/// Largest rendered prompt, in bytes.
+pub const MAX_RENDERED_BYTES: usize = 64 << 20;
+
+/// A writer that fails once more than `max` bytes were written.
+struct CappedWriter {
+    buf: Vec<u8>,
+    max: usize,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.max {
+            return Err(std::io::Error::other(format!(
+                "the rendered prompt exceeds {} bytes",
+                self.max
+            )));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A compiled chat template plus the special tokens it may refer to.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -169,6 +199,7 @@ impl ChatTemplate {
         env.set_keep_trailing_newline(false);
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
@@ -184,6 +215,11 @@ impl ChatTemplate {
             bos_token,
             eos_token,
         })
+    }
+
+    /// Change the instruction budget of a render (default [`TEMPLATE_FUEL`]).
+    pub fn set_fuel(&mut self, fuel: u64) {
+        self.env.set_fuel(Some(fuel));
     }
 
     /// The Jinja source.
@@ -249,8 +285,19 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE)
             .map_err(|e| self.err(describe(&e)))?;
-        tmpl.render(JValue::from_serialize(&ctx))
-            .map_err(|e| self.err(describe(&e)))
+        let mut out = CappedWriter {
+            buf: Vec::new(),
+            max: MAX_RENDERED_BYTES,
+        };
+        tmpl.render_captured_to(JValue::from_serialize(&ctx), &mut out)
+            .map_err(|e| match e.kind() {
+                ErrorKind::OutOfFuel => self.err(format!(
+                    "rendering {} messages used up the template's instruction budget; the conversation is too long for this template, or the template does not terminate",
+                    messages.len()
+                )),
+                _ => self.err(describe(&e)),
+            })?;
+        String::from_utf8(out.buf).map_err(|e| self.err(format!("rendered text: {e}")))
     }
 
     fn err(&self, msg: String) -> Error {
@@ -280,7 +327,8 @@ fn strip_generation_tags(src: &str) -> String {
     while let Some(i) = rest.find("{%") {
         out.push_str(&rest[..i]);
         let tag = &rest[i..];
-        let Some(end) = tag.find("%}") else {
+        // The closing `%}` comes after the opening `{%` (in `{%}` they would overlap).
+        let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
             out.push_str(tag);
             return out;
         };

@@ -29,6 +29,11 @@ pub struct PipelineOptions {
     pub require_draft: bool,
     /// GGUF: keep every quantized matrix in its stored type (no requantization at load).
     pub keep_quant: bool,
+    /// Load even when the weights + KV cache do not fit in the memory available.
+    pub force_memory: bool,
+    /// Bytes to treat as available instead of what the machine reports (tests; leaving
+    /// room for other processes).
+    pub memory_limit: Option<u64>,
 }
 
 /// The model to load: the user's `--model`, or the demo default (SmolLM2-135M-Instruct GGUF,
@@ -109,6 +114,70 @@ pub fn parse_dtype(s: Option<&str>, device: &Device) -> Result<DType> {
     }
 }
 
+/// The memory check of [`Pipeline::load`]: the context to load with (None = the model's)
+/// after comparing weights + KV cache with the memory available; see [`crate::memory`].
+fn plan_memory(
+    opts: &PipelineOptions,
+    src: &ModelSource,
+    dsrc: Option<&ModelSource>,
+    dtype: DType,
+    device: &Device,
+    notices: &mut Vec<String>,
+) -> Result<Option<usize>> {
+    use crate::memory::{self, Available, Need};
+    let tcfg = src.target_config()?;
+    if let Some(m) = opts.max_context {
+        if m == 0 || m > tcfg.max_position_embeddings {
+            return Err(Error::input(format!(
+                "--max-context {m}: must be between 1 and the model's max_position_embeddings ({})",
+                tcfg.max_position_embeddings
+            )));
+        }
+    }
+    if opts.force_memory {
+        return Ok(opts.max_context);
+    }
+    let avail = match opts.memory_limit {
+        Some(b) => Available {
+            bytes: b,
+            source: "--memory-limit".into(),
+        },
+        None => match memory::available(device) {
+            Some(a) => a,
+            None => {
+                notices.push(format!(
+                    "memory not checked: this build cannot tell how much memory device {} has free",
+                    opts.device.as_deref().unwrap_or("cpu")
+                ));
+                return Ok(opts.max_context);
+            }
+        },
+    };
+    let mut need = Need {
+        weights: memory::weight_bytes(src, dtype, device, opts.keep_quant)?,
+        kv_per_token: memory::kv_bytes_per_token(&tcfg, dtype),
+    };
+    if let Some(d) = dsrc {
+        let dcfg = crate::config::draft::DraftConfig::from_file(&d.config)?;
+        need.weights += memory::weight_bytes(d, dtype, device, opts.keep_quant)?;
+        need.kv_per_token += memory::kv_bytes_per_token(&dcfg.layers, dtype);
+    }
+    let (ctx, note) = memory::plan_context(
+        &opts.model,
+        need,
+        &avail,
+        opts.max_context,
+        tcfg.max_position_embeddings,
+        dtype,
+    )?;
+    notices.extend(note.clone());
+    Ok(if opts.max_context.is_some() || note.is_some() {
+        Some(ctx)
+    } else {
+        None
+    })
+}
+
 impl Pipeline {
     pub fn load(opts: &PipelineOptions) -> Result<Self> {
         let device = parse_device(opts.device.as_deref())?;
@@ -119,7 +188,6 @@ impl Pipeline {
             keep_quant: opts.keep_quant,
         };
         let src = ModelSource::resolve(&opts.model)?;
-        let (target_config, target) = load_target(&src, &lo)?;
         let mut notices = vec![];
         let draft_name = match (&opts.draft, opts.no_draft) {
             (Some(d), _) => Some(d.clone()),
@@ -150,20 +218,22 @@ impl Pipeline {
                 }
             },
         };
-        let draft = match &draft_name {
-            Some(d) => {
-                let dsrc = ModelSource::resolve(d).map_err(|e| match e {
-                    Error::Hub { repo, cause, hint } if opts.draft.is_none() => Error::Hub {
-                        repo,
-                        cause,
-                        hint: format!(
-                            "{hint}; or pass --draft DIR, or --no-draft for plain decoding"
-                        ),
-                    },
-                    e => e,
-                })?;
-                Some(load_draft(&dsrc, &target_config, &opts.model, &lo)?)
-            }
+        let dsrc = match &draft_name {
+            Some(d) => Some(ModelSource::resolve(d).map_err(|e| match e {
+                Error::Hub { repo, cause, hint } if opts.draft.is_none() => Error::Hub {
+                    repo,
+                    cause,
+                    hint: format!("{hint}; or pass --draft DIR, or --no-draft for plain decoding"),
+                },
+                e => e,
+            })?),
+            None => None,
+        };
+        // Refuse (or fit the context) before reading any weights.
+        let max_context = plan_memory(opts, &src, dsrc.as_ref(), dtype, &device, &mut notices)?;
+        let (target_config, target) = load_target(&src, &lo)?;
+        let draft = match &dsrc {
+            Some(d) => Some(load_draft(d, &target_config, &opts.model, &lo)?),
             None => None,
         };
         let (tokenizer, template, mut stop_ids) = match &src.gguf {
@@ -214,7 +284,7 @@ impl Pipeline {
         stop_ids.sort_unstable();
         stop_ids.dedup();
         let mut engine = Engine::new(target, draft);
-        if let Some(m) = opts.max_context {
+        if let Some(m) = max_context {
             engine.max_context = m;
         }
         Ok(Pipeline {

@@ -16,6 +16,43 @@ use serde_json::Value;
 
 use crate::{Error, Result};
 
+/// Run `f`, a call into the `tokenizers` library, turning a panic into an error message.
+///
+/// tokenizers 0.23 panics on some malformed tokenizer.json files instead of returning an
+/// error (`expect("Helper")` on a decoder that fails to deserialize, `expect("Precompiled")`
+/// on a bad `Precompiled` normalizer; found by fuzz/tokenizer_json). Model files come from
+/// outside, so every call into it goes through here. The panic is not printed: a process
+/// panic hook (installed once, chaining to the previous one) stays quiet while a guarded
+/// call runs on this thread, so panics anywhere else still report (and still abort under
+/// a fuzzer).
+pub(crate) fn guarded<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    use std::cell::Cell;
+    thread_local!(static QUIET: Cell<bool> = const { Cell::new(false) });
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(Cell::get) {
+                prev(info)
+            }
+        }));
+    });
+    let was = QUIET.with(|q| q.replace(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    QUIET.with(|q| q.set(was));
+    r.map_err(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        format!(
+            "the tokenizers library failed on this input ({})",
+            msg.lines().next().unwrap_or("panic")
+        )
+    })
+}
+
 /// A tokenizer loaded from a `tokenizer.json` file.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -45,10 +82,20 @@ impl Tokenizer {
     /// Parses the content of a `tokenizer.json`; `file` names it in errors.
     pub fn from_bytes(bytes: &[u8], file: impl Into<String>) -> Result<Self> {
         let file = file.into();
-        let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| Error::Tokenizer {
+        // Valid JSON first: tokenizers panics on some syntax errors (see `guarded`).
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(|e| Error::Tokenizer {
             file: file.clone(),
             msg: format!("cannot parse: {e}"),
         })?;
+        let mut inner = guarded(|| tokenizers::Tokenizer::from_bytes(bytes))
+            .map_err(|msg| Error::Tokenizer {
+                file: file.clone(),
+                msg: format!("cannot parse: {msg}"),
+            })?
+            .map_err(|e| Error::Tokenizer {
+                file: file.clone(),
+                msg: format!("cannot parse: {e}"),
+            })?;
         inner.with_padding(None);
         inner.with_truncation(None).map_err(|e| Error::Tokenizer {
             file: file.clone(),
@@ -88,17 +135,16 @@ impl Tokenizer {
     /// Text to ids. `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS
     /// token); pass `false` for text rendered by a chat template, which already has them.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens)
+        let enc = guarded(|| self.inner.encode(text, add_special_tokens))
+            .map_err(|m| self.err(format!("encode: {m}")))?
             .map_err(|e| self.err(format!("encode: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Ids to text. Unknown ids are an error.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special)
+        guarded(|| self.inner.decode(ids, skip_special))
+            .map_err(|m| self.err(format!("decode: {m}")))?
             .map_err(|e| self.err(format!("decode: {e}")))
     }
 

@@ -174,6 +174,10 @@ pub fn classify(e: &Error, role: &str) -> Failure {
                 Failure::new(Status::Error, format!("{role}: tensor op: {s}"), detail)
             }
         }
+        // The loader's memory check (crate::memory) refused the model.
+        Error::Input(m) if m.starts_with("not enough memory") => {
+            Failure::new(Status::OutOfMemory, format!("{role}: {m}"), detail)
+        }
         Error::Config { .. }
         | Error::Tokenizer { .. }
         | Error::Template { .. }

@@ -466,6 +466,7 @@ pub fn bench_pair(
         no_draft: false,
         require_draft: false,
         keep_quant: opts.keep_quant,
+        ..Default::default()
     }) {
         Ok(p) => p,
         Err(e) => return row.fail(classify(&e, load_role(&e, spec))),

@@ -88,18 +88,18 @@ impl DraftConfig {
         }
         let mask_token_id = match dc
             .as_ref()
-            .map(|d| d.opt_usize("mask_token_id"))
+            .map(|d| d.opt_id("mask_token_id"))
             .transpose()?
             .flatten()
         {
             Some(m) => m,
-            None => f.opt_usize("mask_token_id")?.ok_or_else(|| {
+            None => f.opt_id("mask_token_id")?.ok_or_else(|| {
                 f.err(
                     "dflash_config.mask_token_id",
                     "missing: a DFlash draft needs the id of its mask token",
                 )
             })?,
-        } as u32;
+        };
         let target_layer_ids = match dc
             .as_ref()
             .map(|d| d.opt_usize_list("target_layer_ids"))
@@ -114,7 +114,10 @@ impl DraftConfig {
                 return Err(f.err("dflash_config.target_layer_ids", "is empty"));
             }
         }
-        let num_target_layers = f.opt_usize("num_target_layers")?;
+        let num_target_layers = f
+            .opt_usize("num_target_layers")?
+            .map(|n| f.bounded("num_target_layers", n, super::limits::MAX_LAYERS))
+            .transpose()?;
         if f.opt_str_list("architectures")?
             .unwrap_or_default()
             .iter()
@@ -197,8 +200,12 @@ impl DraftConfig {
         if !(1..=64).contains(&block_size) {
             return Err(f.err("block_size", format!("{block_size} is out of range 1..=64")));
         }
-        let mask_token_id =
-            num("mask_token_id")?.ok_or_else(|| f.err("mask_token_id", "missing"))? as u32;
+        let mask_token_id = num("mask_token_id")?
+            .ok_or_else(|| f.err("mask_token_id", "missing"))
+            .and_then(|m| {
+                u32::try_from(m)
+                    .map_err(|_| f.err("mask_token_id", format!("{m} is not a token id")))
+            })?;
         let aux = f
             .opt_usize_list("aux_hidden_state_layer_ids")?
             .ok_or_else(|| {
@@ -223,7 +230,10 @@ impl DraftConfig {
         Ok(DraftConfig {
             file: file.to_string(),
             format: DraftFormat::Speculators,
-            draft_vocab_size: f.opt_usize("draft_vocab_size")?,
+            draft_vocab_size: f
+                .opt_usize("draft_vocab_size")?
+                .map(|n| f.bounded("draft_vocab_size", n, super::limits::MAX_VOCAB))
+                .transpose()?,
             verifier,
             layers,
             block_size,

@@ -133,25 +133,60 @@ impl<'a> Fields<'a> {
             Some(v) => Err(self.err(key, format!("expected a list of strings, found {v}"))),
         }
     }
+    /// A token id (an integer below 2^32).
+    pub fn opt_id(&self, key: &str) -> Result<Option<u32>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| self.err(key, format!("expected a token id, found {v}"))),
+        }
+    }
     /// An id that may be an int or a list of ints (`eos_token_id`).
     pub fn opt_id_list(&self, key: &str) -> Result<Vec<u32>> {
+        let id = |v: &Value| {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| self.err(key, format!("expected a token id, found {v}")))
+        };
         match self.get(key) {
             None => Ok(vec![]),
-            Some(Value::Number(n)) => n
-                .as_u64()
-                .map(|x| vec![x as u32])
-                .ok_or_else(|| self.err(key, "expected a token id")),
-            Some(Value::Array(_)) => Ok(self
-                .opt_usize_list(key)?
-                .unwrap_or_default()
-                .into_iter()
-                .map(|x| x as u32)
-                .collect()),
+            Some(v @ Value::Number(_)) => Ok(vec![id(v)?]),
+            Some(Value::Array(a)) => a.iter().map(id).collect(),
             Some(v) => Err(self.err(
                 key,
                 format!("expected a token id or a list of ids, found {v}"),
             )),
         }
+    }
+}
+
+/// Upper bounds on the sizes a config may declare. Model files come from outside; these are
+/// far above every published model (largest today: ~126 layers, hidden 25600, 262k vocab,
+/// 10M positions) and low enough that no product of them overflows or asks for an
+/// allocation before the weights themselves are checked against the files.
+pub mod limits {
+    pub const MAX_LAYERS: usize = 1024;
+    pub const MAX_HIDDEN: usize = 1 << 17;
+    pub const MAX_INTERMEDIATE: usize = 1 << 20;
+    pub const MAX_HEADS: usize = 1024;
+    pub const MAX_HEAD_DIM: usize = 4096;
+    pub const MAX_VOCAB: usize = 1 << 24;
+    pub const MAX_POSITIONS: usize = 1 << 26;
+}
+
+impl Fields<'_> {
+    /// `x` (the value of `key`) if it is at most `max`, else an error naming the bound.
+    pub fn bounded(&self, key: &str, x: usize, max: usize) -> Result<usize> {
+        if x > max {
+            return Err(self.err(
+                key,
+                format!("{x} is larger than this engine accepts ({max}); the config is corrupt or not a supported model"),
+            ));
+        }
+        Ok(x)
     }
 }
 
@@ -246,8 +281,13 @@ impl TargetConfig {
             .opt_str("model_type")?
             .ok_or_else(|| f.err("model_type", "missing (required to pick the model family)"))?
             .to_string();
-        let hidden_size = f.pos_usize("hidden_size")?;
-        let num_attention_heads = f.pos_usize("num_attention_heads")?;
+        use limits::*;
+        let hidden_size = f.bounded("hidden_size", f.pos_usize("hidden_size")?, MAX_HIDDEN)?;
+        let num_attention_heads = f.bounded(
+            "num_attention_heads",
+            f.pos_usize("num_attention_heads")?,
+            MAX_HEADS,
+        )?;
         let num_key_value_heads = f
             .opt_usize("num_key_value_heads")?
             .unwrap_or(num_attention_heads);
@@ -260,7 +300,7 @@ impl TargetConfig {
             ));
         }
         let head_dim = match f.opt_usize("head_dim")? {
-            Some(d) if d > 0 => d,
+            Some(d) if d > 0 => f.bounded("head_dim", d, MAX_HEAD_DIM)?,
             Some(_) => return Err(f.err("head_dim", "must be > 0")),
             None => {
                 if hidden_size % num_attention_heads != 0 {
@@ -269,16 +309,27 @@ impl TargetConfig {
                         format!("missing, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}"),
                     ));
                 }
-                hidden_size / num_attention_heads
+                f.bounded("head_dim", hidden_size / num_attention_heads, MAX_HEAD_DIM)?
             }
         };
         if head_dim % 2 != 0 {
             return Err(f.err("head_dim", format!("{head_dim} must be even for RoPE")));
         }
-        let num_hidden_layers = f.pos_usize("num_hidden_layers")?;
-        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(4096);
+        let num_hidden_layers = f.bounded(
+            "num_hidden_layers",
+            f.pos_usize("num_hidden_layers")?,
+            MAX_LAYERS,
+        )?;
+        let max_position_embeddings = f.bounded(
+            "max_position_embeddings",
+            f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            MAX_POSITIONS,
+        )?;
         let rope = RopeConfig::parse(&f, max_position_embeddings)?;
-        let sliding_window = f.opt_usize("sliding_window")?;
+        let sliding_window = f
+            .opt_usize("sliding_window")?
+            .map(|w| f.bounded("sliding_window", w, MAX_POSITIONS))
+            .transpose()?;
         let layer_types = match f.opt_str_list("layer_types")? {
             Some(l) => {
                 if l.len() != num_hidden_layers {
@@ -323,9 +374,13 @@ impl TargetConfig {
             intermediate_size: if !f.has("intermediate_size") && f.has("moe_intermediate_size") {
                 0
             } else {
-                f.pos_usize("intermediate_size")?
+                f.bounded(
+                    "intermediate_size",
+                    f.pos_usize("intermediate_size")?,
+                    MAX_INTERMEDIATE,
+                )?
             },
-            vocab_size: f.pos_usize("vocab_size")?,
+            vocab_size: f.bounded("vocab_size", f.pos_usize("vocab_size")?, MAX_VOCAB)?,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             attention_bias: f.opt_bool("attention_bias")?.unwrap_or(false),
             mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
@@ -334,7 +389,7 @@ impl TargetConfig {
                 .or(f.opt_str("hidden_activation")?)
                 .unwrap_or("silu")
                 .to_string(),
-            bos_token_id: f.opt_usize("bos_token_id")?.map(|x| x as u32),
+            bos_token_id: f.opt_id("bos_token_id")?,
             eos_token_ids: f.opt_id_list("eos_token_id")?,
             model_type,
             hidden_size,

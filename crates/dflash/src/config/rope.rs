@@ -73,6 +73,12 @@ impl RopeConfig {
             }
             _ => f.opt_f64("partial_rotary_factor")?.unwrap_or(1.0),
         };
+        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
+            return Err(f.err(
+                "partial_rotary_factor",
+                format!("must be in (0, 1], found {partial_rotary_factor}"),
+            ));
+        }
         let s = params.or(scaling);
         let kind = match s {
             None => RopeKind::Default,

@@ -135,7 +135,10 @@ impl Engine {
         }
         let draft = self.draft.as_ref().filter(|_| q_max > 1);
         let taps: &[usize] = draft.map_or(&[], |d| &d.taps);
-        let capacity = (p + req.max_tokens + q_max).min(self.max_context);
+        let capacity = p
+            .saturating_add(req.max_tokens)
+            .saturating_add(q_max)
+            .min(self.max_context);
         let target = self.target.as_ref();
         let mut tcache: TargetCache = target.new_cache(capacity)?;
         let mut dcache: Option<DraftCache> = draft.map(|d| d.new_cache(capacity)).transpose()?;

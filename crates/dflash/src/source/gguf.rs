@@ -42,14 +42,10 @@ impl std::fmt::Debug for GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
+        // Our bounded reader: every count, size and offset is checked against the file.
+        let content = super::gguf_header::read_content(path)?;
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let mut reader = std::io::BufReader::new(file);
-        let content = Content::read(&mut reader).map_err(|e| {
-            Error::weights(
-                path.display().to_string(),
-                format!("not a readable GGUF file (truncated download?): {e}"),
-            )
-        })?;
+        let reader = std::io::BufReader::new(file);
         let mut g = Self {
             path: path.to_path_buf(),
             content,
@@ -110,6 +106,12 @@ impl GgufFile {
             }
         };
         Ok(Some(x))
+    }
+    /// A token id (below 2^32).
+    pub fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
+        self.opt_u64(key)?
+            .map(|x| u32::try_from(x).map_err(|_| self.err(key, format!("{x} is not a token id"))))
+            .transpose()
     }
     pub fn req_u64(&self, key: &str) -> Result<u64> {
         self.opt_u64(key)?
@@ -238,10 +240,24 @@ impl GgufFile {
             .opt_u64(&k("attention.key_length"))?
             .unwrap_or(hidden / heads.max(1));
         let layers = self.req_u64(&k("block_count"))?;
+        if layers > crate::config::limits::MAX_LAYERS as u64 {
+            return Err(self.err(
+                &k("block_count"),
+                format!(
+                    "{layers} layers is more than this engine accepts ({})",
+                    crate::config::limits::MAX_LAYERS
+                ),
+            ));
+        }
         let embd = self.tensor_shape("token_embd.weight").ok_or_else(|| {
             Error::weights(self.file_desc(), "missing tensor `token_embd.weight`")
         })?;
-        let vocab = embd[0];
+        let [vocab, _] = embd[..] else {
+            return Err(Error::weights(
+                self.file_desc(),
+                format!("tensor `token_embd.weight` has shape {embd:?}, expected [vocab, hidden]"),
+            ));
+        };
         let model_type = match arch {
             "gemma3" => "gemma3_text",
             a => a,
@@ -395,7 +411,12 @@ impl GgufFile {
 
     /// The tokenizer stored in the metadata (see [`crate::source::gguf_tokenizer`]).
     pub fn tokenizer(&self) -> Result<Tokenizer> {
-        super::gguf_tokenizer::build(self)
+        crate::tokenizer::guarded(|| super::gguf_tokenizer::build(self)).map_err(|msg| {
+            Error::Tokenizer {
+                file: format!("{} (tokenizer.ggml.*)", self.file_desc()),
+                msg,
+            }
+        })?
     }
 
     /// `tokenizer.chat_template`, compiled, with the BOS/EOS strings it may reference.
@@ -431,8 +452,8 @@ impl GgufFile {
             "tokenizer.ggml.eot_token_id",
             "tokenizer.ggml.eom_token_id",
         ] {
-            if let Some(x) = self.opt_u64(key)? {
-                ids.push(x as u32);
+            if let Some(x) = self.opt_token_id(key)? {
+                ids.push(x);
             }
         }
         const EOG: &[&str] = &[

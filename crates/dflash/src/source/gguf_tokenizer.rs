@@ -35,6 +35,8 @@ use tokenizers::processors::{
 };
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
+/// Longest token (bytes) that gets SentencePiece merge candidates.
+const MAX_MERGED_TOKEN_BYTES: usize = 256;
 const TOKEN_CONTROL: i64 = 3;
 const TOKEN_USER_DEFINED: i64 = 4;
 
@@ -59,7 +61,7 @@ pub fn build(g: &GgufFile) -> Result<Tokenizer> {
     let types = g
         .opt_int_array("tokenizer.ggml.token_type")?
         .unwrap_or_default();
-    let id = |key: &str| -> Result<Option<u32>> { Ok(g.opt_u64(key)?.map(|x| x as u32)) };
+    let id = |key: &str| g.opt_token_id(key);
     let bos = id("tokenizer.ggml.bos_token_id")?;
     let eos = id("tokenizer.ggml.eos_token_id")?;
     let unk = id("tokenizer.ggml.unknown_token_id")?;
@@ -269,8 +271,10 @@ fn spm_merges(tokens: &[&str], scores: &[f32], types: &[i64]) -> Vec<(String, St
     let mut cands: Vec<(f32, usize, usize, &str, &str)> = Vec::new();
     for (i, t) in tokens.iter().enumerate() {
         let ty = types.get(i).copied().unwrap_or(1);
-        if ty != 1 {
-            continue; // only normal tokens are produced by merging
+        // Only normal tokens are produced by merging. Real pieces are short; a long one
+        // (a broken or hostile file) would cost O(length^2) here, so it gets no merges.
+        if ty != 1 || t.len() > MAX_MERGED_TOKEN_BYTES {
+            continue;
         }
         for (cut, _) in t.char_indices().skip(1) {
             let (a, b) = t.split_at(cut);

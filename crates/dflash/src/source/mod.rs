@@ -5,6 +5,7 @@
 
 pub mod demo;
 pub mod gguf;
+pub mod gguf_header;
 pub mod gguf_tokenizer;
 pub mod hub;
 pub mod mlx;

@@ -17,7 +17,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{safetensors::MmapedSafetensors, DType, Device, Shape, Tensor};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 enum Backend {
@@ -468,9 +468,49 @@ impl Weights {
     }
 }
 
+/// One tensor of a safetensors header, as validated by [`read_safetensors_header`].
+#[derive(Debug, Clone)]
+pub struct StTensor {
+    pub name: String,
+    /// The safetensors dtype (`F32`, `BF16`, `I64`, ...).
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    pub bytes: u64,
+}
+
+impl StTensor {
+    /// A floating-point tensor (converted to the compute dtype at load).
+    pub fn is_float(&self) -> bool {
+        self.dtype.starts_with('F') || self.dtype == "BF16"
+    }
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+}
+
+/// Bits per element of a safetensors dtype, None for names the format does not define.
+fn safetensors_bits(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "F4" => 4,
+        "F6_E2M3" | "F6_E3M2" => 6,
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+        "I16" | "U16" | "F16" | "BF16" => 16,
+        "I32" | "U32" | "F32" => 32,
+        "I64" | "U64" | "F64" | "C64" => 64,
+        _ => return None,
+    })
+}
+
 /// Validate a safetensors file's header against its length before mapping: the 8-byte
-/// header length, the JSON header, and every tensor's offsets and byte size.
+/// header length, the JSON header, and for every tensor its dtype, its shape x dtype size
+/// (overflow-checked) against its data_offsets, the offsets against the file, and that no
+/// two tensors overlap.
 pub fn check_safetensors_file(path: &PathBuf) -> Result<()> {
+    read_safetensors_header(path).map(|_| ())
+}
+
+/// [`check_safetensors_file`], returning the tensors the header lists.
+pub fn read_safetensors_header(path: &Path) -> Result<Vec<StTensor>> {
     use std::io::Read;
     let file = path.display().to_string();
     let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
@@ -494,36 +534,105 @@ pub fn check_safetensors_file(path: &PathBuf) -> Result<()> {
     }
     let mut header = vec![0u8; hlen as usize];
     f.read_exact(&mut header).map_err(|e| Error::io(path, e))?;
-    let v: serde_json::Value = serde_json::from_slice(&header)
-        .map_err(|e| Error::weights(&file, format!("header is not valid JSON: {e}")))?;
+    parse_safetensors_header(&header, len - 8 - hlen, &file)
+}
+
+/// The checks of [`read_safetensors_header`] on the JSON header bytes of a file whose data
+/// section is `data_len` bytes; `file` names it in errors.
+pub fn parse_safetensors_header(header: &[u8], data_len: u64, file: &str) -> Result<Vec<StTensor>> {
+    let v: serde_json::Value = serde_json::from_slice(header)
+        .map_err(|e| Error::weights(file, format!("header is not valid JSON: {e}")))?;
     let obj = v
         .as_object()
-        .ok_or_else(|| Error::weights(&file, "header is not a JSON object"))?;
-    let data_len = len - 8 - hlen;
+        .ok_or_else(|| Error::weights(file, "header is not a JSON object"))?;
+    let mut out = Vec::with_capacity(obj.len());
+    let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(obj.len());
     for (name, t) in obj {
         if name == "__metadata__" {
             continue;
         }
+        let bad = |msg: String| Error::weights(file, format!("tensor `{name}`: {msg}"));
         let offs = t
             .get("data_offsets")
             .and_then(|o| o.as_array())
             .filter(|a| a.len() == 2)
             .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
             .ok_or_else(|| {
-                Error::weights(
-                    &file,
-                    format!("tensor `{name}`: missing or invalid data_offsets"),
-                )
+                bad("missing or invalid data_offsets (two non-negative integers)".into())
             })?;
         if offs.0 > offs.1 || offs.1 > data_len {
+            return Err(bad(format!(
+                "data_offsets {offs:?} outside the data section ({data_len} bytes): the file is truncated; re-download it"
+            )));
+        }
+        let dtype = t
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .ok_or_else(|| bad("missing dtype".into()))?;
+        let bits =
+            safetensors_bits(dtype).ok_or_else(|| bad(format!("unknown dtype `{dtype}`")))?;
+        let shape = t
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| {
+                a.iter()
+                    .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                    .collect::<Option<Vec<usize>>>()
+            })
+            .ok_or_else(|| {
+                bad("missing or invalid shape (a list of non-negative integers)".into())
+            })?;
+        let bytes = shape
+            .iter()
+            .try_fold(bits, |acc, &d| acc.checked_mul(d as u64))
+            .map(|b| b.div_ceil(8))
+            .ok_or_else(|| bad(format!("shape {shape:?} x {dtype} overflows 64 bits")))?;
+        if bytes != offs.1 - offs.0 {
+            return Err(bad(format!(
+                "shape {shape:?} x {dtype} is {bytes} bytes but data_offsets {offs:?} span {} bytes",
+                offs.1 - offs.0
+            )));
+        }
+        spans.push((offs.0, offs.1, out.len()));
+        out.push(StTensor {
+            name: name.clone(),
+            dtype: dtype.to_string(),
+            shape,
+            bytes,
+        });
+    }
+    spans.sort_unstable();
+    // The format requires the tensors to cover the data section exactly, in order.
+    let (mut end, mut prev) = (0u64, None::<usize>);
+    for &(a, b, i) in &spans {
+        if a > end {
+            let after = prev.map_or("the header".to_string(), |p| format!("`{}`", out[p].name));
             return Err(Error::weights(
-                &file,
+                file,
+                format!("{} unused bytes between {after} and tensor `{}` (bytes {a}..{b}): corrupt file", a - end, out[i].name),
+            ));
+        }
+        end = end.max(b);
+        prev = Some(i);
+    }
+    if end != data_len {
+        return Err(Error::weights(
+            file,
+            format!(
+                "the tensors cover {end} of the {data_len} data bytes: corrupt or truncated file"
+            ),
+        ));
+    }
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(Error::weights(
+                file,
                 format!(
-                    "tensor `{name}`: data_offsets {:?} outside the data section ({data_len} bytes): the file is truncated; re-download it",
-                    offs
+                    "tensors `{}` (bytes {}..{}) and `{}` (bytes {}..{}) overlap",
+                    out[w[0].2].name, w[0].0, w[0].1, out[w[1].2].name, w[1].0, w[1].1
                 ),
             ));
         }
     }
-    Ok(())
+    Ok(out)
 }

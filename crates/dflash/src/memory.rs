@@ -1,0 +1,354 @@
+//! Memory a model needs against memory the machine has, checked before loading.
+//!
+//! Where it sits: [`crate::pipeline::Pipeline::load`] estimates the weights (from the file
+//! headers, in the dtype they will have once loaded) and the KV cache per token of context,
+//! reads what is available (host RAM for the CPU, the device's free memory for CUDA), and
+//! then either loads, lowers the default context to what fits (when the user asked for no
+//! context), or refuses with the numbers and what to do. A model that cannot fit is refused
+//! before its weights are read instead of being killed by the OS half-way.
+
+use crate::config::TargetConfig;
+use crate::source::gguf::GgufFile;
+use crate::source::weights::{read_safetensors_header, requant_target};
+use crate::source::ModelSource;
+use crate::{Error, Result};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device};
+
+/// Contexts below this are not worth loading a model for: refuse instead of fitting.
+pub const MIN_CONTEXT: usize = 256;
+
+/// Memory available to the model, and where the number comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Available {
+    pub bytes: u64,
+    /// e.g. `MemAvailable in /proc/meminfo`, `cgroup memory.max`, `CUDA free memory`.
+    pub source: String,
+}
+
+/// Bytes as `1.5 GiB` / `12.0 MiB`.
+pub fn human(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = b as f64;
+    let mut i = 0;
+    while x >= 1024.0 && i + 1 < U.len() {
+        x /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{x:.1} {}", U[i])
+    }
+}
+
+/// Parse `8G`, `512M`, `1.5GiB`, `1000000` (bytes; K/M/G/T are powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let num_end = lower
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(lower.len());
+    let (num, unit) = lower.split_at(num_end);
+    let mult: u64 = match unit.trim().trim_end_matches("ib").trim_end_matches('b') {
+        "" => 1,
+        "k" => 1 << 10,
+        "m" => 1 << 20,
+        "g" => 1 << 30,
+        "t" => 1 << 40,
+        _ => {
+            return Err(Error::input(format!(
+                "`{s}`: expected a size like 8G, 512M or 1000000"
+            )))
+        }
+    };
+    let x: f64 = num
+        .parse()
+        .map_err(|_| Error::input(format!("`{s}`: expected a size like 8G, 512M or 1000000")))?;
+    let b = x * mult as f64;
+    if !(b.is_finite() && b >= 0.0 && b < 1.8e19) {
+        return Err(Error::input(format!("`{s}`: size out of range")));
+    }
+    Ok(b as u64)
+}
+
+fn meminfo_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn read_u64(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+fn stat_field(path: &str, key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(path).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Room left under this process's cgroup memory limit (v2, then v1): the limit minus what
+/// the group uses, not counting inactive page cache (which the kernel reclaims first).
+fn cgroup_available() -> Option<(u64, &'static str)> {
+    let groups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    // "0::/path" (v2) and "N:...memory...:/path" (v1)
+    let path_of = |v2: bool| -> String {
+        groups
+            .lines()
+            .find_map(|l| {
+                let mut it = l.splitn(3, ':');
+                let (_, ctrl, path) = (it.next()?, it.next()?, it.next()?);
+                let hit = if v2 {
+                    ctrl.is_empty()
+                } else {
+                    ctrl.split(',').any(|c| c == "memory")
+                };
+                hit.then(|| path.trim().trim_end_matches('/').to_string())
+            })
+            .unwrap_or_default()
+    };
+    let room = |max: u64, cur: u64, inactive: u64| max.saturating_sub(cur.saturating_sub(inactive));
+    let v2 = path_of(true);
+    for dir in [format!("/sys/fs/cgroup{v2}"), "/sys/fs/cgroup".to_string()] {
+        if let Some(max) = read_u64(&format!("{dir}/memory.max")) {
+            let cur = read_u64(&format!("{dir}/memory.current")).unwrap_or(0);
+            let inactive = stat_field(&format!("{dir}/memory.stat"), "inactive_file").unwrap_or(0);
+            return Some((room(max, cur, inactive), "cgroup memory.max"));
+        }
+    }
+    let v1 = path_of(false);
+    for dir in [
+        format!("/sys/fs/cgroup/memory{v1}"),
+        "/sys/fs/cgroup/memory".to_string(),
+    ] {
+        let Some(max) = read_u64(&format!("{dir}/memory.limit_in_bytes")) else {
+            continue;
+        };
+        if max >= 1 << 60 {
+            continue; // "unlimited"
+        }
+        let cur = read_u64(&format!("{dir}/memory.usage_in_bytes")).unwrap_or(0);
+        let inactive =
+            stat_field(&format!("{dir}/memory.stat"), "total_inactive_file").unwrap_or(0);
+        return Some((room(max, cur, inactive), "cgroup memory.limit_in_bytes"));
+    }
+    None
+}
+
+/// Memory available for a model on `device`; None when this platform does not say.
+pub fn available(device: &Device) -> Option<Available> {
+    if device.is_cpu() {
+        let mem = meminfo_available().map(|b| Available {
+            bytes: b,
+            source: "MemAvailable in /proc/meminfo".into(),
+        });
+        let cg = cgroup_available().map(|(b, s)| Available {
+            bytes: b,
+            source: s.into(),
+        });
+        return match (mem, cg) {
+            (Some(m), Some(c)) if c.bytes < m.bytes => Some(c),
+            (Some(m), _) => Some(m),
+            (None, c) => c,
+        };
+    }
+    cuda_free(device)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_free(device: &Device) -> Option<Available> {
+    let d = device.as_cuda_device().ok()?;
+    let (free, _total) = d.cuda_stream().context().mem_get_info().ok()?;
+    Some(Available {
+        bytes: free as u64,
+        source: "CUDA free memory (cuMemGetInfo)".into(),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_free(_device: &Device) -> Option<Available> {
+    None
+}
+
+/// Bytes the weights of `src` will occupy once loaded in `dtype` on `device`: float
+/// tensors in the compute dtype, integer tensors as stored; GGUF quantized matrices as
+/// stored, or requantized (see [`requant_target`]) on the CPU unless `keep_quant`. An
+/// estimate from the headers (tensors a family does not use are counted too).
+pub fn weight_bytes(
+    src: &ModelSource,
+    dtype: DType,
+    device: &Device,
+    keep_quant: bool,
+) -> Result<u64> {
+    let el = dtype.size_in_bytes() as u64;
+    let mut total = 0u64;
+    if let Some(p) = &src.gguf {
+        let g = GgufFile::open(p)?;
+        for t in g.content.tensor_infos.values() {
+            let n = t.shape.elem_count() as u64;
+            let dt = t.ggml_dtype;
+            let stored = n / dt.block_size() as u64 * dt.type_size() as u64;
+            total += match dt {
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => n * el,
+                _ => match requant_target(dt).filter(|_| device.is_cpu() && !keep_quant) {
+                    Some(to) => n / to.block_size() as u64 * to.type_size() as u64,
+                    None => stored,
+                },
+            };
+        }
+        return Ok(total);
+    }
+    for f in &src.weight_files {
+        for t in read_safetensors_header(f)? {
+            total += if t.is_float() {
+                t.elements().saturating_mul(el)
+            } else {
+                t.bytes
+            };
+        }
+    }
+    Ok(total)
+}
+
+/// KV cache bytes per token of context of a decoder with `cfg`'s shape (K and V of every
+/// layer) in `dtype`.
+pub fn kv_bytes_per_token(cfg: &TargetConfig, dtype: DType) -> u64 {
+    2 * cfg.num_hidden_layers as u64
+        * cfg.num_key_value_heads as u64
+        * cfg.head_dim as u64
+        * dtype.size_in_bytes() as u64
+}
+
+/// What a load needs: weights plus a KV cache that grows with the context.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Need {
+    pub weights: u64,
+    pub kv_per_token: u64,
+}
+
+impl Need {
+    pub fn at(&self, context: usize) -> u64 {
+        self.weights
+            .saturating_add(self.kv_per_token.saturating_mul(context as u64))
+    }
+    /// The largest context that fits in `avail` bytes (0 when the weights alone do not fit).
+    pub fn max_context(&self, avail: u64) -> usize {
+        match avail.checked_sub(self.weights) {
+            None => 0,
+            Some(_) if self.kv_per_token == 0 => usize::MAX,
+            Some(room) => usize::try_from(room / self.kv_per_token).unwrap_or(usize::MAX),
+        }
+    }
+}
+
+/// Decide the context to load with. `requested` is the user's `--max-context` (None = the
+/// model's `model_max`). Returns the context and, when it had to be lowered, a notice.
+/// Refuses (one line, with the numbers and what to do) when even the requested context, or
+/// [`MIN_CONTEXT`] when none was requested, does not fit.
+pub fn plan_context(
+    model: &str,
+    need: Need,
+    avail: &Available,
+    requested: Option<usize>,
+    model_max: usize,
+    dtype: DType,
+) -> Result<(usize, Option<String>)> {
+    let want = requested.unwrap_or(model_max);
+    if need.at(want) <= avail.bytes {
+        return Ok((want, None));
+    }
+    let fits = need.max_context(avail.bytes);
+    let floor = MIN_CONTEXT.min(want);
+    if requested.is_none() && fits >= floor {
+        let ctx = if fits >= 1024 { fits / 256 * 256 } else { fits };
+        return Ok((
+            ctx,
+            Some(format!(
+                "context limited to {ctx} tokens (the model allows {model_max}) to fit in {} ({}): weights {} + KV cache {} per 1k tokens; --max-context chooses, --force-memory skips this check",
+                human(avail.bytes),
+                avail.source,
+                human(need.weights),
+                human(need.kv_per_token * 1024),
+            )),
+        ));
+    }
+    let mut advice = Vec::new();
+    if fits >= 1 && requested.is_some() {
+        advice.push(format!("a smaller --max-context (at most {fits} fits)"));
+    }
+    if dtype == DType::F32 {
+        advice.push("--dtype bf16 (halves float weights and the KV cache)".to_string());
+    }
+    advice.push("a quantized GGUF of the model".to_string());
+    advice.push("--force-memory to load anyway".to_string());
+    Err(Error::input(format!(
+        "not enough memory for {model}: weights {} + KV cache {} for a context of {want} tokens = {}, but {} is available ({}); use {}",
+        human(need.weights),
+        human(need.kv_per_token.saturating_mul(want as u64)),
+        human(need.at(want)),
+        human(avail.bytes),
+        avail.source,
+        advice.join(", or "),
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_and_print() {
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert_eq!(parse_bytes("8G").unwrap(), 8 << 30);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("512 MB").unwrap(), 512 << 20);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("1e30").is_err());
+        assert_eq!(human(1536), "1.5 KiB");
+        assert_eq!(human(12), "12 B");
+    }
+
+    #[test]
+    fn context_is_fitted_or_refused() {
+        let need = Need {
+            weights: 1000,
+            kv_per_token: 10,
+        };
+        let avail = |b| Available {
+            bytes: b,
+            source: "test".into(),
+        };
+        // fits as asked
+        assert_eq!(
+            plan_context("m", need, &avail(1000 + 10 * 4096), None, 4096, DType::F32).unwrap(),
+            (4096, None)
+        );
+        // no context requested: lowered to what fits, with a notice
+        let (ctx, note) =
+            plan_context("m", need, &avail(1000 + 10 * 3000), None, 4096, DType::F32).unwrap();
+        assert_eq!(ctx, 2816);
+        assert!(note.unwrap().contains("context limited to 2816"));
+        // requested explicitly: refused with the numbers
+        let e = plan_context(
+            "m",
+            need,
+            &avail(1000 + 10 * 3000),
+            Some(4096),
+            4096,
+            DType::F32,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("not enough memory for m"), "{e}");
+        assert!(e.contains("at most 3000 fits"), "{e}");
+        assert!(e.contains("--force-memory"), "{e}");
+        // the weights alone do not fit
+        let e = plan_context("m", need, &avail(999), None, 4096, DType::BF16)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("999 B is available (test)"), "{e}");
+        assert!(!e.contains("--dtype bf16"), "{e}");
+    }
+}
