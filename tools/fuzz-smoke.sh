@@ -18,7 +18,7 @@ max_len() {
   esac
 }
 
-cargo +nightly fuzz build -a || exit 1
+cargo +nightly fuzz build || exit 1
 # One core: candle's CPU thread pool follows RAYON_NUM_THREADS.
 export RAYON_NUM_THREADS=1
 status=0
@@ -26,7 +26,7 @@ for t in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$t"
   log="fuzz/corpus/$t.log"
   echo "== $t (${secs}s)"
-  cargo +nightly fuzz run -a "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
+  cargo +nightly fuzz run "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
     -max_total_time="$secs" -max_len="$(max_len "$t")" -timeout=30 -rss_limit_mb=2048 -detect_leaks=0 \
     -print_final_stats=1 >"$log" 2>&1
   rc=$?
