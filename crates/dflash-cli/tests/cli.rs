@@ -349,19 +349,38 @@ fn demo_default_uses_the_trained_draft_losslessly() {
     }
     let prompt = "Write a Python function that returns the sum of a list.";
     let run = |extra: &[&str]| {
-        let mut args = vec!["generate", "--prompt", prompt, "--max-tokens", "48", "--json"];
+        let mut args = vec![
+            "generate",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "48",
+            "--json",
+        ];
         args.extend_from_slice(extra);
         let (rc, out, err) = dflash(&args);
         assert_eq!(rc, 0, "{err}");
-        (serde_json::from_str::<serde_json::Value>(&out).unwrap(), err)
+        (
+            serde_json::from_str::<serde_json::Value>(&out).unwrap(),
+            err,
+        )
     };
     let (spec, err) = run(&["--block-size", "8"]);
     assert!(err.contains("smollm2-135m-dflash"), "{err}");
     let (plain, _) = run(&["--no-draft"]);
-    assert!(spec["text"].as_str().is_some_and(|t| !t.is_empty()), "{spec}");
-    assert_eq!(spec["output_ids"], plain["output_ids"], "DFlash output must equal plain decoding");
+    assert!(
+        spec["text"].as_str().is_some_and(|t| !t.is_empty()),
+        "{spec}"
+    );
+    assert_eq!(
+        spec["output_ids"], plain["output_ids"],
+        "DFlash output must equal plain decoding"
+    );
     let tau = spec["stats"]["tau"].as_f64().unwrap();
-    assert!(tau > 1.0, "the trained draft should get some tokens accepted: tau {tau}");
+    assert!(
+        tau > 1.0,
+        "the trained draft should get some tokens accepted: tau {tau}"
+    );
 }
 
 #[test]

@@ -164,7 +164,13 @@ impl Sampler {
             // (a 248k-entry sort per row dominated T > 0 verify steps on the GPU).
             let t = p.temperature.max(1e-6);
             let maxl = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let w = |l: f32| if l.is_finite() { ((l - maxl) / t).exp() } else { 0.0 };
+            let w = |l: f32| {
+                if l.is_finite() {
+                    ((l - maxl) / t).exp()
+                } else {
+                    0.0
+                }
+            };
             let total: f64 = logits.iter().map(|&l| w(l) as f64).sum();
             let target = self.rng.uniform() * total;
             let mut cum = 0.0f64;
@@ -292,17 +298,31 @@ mod tests {
     #[test]
     fn top_p_partial_selection_equals_full_sort() {
         let mut rng = crate::testing::Rng::new(5);
-        for (case, &(v, scale, top_p)) in [(50_000usize, 3.0f32, 0.9f32), (50_000, 12.0, 0.5), (3000, 0.2, 0.95), (100, 1.0, 0.3)]
-            .iter()
-            .enumerate()
+        for (case, &(v, scale, top_p)) in [
+            (50_000usize, 3.0f32, 0.9f32),
+            (50_000, 12.0, 0.5),
+            (3000, 0.2, 0.95),
+            (100, 1.0, 0.3),
+        ]
+        .iter()
+        .enumerate()
         {
-            let logits: Vec<f32> = (0..v).map(|_| (rng.uniform() as f32 - 0.5) * 2.0 * scale).collect();
-            let params = SamplingParams { temperature: 0.8, top_p, ..Default::default() };
+            let logits: Vec<f32> = (0..v)
+                .map(|_| (rng.uniform() as f32 - 0.5) * 2.0 * scale)
+                .collect();
+            let params = SamplingParams {
+                temperature: 0.8,
+                top_p,
+                ..Default::default()
+            };
             let got = Sampler::new(params.clone()).distribution(&logits);
             // Naive reference: full sort, then the nucleus.
             let maxl = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut all: Vec<(u32, f32)> =
-                logits.iter().enumerate().map(|(i, &l)| (i as u32, ((l - maxl) / 0.8).exp())).collect();
+            let mut all: Vec<(u32, f32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, ((l - maxl) / 0.8).exp()))
+                .collect();
             all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             let total: f32 = all.iter().map(|c| c.1).sum();
             let mut cum = 0.0;
@@ -320,5 +340,4 @@ mod tests {
             assert_eq!(ids, want, "case {case}: nucleus differs");
         }
     }
-
 }

@@ -34,13 +34,18 @@ pub fn gpu_probe(dev: &Device) -> crate::Result<String> {
         all / n as f64 * 1e6
     );
     // Non-contiguous op (strided params uploaded per op).
-    let xt = Tensor::randn(0f32, 1.0, (64, 64), &dev)?.to_dtype(DType::BF16)?.t()?;
+    let xt = Tensor::randn(0f32, 1.0, (64, 64), &dev)?
+        .to_dtype(DType::BF16)?
+        .t()?;
     let t = Instant::now();
     for _ in 0..n {
         let _ = xt.contiguous()?;
     }
     dev.synchronize()?;
-    rep += &format!("strided copy 64x64: {:.2} us/op\n", t.elapsed().as_secs_f64() / n as f64 * 1e6);
+    rep += &format!(
+        "strided copy 64x64: {:.2} us/op\n",
+        t.elapsed().as_secs_f64() / n as f64 * 1e6
+    );
     // 2. GEMV bandwidth for each weight shape [out, in] (x [m, in] @ W^T).
     for (m, out, inp) in [
         (1usize, 4096usize, 4096usize),
@@ -55,7 +60,9 @@ pub fn gpu_probe(dev: &Device) -> crate::Result<String> {
     ] {
         // several weight copies so that the L2 (50 MB) does not serve repeats
         let ws: Vec<Tensor> = (0..4)
-            .map(|_| Tensor::randn(0f32, 0.02, (out, inp), &dev).and_then(|w| w.to_dtype(DType::BF16)))
+            .map(|_| {
+                Tensor::randn(0f32, 0.02, (out, inp), &dev).and_then(|w| w.to_dtype(DType::BF16))
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
         let xi = Tensor::randn(0f32, 1.0, (m, inp), &dev)?.to_dtype(DType::BF16)?;
         let bytes = (out * inp * 2) as f64;
@@ -74,16 +81,28 @@ pub fn gpu_probe(dev: &Device) -> crate::Result<String> {
             Ok(med(ts))
         };
         let s = time(&|w| Ok(xi.matmul(&w.t()?)?))?;
-        rep += &format!("m={m} [{out}x{inp}]: cublas {:.1} us {:.2} TB/s", s * 1e6, bytes / s / 1e12);
+        rep += &format!(
+            "m={m} [{out}x{inp}]: cublas {:.1} us {:.2} TB/s",
+            s * 1e6,
+            bytes / s / 1e12
+        );
         if m <= crate::nn::cuda::GEMV_MAX_ROWS {
             let g = time(&|w| Ok(crate::nn::cuda::gemv(&xi, w)?.expect("gemv applies")))?;
             // Correctness against an f32 reference product.
-            let r = xi.to_dtype(DType::F32)?.matmul(&ws[0].to_dtype(DType::F32)?.t()?)?;
-            let y = crate::nn::cuda::gemv(&xi, &ws[0])?.expect("gemv").to_dtype(DType::F32)?;
+            let r = xi
+                .to_dtype(DType::F32)?
+                .matmul(&ws[0].to_dtype(DType::F32)?.t()?)?;
+            let y = crate::nn::cuda::gemv(&xi, &ws[0])?
+                .expect("gemv")
+                .to_dtype(DType::F32)?;
             let err = ((&y - &r)?.sqr()?.sum_all()?.to_scalar::<f32>()?
                 / r.sqr()?.sum_all()?.to_scalar::<f32>()?)
             .sqrt();
-            rep += &format!(" | gemv {:.1} us {:.2} TB/s, rel err {err:.2e}", g * 1e6, bytes / g / 1e12);
+            rep += &format!(
+                " | gemv {:.1} us {:.2} TB/s, rel err {err:.2e}",
+                g * 1e6,
+                bytes / g / 1e12
+            );
         }
         rep.push('\n');
     }

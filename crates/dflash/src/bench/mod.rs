@@ -21,10 +21,10 @@
 //! ([`classify`]).
 
 pub mod classify;
-pub mod machine;
-pub mod micro;
 #[cfg(feature = "cuda")]
 pub mod gpu_probe;
+pub mod machine;
+pub mod micro;
 pub mod prompts;
 pub mod report;
 

@@ -105,7 +105,11 @@ impl Attention {
                     self.spec.heads * self.spec.head_dim,
                     self.spec.kv_heads * self.spec.head_dim,
                 );
-                Ok((y.narrow(1, 0, qd)?, y.narrow(1, qd, kd)?, y.narrow(1, qd + kd, kd)?))
+                Ok((
+                    y.narrow(1, 0, qd)?,
+                    y.narrow(1, qd, kd)?,
+                    y.narrow(1, qd + kd, kd)?,
+                ))
             }
             None => Ok((
                 self.q_proj.forward(x)?,
@@ -161,10 +165,7 @@ impl Attention {
             None => k,
         };
         let k = rope.apply(&k.transpose(0, 1)?.contiguous()?, t)?;
-        let v = v
-            .reshape((n, kvh, d))?
-            .transpose(0, 1)?
-            .contiguous()?;
+        let v = v.reshape((n, kvh, d))?.transpose(0, 1)?.contiguous()?;
         Ok((k, v))
     }
 

@@ -70,7 +70,10 @@ impl CustomOp2 for Gemv {
         b.arg(&k_i);
         // SAFETY: argument types match the kernel's signature; sizes checked above.
         unsafe { b.launch(cfg) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((m, n))))
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            Shape::from((m, n)),
+        ))
     }
 }
 

@@ -58,7 +58,11 @@ impl Linear {
             return Ok(None);
         }
         let weight = Tensor::cat(&ws, 0)?;
-        let bias = if bs.is_empty() { None } else { Some(Tensor::cat(&bs, 0)?) };
+        let bias = if bs.is_empty() {
+            None
+        } else {
+            Some(Tensor::cat(&bs, 0)?)
+        };
         Ok(Some(Linear::Dense { weight, bias }))
     }
 
