@@ -66,7 +66,7 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
         .parse()
         .map_err(|_| Error::input(format!("`{s}`: expected a size like 8G, 512M or 1000000")))?;
     let b = x * mult as f64;
-    if !(b.is_finite() && b >= 0.0 && b < 1.8e19) {
+    if !(0.0..1.8e19).contains(&b) {
         return Err(Error::input(format!("`{s}`: size out of range")));
     }
     Ok(b as u64)

@@ -34,7 +34,7 @@ fn one_line<T>(r: dflash::Result<T>, want: &[&str]) -> String {
 fn st_file(dir: &Path, name: &str, header: &str, data_len: usize) -> PathBuf {
     let mut v = (header.len() as u64).to_le_bytes().to_vec();
     v.extend_from_slice(header.as_bytes());
-    v.extend(std::iter::repeat(0u8).take(data_len));
+    v.extend(std::iter::repeat_n(0u8, data_len));
     let p = dir.join(name);
     std::fs::write(&p, v).unwrap();
     p
@@ -347,10 +347,10 @@ impl G {
     }
     /// Pad to 32 and append `n` data bytes.
     fn data(&mut self, n: usize) -> &mut Self {
-        while self.b.len() % 32 != 0 {
+        while !self.b.len().is_multiple_of(32) {
             self.b.push(0);
         }
-        self.b.extend(std::iter::repeat(0u8).take(n));
+        self.b.extend(std::iter::repeat_n(0u8, n));
         self
     }
     fn open(&self) -> dflash::Result<GgufFile> {

@@ -177,7 +177,7 @@ impl<R: Read> Reader<'_, R> {
         match t {
             0 | 1 | 7 => 1,
             2 | 3 => 2,
-            4 | 5 | 6 => 4,
+            4..=6 => 4,
             10..=12 => 8,
             8 => self.prefix_size(),
             _ => 4 + self.prefix_size(),
