@@ -37,7 +37,7 @@ fn dep_versions() {
 
 fn cuda_kernels() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed=kernels/gemv.cu");
+    println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
@@ -49,18 +49,21 @@ fn cuda_kernels() {
         .filter(|p| p.exists())
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    let ptx = out.join("gemv.ptx");
-    let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=compute_{cap}")])
-        .arg("kernels/gemv.cu")
-        .arg("-o")
-        .arg(&ptx)
-        .status()
-        .unwrap_or_else(|e| {
-            panic!(
-                "dflash: --features cuda needs nvcc ({}): {e}; see README (source ../shared/tools/cuda-env.sh)",
-                nvcc.display()
-            )
-        });
-    assert!(status.success(), "dflash: nvcc failed on kernels/gemv.cu");
+    for name in ["gemv", "fused"] {
+        let ptx = out.join(format!("{name}.ptx"));
+        let src = format!("kernels/{name}.cu");
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=compute_{cap}")])
+            .arg(&src)
+            .arg("-o")
+            .arg(&ptx)
+            .status()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "dflash: --features cuda needs nvcc ({}): {e}; see README (source ../shared/tools/cuda-env.sh)",
+                    nvcc.display()
+                )
+            });
+        assert!(status.success(), "dflash: nvcc failed on {src}");
+    }
 }

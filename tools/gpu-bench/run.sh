@@ -5,6 +5,9 @@
 #   tools/gpu-bench/run.sh                      # on the GPU machine; binary in .device/dflash
 #   SHAPE=tiny DEV=cpu DTYPE=float32 BIN=target/release/dflash PY=/work/pyenv/bin/python \
 #     tools/gpu-bench/run.sh                    # CPU smoke test of the whole pipeline
+# Options (env): SHAPE=qwen3-8b|qwen3.5-9b, REPEAT, MAXNEW, SKIP_REF=1 (models only, no
+# PyTorch timing), SKIP_MICRO=1, SKIP_PROBE=1, AB_UNFUSED=1 (micro again with DFLASH_FUSED=0),
+# T0_ROWS (the T=0 bench rows).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -51,6 +54,12 @@ pid=$(poll micro)
   --dtype "$ours_dtype" --micro-context 128 --micro-q 1,2,4,8,16 --micro-iters 30 \
   --out "$RES/micro" 2>&1 | tee "$RES/micro.log" >&2 || echo "micro FAILED" >&2
 stop "$pid"
+if [ "${AB_UNFUSED:-0}" = 1 ]; then
+  echo "== ours: micro without the fused kernels (DFLASH_FUSED=0)" >&2
+  DFLASH_FUSED=0 "$BIN" bench --micro --model "$MODELS/target" --draft "$MODELS/draft-agree" --device "$DEV" \
+    --dtype "$ours_dtype" --micro-context 128 --micro-q 1,16 --micro-iters 30 \
+    --out "$RES/micro-unfused" 2>&1 | tee "$RES/micro-unfused.log" >&2 || echo "micro (unfused) FAILED" >&2
+fi
 fi
 
 echo "== ours: end to end (block 16, like the reference)" >&2

@@ -117,3 +117,59 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+/// Where a forward pass spends its time, for `DFLASH_PROFILE=1` runs only: each `mark`
+/// synchronizes the device and charges the time since the previous mark to a label; `finish`
+/// prints one line to stderr. Off (no syncs, no clock reads) unless the variable is set, since
+/// the syncs themselves change what they measure on a GPU.
+pub struct SectionTimer {
+    dev: Option<candle_core::Device>,
+    what: &'static str,
+    last: std::time::Instant,
+    acc: Vec<(&'static str, f64)>,
+}
+
+impl SectionTimer {
+    pub fn enabled() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("DFLASH_PROFILE").is_ok_and(|v| v == "1"))
+    }
+
+    pub fn start(what: &'static str, dev: &candle_core::Device) -> Self {
+        let dev = Self::enabled().then(|| dev.clone());
+        if let Some(d) = &dev {
+            let _ = d.synchronize();
+        }
+        Self {
+            dev,
+            what,
+            last: std::time::Instant::now(),
+            acc: Vec::new(),
+        }
+    }
+
+    pub fn mark(&mut self, label: &'static str) {
+        let Some(d) = &self.dev else { return };
+        let _ = d.synchronize();
+        let now = std::time::Instant::now();
+        let ms = (now - self.last).as_secs_f64() * 1e3;
+        self.last = now;
+        match self.acc.iter_mut().find(|(l, _)| *l == label) {
+            Some((_, t)) => *t += ms,
+            None => self.acc.push((label, ms)),
+        }
+    }
+
+    pub fn finish(self) {
+        if self.dev.is_none() {
+            return;
+        }
+        let total: f64 = self.acc.iter().map(|(_, t)| t).sum();
+        let parts: Vec<String> = self
+            .acc
+            .iter()
+            .map(|(l, t)| format!("{l} {t:.3}"))
+            .collect();
+        eprintln!("profile {}: total {total:.3} ms = {}", self.what, parts.join(", "));
+    }
+}

@@ -9,9 +9,10 @@ use super::{
     TargetModel,
 };
 use crate::config::{LayerType, TargetConfig};
+use crate::nn::fused::Visibility;
 use crate::nn::{
     attention_mask, Activation, Attention, AttentionSpec, Embedding, GatedMlp, KvCache, Linear,
-    RmsNorm, Rope, RopeTables, SparseMoe,
+    RmsNorm, Rope, SparseMoe,
 };
 use crate::source::Weights;
 use crate::Result;
@@ -294,51 +295,81 @@ impl DecoderModel {
         } else {
             None
         };
+        // Masks are built only for layers the fused attention does not take (it applies
+        // causality and the window itself); the sliding scan is O(context) per step.
         let k_len = start + n;
-        let mask_full = if n > 1 {
-            attention_mask(n, start, k_len, true, None, dt, dev)?
-        } else {
-            None
-        };
-        let mask_slide = if sliding {
-            attention_mask(n, start, k_len, true, self.sliding_window, dt, dev)?
-        } else {
-            None
-        };
+        let mut mask_full: Option<Option<Tensor>> = None;
+        let mut mask_slide: Option<Option<Tensor>> = None;
         let mut tapped = TapRecorder::new(taps);
+        let mut prof = crate::stats::SectionTimer::start("target", dev);
+        let mut x = match self.layers.first() {
+            Some(l) => l.input_norm.forward(&h)?,
+            None => h.clone(),
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let kv = cache.layers[i].kv_mut()?;
-            let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
+            let (rope, tables, window) = match layer.kind {
                 // (linear_attention layers are refused at load: `archs::load_target`)
-                LayerType::Full | LayerType::Linear => {
-                    (&self.rope_full, &t_full, mask_full.as_ref())
-                }
+                LayerType::Full | LayerType::Linear => (&self.rope_full, &t_full, None),
                 LayerType::Sliding => (
                     &self.rope_sliding,
                     t_slide
                         .as_ref()
                         .expect("sliding tables exist when a layer is sliding"),
-                    mask_slide.as_ref(),
+                    self.sliding_window,
                 ),
             };
-            let x = layer.input_norm.forward(&h)?;
-            let a = layer.attn.forward(&x, rope, tables, kv, mask)?;
-            h = match &layer.ff_norms {
+            let vis = Visibility {
+                causal: true,
+                window,
+            };
+            let a = match layer.attn.forward_fused(&x, rope, tables, kv, vis)? {
+                Some(a) => a,
                 None => {
-                    let h1 = (h + a)?;
-                    let m = layer.mlp.forward(&layer.post_attn_norm.forward(&h1)?)?;
-                    (h1 + m)?
+                    let slot = if window.is_some() {
+                        &mut mask_slide
+                    } else {
+                        &mut mask_full
+                    };
+                    if slot.is_none() {
+                        *slot = Some(if n > 1 || window.is_some() {
+                            attention_mask(n, start, k_len, true, window, dt, dev)?
+                        } else {
+                            None
+                        });
+                    }
+                    let mask = slot.as_ref().and_then(|m| m.as_ref());
+                    layer.attn.forward(&x, rope, tables, kv, mask)?
+                }
+            };
+            prof.mark("attention");
+            let next = self.layers.get(i + 1);
+            match &layer.ff_norms {
+                None => {
+                    let (h1, xn) = layer.post_attn_norm.add_forward(&h, &a)?;
+                    let m = layer.mlp.forward(&xn)?;
+                    // The residual add of this layer and the next layer's input norm.
+                    match next {
+                        Some(nl) => (h, x) = nl.input_norm.add_forward(&h1, &m)?,
+                        None => h = (h1 + m)?,
+                    }
                 }
                 Some((pre_ff, post_ff)) => {
                     let h1 = (h + layer.post_attn_norm.forward(&a)?)?;
                     let m = layer.mlp.forward(&pre_ff.forward(&h1)?)?;
-                    (h1 + post_ff.forward(&m)?)?
+                    h = (h1 + post_ff.forward(&m)?)?;
+                    if let Some(nl) = next {
+                        x = nl.input_norm.forward(&h)?;
+                    }
                 }
-            };
+            }
             tapped.record(i, &h);
+            prof.mark("mlp");
         }
         let taps_out = tapped.finish()?;
         let logits = logits.rows(&h)?.map(|r| self.logits(&r)).transpose()?;
+        prof.mark("head");
+        prof.finish();
         Ok(ForwardOutput {
             logits,
             taps: taps_out,

@@ -13,6 +13,7 @@
 use crate::archs::TargetModel;
 use crate::config::draft::DraftConfig;
 use crate::config::LayerType;
+use crate::nn::fused::Visibility;
 use crate::nn::{
     attention::sdpa, attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache,
     Linear, RmsNorm, Rope,
@@ -274,6 +275,7 @@ impl DraftModel {
             return Err(Error::input("draft: a block needs at least 2 positions"));
         }
         let dev = &self.device;
+        let mut prof = crate::stats::SectionTimer::start("draft", dev);
         let ctx = self
             .hidden_norm
             .forward(&self.fc.forward(&ctx_in.to_dtype(self.dtype)?)?)?;
@@ -281,28 +283,57 @@ impl DraftModel {
         let t_ctx = self.rope.tables(ctx_start, s, dev, self.dtype)?;
         let t_blk = self.rope.tables(start, q, dev, self.dtype)?;
         let window = self.cfg.layers.sliding_window;
-        let mask_sliding = attention_mask(q, start, start + q, true, window, self.dtype, dev)?;
+        let mask_sliding = if self.layers.iter().any(|l| l.kind == LayerType::Sliding) {
+            attention_mask(q, start, start + q, true, window, self.dtype, dev)?
+        } else {
+            None
+        };
+        prof.mark("fc+embed+tables");
         for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let x = layer.input_norm.forward(&h)?;
             let a = &layer.attn;
             if s > 0 {
-                let (kc, vc) = a.keys_values(&ctx, &self.rope, &t_ctx)?;
-                kv.append(&kc, &vc)?;
+                a.append_keys_values(&ctx, &self.rope, &t_ctx, kv)?;
             }
-            let qb = a.queries(&x, &self.rope, &t_blk)?;
-            let (kb, vb) = a.keys_values(&x, &self.rope, &t_blk)?;
-            // Block K/V go into the cache only for this call: written in place, then dropped.
-            let (k, v) = kv.append(&kb, &vb)?;
-            let mask = match layer.kind {
-                LayerType::Sliding => mask_sliding.as_ref(),
-                LayerType::Full | LayerType::Linear => None,
+            prof.mark("norm+ctx kv");
+            // The block sees the whole context and the whole block (no causal mask) except in
+            // sliding layers. Its K/V go into the cache only for this call: written in place,
+            // then dropped.
+            let fused = match layer.kind {
+                LayerType::Full | LayerType::Linear => a.forward_fused(
+                    &x,
+                    &self.rope,
+                    &t_blk,
+                    kv,
+                    Visibility {
+                        causal: false,
+                        window: None,
+                    },
+                )?,
+                LayerType::Sliding => None,
             };
-            let o = sdpa(&qb, &k, &v, mask, a.spec.scale);
+            let attn_out = match fused {
+                Some(o) => o,
+                None => {
+                    let (qb, kb, vb) = a.queries_keys_values(&x, &self.rope, &t_blk)?;
+                    let (k, v) = kv.append(&kb, &vb)?;
+                    let mask = match layer.kind {
+                        LayerType::Sliding => mask_sliding.as_ref(),
+                        LayerType::Full | LayerType::Linear => None,
+                    };
+                    a.o_proj.forward(&sdpa(&qb, &k, &v, mask, a.spec.scale)?)?
+                }
+            };
             kv.truncate(start);
-            h = Self::finish_layer(layer, &h, &o?)?;
+            prof.mark("attention");
+            h = Self::finish_layer(layer, &h, &attn_out)?;
+            prof.mark("mlp");
         }
         let out = self.norm.forward(&h.narrow(0, 1, q - 1)?)?;
-        self.logits(target, &out, None)
+        let logits = self.logits(target, &out, None)?;
+        prof.mark("head");
+        prof.finish();
+        Ok(logits)
     }
 
     /// The block's input rows: the embeddings of `ids` (the draft's own table, else the
@@ -320,10 +351,11 @@ impl DraftModel {
         })
     }
 
-    /// Residual update of one layer after attention: `h + o_proj(attn)`, then the MLP.
+    /// Residual update of one layer after attention (`attn` already through o_proj):
+    /// `h + attn`, then the MLP.
     fn finish_layer(layer: &DraftLayer, h: &Tensor, attn: &Tensor) -> Result<Tensor> {
-        let h = (h + layer.attn.o_proj.forward(attn)?)?;
-        Ok((&h + layer.mlp.forward(&layer.post_attn_norm.forward(&h)?)?)?)
+        let (h, x) = layer.post_attn_norm.add_forward(h, attn)?;
+        Ok((&h + layer.mlp.forward(&x)?)?)
     }
 
     /// LM head on normalized rows, then the draft's output multiplier and softcapping.
@@ -436,8 +468,7 @@ impl DraftModel {
         for layer in &self.layers {
             let x = layer.input_norm.forward(&h)?;
             let a = &layer.attn;
-            let qb = a.queries(&x, &self.rope, &t_blk)?;
-            let (kb, vb) = a.keys_values(&x, &self.rope, &t_blk)?;
+            let (qb, kb, vb) = a.queries_keys_values(&x, &self.rope, &t_blk)?;
             let (k, v) = match &ctx {
                 Some((c, t_ctx)) => {
                     let (kc, vc) = a.keys_values(c, &self.rope, t_ctx)?;
@@ -451,7 +482,7 @@ impl DraftModel {
                 LayerType::Sliding => mask_sliding.as_ref().unwrap_or(&mask_full),
             };
             let o = sdpa(&qb, &k, &v, Some(mask), a.spec.scale)?;
-            h = Self::finish_layer(layer, &h, &o)?;
+            h = Self::finish_layer(layer, &h, &a.o_proj.forward(&o)?)?;
         }
         // Rows 1..q of every block.
         let rows = h

@@ -4,6 +4,7 @@
 //! Batch 1: queries are laid out `[kv_heads, n_rep * q_len, head_dim]` so that every query
 //! head of a group shares its K/V head without copying K/V (`repeat_kv` is never needed).
 
+use super::fused::{self, HeadSource, Visibility};
 use super::{KvCache, Linear, RmsNorm, Rope, RopeTables};
 use crate::source::Weights;
 use crate::Result;
@@ -39,6 +40,8 @@ pub struct Attention {
     pub spec: AttentionSpec,
     /// q, k and v stacked (see `fuse`): one matmul for the three in `forward`.
     pub qkv: Option<Linear>,
+    /// The k/v rows of `qkv` (a view of the same weight): keys and values without queries.
+    pub kv: Option<Linear>,
     /// Attention sinks `[heads]` (gpt-oss): a learned logit per head joining the softmax.
     pub sinks: Option<Tensor>,
 }
@@ -78,6 +81,7 @@ impl Attention {
             },
             spec,
             qkv: None,
+            kv: None,
             sinks: None,
         })
     }
@@ -87,9 +91,12 @@ impl Attention {
     pub fn fuse(&mut self) -> Result<()> {
         if self.qkv.is_none() {
             if let Some(f) = Linear::concat(&[&self.q_proj, &self.k_proj, &self.v_proj])? {
+                let qd = self.spec.heads * self.spec.head_dim;
+                let kd = self.spec.kv_heads * self.spec.head_dim;
                 self.q_proj = self.q_proj.emptied()?;
                 self.k_proj = self.k_proj.emptied()?;
                 self.v_proj = self.v_proj.emptied()?;
+                self.kv = f.rows(qd, 2 * kd)?;
                 self.qkv = Some(f);
             }
         }
@@ -140,14 +147,138 @@ impl Attention {
 
     /// Keys and values for `x [n, hidden]`: `[kv_heads, n, head_dim]` each (keys normed, roped).
     pub fn keys_values(&self, x: &Tensor, rope: &Rope, t: &RopeTables) -> Result<(Tensor, Tensor)> {
-        let (k, v) = match &self.qkv {
-            Some(_) => {
-                let (_, k, v) = self.project(x)?;
-                (k, v)
-            }
-            None => (self.k_proj.forward(x)?, self.v_proj.forward(x)?),
-        };
+        let (k, v) = self.project_kv(x)?;
         self.finish_keys_values(k, v, rope, t)
+    }
+
+    /// k and v projections only (`[n, kvh*d]` each), without computing queries.
+    fn project_kv(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        match (&self.kv, &self.qkv) {
+            (Some(kv), _) => {
+                let y = kv.forward(x)?;
+                let kd = self.spec.kv_heads * self.spec.head_dim;
+                Ok((y.narrow(1, 0, kd)?, y.narrow(1, kd, kd)?))
+            }
+            (None, Some(_)) => {
+                let (_, k, v) = self.project(x)?;
+                Ok((k, v))
+            }
+            (None, None) => Ok((self.k_proj.forward(x)?, self.v_proj.forward(x)?)),
+        }
+    }
+
+    /// Queries, keys and values of `x [n, hidden]` from one projection:
+    /// `[heads, n, d]`, `[kv_heads, n, d]`, `[kv_heads, n, d]`.
+    pub fn queries_keys_values(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        t: &RopeTables,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v) = self.project(x)?;
+        let q = self.finish_queries(q, rope, t)?;
+        let (k, v) = self.finish_keys_values(k, v, rope, t)?;
+        Ok((q, k, v))
+    }
+
+    /// The fused kernels' view of this layer's heads: where they sit in a projection output
+    /// whose first column is `offset`, and their norm.
+    fn head_source(&self, offset: usize, norm: &Option<RmsNorm>, rope: &Rope) -> HeadSource {
+        HeadSource {
+            offset,
+            norm: norm.as_ref().map(|n| n.weight.clone()),
+            eps: norm.as_ref().map_or(0.0, |n| n.eps),
+            rot: rope.rotary_dim,
+        }
+    }
+
+    /// Whether the fused path can run for this layer at all (dense stacked q/k/v, no sinks, a
+    /// joint cache, a head dim the kernel handles, packed tables); the kernels then check
+    /// device, dtype and shapes.
+    fn fusable(&self, cache: &KvCache, t: &RopeTables) -> bool {
+        self.qkv.is_some()
+            && self.sinks.is_none()
+            && cache.joint().is_some()
+            && t.packed.is_some()
+            && fused::attention_supports(self.spec.head_dim)
+    }
+
+    /// Append the keys/values of `x [n, hidden]` (positions of `t`) to `cache`, with the fused
+    /// kernel when it applies.
+    pub fn append_keys_values(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        t: &RopeTables,
+        cache: &mut KvCache,
+    ) -> Result<()> {
+        if let (true, Some(kvl), Some(packed)) = (self.fusable(cache, t), &self.kv, &t.packed) {
+            let y = kvl.forward(x)?;
+            let kd = self.spec.kv_heads * self.spec.head_dim;
+            let k = self.head_source(0, &self.k_norm, rope);
+            let n = x.dim(0)?;
+            if cache.append_in_place(n, |kv, pos0| fused::kv_write(kv, &y, packed, &k, kd, pos0))? {
+                return Ok(());
+            }
+        }
+        let (k, v) = self.keys_values(x, rope, t)?;
+        cache.append(&k, &v)?;
+        Ok(())
+    }
+
+    /// [`Self::forward`] through the fused kernels: one projection, one K/V write, one
+    /// attention launch (two with split keys). None when they do not apply (nothing changed);
+    /// the caller then runs `forward` with an explicit mask.
+    pub fn forward_fused(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        t: &RopeTables,
+        cache: &mut KvCache,
+        vis: Visibility,
+    ) -> Result<Option<Tensor>> {
+        let (Some(qkv), Some(packed)) = (&self.qkv, &t.packed) else {
+            return Ok(None);
+        };
+        if !self.fusable(cache, t) {
+            return Ok(None);
+        }
+        let n = x.dim(0)?;
+        let (qd, kd) = (
+            self.spec.heads * self.spec.head_dim,
+            self.spec.kv_heads * self.spec.head_dim,
+        );
+        let y = qkv.forward(x)?;
+        let k = self.head_source(qd, &self.k_norm, rope);
+        let pos0 = cache.len();
+        if !cache.append_in_place(n, |kv, p| fused::kv_write(kv, &y, packed, &k, qd + kd, p))? {
+            return Ok(None);
+        }
+        let q = self.head_source(0, &self.q_norm, rope);
+        let joint = cache.joint().expect("append_in_place wrote the joint buffer");
+        let o = fused::attention(
+            &y,
+            packed,
+            joint,
+            &q,
+            self.spec.heads,
+            self.spec.scale as f32,
+            pos0 + n,
+            pos0,
+            vis,
+        )?;
+        match o {
+            Some(o) => Ok(Some(self.o_proj.forward(&o)?)),
+            None => {
+                // The kernel declined after the K/V write (it checks the same conditions as
+                // `fusable`, so this is a bug, not an input): undo the write and say so.
+                cache.truncate(pos0);
+                Err(crate::Error::input(format!(
+                    "fused attention declined a layer it was set up for (heads {}, head_dim {}); run with DFLASH_FUSED=0 and report this",
+                    self.spec.heads, self.spec.head_dim
+                )))
+            }
+        }
     }
 
     fn finish_keys_values(

@@ -5,12 +5,29 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::cuda_backend::cudarc::driver::CudaView;
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Shape,
+    Storage, Tensor,
+};
 use half::bf16;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
+const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 /// Most rows of x one launch handles (the kernel keeps one accumulator per row).
 pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Rows up to which `Linear::forward` takes the GEMV kernel instead of cuBLAS:
+/// `DFLASH_GEMV_ROWS` (0..=8), default 8.
+fn gemv_rows() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("DFLASH_GEMV_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS))
+    })
+}
 const WARPS_PER_BLOCK: u32 = 8;
 
 struct Gemv;
@@ -86,7 +103,7 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
     let dims = x.dims();
     let k = *dims.last().unwrap_or(&0);
     let m: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-    if m == 0 || m > GEMV_MAX_ROWS || k % 8 != 0 || w.rank() != 2 || w.dim(1)? != k {
+    if m == 0 || m > gemv_rows() || k % 8 != 0 || w.rank() != 2 || w.dim(1)? != k {
         return Ok(None);
     }
     if !x.is_contiguous() || !w.is_contiguous() {
@@ -96,4 +113,462 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
     let mut out = dims.to_vec();
     *out.last_mut().expect("rank >= 1") = w.dim(0)?;
     Ok(Some(y.reshape(out)?))
+}
+
+// ---------------------------------------------------------------------------------------
+// Fused kernels (kernels/fused.cu). Each wrapper returns None when its kernel does not apply
+// (not CUDA, not bf16, a shape it does not handle), and the caller runs the candle path.
+
+fn no_cpu(name: &str) -> candle_core::Result<(CpuStorage, Shape)> {
+    candle_core::bail!("{name} is a CUDA kernel (the caller runs the portable path on CPU)")
+}
+
+/// The bf16 view of a contiguous operand.
+fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> candle_core::Result<CudaView<'a, bf16>> {
+    let Some((o, e)) = l.contiguous_offsets() else {
+        candle_core::bail!("dflash fused kernel: {what} must be contiguous");
+    };
+    Ok(s.as_cuda_slice::<bf16>()?.slice(o..e))
+}
+
+fn is_bf16_cuda(ts: &[&Tensor]) -> bool {
+    ts.iter()
+        .all(|t| t.device().is_cuda() && t.dtype() == DType::BF16 && t.is_contiguous())
+}
+
+/// A tensor held by an op (weights, tables), locked for reading while the op launches.
+struct Held<'a>(candle_core::StorageRef<'a>, &'a Layout);
+
+impl<'a> Held<'a> {
+    fn new(t: &'a Tensor) -> Self {
+        let (s, l) = t.storage_and_layout();
+        Held(s, l)
+    }
+    fn view(&self, what: &str) -> candle_core::Result<CudaView<'_, bf16>> {
+        match &*self.0 {
+            Storage::Cuda(s) => view(s, self.1, what),
+            _ => candle_core::bail!("dflash fused kernel: {what} is not on the CUDA device"),
+        }
+    }
+}
+
+fn block_for(d: usize) -> u32 {
+    (d.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+struct AddRmsNorm {
+    eps: f32,
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "dflash-add-rmsnorm"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        rs: &CudaStorage,
+        rl: &Layout,
+        ds: &CudaStorage,
+        dl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (n, h) = rl.shape().dims2()?;
+        if dl.shape().dims2()? != (n, h) || wl.shape().dims1()? != h {
+            candle_core::bail!("dflash-add-rmsnorm: shapes {:?} {:?} {:?}", rl.shape(), dl.shape(), wl.shape());
+        }
+        let dev = rs.device();
+        let (r, d, w) = (view(rs, rl, "residual")?, view(ds, dl, "delta")?, view(ws, wl, "weight")?);
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<bf16>(2 * n * h)? };
+        let (sum, norm) = (out.slice(0..n * h), out.slice(n * h..2 * n * h));
+        let func = dev.get_or_load_custom_func("add_rmsnorm_bf16", "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (block_for(h.min(1024)), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (h_i, eps) = (h as i32, self.eps);
+        let mut b = func.builder();
+        b.arg(&r);
+        b.arg(&d);
+        b.arg(&w);
+        b.arg(&sum);
+        b.arg(&norm);
+        b.arg(&h_i);
+        b.arg(&eps);
+        // SAFETY: argument types match the kernel; shapes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        drop((sum, norm));
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, n, h))))
+    }
+}
+
+/// `(res + delta, rms_norm(res + delta) * w)` for `[n, h]` rows in one kernel.
+pub fn add_rms_norm(
+    res: &Tensor,
+    delta: &Tensor,
+    w: &Tensor,
+    eps: f32,
+) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+    if !is_bf16_cuda(&[res, delta, w]) || res.rank() != 2 || res.dims() != delta.dims() {
+        return Ok(None);
+    }
+    let out = res.apply_op3_no_bwd(delta, w, &AddRmsNorm { eps })?;
+    Ok(Some((out.get(0)?, out.get(1)?)))
+}
+
+struct SwiGlu;
+
+impl CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "dflash-swiglu"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (n, two_i) = l.shape().dims2()?;
+        let inter = two_i / 2;
+        let dev = s.device();
+        let gu = view(s, l, "gate/up")?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<bf16>(n * inter)? };
+        let func = dev.get_or_load_custom_func("swiglu_bf16", "dflash_fused", FUSED_PTX)?;
+        let total = (n * inter) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (i_i, n_i) = (inter as i32, n as i32);
+        let mut b = func.builder();
+        b.arg(&gu);
+        b.arg(&out);
+        b.arg(&i_i);
+        b.arg(&n_i);
+        // SAFETY: argument types match the kernel.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((n, inter))))
+    }
+}
+
+/// `silu(gu[:, :I]) * gu[:, I:]` of a stacked gate/up output `[n, 2I]`.
+pub fn swiglu(gu: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !is_bf16_cuda(&[gu]) || gu.rank() != 2 || gu.dim(1)? % 2 != 0 {
+        return Ok(None);
+    }
+    Ok(Some(gu.apply_op1_no_bwd(&SwiGlu)?))
+}
+
+/// Where the heads sit in a projection output and how they are normed and rotated.
+#[derive(Clone)]
+pub struct HeadSource {
+    /// Column of head 0's first value in each row of the source.
+    pub offset: usize,
+    /// Per-head RMSNorm weight `[head_dim]`.
+    pub norm: Option<Tensor>,
+    pub eps: f32,
+    /// Dims rotated by RoPE (the first `rot` of each head).
+    pub rot: usize,
+}
+
+fn norm_arg<'a>(h: &'a Option<Held<'a>>) -> candle_core::Result<Option<CudaView<'a, bf16>>> {
+    h.as_ref().map(|h| h.view("head norm weight")).transpose()
+}
+
+struct KvWrite {
+    k: HeadSource,
+    v_offset: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    pos0: usize,
+}
+
+impl InplaceOp3 for KvWrite {
+    fn name(&self) -> &'static str {
+        "dflash-kv-write"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        candle_core::bail!("dflash-kv-write is a CUDA kernel (the caller appends with candle on CPU)")
+    }
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dl: &Layout,
+        ss: &CudaStorage,
+        sl: &Layout,
+        cs: &CudaStorage,
+        cl: &Layout,
+    ) -> candle_core::Result<()> {
+        let (n, stride) = sl.shape().dims2()?;
+        let (two, kvh, cap, d) = dl.shape().dims4()?;
+        let (d_ok, cs_ok) = (d == self.head_dim && two == 2 && kvh == self.kv_heads, cl.shape().dims2()? == (n, self.k.rot));
+        if !d_ok || !cs_ok || self.pos0 + n > cap {
+            candle_core::bail!("dflash-kv-write: src {:?} tables {:?} cache {:?} at {}", sl.shape(), cl.shape(), dl.shape(), self.pos0);
+        }
+        let dev = dst.device().clone();
+        let src = view(ss, sl, "projection")?;
+        let tab = view(cs, cl, "rope tables")?;
+        let held = self.k.norm.as_ref().map(Held::new);
+        let kw = norm_arg(&held)?;
+        let Some((o, e)) = dl.contiguous_offsets() else {
+            candle_core::bail!("dflash-kv-write: cache must be contiguous");
+        };
+        let mut kv = dst.as_cuda_slice_mut::<bf16>()?.slice_mut(o..e);
+        let func = dev.get_or_load_custom_func("kv_write_bf16", "dflash_fused", FUSED_PTX)?;
+        let threads = block_for(d);
+        let cfg = LaunchConfig {
+            grid_dim: (kvh as u32, n as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: (d * 4) as u32,
+        };
+        let (stride_i, k_off, v_off) = (stride as i32, self.k.offset as i32, self.v_offset as i32);
+        let (eps, rot, kvh_i, cap_i, pos_i, d_i) =
+            (self.k.eps, self.k.rot as i32, kvh as i32, cap as i64, self.pos0 as i32, d as i32);
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&src);
+        b.arg(&stride_i);
+        b.arg(&k_off);
+        b.arg(&v_off);
+        match &kw {
+            Some(w) => b.arg(w),
+            None => b.arg(&null),
+        };
+        b.arg(&eps);
+        b.arg(&tab);
+        b.arg(&rot);
+        b.arg(&mut kv);
+        b.arg(&kvh_i);
+        b.arg(&cap_i);
+        b.arg(&pos_i);
+        b.arg(&d_i);
+        // SAFETY: argument types match the kernel; shapes and bounds checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+/// Write rows `pos0 .. pos0 + n` of a joint KV cache `kv [2, kv_heads, cap, head_dim]` from a
+/// projection output `src [n, ..]`: keys normed + roped from `k`, values copied from column
+/// `v_offset`. `tables [n, rot]` is the packed `cos | sin` of the rows' positions. Returns
+/// false (nothing written) when the kernel does not apply.
+pub fn kv_write(
+    kv: &Tensor,
+    src: &Tensor,
+    tables: &Tensor,
+    k: &HeadSource,
+    v_offset: usize,
+    pos0: usize,
+) -> candle_core::Result<bool> {
+    let mut ts = vec![kv, src, tables];
+    if let Some(w) = &k.norm {
+        ts.push(w);
+    }
+    if !is_bf16_cuda(&ts) || kv.rank() != 4 || src.rank() != 2 {
+        return Ok(false);
+    }
+    let (_, kv_heads, _, head_dim) = kv.dims4()?;
+    if head_dim > 1024 || k.rot > head_dim || k.rot % 2 != 0 {
+        return Ok(false);
+    }
+    let op = KvWrite {
+        k: k.clone(),
+        v_offset,
+        kv_heads,
+        head_dim,
+        pos0,
+    };
+    kv.inplace_op3(src, tables, &op)?;
+    Ok(true)
+}
+
+/// Head dims the attention kernel is built for.
+pub const ATTN_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Which keys a query row sees.
+#[derive(Clone, Copy, Debug)]
+pub struct Visibility {
+    pub causal: bool,
+    /// Sliding window: key j is visible to the query at position p iff j + window > p.
+    pub window: Option<usize>,
+}
+
+struct Attend {
+    q: HeadSource,
+    heads: usize,
+    scale: f32,
+    kv_len: usize,
+    q_pos0: usize,
+    vis: Visibility,
+}
+
+impl CustomOp3 for Attend {
+    fn name(&self) -> &'static str {
+        "dflash-attention"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        ss: &CudaStorage,
+        sl: &Layout,
+        cs: &CudaStorage,
+        cl: &Layout,
+        ks: &CudaStorage,
+        kl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (n, stride) = sl.shape().dims2()?;
+        let (two, kvh, cap, d) = kl.shape().dims4()?;
+        let heads = self.heads;
+        let ok = two == 2
+            && ATTN_HEAD_DIMS.contains(&d)
+            && heads % kvh == 0
+            && self.kv_len <= cap
+            && self.kv_len > 0
+            && cl.shape().dims2()? == (n, self.q.rot)
+            && self.q.offset + heads * d <= stride;
+        if !ok {
+            candle_core::bail!("dflash-attention: src {:?} tables {:?} cache {:?} heads {heads} len {}", sl.shape(), cl.shape(), kl.shape(), self.kv_len);
+        }
+        let dev = ss.device();
+        let src = view(ss, sl, "projection")?;
+        let tab = view(cs, cl, "rope tables")?;
+        let kv = view(ks, kl, "kv cache")?;
+        let held = self.q.norm.as_ref().map(Held::new);
+        let qw = norm_arg(&held)?;
+        // Enough blocks to fill the GPU (~8 per SM on an H200), at least 64 keys per block.
+        let rows = heads * n;
+        let splits = 1024usize.div_ceil(rows).clamp(1, self.kv_len.div_ceil(64));
+        let chunk = self.kv_len.div_ceil(splits).div_ceil(16) * 16;
+        let splits = self.kv_len.div_ceil(chunk);
+        // SAFETY: every element is written (by attn with one split, else by attn_combine).
+        let out = unsafe { dev.alloc::<bf16>(n * heads * d)? };
+        let part = unsafe { dev.alloc::<f32>(if splits > 1 { rows * splits * (d + 2) } else { 1 })? };
+        let func = dev.get_or_load_custom_func(&format!("attn_bf16_d{d}"), "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (heads as u32, n as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (stride_i, q_off, eps, rot, scale) =
+            (stride as i32, self.q.offset as i32, self.q.eps, self.q.rot as i32, self.scale);
+        let (kvh_i, cap_i, len_i, rep_i, pos_i) =
+            (kvh as i32, cap as i64, self.kv_len as i32, (heads / kvh) as i32, self.q_pos0 as i32);
+        let (causal, window, chunk_i) = (
+            self.vis.causal as i32,
+            self.vis.window.unwrap_or(0).min(i32::MAX as usize) as i32,
+            chunk as i32,
+        );
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&src);
+        b.arg(&stride_i);
+        b.arg(&q_off);
+        match &qw {
+            Some(w) => b.arg(w),
+            None => b.arg(&null),
+        };
+        b.arg(&eps);
+        b.arg(&tab);
+        b.arg(&rot);
+        b.arg(&scale);
+        b.arg(&kv);
+        b.arg(&kvh_i);
+        b.arg(&cap_i);
+        b.arg(&len_i);
+        b.arg(&rep_i);
+        b.arg(&pos_i);
+        b.arg(&causal);
+        b.arg(&window);
+        b.arg(&chunk_i);
+        b.arg(&out);
+        b.arg(&part);
+        // SAFETY: argument types match the kernel; shapes and bounds checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        if splits > 1 {
+            let func = dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: (heads as u32, n as u32, 1),
+                block_dim: (block_for(d), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (splits_i, d_i) = (splits as i32, d as i32);
+            let mut b = func.builder();
+            b.arg(&part);
+            b.arg(&out);
+            b.arg(&splits_i);
+            b.arg(&d_i);
+            // SAFETY: argument types match the kernel.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((n, heads * d))))
+    }
+}
+
+/// Attention of the `n` query rows of `src [n, ..]` (heads at `q`, normed + roped + scaled in
+/// the kernel; row i at position `q_pos0 + i`) over the first `kv_len` rows of the joint
+/// cache `kv [2, kv_heads, cap, head_dim]`. Returns `[n, heads * head_dim]`, or None when the
+/// kernel does not apply.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    src: &Tensor,
+    tables: &Tensor,
+    kv: &Tensor,
+    q: &HeadSource,
+    heads: usize,
+    scale: f32,
+    kv_len: usize,
+    q_pos0: usize,
+    vis: Visibility,
+) -> candle_core::Result<Option<Tensor>> {
+    let mut ts = vec![src, tables, kv];
+    if let Some(w) = &q.norm {
+        ts.push(w);
+    }
+    if !is_bf16_cuda(&ts) || kv.rank() != 4 || src.rank() != 2 {
+        return Ok(None);
+    }
+    let (_, kvh, _, d) = kv.dims4()?;
+    if !ATTN_HEAD_DIMS.contains(&d) || heads % kvh != 0 || q.rot > d || q.rot % 2 != 0 || kv_len == 0 {
+        return Ok(None);
+    }
+    let op = Attend {
+        q: q.clone(),
+        heads,
+        scale,
+        kv_len,
+        q_pos0,
+        vis,
+    };
+    Ok(Some(src.apply_op3_no_bwd(tables, kv, &op)?))
 }

@@ -2,7 +2,9 @@
 //!
 //! Keys and values live in `[kv_heads, capacity, head_dim]` buffers; appending writes rows
 //! `len .. len + n` in place; `truncate(n)` only moves the length. Readers get views of the
-//! first `len` rows, so nothing is copied per step.
+//! first `len` rows, so nothing is copied per step. When keys and values have the same width
+//! both live in one `[2, kv_heads, capacity, head_dim]` tensor (`joint`), which the fused CUDA
+//! kernels write and read in one launch; `k` and `v` are views of it.
 
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -11,6 +13,7 @@ use candle_core::{DType, Device, Tensor};
 pub struct KvCache {
     k: Tensor,
     v: Tensor,
+    joint: Option<Tensor>,
     len: usize,
     capacity: usize,
 }
@@ -35,11 +38,20 @@ impl KvCache {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let k = Tensor::zeros((kv_heads, capacity, k_dim), dtype, device)?;
-        let v = Tensor::zeros((kv_heads, capacity, v_dim), dtype, device)?;
+        let (k, v, joint) = if k_dim == v_dim {
+            let joint = Tensor::zeros((2, kv_heads, capacity, k_dim), dtype, device)?;
+            (joint.get(0)?, joint.get(1)?, Some(joint))
+        } else {
+            (
+                Tensor::zeros((kv_heads, capacity, k_dim), dtype, device)?,
+                Tensor::zeros((kv_heads, capacity, v_dim), dtype, device)?,
+                None,
+            )
+        };
         Ok(Self {
             k,
             v,
+            joint,
             len: 0,
             capacity,
         })
@@ -58,12 +70,7 @@ impl KvCache {
     /// Append `k [kv_heads, n, k_dim]`, `v [kv_heads, n, v_dim]`; return views of all rows.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let n = k.dim(1)?;
-        if self.len + n > self.capacity {
-            return Err(Error::input(format!(
-                "context overflow: {} cached + {n} new positions exceed the KV cache capacity {}; raise the context size or shorten the prompt",
-                self.len, self.capacity
-            )));
-        }
+        self.check_room(n)?;
         self.k.slice_set(&k.contiguous()?, 1, self.len)?;
         self.v.slice_set(&v.contiguous()?, 1, self.len)?;
         self.len += n;
@@ -71,6 +78,40 @@ impl KvCache {
             self.k.narrow(1, 0, self.len)?,
             self.v.narrow(1, 0, self.len)?,
         ))
+    }
+
+    /// The joint `[2, kv_heads, capacity, d]` buffer (keys, values) when they share a width.
+    pub fn joint(&self) -> Option<&Tensor> {
+        self.joint.as_ref()
+    }
+
+    /// Append `n` rows written in place by `write(joint, first_row)` (the fused kernels). The
+    /// rows count as cached only when `write` says it wrote them; false (nothing appended)
+    /// when there is no joint buffer or `write` declined.
+    pub fn append_in_place(
+        &mut self,
+        n: usize,
+        write: impl FnOnce(&Tensor, usize) -> Result<bool>,
+    ) -> Result<bool> {
+        self.check_room(n)?;
+        let Some(joint) = &self.joint else {
+            return Ok(false);
+        };
+        if !write(joint, self.len)? {
+            return Ok(false);
+        }
+        self.len += n;
+        Ok(true)
+    }
+
+    fn check_room(&self, n: usize) -> Result<()> {
+        if self.len + n > self.capacity {
+            return Err(Error::input(format!(
+                "context overflow: {} cached + {n} new positions exceed the KV cache capacity {}; raise the context size or shorten the prompt",
+                self.len, self.capacity
+            )));
+        }
+        Ok(())
     }
 
     /// Views of the cached rows.

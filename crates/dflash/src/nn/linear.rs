@@ -66,6 +66,18 @@ impl Linear {
         Ok(Some(Linear::Dense { weight, bias }))
     }
 
+    /// Output rows `start .. start + len` of a dense linear as a linear of its own, sharing
+    /// the weight (a view, no copy). None for quantized weights.
+    pub fn rows(&self, start: usize, len: usize) -> Result<Option<Linear>> {
+        match self {
+            Linear::Dense { weight, bias } => Ok(Some(Linear::Dense {
+                weight: weight.narrow(0, start, len)?,
+                bias: bias.as_ref().map(|b| b.narrow(0, start, len)).transpose()?,
+            })),
+            Linear::Quant { .. } => Ok(None),
+        }
+    }
+
     /// A 0x0 dense stand-in for a linear whose weight moved into a fused one (frees it).
     pub fn emptied(&self) -> Result<Linear> {
         let (dtype, device) = match self {

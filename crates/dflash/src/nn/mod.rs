@@ -8,6 +8,7 @@ pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod embedding;
+pub mod fused;
 pub mod gated_attention;
 pub mod gated_delta;
 pub mod kv_cache;

@@ -25,6 +25,17 @@ impl RmsNorm {
         })
     }
 
+    /// `(res + delta, norm(res + delta))`: the residual update and the next norm, fused into
+    /// one kernel where it can run (see `nn::fused`).
+    pub fn add_forward(&self, res: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {
+        if let Some(r) = super::fused::add_rms_norm(res, delta, &self.weight, self.eps)? {
+            return Ok(r);
+        }
+        let sum = (res + delta)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
+    }
+
     /// Normalize over the last dimension. When autograd tracks `x` or the weight (draft
     /// training), the composite form runs: candle's fused kernel has no backward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -21,6 +21,9 @@ pub struct Rope {
 pub struct RopeTables {
     pub cos: Tensor,
     pub sin: Tensor,
+    /// `[len, rotary_dim]` = `cos | sin` per row in the compute dtype, for the fused CUDA
+    /// kernels (built only where they can run).
+    pub packed: Option<Tensor>,
 }
 
 impl Rope {
@@ -42,20 +45,8 @@ impl Rope {
         device: &Device,
         dtype: DType,
     ) -> Result<RopeTables> {
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(len * half);
-        let mut sin = Vec::with_capacity(len * half);
-        for p in start..start + len {
-            for &f in &self.inv_freq {
-                // HF multiplies position and inverse frequency in float32.
-                let a = (p as f32) * f;
-                cos.push(a.cos() * self.scale);
-                sin.push(a.sin() * self.scale);
-            }
-        }
-        let cos = Tensor::from_vec(cos, (len, half), device)?.to_dtype(dtype)?;
-        let sin = Tensor::from_vec(sin, (len, half), device)?.to_dtype(dtype)?;
-        Ok(RopeTables { cos, sin })
+        let positions: Vec<usize> = (start..start + len).collect();
+        self.tables_at(&positions, device, dtype)
     }
 
     /// Tables for arbitrary positions (one row per entry of `positions`), e.g. the blocks of
@@ -71,15 +62,27 @@ impl Rope {
         let mut sin = Vec::with_capacity(positions.len() * half);
         for &p in positions {
             for &f in &self.inv_freq {
+                // HF multiplies position and inverse frequency in float32.
                 let a = (p as f32) * f;
                 cos.push(a.cos() * self.scale);
                 sin.push(a.sin() * self.scale);
             }
         }
         let n = positions.len();
+        let packed = if device.is_cuda() && dtype == DType::BF16 && super::fused::allowed() {
+            let mut v = Vec::with_capacity(n * 2 * half);
+            for r in 0..n {
+                let row = r * half..(r + 1) * half;
+                v.extend(cos[row.clone()].iter().map(|&x| ::half::bf16::from_f32(x)));
+                v.extend(sin[row].iter().map(|&x| ::half::bf16::from_f32(x)));
+            }
+            Some(Tensor::from_vec(v, (n, 2 * half), device)?)
+        } else {
+            None
+        };
         let cos = Tensor::from_vec(cos, (n, half), device)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (n, half), device)?.to_dtype(dtype)?;
-        Ok(RopeTables { cos, sin })
+        Ok(RopeTables { cos, sin, packed })
     }
 
     /// Rotate `x [heads, len, head_dim]` (contiguous) by the tables of its positions. When

@@ -1,0 +1,252 @@
+//! The fused CUDA kernels (`kernels/fused.cu`) against the portable candle path they replace,
+//! on random bf16 tensors: residual add + RMSNorm, SwiGLU, and a whole attention layer (K/V
+//! write with per-head norm and RoPE, then attention over the cache) for decode (1 row),
+//! verify (16 rows) and draft (non-causal) shapes, head dims 64/128/256, partial RoPE,
+//! sliding windows, and contexts long enough to split the keys over several blocks.
+//!
+//! Built only with `--features cuda`; on a machine without a GPU every test says so and
+//! returns. Run on the H200 by `tools/gpu-bench/run.sh` (the test binary is carried along).
+
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor};
+use dflash::config::{RopeConfig, RopeKind};
+use dflash::nn::fused::Visibility;
+use dflash::nn::{attention_mask, Attention, AttentionSpec, KvCache, Linear, RmsNorm, Rope};
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("no CUDA device ({e}); fused kernel tests skipped");
+            None
+        }
+    }
+}
+
+fn randn(shape: &[usize], scale: f64, dev: &Device) -> Tensor {
+    (Tensor::randn(0f32, 1f32, shape, dev).unwrap() * scale)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+}
+
+/// max |a - b| / max |b| over all elements, in f32.
+fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let diff = (a - &b).unwrap().abs().unwrap().max(0).unwrap();
+    let scale = b.abs().unwrap().max(0).unwrap();
+    diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap().max(1e-6)
+}
+
+#[test]
+fn add_rms_norm_matches_candle() {
+    let Some(dev) = gpu() else { return };
+    for (n, h) in [(1, 4096), (16, 4096), (3, 1000), (5, 64)] {
+        let res = randn(&[n, h], 1.0, &dev);
+        let delta = randn(&[n, h], 0.5, &dev);
+        let norm = RmsNorm {
+            weight: randn(&[h], 1.0, &dev),
+            eps: 1e-6,
+        };
+        let (sum, normed) = dflash::nn::fused::add_rms_norm(&res, &delta, &norm.weight, norm.eps)
+            .unwrap()
+            .expect("the fused kernel applies to bf16 on CUDA");
+        let sum_ref = (&res + &delta).unwrap();
+        let normed_ref = norm.forward(&sum_ref).unwrap();
+        assert_eq!(rel_err(&sum, &sum_ref), 0.0, "n {n} h {h}: residual sum");
+        let e = rel_err(&normed, &normed_ref);
+        assert!(e < 1e-2, "n {n} h {h}: norm rel err {e}");
+    }
+}
+
+#[test]
+fn swiglu_matches_candle() {
+    let Some(dev) = gpu() else { return };
+    for (n, i) in [(1, 12288), (16, 12288), (7, 100)] {
+        let gu = randn(&[n, 2 * i], 2.0, &dev);
+        let got = dflash::nn::fused::swiglu(&gu).unwrap().expect("applies");
+        let g = gu.narrow(1, 0, i).unwrap();
+        let u = gu.narrow(1, i, i).unwrap();
+        let want = (candle_nn::ops::silu(&g).unwrap() * u).unwrap();
+        let e = rel_err(&got, &want);
+        assert!(e < 1e-2, "n {n} i {i}: rel err {e}");
+    }
+}
+
+struct Case {
+    head_dim: usize,
+    heads: usize,
+    kv_heads: usize,
+    qk_norm: bool,
+    partial: f64,
+    prefix: usize,
+    n: usize,
+    vis: Visibility,
+}
+
+fn attention_layer(c: &Case, dev: &Device) -> (Attention, Rope) {
+    let hidden = 256;
+    let (qd, kd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let lin = |o: usize, i: usize| Linear::dense(randn(&[o, i], (i as f64).powf(-0.5), dev), None);
+    let norm = || RmsNorm {
+        weight: randn(&[c.head_dim], 1.0, dev),
+        eps: 1e-6,
+    };
+    let spec = AttentionSpec {
+        hidden,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        bias: false,
+        o_bias: false,
+        qk_norm: c.qk_norm,
+        qk_norm_add_one: false,
+        eps: 1e-6,
+        scale: (c.head_dim as f64).powf(-0.5),
+    };
+    let mut a = Attention {
+        q_proj: lin(qd, hidden),
+        k_proj: lin(kd, hidden),
+        v_proj: lin(kd, hidden),
+        o_proj: lin(hidden, qd),
+        q_norm: c.qk_norm.then(norm),
+        k_norm: c.qk_norm.then(norm),
+        spec,
+        qkv: None,
+        kv: None,
+        sinks: None,
+    };
+    a.fuse().unwrap();
+    let rope = Rope::new(
+        &RopeConfig {
+            theta: 10000.0,
+            kind: RopeKind::Default,
+            partial_rotary_factor: c.partial,
+        },
+        c.head_dim,
+    );
+    (a, rope)
+}
+
+/// One attention layer over a cache holding `prefix` rows: fused (decode/verify/draft
+/// visibility as given) against the unfused forward with the equivalent explicit mask.
+fn check(c: &Case, dev: &Device) {
+    let (a, rope) = attention_layer(c, dev);
+    let cap = c.prefix + c.n + 8;
+    let mut fused_cache = KvCache::new(c.kv_heads, c.head_dim, cap, DType::BF16, dev).unwrap();
+    let mut plain_cache = KvCache::new(c.kv_heads, c.head_dim, cap, DType::BF16, dev).unwrap();
+    if c.prefix > 0 {
+        let ctx = randn(&[c.prefix, 256], 1.0, dev);
+        let t = rope.tables(0, c.prefix, dev, DType::BF16).unwrap();
+        // Prefix rows: the fused K/V write into one cache, the candle path into the other.
+        a.append_keys_values(&ctx, &rope, &t, &mut fused_cache).unwrap();
+        let (k, v) = a.keys_values(&ctx, &rope, &t).unwrap();
+        plain_cache.append(&k, &v).unwrap();
+        let (fk, fv) = fused_cache.view().unwrap();
+        let (pk, pv) = plain_cache.view().unwrap();
+        let (ek, ev) = (rel_err(&fk, &pk), rel_err(&fv, &pv));
+        assert!(ek < 2e-2 && ev == 0.0, "prefix K/V: k {ek} v {ev}");
+    }
+    let x = randn(&[c.n, 256], 1.0, dev);
+    let t = rope.tables(c.prefix, c.n, dev, DType::BF16).unwrap();
+    let got = a
+        .forward_fused(&x, &rope, &t, &mut fused_cache, c.vis)
+        .unwrap()
+        .expect("fused path applies");
+    let mask = if c.vis.causal || c.vis.window.is_some() {
+        attention_mask(
+            c.n,
+            c.prefix,
+            c.prefix + c.n,
+            c.vis.causal,
+            c.vis.window,
+            DType::BF16,
+            dev,
+        )
+        .unwrap()
+    } else {
+        None
+    };
+    let want = a
+        .forward(&x, &rope, &t, &mut plain_cache, mask.as_ref())
+        .unwrap();
+    assert_eq!(fused_cache.len(), plain_cache.len());
+    let e = rel_err(&got, &want);
+    let label = format!(
+        "d {} heads {}/{} norm {} partial {} prefix {} n {} {:?}",
+        c.head_dim, c.heads, c.kv_heads, c.qk_norm, c.partial, c.prefix, c.n, c.vis
+    );
+    // bf16 rounding of intermediate values (the unfused path rounds after every op) keeps
+    // the two within ~1e-2 of the output scale; a wrong mask, head or row is O(1).
+    assert!(e < 3e-2, "{label}: output rel err {e}");
+    eprintln!("ok {label}: rel err {e:.2e}");
+}
+
+#[test]
+fn attention_layer_matches_candle() {
+    let Some(dev) = gpu() else { return };
+    let causal = Visibility {
+        causal: true,
+        window: None,
+    };
+    let full = Visibility {
+        causal: false,
+        window: None,
+    };
+    let sliding = Visibility {
+        causal: true,
+        window: Some(48),
+    };
+    let mut cases = Vec::new();
+    for head_dim in [64, 128, 256] {
+        for (prefix, n, vis) in [
+            (0, 1, causal),
+            (0, 7, causal),
+            (37, 1, causal),
+            (700, 1, causal),
+            (300, 16, causal),
+            (2000, 16, causal),
+            (45, 16, full),
+            (900, 16, full),
+            (200, 1, sliding),
+            (200, 16, sliding),
+        ] {
+            cases.push(Case {
+                head_dim,
+                heads: 8,
+                kv_heads: 2,
+                qk_norm: true,
+                partial: 1.0,
+                prefix,
+                n,
+                vis,
+            });
+        }
+    }
+    // No q/k norm, no grouping, partial RoPE.
+    cases.push(Case {
+        head_dim: 128,
+        heads: 4,
+        kv_heads: 4,
+        qk_norm: false,
+        partial: 0.25,
+        prefix: 130,
+        n: 16,
+        vis: causal,
+    });
+    cases.push(Case {
+        head_dim: 64,
+        heads: 32,
+        kv_heads: 8,
+        qk_norm: false,
+        partial: 1.0,
+        prefix: 513,
+        n: 3,
+        vis: causal,
+    });
+    for c in &cases {
+        check(c, &dev);
+    }
+}
