@@ -226,6 +226,32 @@ impl Attention {
         Ok(())
     }
 
+    /// Write this layer's keys/values for new rows from `y`, a projection of those rows by
+    /// every layer's k/v weights stacked (`[n, layers * 2 * kv_heads * head_dim]`; this layer
+    /// is block `layer`). True when the fused kernel wrote them; false (nothing written)
+    /// when it does not apply.
+    pub fn write_keys_values_from(
+        &self,
+        y: &Tensor,
+        layer: usize,
+        rope: &Rope,
+        t: &RopeTables,
+        cache: &mut KvCache,
+    ) -> Result<bool> {
+        let Some(packed) = &t.packed else {
+            return Ok(false);
+        };
+        if !self.fusable(cache, t) {
+            return Ok(false);
+        }
+        let kd = self.spec.kv_heads * self.spec.head_dim;
+        let k = self.head_source(layer * 2 * kd, &self.k_norm, rope);
+        let n = y.dim(0)?;
+        cache.append_in_place(n, |kv, pos0| {
+            fused::kv_write(kv, y, packed, &k, layer * 2 * kd + kd, pos0)
+        })
+    }
+
     /// [`Self::forward`] through the fused kernels: one projection, one K/V write, one
     /// attention launch (two with split keys). None when they do not apply (nothing changed);
     /// the caller then runs `forward` with an explicit mask.

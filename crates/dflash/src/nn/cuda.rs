@@ -18,14 +18,16 @@ const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Rows up to which `Linear::forward` takes the GEMV kernel instead of cuBLAS:
-/// `DFLASH_GEMV_ROWS` (0..=8), default 8.
+/// `DFLASH_GEMV_ROWS` (0..=8), default 1. Measured on the H200 at the Qwen3-8B shape (verify
+/// forward, ms, GEMV up to 8 rows vs up to 1): Q=2 5.92 vs 5.86, Q=4 6.57 vs 5.91, Q=8 10.38
+/// vs 6.09; Q=1 5.32 (GEMV) either way: past one row cuBLAS is as fast or faster.
 fn gemv_rows() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| {
         std::env::var("DFLASH_GEMV_ROWS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS))
+            .map_or(1, |n: usize| n.min(GEMV_MAX_ROWS))
     })
 }
 const WARPS_PER_BLOCK: u32 = 8;

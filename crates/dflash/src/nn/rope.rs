@@ -16,14 +16,34 @@ pub struct Rope {
     pub rotary_dim: usize,
 }
 
-/// cos/sin for a run of consecutive positions: `[len, rotary_dim / 2]` each.
+/// cos/sin for a run of positions: `[len, rotary_dim / 2]` each, uploaded on first use (a
+/// forward that runs only fused kernels never needs them: two uploads and two casts fewer
+/// per table).
 #[derive(Debug, Clone)]
 pub struct RopeTables {
-    pub cos: Tensor,
-    pub sin: Tensor,
+    host: std::sync::Arc<(Vec<f32>, Vec<f32>)>,
+    len: usize,
+    device: Device,
+    dtype: DType,
+    cos_sin: std::sync::OnceLock<(Tensor, Tensor)>,
     /// `[len, rotary_dim]` = `cos | sin` per row in the compute dtype, for the fused CUDA
     /// kernels (built only where they can run).
     pub packed: Option<Tensor>,
+}
+
+impl RopeTables {
+    /// The `(cos, sin)` tensors in the compute dtype.
+    pub fn cos_sin(&self) -> Result<&(Tensor, Tensor)> {
+        if let Some(cs) = self.cos_sin.get() {
+            return Ok(cs);
+        }
+        let half = self.host.0.len() / self.len.max(1);
+        let up = |v: &Vec<f32>| -> Result<Tensor> {
+            Ok(Tensor::from_slice(v, (self.len, half), &self.device)?.to_dtype(self.dtype)?)
+        };
+        let cs = (up(&self.host.0)?, up(&self.host.1)?);
+        Ok(self.cos_sin.get_or_init(|| cs))
+    }
 }
 
 impl Rope {
@@ -80,9 +100,14 @@ impl Rope {
         } else {
             None
         };
-        let cos = Tensor::from_vec(cos, (n, half), device)?.to_dtype(dtype)?;
-        let sin = Tensor::from_vec(sin, (n, half), device)?.to_dtype(dtype)?;
-        Ok(RopeTables { cos, sin, packed })
+        Ok(RopeTables {
+            host: std::sync::Arc::new((cos, sin)),
+            len: n,
+            device: device.clone(),
+            dtype,
+            cos_sin: std::sync::OnceLock::new(),
+            packed,
+        })
     }
 
     /// Rotate `x [heads, len, head_dim]` (contiguous) by the tables of its positions. When
@@ -90,11 +115,12 @@ impl Rope {
     /// backward).
     pub fn apply(&self, x: &Tensor, t: &RopeTables) -> Result<Tensor> {
         let x4 = x.unsqueeze(0)?;
+        let (cos, sin) = t.cos_sin()?;
         let rope = |x: &Tensor| -> Result<Tensor> {
             Ok(if x.track_op() {
-                candle_nn::rotary_emb::rope_slow(x, &t.cos, &t.sin)?
+                candle_nn::rotary_emb::rope_slow(x, cos, sin)?
             } else {
-                candle_nn::rotary_emb::rope(x, &t.cos, &t.sin)?
+                candle_nn::rotary_emb::rope(x, cos, sin)?
             })
         };
         let out = if self.rotary_dim == self.head_dim {
