@@ -18,6 +18,10 @@ use crate::source::Weights;
 use crate::Result;
 use candle_core::{DType, Tensor};
 
+/// Blocks of at most this many rows (verify blocks; prompts are longer) run their attention
+/// row by row on the CPU (`Attention::forward_rows`).
+const ROW_WISE_MAX: usize = 32;
+
 /// What distinguishes one dense family from another.
 #[derive(Debug, Clone)]
 pub struct DecoderSpec {
@@ -325,6 +329,10 @@ impl DecoderModel {
             };
             let a = match layer.attn.forward_fused(&x, rope, tables, kv, vis)? {
                 Some(a) => a,
+                // A verify-sized block on the CPU: row by row, bit-equal to decode steps.
+                None if dev.is_cpu() && n > 1 && n <= ROW_WISE_MAX => {
+                    layer.attn.forward_rows(&x, rope, tables, kv, window)?
+                }
                 None => {
                     let slot = if window.is_some() {
                         &mut mask_slide

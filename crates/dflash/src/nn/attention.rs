@@ -226,6 +226,49 @@ impl Attention {
         Ok(())
     }
 
+    /// [`Self::forward`] for a short causal block (a verify) computed row by row, each row
+    /// exactly as a one-row decode step at its position computes it: the keys up to its own
+    /// position and the same mask (none for full layers, the window's for sliding ones). The
+    /// matmul kernels pick their blocking (and so their summation order) by shape, so one
+    /// `[rep * n, d] x [d, L]` product does not round like n `[rep, d] x [d, L_i]` products;
+    /// after activation quantization (GGUF weights) those last-bit differences grow into
+    /// logit differences that flip greedy choices. Row by row, a verify's logits equal the
+    /// plain decoding steps' (tested in `tests/lossless.rs`), so greedy DFlash output equals
+    /// greedy plain decoding without relying on near-ties being rare.
+    pub fn forward_rows(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        t: &RopeTables,
+        cache: &mut KvCache,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
+        let (q, k, v) = self.project(x)?;
+        let q = self.finish_queries(q, rope, t)?;
+        let (k, v) = self.finish_keys_values(k, v, rope, t)?;
+        let start = cache.len();
+        let (k, v) = cache.append(&k, &v)?;
+        let n = x.dim(0)?;
+        let mut rows = Vec::with_capacity(n);
+        for i in 0..n {
+            let len = start + i + 1;
+            let mask = match window {
+                Some(_) => attention_mask(1, start + i, len, true, window, q.dtype(), q.device())?,
+                None => None,
+            };
+            let qi = q.narrow(1, i, 1)?.contiguous()?;
+            rows.push(sdpa_with_sinks(
+                &qi,
+                &k.narrow(1, 0, len)?,
+                &v.narrow(1, 0, len)?,
+                mask.as_ref(),
+                self.spec.scale,
+                self.sinks.as_ref(),
+            )?);
+        }
+        self.o_proj.forward(&Tensor::cat(&rows, 0)?)
+    }
+
     /// Write this layer's keys/values for new rows from `y`, a projection of those rows by
     /// every layer's k/v weights stacked (`[n, layers * 2 * kv_heads * head_dim]`; this layer
     /// is block `layer`). True when the fused kernel wrote them; false (nothing written)
