@@ -287,3 +287,34 @@ fn sampling_is_reproducible_and_matches_the_target_distribution() {
     // committing draft tokens without matching samples) is far off.
     assert!(tv < 0.15, "total variation {tv} (n = {n_cond})");
 }
+
+/// The adaptive policy's estimates carry over to the next generation of the same engine: the
+/// first generation warms up (a small block, then a plain step, to measure costs), the second
+/// does not, and both stay lossless.
+#[test]
+fn adaptive_estimates_carry_over_between_generations() {
+    let mut t = TinyTarget::qwen3(21);
+    t.zero_head_row0 = true;
+    let mut d = TinyDraft::for_target(&t, 2, vec![1, 3], 8, 4);
+    d.zero_final_norm = true;
+    let (_dir, e) = build(&t, &d);
+    let prompt = ids(2, 17, t.vocab);
+    let plain = gen(&e, &prompt, 30, 1, &[]).output_ids;
+    let mut r = GenerateRequest::new(prompt.clone(), 30);
+    r.adaptive = true;
+    let first = e.generate(&r, &mut |_| Flow::Continue).unwrap();
+    let second = e.generate(&r, &mut |_| Flow::Continue).unwrap();
+    assert_eq!(first.output_ids, plain);
+    assert_eq!(second.output_ids, plain);
+    assert!(
+        first.stats.q_reasons.get("warmup").copied().unwrap_or(0) >= 2,
+        "first generation warms up: {:?}",
+        first.stats.q_reasons
+    );
+    assert_eq!(
+        second.stats.q_reasons.get("warmup"),
+        None,
+        "second generation reuses the estimates: {:?}",
+        second.stats.q_reasons
+    );
+}

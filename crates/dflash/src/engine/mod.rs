@@ -150,8 +150,16 @@ impl Engine {
             ..Default::default()
         };
         let mut steps = req.trace.then(Vec::new);
-        let mut policy = (draft.is_some() && req.adaptive && req.block_size.is_none())
-            .then(|| AdaptivePolicy::new(q_max));
+        // The estimates of earlier generations (same block size), else a fresh policy. The
+        // slot is emptied while a generation runs, so concurrent ones start fresh.
+        let mut policy = (draft.is_some() && req.adaptive && req.block_size.is_none()).then(|| {
+            self.policy
+                .lock()
+                .ok()
+                .and_then(|mut slot| slot.take())
+                .filter(|p| p.max_q() == q_max)
+                .unwrap_or_else(|| AdaptivePolicy::new(q_max))
+        });
         stats.adaptive = policy.is_some();
         stats.q_histogram = vec![0; q_max + 1];
         let mut out: Vec<u32> = Vec::new();
