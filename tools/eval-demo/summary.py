@@ -23,7 +23,9 @@ for name, s, r in rows:
         print(f"| {name} | - | - | - | - | - | - | {r.get('status')} | - |")
         continue
     o = s["options"]
-    block = f"{o['block_size']} fixed" if not o["adaptive"] else f"adaptive (max {r['block_size']})"
+    # --block-size pins the size (options.block_size set); otherwise adaptive up to the draft's
+    pinned = o.get("block_size") is not None or not o["adaptive"]
+    block = f"{r['block_size']} fixed" if pinned else f"adaptive (max {r['block_size']})"
     b, d = r["baseline_tok_s"], r["dflash_tok_s"]
     gm = r.get("greedy_mismatches")
     print(
