@@ -52,6 +52,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         out.join("tokenizer_config.json"),
         serde_json::to_string_pretty(&tc)?,
     )?;
-    println!("wrote {}/config.json, tokenizer.json, tokenizer_config.json", out.display());
+    println!(
+        "wrote {}/config.json, tokenizer.json, tokenizer_config.json",
+        out.display()
+    );
     Ok(())
 }

@@ -170,6 +170,10 @@ impl SectionTimer {
             .iter()
             .map(|(l, t)| format!("{l} {t:.3}"))
             .collect();
-        eprintln!("profile {}: total {total:.3} ms = {}", self.what, parts.join(", "));
+        eprintln!(
+            "profile {}: total {total:.3} ms = {}",
+            self.what,
+            parts.join(", ")
+        );
     }
 }

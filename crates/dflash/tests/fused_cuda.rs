@@ -141,7 +141,8 @@ fn check(c: &Case, dev: &Device) {
         let ctx = randn(&[c.prefix, 256], 1.0, dev);
         let t = rope.tables(0, c.prefix, dev, DType::BF16).unwrap();
         // Prefix rows: the fused K/V write into one cache, the candle path into the other.
-        a.append_keys_values(&ctx, &rope, &t, &mut fused_cache).unwrap();
+        a.append_keys_values(&ctx, &rope, &t, &mut fused_cache)
+            .unwrap();
         let (k, v) = a.keys_values(&ctx, &rope, &t).unwrap();
         plain_cache.append(&k, &v).unwrap();
         let (fk, fv) = fused_cache.view().unwrap();

@@ -324,7 +324,9 @@ impl Attention {
             return Ok(None);
         }
         let q = self.head_source(0, &self.q_norm, rope);
-        let joint = cache.joint().expect("append_in_place wrote the joint buffer");
+        let joint = cache
+            .joint()
+            .expect("append_in_place wrote the joint buffer");
         let o = fused::attention(
             &y,
             packed,

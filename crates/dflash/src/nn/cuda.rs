@@ -3,9 +3,9 @@
 //! caller falls back to the portable candle path.
 
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::CudaView;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::cuda_backend::cudarc::driver::CudaView;
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Shape,
     Storage, Tensor,
@@ -188,10 +188,19 @@ impl CustomOp3 for AddRmsNorm {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let (n, h) = rl.shape().dims2()?;
         if dl.shape().dims2()? != (n, h) || wl.shape().dims1()? != h {
-            candle_core::bail!("dflash-add-rmsnorm: shapes {:?} {:?} {:?}", rl.shape(), dl.shape(), wl.shape());
+            candle_core::bail!(
+                "dflash-add-rmsnorm: shapes {:?} {:?} {:?}",
+                rl.shape(),
+                dl.shape(),
+                wl.shape()
+            );
         }
         let dev = rs.device();
-        let (r, d, w) = (view(rs, rl, "residual")?, view(ds, dl, "delta")?, view(ws, wl, "weight")?);
+        let (r, d, w) = (
+            view(rs, rl, "residual")?,
+            view(ds, dl, "delta")?,
+            view(ws, wl, "weight")?,
+        );
         // SAFETY: the kernel writes every element.
         let out = unsafe { dev.alloc::<bf16>(2 * n * h)? };
         let (sum, norm) = (out.slice(0..n * h), out.slice(n * h..2 * n * h));
@@ -213,7 +222,10 @@ impl CustomOp3 for AddRmsNorm {
         // SAFETY: argument types match the kernel; shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
         drop((sum, norm));
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, n, h))))
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((2, n, h)),
+        ))
     }
 }
 
@@ -262,7 +274,10 @@ impl CustomOp1 for SwiGlu {
         b.arg(&n_i);
         // SAFETY: argument types match the kernel.
         unsafe { b.launch(cfg) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((n, inter))))
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, inter)),
+        ))
     }
 }
 
@@ -311,7 +326,9 @@ impl InplaceOp3 for KvWrite {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<()> {
-        candle_core::bail!("dflash-kv-write is a CUDA kernel (the caller appends with candle on CPU)")
+        candle_core::bail!(
+            "dflash-kv-write is a CUDA kernel (the caller appends with candle on CPU)"
+        )
     }
     fn cuda_fwd(
         &self,
@@ -324,9 +341,18 @@ impl InplaceOp3 for KvWrite {
     ) -> candle_core::Result<()> {
         let (n, stride) = sl.shape().dims2()?;
         let (two, kvh, cap, d) = dl.shape().dims4()?;
-        let (d_ok, cs_ok) = (d == self.head_dim && two == 2 && kvh == self.kv_heads, cl.shape().dims2()? == (n, self.k.rot));
+        let (d_ok, cs_ok) = (
+            d == self.head_dim && two == 2 && kvh == self.kv_heads,
+            cl.shape().dims2()? == (n, self.k.rot),
+        );
         if !d_ok || !cs_ok || self.pos0 + n > cap {
-            candle_core::bail!("dflash-kv-write: src {:?} tables {:?} cache {:?} at {}", sl.shape(), cl.shape(), dl.shape(), self.pos0);
+            candle_core::bail!(
+                "dflash-kv-write: src {:?} tables {:?} cache {:?} at {}",
+                sl.shape(),
+                cl.shape(),
+                dl.shape(),
+                self.pos0
+            );
         }
         let dev = dst.device().clone();
         let src = view(ss, sl, "projection")?;
@@ -345,8 +371,14 @@ impl InplaceOp3 for KvWrite {
             shared_mem_bytes: (d * 4) as u32,
         };
         let (stride_i, k_off, v_off) = (stride as i32, self.k.offset as i32, self.v_offset as i32);
-        let (eps, rot, kvh_i, cap_i, pos_i, d_i) =
-            (self.k.eps, self.k.rot as i32, kvh as i32, cap as i64, self.pos0 as i32, d as i32);
+        let (eps, rot, kvh_i, cap_i, pos_i, d_i) = (
+            self.k.eps,
+            self.k.rot as i32,
+            kvh as i32,
+            cap as i64,
+            self.pos0 as i32,
+            d as i32,
+        );
         let null = 0u64;
         let mut b = func.builder();
         b.arg(&src);
@@ -460,7 +492,13 @@ impl CustomOp3 for Attend {
             && cl.shape().dims2()? == (n, self.q.rot)
             && self.q.offset + heads * d <= stride;
         if !ok {
-            candle_core::bail!("dflash-attention: src {:?} tables {:?} cache {:?} heads {heads} len {}", sl.shape(), cl.shape(), kl.shape(), self.kv_len);
+            candle_core::bail!(
+                "dflash-attention: src {:?} tables {:?} cache {:?} heads {heads} len {}",
+                sl.shape(),
+                cl.shape(),
+                kl.shape(),
+                self.kv_len
+            );
         }
         let dev = ss.device();
         let src = view(ss, sl, "projection")?;
@@ -475,17 +513,34 @@ impl CustomOp3 for Attend {
         let splits = self.kv_len.div_ceil(chunk);
         // SAFETY: every element is written (by attn with one split, else by attn_combine).
         let out = unsafe { dev.alloc::<bf16>(n * heads * d)? };
-        let part = unsafe { dev.alloc::<f32>(if splits > 1 { rows * splits * (d + 2) } else { 1 })? };
-        let func = dev.get_or_load_custom_func(&format!("attn_bf16_d{d}"), "dflash_fused", FUSED_PTX)?;
+        let part = unsafe {
+            dev.alloc::<f32>(if splits > 1 {
+                rows * splits * (d + 2)
+            } else {
+                1
+            })?
+        };
+        let func =
+            dev.get_or_load_custom_func(&format!("attn_bf16_d{d}"), "dflash_fused", FUSED_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (heads as u32, n as u32, splits as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (stride_i, q_off, eps, rot, scale) =
-            (stride as i32, self.q.offset as i32, self.q.eps, self.q.rot as i32, self.scale);
-        let (kvh_i, cap_i, len_i, rep_i, pos_i) =
-            (kvh as i32, cap as i64, self.kv_len as i32, (heads / kvh) as i32, self.q_pos0 as i32);
+        let (stride_i, q_off, eps, rot, scale) = (
+            stride as i32,
+            self.q.offset as i32,
+            self.q.eps,
+            self.q.rot as i32,
+            self.scale,
+        );
+        let (kvh_i, cap_i, len_i, rep_i, pos_i) = (
+            kvh as i32,
+            cap as i64,
+            self.kv_len as i32,
+            (heads / kvh) as i32,
+            self.q_pos0 as i32,
+        );
         let (causal, window, chunk_i) = (
             self.vis.causal as i32,
             self.vis.window.unwrap_or(0).min(i32::MAX as usize) as i32,
@@ -518,7 +573,8 @@ impl CustomOp3 for Attend {
         // SAFETY: argument types match the kernel; shapes and bounds checked above.
         unsafe { b.launch(cfg) }.w()?;
         if splits > 1 {
-            let func = dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
+            let func =
+                dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
             let cfg = LaunchConfig {
                 grid_dim: (heads as u32, n as u32, 1),
                 block_dim: (block_for(d), 1, 1),
@@ -533,7 +589,10 @@ impl CustomOp3 for Attend {
             // SAFETY: argument types match the kernel.
             unsafe { b.launch(cfg) }.w()?;
         }
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((n, heads * d))))
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, heads * d)),
+        ))
     }
 }
 
@@ -561,7 +620,12 @@ pub fn attention(
         return Ok(None);
     }
     let (_, kvh, _, d) = kv.dims4()?;
-    if !ATTN_HEAD_DIMS.contains(&d) || heads % kvh != 0 || q.rot > d || q.rot % 2 != 0 || kv_len == 0 {
+    if !ATTN_HEAD_DIMS.contains(&d)
+        || heads % kvh != 0
+        || q.rot > d
+        || q.rot % 2 != 0
+        || kv_len == 0
+    {
         return Ok(None);
     }
     let op = Attend {
