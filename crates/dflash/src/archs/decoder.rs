@@ -5,14 +5,13 @@
 //! the differences between families are fields of the spec, not copies of this code.
 
 use super::{
-    checked_forward, ForwardOutput, LayerCache, Logits, TapRecorder, TargetCache, TargetInfo,
-    TargetModel,
+    checked_forward, ForwardOutput, Logits, TapRecorder, TargetCache, TargetInfo, TargetModel,
 };
 use crate::config::{LayerType, TargetConfig};
 use crate::nn::fused::Visibility;
 use crate::nn::{
-    attention_mask, Activation, Attention, AttentionSpec, Embedding, GatedMlp, KvCache, Linear,
-    RmsNorm, Rope, SparseMoe,
+    attention_mask, Activation, Attention, AttentionSpec, Embedding, GatedMlp, Linear, RmsNorm,
+    Rope, SparseMoe,
 };
 use crate::source::Weights;
 use crate::Result;
@@ -391,18 +390,14 @@ impl TargetModel for DecoderModel {
     }
 
     fn new_cache(&self, capacity: usize) -> Result<TargetCache> {
-        let layers = (0..self.layers.len())
-            .map(|_| {
-                Ok(LayerCache::Kv(KvCache::new(
-                    self.kv_heads,
-                    self.head_dim,
-                    capacity,
-                    self.info.dtype,
-                    &self.info.device,
-                )?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(TargetCache::new(layers, capacity))
+        TargetCache::uniform_kv(
+            self.layers.len(),
+            self.kv_heads,
+            self.head_dim,
+            capacity,
+            self.info.dtype,
+            &self.info.device,
+        )
     }
 
     fn forward(

@@ -18,16 +18,13 @@
 //! `chat_template.jinja` like every other template.
 
 use super::{
-    checked_forward, ForwardOutput, LayerCache, Logits, TapRecorder, TargetCache, TargetInfo,
-    TargetModel,
+    checked_forward, ForwardOutput, Logits, TapRecorder, TargetCache, TargetInfo, TargetModel,
 };
 #[cfg(test)]
 use crate::config::RopeKind;
 use crate::config::{Fields, LayerType, RopeConfig, TargetConfig};
 use crate::nn::routing::{top_k_desc, Routes};
-use crate::nn::{
-    attention_mask, Attention, AttentionSpec, Embedding, KvCache, Linear, RmsNorm, Rope,
-};
+use crate::nn::{attention_mask, Attention, AttentionSpec, Embedding, Linear, RmsNorm, Rope};
 use crate::source::mxfp4::{self, Packed};
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -420,18 +417,14 @@ impl TargetModel for GptOssModel {
     }
 
     fn new_cache(&self, capacity: usize) -> Result<TargetCache> {
-        let layers = (0..self.layers.len())
-            .map(|_| {
-                Ok(LayerCache::Kv(KvCache::new(
-                    self.kv_heads,
-                    self.head_dim,
-                    capacity,
-                    self.info.dtype,
-                    &self.info.device,
-                )?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(TargetCache::new(layers, capacity))
+        TargetCache::uniform_kv(
+            self.layers.len(),
+            self.kv_heads,
+            self.head_dim,
+            capacity,
+            self.info.dtype,
+            &self.info.device,
+        )
     }
 
     fn forward(

@@ -114,6 +114,25 @@ impl TargetCache {
             capacity,
         }
     }
+
+    /// `layers` identical KV caches (families whose every layer is attention of one shape).
+    pub fn uniform_kv(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let layers = (0..layers)
+            .map(|_| {
+                Ok(LayerCache::Kv(crate::nn::KvCache::new(
+                    kv_heads, head_dim, capacity, dtype, device,
+                )?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::new(layers, capacity))
+    }
     /// Positions held.
     pub fn len(&self) -> usize {
         self.len

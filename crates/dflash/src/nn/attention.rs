@@ -243,9 +243,7 @@ impl Attention {
         cache: &mut KvCache,
         window: Option<usize>,
     ) -> Result<Tensor> {
-        let (q, k, v) = self.project(x)?;
-        let q = self.finish_queries(q, rope, t)?;
-        let (k, v) = self.finish_keys_values(k, v, rope, t)?;
+        let (q, k, v) = self.queries_keys_values(x, rope, t)?;
         let start = cache.len();
         let (k, v) = cache.append(&k, &v)?;
         let n = x.dim(0)?;
@@ -381,9 +379,7 @@ impl Attention {
         cache: &mut KvCache,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let (q, k, v) = self.project(x)?;
-        let q = self.finish_queries(q, rope, t)?;
-        let (k, v) = self.finish_keys_values(k, v, rope, t)?;
+        let (q, k, v) = self.queries_keys_values(x, rope, t)?;
         let (k, v) = cache.append(&k, &v)?;
         let o = sdpa_with_sinks(&q, &k, &v, mask, self.spec.scale, self.sinks.as_ref())?;
         self.o_proj.forward(&o)
