@@ -21,7 +21,7 @@ LIMIT=${LIMIT:-5}
 MAXTOK=${MAXTOK:-128}
 REPEAT=${REPEAT:-2}
 SETS=${SETS:-humaneval mtbench}
-BLOCKS=${BLOCKS:-2 4 8 16}
+BLOCKS=${BLOCKS-2 4 8 16}   # BLOCKS="" runs no fixed-block rows
 mkdir -p "$OUT"
 common=(--model "$MODEL" --limit "$LIMIT" --max-tokens "$MAXTOK" --repeat "$REPEAT" --cooldown 1 --warmup 1 --quiet)
 run() { # name, extra args...
