@@ -7,6 +7,7 @@
 #     tools/gpu-bench/run.sh                    # CPU smoke test of the whole pipeline
 # Options (env): SHAPE=qwen3-8b|qwen3.5-9b, REPEAT, MAXNEW, SKIP_REF=1 (models only, no
 # PyTorch timing), SKIP_MICRO=1, SKIP_PROBE=1, AB_UNFUSED=1 (micro again with DFLASH_FUSED=0),
+# AB_MMA=1 (micro again in batch-invariant mode, DFLASH_BATCH_INVARIANT=1),
 # T0_ROWS (the T=0 bench rows).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -59,6 +60,15 @@ if [ "${AB_UNFUSED:-0}" = 1 ]; then
   DFLASH_FUSED=0 "$BIN" bench --micro --model "$MODELS/target" --draft "$MODELS/draft-agree" --device "$DEV" \
     --dtype "$ours_dtype" --micro-context 128 --micro-q 1,16 --micro-iters 30 \
     --out "$RES/micro-unfused" 2>&1 | tee "$RES/micro-unfused.log" >&2 || echo "micro (unfused) FAILED" >&2
+fi
+if [ "${AB_MMA:-0}" = 1 ]; then
+  for v in "DFLASH_BATCH_INVARIANT=1:invariant"; do
+    tag=${v#*:}; v=${v%%:*}
+    echo "== ours: micro with $v" >&2
+    env "$v" "$BIN" bench --micro --model "$MODELS/target" --draft "$MODELS/draft-agree" --device "$DEV" \
+      --dtype "$ours_dtype" --micro-context 128 --micro-q 1,4,16 --micro-iters 30 \
+      --out "$RES/micro-$tag" 2>&1 | tee "$RES/micro-$tag.log" >&2 || echo "micro ($v) FAILED" >&2
+  done
 fi
 fi
 

@@ -56,6 +56,20 @@ def main(out):
     for name, r in res.items():
         ms = r["median_us"] / 1e3
         p(f"| {name} | {ms:.3f} | {f(r['median_us'] / ar if ar else None)} |")
+    # The same micro pieces in the A/B runs (run.sh AB_UNFUSED=1 / AB_MMA=1), side by side.
+    ab = [("default", res)]
+    for tag in ("unfused", "invariant"):
+        m = load(os.path.join(out, f"micro-{tag}", "micro.json"))
+        if m:
+            ab.append((tag, {r["name"]: r for r in m.get("results", [])}))
+    if len(ab) > 1:
+        names = [n for n in res if n.startswith("verify") or n.startswith("draft")]
+        p("")
+        p("| micro A/B, ms | " + " | ".join(t for t, _ in ab) + " |")
+        p("|---|" + "---|" * len(ab))
+        for n in names:
+            cells = [f(r.get(n, {}).get("median_us", 0) / 1e3 if n in r else None, "{:.3f}") for _, r in ab]
+            p(f"| {n} | " + " | ".join(cells) + " |")
     if ar and floor_ms:
         p(f"\nAR step {ar / 1e3:.2f} ms = {floor_ms / (ar / 1e3) * 100:.0f}% of the floor "
           f"(target <= 5.5 ms, >= 70%)")

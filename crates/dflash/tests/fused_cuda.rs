@@ -75,6 +75,195 @@ fn swiglu_matches_candle() {
     }
 }
 
+/// The tensor-core skinny GEMM (kernels/mma.cu) against an f32 product of the same bf16
+/// operands: every row count 2..=16 (one or two mma tiles, padded rows), widths that are not
+/// a multiple of the 16-row tile (clamped loads, skipped stores), K split unevenly over the
+/// block's warps (K / 32 not a multiple of 8 or even), an offset view of the weight, and a
+/// 3-D input. bf16 output rounding bounds the error (~4e-3 relative).
+#[test]
+fn mma_matches_f32_product() {
+    let Some(dev) = gpu() else { return };
+    let mut cases = vec![];
+    for m in 2..=16 {
+        cases.push((m, 4096, 4096));
+    }
+    cases.extend([
+        (16, 1000, 96),
+        (3, 17, 32),
+        (9, 6144, 12288),
+        (16, 151936, 576),
+        (5, 33, 544),
+    ]);
+    for (m, n, k) in cases {
+        let x = randn(&[m, k], 1.0, &dev);
+        let w = randn(&[n, k], 0.05, &dev);
+        let got = dflash::nn::cuda::mma_forced(&x, &w)
+            .unwrap()
+            .expect("the mma kernel applies to bf16 on CUDA");
+        assert_eq!(got.dims(), &[m, n]);
+        let want = x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+            .unwrap();
+        let e = rel_err(&got, &want);
+        assert!(e < 1e-2, "m {m} n {n} k {k}: rel err {e}");
+    }
+    // A view of rows 8.. of a larger weight (offset, still aligned) and a [1, m, k] input.
+    let big = randn(&[40, 256], 0.05, &dev);
+    let w = big.narrow(0, 8, 24).unwrap();
+    let x = randn(&[1, 12, 256], 1.0, &dev);
+    let got = dflash::nn::cuda::mma_forced(&x, &w)
+        .unwrap()
+        .expect("applies");
+    assert_eq!(got.dims(), &[1, 12, 24]);
+    let want = x
+        .to_dtype(DType::F32)
+        .unwrap()
+        .broadcast_matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+        .unwrap();
+    let e = rel_err(&got, &want);
+    assert!(e < 1e-2, "offset view: rel err {e}");
+    // Shapes it must decline (the caller then runs cuBLAS): 17 rows, K not a multiple of 32.
+    assert!(dflash::nn::cuda::mma_forced(
+        &randn(&[17, 64], 1.0, &dev),
+        &randn(&[8, 64], 1.0, &dev)
+    )
+    .unwrap()
+    .is_none());
+    assert!(
+        dflash::nn::cuda::mma_forced(&randn(&[4, 48], 1.0, &dev), &randn(&[8, 48], 1.0, &dev))
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// The skinny GEMM's batch invariance: a row's output bits do not depend on how many rows are
+/// multiplied with it or what they hold (decode = 1 row, verify = up to 16), at any position in
+/// the block (tile 0 or 1, any column of the mma's B operand).
+#[test]
+fn mma_rows_are_batch_invariant() {
+    let Some(dev) = gpu() else { return };
+    for (n, k) in [(4096, 4096), (1000, 576), (24576, 4096), (4096, 12288)] {
+        let x = randn(&[16, k], 1.0, &dev);
+        let w = randn(&[n, k], 0.05, &dev);
+        let mma = |x: &Tensor| {
+            dflash::nn::cuda::mma_forced(x, &w)
+                .unwrap()
+                .expect("applies")
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+        };
+        let all = mma(&x);
+        for (start, len) in [(0, 1), (5, 1), (9, 1), (15, 1), (3, 5), (8, 8), (0, 9)] {
+            let part = mma(&x.narrow(0, start, len).unwrap().contiguous().unwrap());
+            for r in 0..len {
+                assert!(
+                    part[r] == all[start + r],
+                    "n {n} k {k}: row {} alone (in {len} rows from {start}) differs from the 16-row product",
+                    start + r
+                );
+            }
+        }
+    }
+}
+
+/// On the GPU in batch-invariant mode (bf16, the fused kernels, the skinny GEMM), verify
+/// blocks of 2, 7 and 16 rows give the same logits as the decode steps, bit for bit, at
+/// contexts that cross the attention's key chunks (so greedy DFlash reproduces plain decoding
+/// exactly): qwen3 (q/k norm, head dim 128) and llama (head dim 64) shapes, random weights.
+/// (The other tests in this file do not depend on the mode: they call the kernels directly or
+/// compare two paths that both go through `Linear`.)
+#[test]
+fn verify_rows_equal_decode_steps_on_cuda() {
+    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::source::ModelSource;
+    use dflash::testing::TinyTarget;
+    let Some(dev) = gpu() else { return };
+    dflash::nn::cuda::set_batch_invariant(true);
+    for (qwen, head_dim) in [(true, 128), (false, 64)] {
+        let mut t = if qwen {
+            TinyTarget::qwen3(5)
+        } else {
+            TinyTarget::llama(5)
+        };
+        t.hidden = 256;
+        t.heads = 4;
+        t.kv_heads = 2;
+        t.head_dim = head_dim;
+        t.intermediate = 512;
+        t.vocab = 1000;
+        t.layers = 3;
+        let dir = tempfile::tempdir().unwrap();
+        t.write(dir.path()).unwrap();
+        let src = ModelSource::from_dir("test", dir.path()).unwrap();
+        let opts = LoadOptions {
+            dtype: DType::BF16,
+            device: dev.clone(),
+            ..Default::default()
+        };
+        let m = load_target(&src, &opts).unwrap().1;
+        let mut rng = dflash::testing::Rng::new(3);
+        let prompt: Vec<u32> = (0..90).map(|_| rng.below(t.vocab) as u32).collect();
+        let steps = 60;
+        let mut c = m.new_cache(prompt.len() + steps + 8).unwrap();
+        let first = m
+            .forward(&prompt, 0, &mut c, &[], Logits::Last)
+            .unwrap()
+            .logits
+            .unwrap();
+        let argmax = |l: &[f32]| {
+            l.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0 as u32
+        };
+        let first = first.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut toks = vec![argmax(&first)];
+        let mut step_logits = Vec::new();
+        for i in 0..steps {
+            let l = m
+                .forward(&toks[i..i + 1], prompt.len() + i, &mut c, &[], Logits::Last)
+                .unwrap()
+                .logits
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            toks.push(argmax(&l));
+            step_logits.push(l);
+        }
+        for q in [2, 7, 16] {
+            c.truncate(prompt.len()).unwrap();
+            let mut i = 0;
+            while i < steps {
+                let n = q.min(steps - i);
+                let l = m
+                    .forward(&toks[i..i + n], prompt.len() + i, &mut c, &[], Logits::All)
+                    .unwrap()
+                    .logits
+                    .unwrap();
+                for r in 0..n {
+                    let row = l.get(r).unwrap().to_vec1::<f32>().unwrap();
+                    assert!(
+                        row == step_logits[i + r],
+                        "qwen {qwen}, block {q}: row {r} of the verify at step {i} differs from the decode step (max diff {})",
+                        row.iter()
+                            .zip(&step_logits[i + r])
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0f32, f32::max)
+                    );
+                }
+                i += n;
+            }
+        }
+    }
+}
+
 struct Case {
     head_dim: usize,
     heads: usize,

@@ -54,9 +54,18 @@ pub fn gpu_probe(dev: &Device) -> crate::Result<String> {
         (1, 24576, 4096),
         (1, 4096, 12288),
         (1, 151936, 4096),
+        (1, 576, 576),
+        (16, 576, 576),
+        (16, 3072, 576),
+        (16, 49152, 576),
+        (2, 4096, 4096),
+        (4, 6144, 4096),
+        (8, 24576, 4096),
         (16, 4096, 4096),
+        (16, 6144, 4096),
         (16, 24576, 4096),
         (16, 4096, 12288),
+        (16, 151936, 4096),
     ] {
         // several weight copies so that the L2 (50 MB) does not serve repeats
         let ws: Vec<Tensor> = (0..4)
@@ -86,7 +95,8 @@ pub fn gpu_probe(dev: &Device) -> crate::Result<String> {
             s * 1e6,
             bytes / s / 1e12
         );
-        if m <= crate::nn::cuda::GEMV_MAX_ROWS {
+        // GEMV: one row (what `Linear` uses it for); the skinny GEMM: every row count.
+        if m == 1 {
             let g = time(&|w| Ok(crate::nn::cuda::gemv(&xi, w)?.expect("gemv applies")))?;
             // Correctness against an f32 reference product.
             let r = xi
@@ -100,6 +110,23 @@ pub fn gpu_probe(dev: &Device) -> crate::Result<String> {
             .sqrt();
             rep += &format!(
                 " | gemv {:.1} us {:.2} TB/s, rel err {err:.2e}",
+                g * 1e6,
+                bytes / g / 1e12
+            );
+        }
+        {
+            let g = time(&|w| Ok(crate::nn::cuda::mma_forced(&xi, w)?.expect("mma applies")))?;
+            let r = xi
+                .to_dtype(DType::F32)?
+                .matmul(&ws[0].to_dtype(DType::F32)?.t()?)?;
+            let y = crate::nn::cuda::mma_forced(&xi, &ws[0])?
+                .expect("mma")
+                .to_dtype(DType::F32)?;
+            let err = ((&y - &r)?.sqr()?.sum_all()?.to_scalar::<f32>()?
+                / r.sqr()?.sum_all()?.to_scalar::<f32>()?)
+            .sqrt();
+            rep += &format!(
+                " | mma {:.1} us {:.2} TB/s, rel err {err:.2e}",
                 g * 1e6,
                 bytes / g / 1e12
             );

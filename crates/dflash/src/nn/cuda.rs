@@ -14,6 +14,7 @@ use half::bf16;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
 const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+const MMA_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mma.ptx"));
 /// Most rows of x one launch handles (the kernel keeps one accumulator per row).
 pub const GEMV_MAX_ROWS: usize = 8;
 
@@ -112,6 +113,138 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
         return Ok(None);
     }
     let y = x.reshape((m, k))?.apply_op2_no_bwd(w, &Gemv)?;
+    let mut out = dims.to_vec();
+    *out.last_mut().expect("rank >= 1") = w.dim(0)?;
+    Ok(Some(y.reshape(out)?))
+}
+
+/// Most rows of x the tensor-core skinny GEMM handles (two 8-row tiles of the mma's B operand).
+pub const MMA_MAX_ROWS: usize = 16;
+const MMA_WARPS: u32 = 8;
+
+/// Batch-invariant mode (`DFLASH_BATCH_INVARIANT=1`): `Linear::forward` multiplies 1..=16
+/// rows with the tensor-core skinny GEMM (kernels/mma.cu), whose bits for a row do not depend
+/// on the rows beside it, so a 16-row verify reproduces the 1-row decode steps exactly and
+/// greedy DFlash equals plain greedy decoding on the GPU too. Off by default: on the H200 it
+/// is slower than the GEMV kernel (1 row) and cuBLAS (2+ rows) on the wide projections
+/// (docs/perf.md, run 4). Without it, bf16 verify and decode logits differ in the last bits
+/// and near-ties can flip (spec: documented near-tie flips between 1-row and Q-row kernels).
+pub fn batch_invariant() -> bool {
+    use std::sync::atomic::Ordering;
+    match BATCH_INVARIANT.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            let on =
+                std::env::var("DFLASH_BATCH_INVARIANT").is_ok_and(|v| !v.is_empty() && v != "0");
+            BATCH_INVARIANT.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// 0 = not decided yet (read the environment), 1 = off, 2 = on.
+static BATCH_INVARIANT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Turn batch-invariant mode on or off for the process (overrides `DFLASH_BATCH_INVARIANT`);
+/// set it before loading models, not while one is generating.
+pub fn set_batch_invariant(on: bool) {
+    BATCH_INVARIANT.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+struct Mma;
+
+impl CustomOp2 for Mma {
+    fn name(&self) -> &'static str {
+        "dflash-mma-bf16"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (m, k) = xl.shape().dims2()?;
+        let (n, k2) = wl.shape().dims2()?;
+        if k != k2 || m == 0 || m > MMA_MAX_ROWS || n == 0 || k % 32 != 0 {
+            candle_core::bail!("dflash-mma-bf16: x [{m}, {k}] w [{n}, {k2}] not supported");
+        }
+        let (x, w) = (view(xs, xl, "x")?, view(ws, wl, "w")?);
+        let (Some((xo, _)), Some((wo, _))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
+        else {
+            candle_core::bail!("dflash-mma-bf16: inputs must be contiguous");
+        };
+        if xo % 8 != 0 || wo % 8 != 0 {
+            candle_core::bail!("dflash-mma-bf16: unaligned input offsets");
+        }
+        let dev = xs.device();
+        let name = if m <= 8 {
+            "gemm_bf16_t1"
+        } else {
+            "gemm_bf16_t2"
+        };
+        let func = dev.get_or_load_custom_func(name, "dflash_mma", MMA_PTX)?;
+        // SAFETY: every element is written by the kernel.
+        let y = unsafe { dev.alloc::<bf16>(m * n)? };
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(16), 1, 1),
+            block_dim: (32 * MMA_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (m_i, n_i, k_i) = (m as i32, n as i32, k as i32);
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&w);
+        b.arg(&y);
+        b.arg(&m_i);
+        b.arg(&n_i);
+        b.arg(&k_i);
+        // SAFETY: argument types match the kernel's signature; sizes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            Shape::from((m, n)),
+        ))
+    }
+}
+
+/// `x [.., K] @ w[N, K]^T` with the tensor-core skinny GEMM in batch-invariant mode
+/// ([`batch_invariant`]) when it applies (CUDA, bf16, 1..=16 rows, K % 32 == 0, contiguous);
+/// None otherwise.
+pub fn mma(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !batch_invariant() {
+        return Ok(None);
+    }
+    mma_forced(x, w)
+}
+
+/// The skinny GEMM whether or not batch-invariant mode is on (tests and the probe call it).
+pub fn mma_forced(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !x.device().is_cuda() || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
+        return Ok(None);
+    }
+    let dims = x.dims();
+    let k = *dims.last().unwrap_or(&0);
+    let m: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+    if m == 0 || m > MMA_MAX_ROWS || k % 32 != 0 || w.rank() != 2 || w.dim(1)? != k {
+        return Ok(None);
+    }
+    if w.dim(0)? == 0 || !x.is_contiguous() || !w.is_contiguous() {
+        return Ok(None);
+    }
+    let y = x.reshape((m, k))?.apply_op2_no_bwd(w, &Mma)?;
     let mut out = dims.to_vec();
     *out.last_mut().expect("rank >= 1") = w.dim(0)?;
     Ok(Some(y.reshape(out)?))
@@ -448,6 +581,10 @@ pub struct Visibility {
     pub window: Option<usize>,
 }
 
+/// Keys per attention block (see `Attend::cuda_fwd`). 64 is what the row-dependent rule it
+/// replaced chose at the benchmark's shape (32 heads, context 128, 1 or 16 rows).
+const ATTN_CHUNK: usize = 64;
+
 struct Attend {
     q: HeadSource,
     heads: usize,
@@ -506,10 +643,14 @@ impl CustomOp3 for Attend {
         let kv = view(ks, kl, "kv cache")?;
         let held = self.q.norm.as_ref().map(Held::new);
         let qw = norm_arg(&held)?;
-        // Enough blocks to fill the GPU (~8 per SM on an H200), at least 64 keys per block.
+        // Keys split into fixed chunks of ATTN_CHUNK from position 0, one block each, merged by
+        // attn_combine. Fixed, so that a query row's arithmetic (which keys each block and
+        // warp sums, in which order) depends on its position only, not on how many rows the
+        // call has or how long the cache is: a verify reproduces the decode steps bit for bit
+        // (with one split the kernel writes a / L itself, which is what the combine computes
+        // from one non-empty split).
         let rows = heads * n;
-        let splits = 1024usize.div_ceil(rows).clamp(1, self.kv_len.div_ceil(64));
-        let chunk = self.kv_len.div_ceil(splits).div_ceil(16) * 16;
+        let chunk = ATTN_CHUNK;
         let splits = self.kv_len.div_ceil(chunk);
         // SAFETY: every element is written (by attn with one split, else by attn_combine).
         let out = unsafe { dev.alloc::<bf16>(n * heads * d)? };

@@ -101,7 +101,17 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = match self {
             Linear::Dense { weight, bias } => {
-                // Decode / short verify on CUDA: the bandwidth-bound GEMV kernel.
+                // CUDA, batch-invariant mode (`DFLASH_BATCH_INVARIANT=1`): 1..=16 rows through
+                // the tensor-core skinny GEMM, whose bits for a row do not depend on the rows
+                // beside it (a verify reproduces the decode steps). Otherwise the GEMV kernel
+                // for one row and cuBLAS above it (faster, not batch-invariant).
+                #[cfg(feature = "cuda")]
+                if let Some(y) = super::cuda::mma(x, weight)? {
+                    return Ok(match bias {
+                        Some(b) => y.broadcast_add(b)?,
+                        None => y,
+                    });
+                }
                 #[cfg(feature = "cuda")]
                 if let Some(y) = super::cuda::gemv(x, weight)? {
                     return Ok(match bias {
