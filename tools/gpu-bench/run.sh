@@ -8,7 +8,7 @@
 # Options (env): SHAPE=qwen3-8b|qwen3.5-9b, REPEAT, MAXNEW, SKIP_REF=1 (models only, no
 # PyTorch timing), SKIP_MICRO=1, SKIP_PROBE=1, AB_UNFUSED=1 (micro again with DFLASH_FUSED=0),
 # AB_MMA=1 (micro again in batch-invariant mode, DFLASH_BATCH_INVARIANT=1),
-# T0_ROWS (the T=0 bench rows).
+# SKIP_E2E=1 (no end-to-end rows), T0_ROWS (the T=0 bench rows).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -72,6 +72,7 @@ if [ "${AB_MMA:-0}" = 1 ]; then
 fi
 fi
 
+if [ "${SKIP_E2E:-0}" != 1 ]; then
 echo "== ours: end to end (block 16, like the reference)" >&2
 row() { printf '{"model":"%s","draft":"%s","name":"%s"}' "$MODELS/target" "$MODELS/$1" "$2"; }
 T0_ROWS=${T0_ROWS:-"$(row draft-agree draft-high),$(row draft-zero draft-zero)"}
@@ -85,5 +86,6 @@ for t in 0 1; do
     --out "$RES/e2e-t$t" 2>&1 | tee "$RES/e2e-t$t.log" >&2 || echo "e2e T=$t FAILED" >&2
   stop "$pid"
 done
+fi
 echo "== table" >&2
 $PY "$here/summarize.py" "$RES"
