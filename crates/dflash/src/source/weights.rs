@@ -56,11 +56,18 @@ pub struct Weights {
 /// costs 15-20x one row). Q8_0 was chosen over Q4K by `examples/qmatmul_bench.rs`: as fast
 /// for 1 and 16 rows, always applicable (Q4K needs rows that are multiples of 256), and
 /// near-lossless on 4/5-bit sources (Q4K would re-round them).
+///
+/// Q6K goes to Q8_0 too, for exactness rather than speed: candle multiplies one row by a Q6K
+/// matrix with its compact-weight GEMV and several rows with its repacked tile kernel, which
+/// round differently, so a verify's logits would differ from the decode steps' (0.64-0.70 on
+/// Gemma-3-270M Q4_K_M, docs/perf.md) and greedy DFlash could drift from plain decoding. Q8_0
+/// and Q4K take the same kernel for one row and for many. Q6K tensors are a small share of
+/// the usual K-quant mixes (9.7 of 247 MB in Gemma-3-270M Q4_K_M); `--keep-quant` keeps them.
 pub fn requant_target(dt: GgmlDType) -> Option<GgmlDType> {
     use GgmlDType::*;
     match dt {
-        F32 | F16 | BF16 | Q8_0 | Q4K | Q6K => None,
-        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_1 | Q2K | Q3K | Q5K | Q8K => Some(Q8_0),
+        F32 | F16 | BF16 | Q8_0 | Q4K => None,
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_1 | Q2K | Q3K | Q5K | Q6K | Q8K => Some(Q8_0),
     }
 }
 
