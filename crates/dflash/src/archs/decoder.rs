@@ -146,7 +146,7 @@ impl DecoderModel {
             } else {
                 None
             };
-            // One matmul for q/k/v and one for gate/up (dense weights only).
+            // One matmul for q/k/v and one for gate/up (dense, or quantized of one type on the CPU).
             let mut attn = Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?;
             attn.fuse()?;
             layers.push(Layer {

@@ -86,8 +86,9 @@ impl Attention {
         })
     }
 
-    /// Stack q/k/v into one linear for `forward` when all are dense; the separate weights are
-    /// dropped (memory does not grow), so `queries`/`keys_values` then use the fused one too.
+    /// Stack q/k/v into one linear for `forward` when [`Linear::concat`] can (dense, or
+    /// quantized of one type on the CPU); the separate weights are dropped (memory does not
+    /// grow), so `queries`/`keys_values` then use the fused one too.
     pub fn fuse(&mut self) -> Result<()> {
         if self.qkv.is_none() {
             if let Some(f) = Linear::concat(&[&self.q_proj, &self.k_proj, &self.v_proj])? {

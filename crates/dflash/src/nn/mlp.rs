@@ -60,8 +60,8 @@ impl GatedMlp {
         })
     }
 
-    /// Stack `gate` and `up` into one linear when both are dense (the separate weights are
-    /// then dropped, so memory does not grow). A no-op for quantized weights.
+    /// Stack `gate` and `up` into one linear when [`Linear::concat`] can (dense, or quantized
+    /// of one type on the CPU); the separate weights are then dropped, so memory does not grow.
     pub fn fuse(&mut self) -> Result<()> {
         if self.gate_up.is_none() {
             if let Some(f) = Linear::concat(&[&self.gate, &self.up])? {
