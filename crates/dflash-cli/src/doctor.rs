@@ -73,6 +73,16 @@ pub fn run(
         "not built (rebuild with --features cuda for NVIDIA GPUs)".to_string()
     };
     println!("devices: cpu; {cuda}");
+    #[cfg(feature = "cuda")]
+    println!(
+        "cuda greedy exactness: {} (DFLASH_BATCH_INVARIANT=1: verify == decode bit for bit, slower; \
+         otherwise near-tie flips between 1-row and 16-row kernels are possible)",
+        if dflash::nn::cuda::batch_invariant() {
+            "batch-invariant kernels"
+        } else {
+            "default kernels"
+        }
+    );
     let cache = dflash::source::demo::cache_dir();
     println!("dflash cache: {} ({})", cache.display(), free_space(&cache));
     let hub = dflash::source::hub::HubOptions::from_env();

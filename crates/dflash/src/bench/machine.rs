@@ -23,6 +23,10 @@ pub struct Machine {
     pub git_commit: Option<String>,
     /// dflash and its main dependencies, `name -> version`.
     pub versions: BTreeMap<String, String>,
+    /// The switches that change what runs (`DFLASH_*` kernel switches such as
+    /// `DFLASH_BATCH_INVARIANT`, `DFLASH_FUSED`; `CANDLE_*`; `RAYON_NUM_THREADS`), as set.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 impl Machine {
@@ -71,6 +75,7 @@ impl Machine {
             quantization: "none (float safetensors); GGUF and MLX-quantized: per row".into(),
             git_commit,
             versions,
+            env: switches(std::env::vars()),
         }
     }
 
@@ -85,14 +90,61 @@ impl Machine {
             .iter()
             .map(|(k, v)| format!("{k} {v}"))
             .collect();
+        let env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         format!(
-            "{hw}; {}; dtype {}, quantization {}; commit {}; {}",
+            "{hw}; {}; dtype {}, quantization {}; commit {}; {}{}",
             self.os,
             self.dtype,
             self.quantization,
             self.git_commit.as_deref().unwrap_or("unknown"),
-            v.join(", ")
+            v.join(", "),
+            if env.is_empty() {
+                String::new()
+            } else {
+                format!("; env {}", env.join(" "))
+            }
         )
+    }
+}
+
+/// The environment variables that change which kernels run or how many threads they use.
+/// Paths and logging (`DFLASH_CACHE`, `DFLASH_LOG`) do not change a number, so they are left
+/// out.
+fn switches(vars: impl Iterator<Item = (String, String)>) -> BTreeMap<String, String> {
+    vars.filter(|(k, _)| {
+        (k.starts_with("DFLASH_") && k != "DFLASH_CACHE" && k != "DFLASH_LOG")
+            || k.starts_with("CANDLE_")
+            || k == "RAYON_NUM_THREADS"
+    })
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switches_keep_kernel_and_thread_settings_only() {
+        let vars = [
+            ("DFLASH_BATCH_INVARIANT", "1"),
+            ("DFLASH_FUSED", "0"),
+            ("DFLASH_CACHE", "/tmp/c"),
+            ("DFLASH_LOG", "debug"),
+            ("CANDLE_DEQUANTIZE_ALL", "1"),
+            ("RAYON_NUM_THREADS", "2"),
+            ("HOME", "/root"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let got: Vec<String> = switches(vars.into_iter()).into_keys().collect();
+        assert_eq!(
+            got,
+            [
+                "CANDLE_DEQUANTIZE_ALL",
+                "DFLASH_BATCH_INVARIANT",
+                "DFLASH_FUSED",
+                "RAYON_NUM_THREADS"
+            ]
+        );
     }
 }
 
