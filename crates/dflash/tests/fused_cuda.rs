@@ -9,6 +9,7 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
 use candle_core::{DType, Device, Tensor};
 use dflash::config::{RopeConfig, RopeKind};
 use dflash::nn::fused::Visibility;
@@ -178,7 +179,7 @@ fn mma_rows_are_batch_invariant() {
 /// compare two paths that both go through `Linear`.)
 #[test]
 fn verify_rows_equal_decode_steps_on_cuda() {
-    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::archs::{load_target, LoadOptions};
     use dflash::source::ModelSource;
     use dflash::testing::TinyTarget;
     let Some(dev) = gpu() else { return };
@@ -207,60 +208,13 @@ fn verify_rows_equal_decode_steps_on_cuda() {
         let m = load_target(&src, &opts).unwrap().1;
         let mut rng = dflash::testing::Rng::new(3);
         let prompt: Vec<u32> = (0..90).map(|_| rng.below(t.vocab) as u32).collect();
-        let steps = 60;
-        let mut c = m.new_cache(prompt.len() + steps + 8).unwrap();
-        let first = m
-            .forward(&prompt, 0, &mut c, &[], Logits::Last)
-            .unwrap()
-            .logits
-            .unwrap();
-        let argmax = |l: &[f32]| {
-            l.iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .unwrap()
-                .0 as u32
-        };
-        let first = first.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let mut toks = vec![argmax(&first)];
-        let mut step_logits = Vec::new();
-        for i in 0..steps {
-            let l = m
-                .forward(&toks[i..i + 1], prompt.len() + i, &mut c, &[], Logits::Last)
-                .unwrap()
-                .logits
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            toks.push(argmax(&l));
-            step_logits.push(l);
-        }
-        for q in [2, 7, 16] {
-            c.truncate(prompt.len()).unwrap();
-            let mut i = 0;
-            while i < steps {
-                let n = q.min(steps - i);
-                let l = m
-                    .forward(&toks[i..i + n], prompt.len() + i, &mut c, &[], Logits::All)
-                    .unwrap()
-                    .logits
-                    .unwrap();
-                for r in 0..n {
-                    let row = l.get(r).unwrap().to_vec1::<f32>().unwrap();
-                    assert!(
-                        row == step_logits[i + r],
-                        "qwen {qwen}, block {q}: row {r} of the verify at step {i} differs from the decode step (max diff {})",
-                        row.iter()
-                            .zip(&step_logits[i + r])
-                            .map(|(a, b)| (a - b).abs())
-                            .fold(0f32, f32::max)
-                    );
-                }
-                i += n;
-            }
-        }
+        common::assert_verify_rows_equal_decode_steps(
+            &*m,
+            &prompt,
+            60,
+            &[2, 7, 16],
+            &format!("qwen {qwen}"),
+        );
     }
 }
 

@@ -327,9 +327,8 @@ fn gemma3_270m_verify_rows_equal_decode_steps() {
     verify_rows_equal_decode_steps(&path, false);
 }
 
-/// Greedy-decode 20 steps one row at a time after the first llama.cpp fixture prompt, then
-/// replay the same tokens as verify blocks of 2, 5 and 16 rows: every row's logits must equal
-/// its decode step's, bit for bit.
+/// 20 decode steps after the first llama.cpp fixture prompt against verify blocks of 2, 5
+/// and 16 rows (`common::assert_verify_rows_equal_decode_steps`).
 fn verify_rows_equal_decode_steps(path: &Path, keep_quant: bool) {
     let fx: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(concat!(
@@ -345,69 +344,7 @@ fn verify_rows_equal_decode_steps(path: &Path, keep_quant: bool) {
         .iter()
         .map(|v| v.as_u64().unwrap() as u32)
         .collect();
-    {
-        let m = load_gguf(path, keep_quant);
-        let steps = 20;
-        let mut c = m.new_cache(prompt.len() + steps + 8).unwrap();
-        let first = m
-            .forward(&prompt, 0, &mut c, &[], Logits::Last)
-            .unwrap()
-            .logits
-            .unwrap();
-        let argmax = |l: &candle_core::Tensor| -> u32 {
-            l.flatten_all()
-                .unwrap()
-                .argmax(0)
-                .unwrap()
-                .to_scalar::<u32>()
-                .unwrap()
-        };
-        // plain decoding, one row per step
-        let mut toks = vec![argmax(&first)];
-        let mut step_logits = Vec::new();
-        for i in 0..steps {
-            let l = m
-                .forward(&toks[i..i + 1], prompt.len() + i, &mut c, &[], Logits::Last)
-                .unwrap()
-                .logits
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let next = l
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .unwrap()
-                .0 as u32;
-            step_logits.push(l);
-            toks.push(next);
-        }
-        // the same tokens again as verify blocks of 2, 5 and 16 rows
-        for q in [2, 5, 16] {
-            c.truncate(prompt.len()).unwrap();
-            let mut i = 0;
-            while i < steps {
-                let n = q.min(steps - i);
-                let l = m
-                    .forward(&toks[i..i + n], prompt.len() + i, &mut c, &[], Logits::All)
-                    .unwrap()
-                    .logits
-                    .unwrap();
-                for r in 0..n {
-                    let row = l.get(r).unwrap().to_vec1::<f32>().unwrap();
-                    assert!(
-                        row == step_logits[i + r],
-                        "keep_quant {keep_quant}, block {q}: row {r} of the verify at step {i} differs from the decode step (max diff {})",
-                        row.iter()
-                            .zip(&step_logits[i + r])
-                            .map(|(a, b)| (a - b).abs())
-                            .fold(0f32, f32::max)
-                    );
-                }
-                i += n;
-            }
-        }
-    }
+    let m = load_gguf(path, keep_quant);
+    let what = format!("{} keep_quant {keep_quant}", path.display());
+    assert_verify_rows_equal_decode_steps(&*m, &prompt, 20, &[2, 5, 16], &what);
 }

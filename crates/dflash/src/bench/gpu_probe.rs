@@ -95,38 +95,32 @@ pub fn gpu_probe(dev: &Device) -> crate::Result<String> {
             s * 1e6,
             bytes / s / 1e12
         );
-        // GEMV: one row (what `Linear` uses it for); the skinny GEMM: every row count.
-        if m == 1 {
-            let g = time(&|w| Ok(crate::nn::cuda::gemv(&xi, w)?.expect("gemv applies")))?;
-            // Correctness against an f32 reference product.
-            let r = xi
-                .to_dtype(DType::F32)?
-                .matmul(&ws[0].to_dtype(DType::F32)?.t()?)?;
-            let y = crate::nn::cuda::gemv(&xi, &ws[0])?
-                .expect("gemv")
-                .to_dtype(DType::F32)?;
+        // GEMV: one row (what `Linear` uses it for); the skinny GEMM: every row count. Each
+        // with its error against an f32 reference product.
+        type Kernel = fn(&Tensor, &Tensor) -> candle_core::Result<Option<Tensor>>;
+        let kernels: [(&str, Kernel, bool); 2] = [
+            ("gemv", crate::nn::cuda::gemv, m == 1),
+            ("mma", crate::nn::cuda::mma_forced, true),
+        ];
+        let r = xi
+            .to_dtype(DType::F32)?
+            .matmul(&ws[0].to_dtype(DType::F32)?.t()?)?;
+        for (name, kernel, applies) in kernels {
+            if !applies {
+                continue;
+            }
+            let run = |w: &Tensor| -> crate::Result<Tensor> {
+                kernel(&xi, w)?.ok_or_else(|| {
+                    crate::Error::input(format!("gpu probe: {name} does not apply to m={m}"))
+                })
+            };
+            let g = time(&|w| run(w))?;
+            let y = run(&ws[0])?.to_dtype(DType::F32)?;
             let err = ((&y - &r)?.sqr()?.sum_all()?.to_scalar::<f32>()?
                 / r.sqr()?.sum_all()?.to_scalar::<f32>()?)
             .sqrt();
             rep += &format!(
-                " | gemv {:.1} us {:.2} TB/s, rel err {err:.2e}",
-                g * 1e6,
-                bytes / g / 1e12
-            );
-        }
-        {
-            let g = time(&|w| Ok(crate::nn::cuda::mma_forced(&xi, w)?.expect("mma applies")))?;
-            let r = xi
-                .to_dtype(DType::F32)?
-                .matmul(&ws[0].to_dtype(DType::F32)?.t()?)?;
-            let y = crate::nn::cuda::mma_forced(&xi, &ws[0])?
-                .expect("mma")
-                .to_dtype(DType::F32)?;
-            let err = ((&y - &r)?.sqr()?.sum_all()?.to_scalar::<f32>()?
-                / r.sqr()?.sum_all()?.to_scalar::<f32>()?)
-            .sqrt();
-            rep += &format!(
-                " | mma {:.1} us {:.2} TB/s, rel err {err:.2e}",
+                " | {name} {:.1} us {:.2} TB/s, rel err {err:.2e}",
                 g * 1e6,
                 bytes / g / 1e12
             );

@@ -33,11 +33,38 @@ fn gemv_rows() -> usize {
 }
 const WARPS_PER_BLOCK: u32 = 8;
 
-struct Gemv;
+/// The two row-matmul kernels: `x [m, k] @ w [n, k]^T` for a few rows of x, bf16.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RowKernel {
+    /// kernels/gemv.cu: one warp per weight row, 1..=GEMV_MAX_ROWS rows, K % 8 == 0.
+    Gemv,
+    /// kernels/mma.cu: tensor cores, 1..=MMA_MAX_ROWS rows, K % 32 == 0, batch-invariant.
+    Mma,
+}
 
-impl CustomOp2 for Gemv {
+impl RowKernel {
+    fn max_rows(self) -> usize {
+        match self {
+            RowKernel::Gemv => GEMV_MAX_ROWS,
+            RowKernel::Mma => MMA_MAX_ROWS,
+        }
+    }
+    fn k_multiple(self) -> usize {
+        match self {
+            RowKernel::Gemv => 8,
+            RowKernel::Mma => 32,
+        }
+    }
+}
+
+struct RowMatmul(RowKernel);
+
+impl CustomOp2 for RowMatmul {
     fn name(&self) -> &'static str {
-        "dflash-gemv-bf16"
+        match self.0 {
+            RowKernel::Gemv => "dflash-gemv-bf16",
+            RowKernel::Mma => "dflash-mma-bf16",
+        }
     }
 
     fn cpu_fwd(
@@ -47,7 +74,7 @@ impl CustomOp2 for Gemv {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("dflash-gemv-bf16 is a CUDA kernel (the caller uses matmul on CPU)")
+        no_cpu(self.name())
     }
 
     fn cuda_fwd(
@@ -57,35 +84,58 @@ impl CustomOp2 for Gemv {
         ws: &CudaStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let kern = self.0;
         let (m, k) = xl.shape().dims2()?;
         let (n, k2) = wl.shape().dims2()?;
-        if k != k2 || m == 0 || m > GEMV_MAX_ROWS || k % 8 != 0 {
-            candle_core::bail!("dflash-gemv-bf16: x [{m}, {k}] w [{n}, {k2}] not supported");
+        if k != k2 || m == 0 || m > kern.max_rows() || n == 0 || k % kern.k_multiple() != 0 {
+            candle_core::bail!("{}: x [{m}, {k}] w [{n}, {k2}] not supported", self.name());
         }
-        let (Some((xo, xe)), Some((wo, we))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
+        let (Some((xo, _)), Some((wo, _))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
         else {
-            candle_core::bail!("dflash-gemv-bf16: inputs must be contiguous");
+            candle_core::bail!("{}: inputs must be contiguous", self.name());
         };
         // 16-byte aligned rows: the base allocation is; the offsets must keep it.
         if xo % 8 != 0 || wo % 8 != 0 {
-            candle_core::bail!("dflash-gemv-bf16: unaligned input offsets");
+            candle_core::bail!("{}: unaligned input offsets", self.name());
         }
+        let (x, w) = (view(xs, xl, "x")?, view(ws, wl, "w")?);
         let dev = xs.device();
-        let x = xs.as_cuda_slice::<bf16>()?.slice(xo..xe);
-        let w = ws.as_cuda_slice::<bf16>()?.slice(wo..we);
-        let func = dev.get_or_load_custom_func(&format!("gemv_bf16_m{m}"), "dflash_gemv", PTX)?;
+        let (func, grid, warps) = match kern {
+            RowKernel::Gemv => (
+                dev.get_or_load_custom_func(&format!("gemv_bf16_m{m}"), "dflash_gemv", PTX)?,
+                (n as u32).div_ceil(WARPS_PER_BLOCK),
+                WARPS_PER_BLOCK,
+            ),
+            RowKernel::Mma => (
+                dev.get_or_load_custom_func(
+                    if m <= 8 {
+                        "gemm_bf16_t1"
+                    } else {
+                        "gemm_bf16_t2"
+                    },
+                    "dflash_mma",
+                    MMA_PTX,
+                )?,
+                (n as u32).div_ceil(16),
+                MMA_WARPS,
+            ),
+        };
         // SAFETY: every element is written by the kernel.
         let y = unsafe { dev.alloc::<bf16>(m * n)? };
         let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(WARPS_PER_BLOCK), 1, 1),
-            block_dim: (32 * WARPS_PER_BLOCK, 1, 1),
+            grid_dim: (grid, 1, 1),
+            block_dim: (32 * warps, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (n_i, k_i) = (n as i32, k as i32);
+        let (m_i, n_i, k_i) = (m as i32, n as i32, k as i32);
         let mut b = func.builder();
         b.arg(&x);
         b.arg(&w);
         b.arg(&y);
+        // gemv_bf16_m<M> has the row count in its name; gemm_bf16_t<T> takes it.
+        if kern == RowKernel::Mma {
+            b.arg(&m_i);
+        }
         b.arg(&n_i);
         b.arg(&k_i);
         // SAFETY: argument types match the kernel's signature; sizes checked above.
@@ -97,25 +147,39 @@ impl CustomOp2 for Gemv {
     }
 }
 
-/// `x [.., K] @ w[N, K]^T` with the GEMV kernel when it applies (CUDA, bf16, at most
-/// `GEMV_MAX_ROWS` rows, K % 8 == 0, contiguous); None otherwise.
-pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+/// `x [.., K] @ w[N, K]^T` with `kern` when it applies (CUDA, bf16, 1..=`max_rows` rows of x,
+/// K a multiple of the kernel's, N > 0, contiguous); None otherwise.
+fn row_matmul(
+    x: &Tensor,
+    w: &Tensor,
+    kern: RowKernel,
+    max_rows: usize,
+) -> candle_core::Result<Option<Tensor>> {
     if !x.device().is_cuda() || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
         return Ok(None);
     }
     let dims = x.dims();
     let k = *dims.last().unwrap_or(&0);
     let m: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-    if m == 0 || m > gemv_rows() || k % 8 != 0 || w.rank() != 2 || w.dim(1)? != k {
+    if m == 0 || m > max_rows.min(kern.max_rows()) || k % kern.k_multiple() != 0 {
+        return Ok(None);
+    }
+    if w.rank() != 2 || w.dim(1)? != k || w.dim(0)? == 0 {
         return Ok(None);
     }
     if !x.is_contiguous() || !w.is_contiguous() {
         return Ok(None);
     }
-    let y = x.reshape((m, k))?.apply_op2_no_bwd(w, &Gemv)?;
+    let y = x.reshape((m, k))?.apply_op2_no_bwd(w, &RowMatmul(kern))?;
     let mut out = dims.to_vec();
     *out.last_mut().expect("rank >= 1") = w.dim(0)?;
     Ok(Some(y.reshape(out)?))
+}
+
+/// `x [.., K] @ w[N, K]^T` with the GEMV kernel when it applies (CUDA, bf16, at most
+/// `DFLASH_GEMV_ROWS` rows (default 1), K % 8 == 0, contiguous); None otherwise.
+pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    row_matmul(x, w, RowKernel::Gemv, gemv_rows())
 }
 
 /// Most rows of x the tensor-core skinny GEMM handles (two 8-row tiles of the mma's B operand).
@@ -152,74 +216,6 @@ pub fn set_batch_invariant(on: bool) {
     BATCH_INVARIANT.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
-struct Mma;
-
-impl CustomOp2 for Mma {
-    fn name(&self) -> &'static str {
-        "dflash-mma-bf16"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        no_cpu(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        xs: &CudaStorage,
-        xl: &Layout,
-        ws: &CudaStorage,
-        wl: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (m, k) = xl.shape().dims2()?;
-        let (n, k2) = wl.shape().dims2()?;
-        if k != k2 || m == 0 || m > MMA_MAX_ROWS || n == 0 || k % 32 != 0 {
-            candle_core::bail!("dflash-mma-bf16: x [{m}, {k}] w [{n}, {k2}] not supported");
-        }
-        let (x, w) = (view(xs, xl, "x")?, view(ws, wl, "w")?);
-        let (Some((xo, _)), Some((wo, _))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
-        else {
-            candle_core::bail!("dflash-mma-bf16: inputs must be contiguous");
-        };
-        if xo % 8 != 0 || wo % 8 != 0 {
-            candle_core::bail!("dflash-mma-bf16: unaligned input offsets");
-        }
-        let dev = xs.device();
-        let name = if m <= 8 {
-            "gemm_bf16_t1"
-        } else {
-            "gemm_bf16_t2"
-        };
-        let func = dev.get_or_load_custom_func(name, "dflash_mma", MMA_PTX)?;
-        // SAFETY: every element is written by the kernel.
-        let y = unsafe { dev.alloc::<bf16>(m * n)? };
-        let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(16), 1, 1),
-            block_dim: (32 * MMA_WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (m_i, n_i, k_i) = (m as i32, n as i32, k as i32);
-        let mut b = func.builder();
-        b.arg(&x);
-        b.arg(&w);
-        b.arg(&y);
-        b.arg(&m_i);
-        b.arg(&n_i);
-        b.arg(&k_i);
-        // SAFETY: argument types match the kernel's signature; sizes checked above.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok((
-            CudaStorage::wrap_cuda_slice(y, dev.clone()),
-            Shape::from((m, n)),
-        ))
-    }
-}
-
 /// `x [.., K] @ w[N, K]^T` with the tensor-core skinny GEMM in batch-invariant mode
 /// ([`batch_invariant`]) when it applies (CUDA, bf16, 1..=16 rows, K % 32 == 0, contiguous);
 /// None otherwise.
@@ -232,22 +228,7 @@ pub fn mma(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
 
 /// The skinny GEMM whether or not batch-invariant mode is on (tests and the probe call it).
 pub fn mma_forced(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
-    if !x.device().is_cuda() || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
-        return Ok(None);
-    }
-    let dims = x.dims();
-    let k = *dims.last().unwrap_or(&0);
-    let m: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-    if m == 0 || m > MMA_MAX_ROWS || k % 32 != 0 || w.rank() != 2 || w.dim(1)? != k {
-        return Ok(None);
-    }
-    if w.dim(0)? == 0 || !x.is_contiguous() || !w.is_contiguous() {
-        return Ok(None);
-    }
-    let y = x.reshape((m, k))?.apply_op2_no_bwd(w, &Mma)?;
-    let mut out = dims.to_vec();
-    *out.last_mut().expect("rank >= 1") = w.dim(0)?;
-    Ok(Some(y.reshape(out)?))
+    row_matmul(x, w, RowKernel::Mma, MMA_MAX_ROWS)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 pub mod mlx;
 
 use candle_core::Tensor;
-use dflash::archs::{load_target, LoadOptions, TargetModel};
+use dflash::archs::{load_target, LoadOptions, Logits, TargetModel};
 use dflash::source::ModelSource;
 use std::path::Path;
 
@@ -38,4 +38,60 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 pub fn ids(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     let mut r = dflash::testing::Rng::new(seed);
     (0..n).map(|_| r.below(vocab) as u32).collect()
+}
+
+/// Greedy-decode `steps` tokens after `prompt` one row at a time, then replay the same tokens
+/// as verify blocks of each size in `blocks`: every verify row's logits must equal its decode
+/// step's, bit for bit (what makes greedy DFlash reproduce plain decoding exactly).
+pub fn assert_verify_rows_equal_decode_steps(
+    m: &dyn TargetModel,
+    prompt: &[u32],
+    steps: usize,
+    blocks: &[usize],
+    what: &str,
+) {
+    let argmax = |l: &[f32]| {
+        l.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32
+    };
+    let last_row = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut c = m.new_cache(prompt.len() + steps + 8).unwrap();
+    let first = m.forward(prompt, 0, &mut c, &[], Logits::Last).unwrap();
+    let mut toks = vec![argmax(&last_row(first.logits.unwrap()))];
+    let mut step_logits = Vec::new();
+    for i in 0..steps {
+        let out = m
+            .forward(&toks[i..i + 1], prompt.len() + i, &mut c, &[], Logits::Last)
+            .unwrap();
+        let l = last_row(out.logits.unwrap());
+        toks.push(argmax(&l));
+        step_logits.push(l);
+    }
+    for &q in blocks {
+        c.truncate(prompt.len()).unwrap();
+        let mut i = 0;
+        while i < steps {
+            let n = q.min(steps - i);
+            let l = m
+                .forward(&toks[i..i + n], prompt.len() + i, &mut c, &[], Logits::All)
+                .unwrap()
+                .logits
+                .unwrap();
+            for r in 0..n {
+                let row = l.get(r).unwrap().to_vec1::<f32>().unwrap();
+                assert!(
+                    row == step_logits[i + r],
+                    "{what}, block {q}: row {r} of the verify at step {i} differs from the decode step (max diff {})",
+                    row.iter()
+                        .zip(&step_logits[i + r])
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max)
+                );
+            }
+            i += n;
+        }
+    }
 }
