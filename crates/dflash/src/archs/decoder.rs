@@ -224,14 +224,7 @@ impl DecoderModel {
 
     fn weight_bytes(&self) -> usize {
         let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
-        let lin = |l: &Linear| match l {
-            Linear::Dense { weight, bias } => t(weight) + bias.as_ref().map_or(0, t),
-            Linear::Quant { weight, .. } => match weight {
-                candle_core::quantized::QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-                candle_core::quantized::QMatMul::Tensor(x)
-                | candle_core::quantized::QMatMul::TensorF16(x) => t(x),
-            },
-        };
+        let lin = |l: &Linear| l.weight_bytes();
         let mut b = self.embed_tokens.bytes() + t(&self.norm.weight);
         // A quantized table used as the head is shared; a requantized copy is not.
         if !self.tied || matches!(self.embed_tokens, Embedding::Quant { .. }) {

@@ -251,7 +251,7 @@ fn permute_rows(l: Linear, idx: &Tensor) -> Result<Linear> {
             weight: weight.index_select(idx, 0)?,
             bias: bias.map(|b| b.index_select(idx, 0)).transpose()?,
         }),
-        Linear::Quant { .. } => Err(Error::input(
+        Linear::Quant { .. } | Linear::Q8 { .. } => Err(Error::input(
             "deepseek_v3: quantized projections cannot be re-laid out for interleaved RoPE",
         )),
     }
@@ -333,19 +333,7 @@ fn tensor_bytes(t: &Tensor) -> usize {
 }
 
 fn linear_bytes(l: &Linear) -> usize {
-    match l {
-        Linear::Dense { weight, bias } => {
-            tensor_bytes(weight) + bias.as_ref().map_or(0, tensor_bytes)
-        }
-        Linear::Quant { weight, bias, .. } => {
-            let w = match weight {
-                candle_core::quantized::QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-                candle_core::quantized::QMatMul::Tensor(x)
-                | candle_core::quantized::QMatMul::TensorF16(x) => tensor_bytes(x),
-            };
-            w + bias.as_ref().map_or(0, tensor_bytes)
-        }
-    }
+    l.weight_bytes()
 }
 
 fn mlp_bytes(m: &GatedMlp) -> usize {

@@ -490,16 +490,7 @@ fn tensor_bytes(t: &Tensor) -> usize {
 }
 
 fn linear_bytes(l: &Linear) -> usize {
-    match l {
-        Linear::Dense { weight, bias } => {
-            tensor_bytes(weight) + bias.as_ref().map_or(0, tensor_bytes)
-        }
-        Linear::Quant { weight, .. } => match weight {
-            candle_core::quantized::QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-            candle_core::quantized::QMatMul::Tensor(x)
-            | candle_core::quantized::QMatMul::TensorF16(x) => tensor_bytes(x),
-        },
-    }
+    l.weight_bytes()
 }
 
 impl Gemma4Model {

@@ -169,19 +169,7 @@ fn tensor_bytes(t: &Tensor) -> usize {
 }
 
 fn linear_bytes(l: &Linear) -> usize {
-    match l {
-        Linear::Dense { weight, bias } => {
-            tensor_bytes(weight) + bias.as_ref().map_or(0, tensor_bytes)
-        }
-        Linear::Quant { weight, bias, .. } => {
-            let w = match weight {
-                candle_core::quantized::QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-                candle_core::quantized::QMatMul::Tensor(x)
-                | candle_core::quantized::QMatMul::TensorF16(x) => tensor_bytes(x),
-            };
-            w + bias.as_ref().map_or(0, tensor_bytes)
-        }
-    }
+    l.weight_bytes()
 }
 
 /// Row order that puts the even rows (gate) first, then the odd rows (up).

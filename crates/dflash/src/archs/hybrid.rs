@@ -393,10 +393,7 @@ impl HybridModel {
 
     fn weight_bytes(&self) -> usize {
         let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
-        let lin = |l: &Linear| match l {
-            Linear::Dense { weight, bias } => t(weight) + bias.as_ref().map_or(0, t),
-            Linear::Quant { .. } => 0,
-        };
+        let lin = |l: &Linear| l.weight_bytes();
         let mlp = |m: &GatedMlp| lin(&m.gate) + lin(&m.up) + lin(&m.down);
         let mut b = self.embed_tokens.bytes() + t(&self.norm.weight) + lin(&self.lm_head);
         for l in &self.layers {

@@ -172,10 +172,7 @@ impl GatedDeltaNet {
     /// Bytes of weights held.
     pub fn weight_bytes(&self) -> usize {
         let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
-        let lin = |l: &Linear| match l {
-            Linear::Dense { weight, .. } => t(weight),
-            Linear::Quant { .. } => 0,
-        };
+        let lin = |l: &Linear| l.weight_bytes();
         lin(&self.in_proj)
             + lin(&self.out_proj)
             + t(&self.conv_w)

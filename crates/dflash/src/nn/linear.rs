@@ -1,9 +1,11 @@
 //! A linear layer whose weight is dense (any float dtype) or quantized (GGUF block types).
 
+use super::q8::Q8Matrix;
 use crate::source::Weights;
 use crate::Result;
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Module, Tensor};
+use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 pub enum Linear {
@@ -18,11 +20,56 @@ pub enum Linear {
         bias: Option<Tensor>,
         out_features: usize,
     },
+    /// A Q8_0 weight on the CPU multiplied by dflash's own kernel ([`Q8Matrix`]), where that
+    /// is faster than candle's (rows not a multiple of 256).
+    Q8 {
+        weight: Arc<Q8Matrix>,
+        bias: Option<Tensor>,
+    },
 }
 
 impl Linear {
     pub fn dense(weight: Tensor, bias: Option<Tensor>) -> Self {
         Linear::Dense { weight, bias }
+    }
+
+    /// A quantized weight: [`Linear::Q8`] when it is a CPU Q8_0 matrix that dflash's own
+    /// kernel multiplies faster than candle (`DFLASH_Q8=0` keeps candle's), else
+    /// [`Linear::Quant`].
+    pub fn quant(weight: QMatMul, bias: Option<Tensor>, out_features: usize) -> Result<Self> {
+        if let QMatMul::QTensor(q) = &weight {
+            let cols = q.shape().dims().last().copied().unwrap_or(0);
+            if Q8Matrix::preferred_for(cols) && own_q8_enabled() {
+                if let Some(m) = Q8Matrix::from_qtensor(q)? {
+                    return Ok(Linear::Q8 {
+                        weight: Arc::new(m),
+                        bias,
+                    });
+                }
+            }
+        }
+        Ok(Linear::Quant {
+            weight,
+            bias,
+            out_features,
+        })
+    }
+
+    /// Bytes of weights (and biases) held.
+    pub fn weight_bytes(&self) -> usize {
+        let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
+        let b = |bias: &Option<Tensor>| bias.as_ref().map_or(0, t);
+        match self {
+            Linear::Dense { weight, bias } => t(weight) + b(bias),
+            Linear::Quant { weight, bias, .. } => {
+                b(bias)
+                    + match weight {
+                        QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+                        QMatMul::Tensor(x) | QMatMul::TensorF16(x) => t(x),
+                    }
+            }
+            Linear::Q8 { weight, bias } => weight.bytes() + b(bias),
+        }
     }
 
     /// Load `{prefix}.weight [out, in]` (and `{prefix}.bias [out]` when `bias`): dense, or
@@ -46,6 +93,24 @@ impl Linear {
         if parts.iter().all(|p| matches!(p, Linear::Quant { .. })) {
             return Self::concat_quant(parts);
         }
+        if parts.iter().all(|p| matches!(p, Linear::Q8 { .. })) {
+            let mut ws = Vec::new();
+            let mut bs = Vec::new();
+            for p in parts {
+                if let Linear::Q8 { weight, bias } = p {
+                    ws.push(weight.as_ref());
+                    bs.extend(bias.iter().cloned());
+                }
+            }
+            let (Some(w), Some(bias)) = (Q8Matrix::stack(&ws), Self::concat_biases(&bs, ws.len())?)
+            else {
+                return Ok(None);
+            };
+            return Ok(Some(Linear::Q8 {
+                weight: Arc::new(w),
+                bias,
+            }));
+        }
         let mut ws = Vec::new();
         let mut bs = Vec::new();
         for p in parts {
@@ -56,7 +121,7 @@ impl Linear {
                         bs.push(b.clone());
                     }
                 }
-                Linear::Quant { .. } => return Ok(None),
+                Linear::Quant { .. } | Linear::Q8 { .. } => return Ok(None),
             }
         }
         let Some(bias) = Self::concat_biases(&bs, ws.len())? else {
@@ -115,11 +180,11 @@ impl Linear {
             dtype,
         )?;
         let q = QTensor::new(storage, (rows, k))?;
-        Ok(Some(Linear::Quant {
-            weight: QMatMul::from_arc(std::sync::Arc::new(q))?,
+        Ok(Some(Linear::quant(
+            QMatMul::from_arc(std::sync::Arc::new(q))?,
             bias,
-            out_features: rows,
-        }))
+            rows,
+        )?))
     }
 
     /// Output rows `start .. start + len` of a dense linear as a linear of its own, sharing
@@ -130,7 +195,7 @@ impl Linear {
                 weight: weight.narrow(0, start, len)?,
                 bias: bias.as_ref().map(|b| b.narrow(0, start, len)).transpose()?,
             })),
-            Linear::Quant { .. } => Ok(None),
+            Linear::Quant { .. } | Linear::Q8 { .. } => Ok(None),
         }
     }
 
@@ -138,7 +203,7 @@ impl Linear {
     pub fn emptied(&self) -> Result<Linear> {
         let (dtype, device) = match self {
             Linear::Dense { weight, .. } => (weight.dtype(), weight.device().clone()),
-            Linear::Quant { .. } => (DType::F32, candle_core::Device::Cpu),
+            Linear::Quant { .. } | Linear::Q8 { .. } => (DType::F32, candle_core::Device::Cpu),
         };
         Ok(Linear::Dense {
             weight: Tensor::zeros((0, 0), dtype, &device)?,
@@ -150,6 +215,7 @@ impl Linear {
         match self {
             Linear::Dense { weight, .. } => weight.dims()[0],
             Linear::Quant { out_features, .. } => *out_features,
+            Linear::Q8 { weight, .. } => weight.rows(),
         }
     }
 
@@ -188,12 +254,19 @@ impl Linear {
                 };
                 (y, bias)
             }
+            Linear::Q8 { weight, bias } => (weight.forward(x)?.to_dtype(x.dtype())?, bias),
         };
         Ok(match bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
     }
+}
+
+/// `DFLASH_Q8=0` keeps candle's Q8_0 product everywhere (A/B runs).
+fn own_q8_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_Q8").map_or(true, |v| v != "0"))
 }
 
 #[cfg(test)]

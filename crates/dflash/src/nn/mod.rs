@@ -17,6 +17,7 @@ pub mod linear;
 pub mod mlp;
 pub mod moe;
 pub mod norm;
+pub mod q8;
 pub mod recurrent_cache;
 pub mod rope;
 pub mod routing;

@@ -359,11 +359,7 @@ impl Weights {
         }
         let q = self.qtensor(&name, &shape)?;
         Ok(match self.matmul_weight(Arc::new(q))? {
-            Some(weight) => Linear::Quant {
-                weight,
-                bias,
-                out_features: out_dim,
-            },
+            Some(weight) => Linear::quant(weight, bias, out_dim)?,
             None => Linear::Dense {
                 weight: self.get(&name, shape)?,
                 bias,
@@ -435,11 +431,7 @@ impl Weights {
             Embedding::Quant { table, .. } => {
                 let out_features = table.shape().dims()[0];
                 match self.matmul_weight(table.clone())? {
-                    Some(weight) => Linear::Quant {
-                        weight,
-                        bias: None,
-                        out_features,
-                    },
+                    Some(weight) => Linear::quant(weight, None, out_features)?,
                     None => Linear::dense(emb.table_dense()?, None),
                 }
             }
