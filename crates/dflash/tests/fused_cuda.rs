@@ -32,6 +32,14 @@ fn randn(shape: &[usize], scale: f64, dev: &Device) -> Tensor {
         .unwrap()
 }
 
+/// `x [.., k] @ w [n, k]^T` in f32 (the reference for the bf16 kernels).
+fn f32_product(x: &Tensor, w: &Tensor) -> Tensor {
+    x.to_dtype(DType::F32)
+        .unwrap()
+        .broadcast_matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+        .unwrap()
+}
+
 /// max |a - b| / max |b| over all elements, in f32.
 fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
@@ -102,12 +110,7 @@ fn mma_matches_f32_product() {
             .unwrap()
             .expect("the mma kernel applies to bf16 on CUDA");
         assert_eq!(got.dims(), &[m, n]);
-        let want = x
-            .to_dtype(DType::F32)
-            .unwrap()
-            .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
-            .unwrap();
-        let e = rel_err(&got, &want);
+        let e = rel_err(&got, &f32_product(&x, &w));
         assert!(e < 1e-2, "m {m} n {n} k {k}: rel err {e}");
     }
     // A view of rows 8.. of a larger weight (offset, still aligned) and a [1, m, k] input.
@@ -118,12 +121,7 @@ fn mma_matches_f32_product() {
         .unwrap()
         .expect("applies");
     assert_eq!(got.dims(), &[1, 12, 24]);
-    let want = x
-        .to_dtype(DType::F32)
-        .unwrap()
-        .broadcast_matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
-        .unwrap();
-    let e = rel_err(&got, &want);
+    let e = rel_err(&got, &f32_product(&x, &w));
     assert!(e < 1e-2, "offset view: rel err {e}");
     // Shapes it must decline (the caller then runs cuBLAS): 17 rows, K not a multiple of 32.
     assert!(dflash::nn::cuda::mma_forced(

@@ -200,15 +200,21 @@ fn full_acceptance_bookkeeping() {
     }
 }
 
-#[test]
-fn zero_acceptance_bookkeeping() {
-    // The draft always proposes token 0 (zero final norm); the target's head row for token 0
-    // is zero, so 0 is never its argmax while other logits are positive somewhere.
+/// A pair whose draft is never accepted: the draft always proposes token 0 (zero final norm);
+/// the target's head row for token 0 is zero, so 0 is never its argmax while other logits are
+/// positive somewhere.
+fn never_accepted_pair() -> (TinyTarget, tempfile::TempDir, Engine) {
     let mut t = TinyTarget::qwen3(21);
     t.zero_head_row0 = true;
     let mut d = TinyDraft::for_target(&t, 2, vec![1, 3], 8, 4);
     d.zero_final_norm = true;
-    let (_dir, e) = build(&t, &d);
+    let (dir, e) = build(&t, &d);
+    (t, dir, e)
+}
+
+#[test]
+fn zero_acceptance_bookkeeping() {
+    let (t, _dir, e) = never_accepted_pair();
     let prompt = ids(2, 17, t.vocab);
     let out = gen(&e, &prompt, 30, 8, &[]);
     assert!(out.stats.acceptance_lengths.iter().all(|&a| a == 1));
@@ -293,11 +299,7 @@ fn sampling_is_reproducible_and_matches_the_target_distribution() {
 /// does not, and both stay lossless.
 #[test]
 fn adaptive_estimates_carry_over_between_generations() {
-    let mut t = TinyTarget::qwen3(21);
-    t.zero_head_row0 = true;
-    let mut d = TinyDraft::for_target(&t, 2, vec![1, 3], 8, 4);
-    d.zero_final_norm = true;
-    let (_dir, e) = build(&t, &d);
+    let (t, _dir, e) = never_accepted_pair();
     let prompt = ids(2, 17, t.vocab);
     let plain = gen(&e, &prompt, 30, 1, &[]).output_ids;
     let mut r = GenerateRequest::new(prompt.clone(), 30);

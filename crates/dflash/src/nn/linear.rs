@@ -3,7 +3,7 @@
 use super::q8::Q8Matrix;
 use crate::source::Weights;
 use crate::Result;
-use candle_core::quantized::QMatMul;
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 use std::sync::Arc;
 
@@ -90,90 +90,78 @@ impl Linear {
     /// self-contained rows, so the rows are stacked as bytes, exactly; the input is then
     /// quantized once instead of once per part). None for mixed parts or biases.
     pub fn concat(parts: &[&Linear]) -> Result<Option<Linear>> {
-        if parts.iter().all(|p| matches!(p, Linear::Quant { .. })) {
-            return Self::concat_quant(parts);
+        let biases: Vec<Tensor> = parts.iter().filter_map(|p| p.bias().cloned()).collect();
+        let bias = match biases.len() {
+            0 => None,
+            n if n == parts.len() => Some(Tensor::cat(&biases, 0)?),
+            _ => return Ok(None),
+        };
+        if parts.is_empty() {
+            return Ok(None);
         }
-        if parts.iter().all(|p| matches!(p, Linear::Q8 { .. })) {
-            let mut ws = Vec::new();
-            let mut bs = Vec::new();
-            for p in parts {
-                if let Linear::Q8 { weight, bias } = p {
-                    ws.push(weight.as_ref());
-                    bs.extend(bias.iter().cloned());
-                }
-            }
-            let (Some(w), Some(bias)) = (Q8Matrix::stack(&ws), Self::concat_biases(&bs, ws.len())?)
-            else {
-                return Ok(None);
-            };
-            return Ok(Some(Linear::Q8 {
+        let dense: Option<Vec<Tensor>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Dense { weight, .. } => Some(weight.clone()),
+                _ => None,
+            })
+            .collect();
+        if let Some(ws) = dense {
+            let weight = Tensor::cat(&ws, 0)?;
+            return Ok(Some(Linear::Dense { weight, bias }));
+        }
+        let q8: Option<Vec<&Q8Matrix>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Q8 { weight, .. } => Some(weight.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if let Some(ws) = q8 {
+            return Ok(Q8Matrix::stack(&ws).map(|w| Linear::Q8 {
                 weight: Arc::new(w),
                 bias,
             }));
         }
-        let mut ws = Vec::new();
-        let mut bs = Vec::new();
-        for p in parts {
-            match p {
-                Linear::Dense { weight, bias } => {
-                    ws.push(weight.clone());
-                    if let Some(b) = bias {
-                        bs.push(b.clone());
-                    }
-                }
-                Linear::Quant { .. } | Linear::Q8 { .. } => return Ok(None),
+        let quant: Option<Vec<&QTensor>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Quant {
+                    weight: QMatMul::QTensor(q),
+                    ..
+                } => Some(q.as_ref()),
+                _ => None,
+            })
+            .collect();
+        match quant {
+            Some(qs) => Self::stack_quantized(&qs, bias),
+            None => Ok(None),
+        }
+    }
+
+    fn bias(&self) -> Option<&Tensor> {
+        match self {
+            Linear::Dense { bias, .. } | Linear::Quant { bias, .. } | Linear::Q8 { bias, .. } => {
+                bias.as_ref()
             }
         }
-        let Some(bias) = Self::concat_biases(&bs, ws.len())? else {
-            return Ok(None);
-        };
-        let weight = Tensor::cat(&ws, 0)?;
-        Ok(Some(Linear::Dense { weight, bias }))
     }
 
-    /// `Some(None)` without biases, `Some(Some(stacked))` when every part has one, None when
-    /// only some do.
-    fn concat_biases(bs: &[Tensor], parts: usize) -> Result<Option<Option<Tensor>>> {
-        Ok(match bs.len() {
-            0 => Some(None),
-            n if n == parts => Some(Some(Tensor::cat(bs, 0)?)),
-            _ => None,
-        })
-    }
-
-    fn concat_quant(parts: &[&Linear]) -> Result<Option<Linear>> {
-        use candle_core::quantized::{QStorage, QTensor};
+    /// CPU quantized matrices of one block type and width, rows stacked as bytes.
+    fn stack_quantized(qs: &[&QTensor], bias: Option<Tensor>) -> Result<Option<Linear>> {
+        use candle_core::quantized::QStorage;
+        let dtype = qs[0].dtype();
+        let k = qs[0].shape().dims2()?.1;
         let mut bytes = Vec::new();
-        let mut bs = Vec::new();
-        let (mut rows, mut cols, mut dtype) = (0, None, None);
-        for p in parts {
-            let Linear::Quant { weight, bias, .. } = p else {
-                return Ok(None);
-            };
-            let QMatMul::QTensor(q) = weight else {
-                return Ok(None);
-            };
-            let (n, k) = q.shape().dims2()?;
-            if !q.device().is_cpu()
-                || cols.is_some_and(|c| c != k)
-                || dtype.is_some_and(|d| d != q.dtype())
-            {
+        let mut rows = 0;
+        for q in qs {
+            let (n, kq) = q.shape().dims2()?;
+            if !q.device().is_cpu() || kq != k || q.dtype() != dtype {
                 return Ok(None);
             }
-            cols = Some(k);
-            dtype = Some(q.dtype());
             rows += n;
             bytes.extend_from_slice(&q.data()?);
-            if let Some(b) = bias {
-                bs.push(b.clone());
-            }
         }
-        let (Some(k), Some(dtype)) = (cols, dtype) else {
-            return Ok(None);
-        };
-        let Some(bias) = Self::concat_biases(&bs, parts.len())? else {
-            return Ok(None);
-        };
         let storage = QStorage::from_data(
             std::borrow::Cow::Owned(bytes),
             &candle_core::Device::Cpu,
@@ -181,7 +169,7 @@ impl Linear {
         )?;
         let q = QTensor::new(storage, (rows, k))?;
         Ok(Some(Linear::quant(
-            QMatMul::from_arc(std::sync::Arc::new(q))?,
+            QMatMul::from_arc(Arc::new(q))?,
             bias,
             rows,
         )?))
@@ -272,7 +260,7 @@ fn own_q8_enabled() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::quantized::GgmlDType;
     use candle_core::Device;
 
     fn quant(rows: usize, cols: usize, dt: GgmlDType, seed: u64, bias: bool) -> Linear {

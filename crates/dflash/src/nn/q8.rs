@@ -103,13 +103,15 @@ impl Q8Matrix {
         let mut out = vec![0f32; m * n];
         let out_ptr = out.as_mut_ptr() as usize;
         let kb = k / QK;
+        let simd = simd_available();
         candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(4), |range| {
             let out = out_ptr as *mut f32;
             for g in range {
                 let r0 = g * 4;
                 let nr = (n - r0).min(4);
                 for r in 0..m {
-                    let acc = dot_rows(self, r0, nr, &xq[r * k..(r + 1) * k], &xd[r * kb..]);
+                    let (xr, dr) = (&xq[r * k..(r + 1) * k], &xd[r * kb..]);
+                    let acc = dot_rows(simd, self, r0, nr, xr, dr);
                     for (j, v) in acc.iter().take(nr).enumerate() {
                         // SAFETY: each (r, r0 + j) is written by exactly one chunk.
                         unsafe { *out.add(r * n + r0 + j) = *v };
@@ -140,15 +142,15 @@ fn quantize_rows(x: &[f32], k: usize) -> (Vec<i8>, Vec<f32>) {
     (q, d)
 }
 
-/// Up to 4 consecutive weight rows from `r0` against one quantized activation row.
-fn dot_rows(w: &Q8Matrix, r0: usize, nr: usize, xq: &[i8], xd: &[f32]) -> [f32; 4] {
+/// Up to 4 consecutive weight rows from `r0` against one quantized activation row; `simd`
+/// from [`simd_available`].
+fn dot_rows(simd: bool, w: &Q8Matrix, r0: usize, nr: usize, xq: &[i8], xd: &[f32]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
-    {
-        if vnni() {
-            // SAFETY: the CPU has the features (checked once), slices are in bounds.
-            return unsafe { x86::dot_rows_vnni(w, r0, nr, xq, xd) };
-        }
+    if simd {
+        // SAFETY: `simd` says the CPU has the features; slices are in bounds.
+        return unsafe { x86::dot_rows_vnni(w, r0, nr, xq, xd) };
     }
+    let _ = simd;
     dot_rows_scalar(w, r0, nr, xq, xd)
 }
 
@@ -187,16 +189,22 @@ fn hsum8(a: &[f32; 8]) -> f32 {
     q[0] + q[1]
 }
 
-#[cfg(target_arch = "x86_64")]
-fn vnni() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("DFLASH_Q8_SCALAR").map_or(true, |v| v != "1")
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("fma")
-    })
+/// Whether the AVX-512 VNNI path runs (checked once; `DFLASH_Q8_SCALAR=1` forces the scalar
+/// path, which gives the same bits).
+fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            std::env::var("DFLASH_Q8_SCALAR").map_or(true, |v| v != "1")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -270,21 +278,16 @@ mod tests {
             let x = Tensor::randn(0f32, 1.0, (16, cols), &Device::Cpu).unwrap();
             let got = ours.forward(&x).unwrap();
             let want = candle_core::Module::forward(&candle, &x).unwrap();
-            let diff = (&got - &want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            let scale = want
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let max_abs = |t: &Tensor| {
+                t.abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+            };
+            let diff = max_abs(&(&got - &want).unwrap());
+            let scale = max_abs(&want);
             assert!(
                 diff <= 1e-5 * scale.max(1.0),
                 "{rows}x{cols}: {diff} vs scale {scale}"
@@ -305,7 +308,7 @@ mod tests {
             for r0 in (0..rows).step_by(4) {
                 let nr = (rows - r0).min(4);
                 let a = dot_rows_scalar(&ours, r0, nr, &xq[..cols], &xd[..kb]);
-                let b = dot_rows(&ours, r0, nr, &xq[..cols], &xd[..kb]);
+                let b = dot_rows(simd_available(), &ours, r0, nr, &xq[..cols], &xd[..kb]);
                 assert_eq!(a, b, "{rows}x{cols} rows {r0}..");
             }
         }
