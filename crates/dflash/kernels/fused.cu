@@ -312,3 +312,12 @@ extern "C" __global__ void attn_combine_bf16(const float* __restrict__ part, bf1
   }
   if (e < d) out[(size_t)i * heads * d + (size_t)h * d + e] = __float2bfloat16(L > 0.f ? a / L : 0.f);
 }
+
+// A single-thread busy wait of `cycles` SM clocks: the micro bench queues a step behind it to
+// time the step's kernels with the host out of the way (nn::cuda::gpu_time_host_ahead).
+extern "C" __global__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+

@@ -118,26 +118,75 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Where a forward pass spends its time, for `DFLASH_PROFILE=1` runs only: each `mark`
-/// synchronizes the device and charges the time since the previous mark to a label; `finish`
-/// prints one line to stderr. Off (no syncs, no clock reads) unless the variable is set, since
-/// the syncs themselves change what they measure on a GPU.
+/// Where a forward pass spends its time, for `DFLASH_PROFILE` runs only; `finish` prints one
+/// line to stderr. Off (no syncs, no clock reads) unless the variable is set.
+/// - `DFLASH_PROFILE=1`: each `mark` synchronizes the device and charges the wall time since
+///   the previous mark to a label (the syncs change what they measure on a GPU: every section
+///   then pays a launch and a sync);
+/// - `DFLASH_PROFILE=gpu` (CUDA): each `mark` records a CUDA event instead, and `finish` syncs
+///   once and charges the GPU time between events: the kernels' own time per section, as long
+///   as the host keeps ahead of the GPU (it does on the H200: docs/perf.md, run 5).
 pub struct SectionTimer {
     dev: Option<candle_core::Device>,
     what: &'static str,
     last: std::time::Instant,
     acc: Vec<(&'static str, f64)>,
+    #[cfg(feature = "cuda")]
+    events: Option<
+        Vec<(
+            &'static str,
+            candle_core::cuda_backend::cudarc::driver::CudaEvent,
+        )>,
+    >,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ProfileMode {
+    Off,
+    Sync,
+    Gpu,
 }
 
 impl SectionTimer {
+    fn mode() -> ProfileMode {
+        static M: std::sync::OnceLock<ProfileMode> = std::sync::OnceLock::new();
+        *M.get_or_init(|| match std::env::var("DFLASH_PROFILE").as_deref() {
+            Ok("1") => ProfileMode::Sync,
+            Ok("gpu") => ProfileMode::Gpu,
+            _ => ProfileMode::Off,
+        })
+    }
+
     pub fn enabled() -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::env::var("DFLASH_PROFILE").is_ok_and(|v| v == "1"))
+        Self::mode() != ProfileMode::Off
+    }
+
+    #[cfg(feature = "cuda")]
+    fn event(
+        dev: &candle_core::Device,
+    ) -> Option<candle_core::cuda_backend::cudarc::driver::CudaEvent> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+        let stream = dev.as_cuda_device().ok()?.cuda_stream();
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .ok()
     }
 
     pub fn start(what: &'static str, dev: &candle_core::Device) -> Self {
-        let dev = Self::enabled().then(|| dev.clone());
-        if let Some(d) = &dev {
+        let mode = Self::mode();
+        let dev = (mode != ProfileMode::Off).then(|| dev.clone());
+        #[cfg(feature = "cuda")]
+        let events = match &dev {
+            Some(d) if mode == ProfileMode::Gpu && d.is_cuda() => {
+                Self::event(d).map(|e| vec![("", e)])
+            }
+            _ => None,
+        };
+        #[cfg(feature = "cuda")]
+        let sync = events.is_none();
+        #[cfg(not(feature = "cuda"))]
+        let sync = true;
+        if let (Some(d), true) = (&dev, sync) {
             let _ = d.synchronize();
         }
         Self {
@@ -145,24 +194,46 @@ impl SectionTimer {
             what,
             last: std::time::Instant::now(),
             acc: Vec::new(),
+            #[cfg(feature = "cuda")]
+            events,
         }
     }
 
-    pub fn mark(&mut self, label: &'static str) {
-        let Some(d) = &self.dev else { return };
-        let _ = d.synchronize();
-        let now = std::time::Instant::now();
-        let ms = (now - self.last).as_secs_f64() * 1e3;
-        self.last = now;
+    fn charge(&mut self, label: &'static str, ms: f64) {
         match self.acc.iter_mut().find(|(l, _)| *l == label) {
             Some((_, t)) => *t += ms,
             None => self.acc.push((label, ms)),
         }
     }
 
-    pub fn finish(self) {
+    pub fn mark(&mut self, label: &'static str) {
+        let Some(d) = &self.dev else { return };
+        #[cfg(feature = "cuda")]
+        if let Some(ev) = &mut self.events {
+            if let Some(e) = Self::event(d) {
+                ev.push((label, e));
+            }
+            return;
+        }
+        let _ = d.synchronize();
+        let now = std::time::Instant::now();
+        let ms = (now - self.last).as_secs_f64() * 1e3;
+        self.last = now;
+        self.charge(label, ms);
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    pub fn finish(mut self) {
         if self.dev.is_none() {
             return;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(ev) = self.events.take() {
+            for w in ev.windows(2) {
+                if let Ok(ms) = w[0].1.elapsed_ms(&w[1].1) {
+                    self.charge(w[1].0, ms as f64);
+                }
+            }
         }
         let total: f64 = self.acc.iter().map(|(_, t)| t).sum();
         let parts: Vec<String> = self

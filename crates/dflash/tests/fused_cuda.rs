@@ -85,15 +85,16 @@ fn swiglu_matches_candle() {
 }
 
 /// The tensor-core skinny GEMM (kernels/mma.cu) against an f32 product of the same bf16
-/// operands: every row count 2..=16 (one or two mma tiles, padded rows), widths that are not
-/// a multiple of the 16-row tile (clamped loads, skipped stores), K split unevenly over the
-/// block's warps (K / 32 not a multiple of 8 or even), an offset view of the weight, and a
-/// 3-D input. bf16 output rounding bounds the error (~4e-3 relative).
+/// operands: every row count 1..=16 (one or two mma tiles, padded rows), every blocking the
+/// shape picks (`mma_config`), widths that are not a multiple of a block's rows (clamped
+/// loads, skipped stores), K split unevenly over the warps (K / 32 not a multiple of 8 or
+/// even), an offset view of the weight, and a 3-D input. bf16 output rounding bounds the
+/// error (~4e-3 relative).
 #[test]
 fn mma_matches_f32_product() {
     let Some(dev) = gpu() else { return };
     let mut cases = vec![];
-    for m in 2..=16 {
+    for m in 1..=16 {
         cases.push((m, 4096, 4096));
     }
     cases.extend([
@@ -101,8 +102,24 @@ fn mma_matches_f32_product() {
         (3, 17, 32),
         (9, 6144, 12288),
         (16, 151936, 576),
+        (1, 151936, 576),
         (5, 33, 544),
+        (16, 16400, 96),
+        (1, 16400, 96),
+        (13, 20000, 4096),
+        (11, 8200, 64),
+        (16, 10240, 4096),
+        (1, 10240, 4096),
     ]);
+    let configs: std::collections::BTreeSet<_> = cases
+        .iter()
+        .map(|&(_, n, k)| dflash::nn::cuda::mma_config(n, k).name)
+        .collect();
+    assert_eq!(
+        configs.len(),
+        3,
+        "cases must cover every blocking: {configs:?}"
+    );
     for (m, n, k) in cases {
         let x = randn(&[m, k], 1.0, &dev);
         let w = randn(&[n, k], 0.05, &dev);
@@ -143,7 +160,14 @@ fn mma_matches_f32_product() {
 #[test]
 fn mma_rows_are_batch_invariant() {
     let Some(dev) = gpu() else { return };
-    for (n, k) in [(4096, 4096), (1000, 576), (24576, 4096), (4096, 12288)] {
+    for (n, k) in [
+        (4096, 4096),
+        (1000, 576),
+        (24576, 4096),
+        (4096, 12288),
+        (10240, 4096),
+        (8200, 64),
+    ] {
         let x = randn(&[16, k], 1.0, &dev);
         let w = randn(&[n, k], 0.05, &dev);
         let mma = |x: &Tensor| {

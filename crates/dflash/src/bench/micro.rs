@@ -84,7 +84,8 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
             .unwrap_or(1)
             .max(draft.map_or(1, |d| d.block_size()));
     let n = o.iters.max(1);
-    let cap = o.context + WARMUP + n + 2 * qmax + 2;
+    // The draft loop runs twice on CUDA (wall, then host-ahead), one context row per call.
+    let cap = o.context + 2 * (WARMUP + n) + 2 * qmax + 2;
     if cap > p.engine.max_context {
         return Err(Error::input(format!(
             "--micro: context {} + iterations needs {cap} positions, the model has {}",
@@ -132,6 +133,33 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
             }
         }
         out.push(summarize(format!("verify forward Q={q}"), Some(q), us));
+        // CUDA: the same step queued behind a busy kernel, so its kernels run back to back:
+        // the GPU's own time for the step, and the host's time to enqueue it. The wall time
+        // above minus the GPU time is what launching costs (docs/perf.md, run 5).
+        #[cfg(feature = "cuda")]
+        if dev.is_cuda() && (q == 1 || q == qmax) {
+            let (mut gpu, mut host) = (Vec::new(), Vec::new());
+            for i in 0..WARMUP + n {
+                let block = ids(q);
+                let ((), g, h) = crate::nn::cuda::gpu_time_host_ahead(&dev, 30_000, || {
+                    let fw = target.forward(&block, ctx, &mut cache, &taps, Logits::All)?;
+                    let _ = fw.logits.map(|l| l.argmax(D::Minus1)).transpose()?;
+                    Ok(())
+                })?;
+                sync()?;
+                cache.truncate(ctx)?;
+                if i >= WARMUP {
+                    gpu.push(g * 1e3);
+                    host.push(h * 1e3);
+                }
+            }
+            out.push(summarize(format!("verify Q={q}: GPU only"), Some(q), gpu));
+            out.push(summarize(
+                format!("verify Q={q}: host enqueue"),
+                Some(q),
+                host,
+            ));
+        }
     }
 
     // KV truncate after a 16-row verify.
@@ -171,6 +199,29 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
             }
         }
         out.push(summarize(format!("draft forward Q={q}"), Some(q), us));
+        #[cfg(feature = "cuda")]
+        if dev.is_cuda() {
+            let (mut gpu, mut host) = (Vec::new(), Vec::new());
+            for i in 0..WARMUP + n {
+                let start = dc.len() + 1;
+                block[0] = ids(1)[0];
+                let (am, g, h) = crate::nn::cuda::gpu_time_host_ahead(&dev, 30_000, || {
+                    let logits = d.forward(target, &row, &block, start, &mut dc)?;
+                    Ok(logits.argmax(D::Minus1)?)
+                })?;
+                let _props: Vec<u32> = am.to_vec1::<u32>()?;
+                if i >= WARMUP {
+                    gpu.push(g * 1e3);
+                    host.push(h * 1e3);
+                }
+            }
+            out.push(summarize(format!("draft Q={q}: GPU only"), Some(q), gpu));
+            out.push(summarize(
+                format!("draft Q={q}: host enqueue"),
+                Some(q),
+                host,
+            ));
+        }
     }
 
     // Sampling one row of `vocab` logits on the host.

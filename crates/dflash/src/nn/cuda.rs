@@ -106,19 +106,15 @@ impl CustomOp2 for RowMatmul {
                 (n as u32).div_ceil(WARPS_PER_BLOCK),
                 WARPS_PER_BLOCK,
             ),
-            RowKernel::Mma => (
-                dev.get_or_load_custom_func(
-                    if m <= 8 {
-                        "gemm_bf16_t1"
-                    } else {
-                        "gemm_bf16_t2"
-                    },
-                    "dflash_mma",
-                    MMA_PTX,
-                )?,
-                (n as u32).div_ceil(16),
-                MMA_WARPS,
-            ),
+            RowKernel::Mma => {
+                let c = mma_config(n, k);
+                let name = format!("{}_t{}", c.name, if m <= 8 { 1 } else { 2 });
+                (
+                    dev.get_or_load_custom_func(&name, "dflash_mma", MMA_PTX)?,
+                    (n as u32).div_ceil(c.rows_per_block),
+                    c.warps,
+                )
+            }
         };
         // SAFETY: every element is written by the kernel.
         let y = unsafe { dev.alloc::<bf16>(m * n)? };
@@ -184,15 +180,55 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
 
 /// Most rows of x the tensor-core skinny GEMM handles (two 8-row tiles of the mma's B operand).
 pub const MMA_MAX_ROWS: usize = 16;
-const MMA_WARPS: u32 = 8;
+
+/// One compiled blocking of kernels/mma.cu (see the GEMM(...) lines there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmaConfig {
+    /// Kernel name without the `_t1` / `_t2` suffix.
+    pub name: &'static str,
+    /// Weight rows per block: 16 x TN x (BW / W).
+    pub rows_per_block: u32,
+    /// Warps per block (BW).
+    pub warps: u32,
+}
+
+/// The skinny GEMM's blocking for a weight of `n` rows and `k` columns: picked from the shape
+/// only, never from the number of rows of x, which is what makes the kernel batch-invariant.
+/// Chosen from the H200 measurements of `tools/gpu-bench/skinny` (docs/perf.md, run 5): narrow
+/// weights need K split over 8 warps to fill the GPU; gate+up-sized ones (1k-4k tiles of 16
+/// rows) go fastest with one warp per tile and 4 chunks in flight; the rest (K/V stacks,
+/// LM heads) with 4 warps per tile of 32 rows.
+pub fn mma_config(n: usize, _k: usize) -> MmaConfig {
+    let tiles = n.div_ceil(16);
+    if tiles < 512 {
+        MmaConfig {
+            name: "gemm_w8u2",
+            rows_per_block: 16,
+            warps: 8,
+        }
+    } else if (1024..4096).contains(&tiles) {
+        MmaConfig {
+            name: "gemm_w1u4",
+            rows_per_block: 64,
+            warps: 4,
+        }
+    } else {
+        MmaConfig {
+            name: "gemm_w4u2n2",
+            rows_per_block: 32,
+            warps: 4,
+        }
+    }
+}
 
 /// Batch-invariant mode (`DFLASH_BATCH_INVARIANT=1`): `Linear::forward` multiplies 1..=16
 /// rows with the tensor-core skinny GEMM (kernels/mma.cu), whose bits for a row do not depend
 /// on the rows beside it, so a 16-row verify reproduces the 1-row decode steps exactly and
-/// greedy DFlash equals plain greedy decoding on the GPU too. Off by default: on the H200 it
-/// is slower than the GEMV kernel (1 row) and cuBLAS (2+ rows) on the wide projections
-/// (docs/perf.md, run 4). Without it, bf16 verify and decode logits differ in the last bits
-/// and near-ties can flip (spec: documented near-tie flips between 1-row and Q-row kernels).
+/// greedy DFlash equals plain greedy decoding on the GPU too. Off by default: on the H200 its
+/// decode step is ~3% slower than the GEMV kernel (1 row) and cuBLAS (2+ rows), which is
+/// what runs otherwise (docs/perf.md, run 5); bf16 verify and decode logits then differ in
+/// the last bits and near-ties can flip (spec: documented near-tie flips between 1-row and
+/// Q-row kernels). The same opt-in as vLLM's and SGLang's batch-invariant modes.
 pub fn batch_invariant() -> bool {
     use std::sync::atomic::Ordering;
     match BATCH_INVARIANT.load(Ordering::Relaxed) {
@@ -759,4 +795,45 @@ pub fn attention(
         vis,
     };
     Ok(Some(src.apply_op3_no_bwd(tables, kv, &op)?))
+}
+
+// ---------------------------------------------------------------------------------------
+// Timing helper for the micro bench: how long a piece of work takes on the GPU when the host
+// is not what it waits for.
+
+/// Run `issue` (which must only enqueue work, no host syncs) behind a `spin_us` busy kernel, so
+/// the host has queued everything before the GPU starts on it. Returns its result, the GPU
+/// time from the end of the spin to the end of the work (ms) and the host time `issue` took
+/// (ms). When the GPU time is well below the usual synchronized wall time, the step is bound
+/// by launching (host) rather than by the kernels.
+pub fn gpu_time_host_ahead<T>(
+    dev: &candle_core::Device,
+    spin_us: u32,
+    issue: impl FnOnce() -> crate::Result<T>,
+) -> crate::Result<(T, f64, f64)> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    let cuda = dev.as_cuda_device()?;
+    let stream = cuda.cuda_stream();
+    let func = cuda.get_or_load_custom_func("spin", "dflash_fused", FUSED_PTX)?;
+    // ~2 GHz SM clock: cycles = 2000 per us (the spin only has to outlast the host's enqueue).
+    let cycles = spin_us as i64 * 2000;
+    let mut b = func.builder();
+    b.arg(&cycles);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: spin(long long) takes one i64.
+    unsafe { b.launch(cfg) }.w()?;
+    let ev = |s: &candle_core::cuda_backend::cudarc::driver::CudaStream| {
+        s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).w()
+    };
+    let start = ev(&stream)?;
+    let t = std::time::Instant::now();
+    let out = issue()?;
+    let host_ms = t.elapsed().as_secs_f64() * 1e3;
+    let end = ev(&stream)?;
+    let gpu_ms = start.elapsed_ms(&end).w()? as f64;
+    Ok((out, gpu_ms, host_ms))
 }
