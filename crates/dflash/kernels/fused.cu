@@ -14,6 +14,7 @@
 //                (flash-decoding) + attn_combine when there is more than one split
 //                (mask upload, scale, 2 matmuls, softmax, transpose: ~7 ops -> 1 or 2)
 #include <cuda_bf16.h>
+#include <limits.h>
 #include <stdint.h>
 
 typedef __nv_bfloat16 bf16;
@@ -126,173 +127,195 @@ extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_s
 // cap, D]. Query row i sits at position q_pos0 + i; a key j is visible iff (!causal || j <=
 // pos) && (window == 0 || j + window > pos). Head h reads KV head h / rep.
 //
-// grid (heads, n, splits): split s covers keys [s * chunk, (s + 1) * chunk). Block: NW warps;
-// each warp takes 4 keys at a time (loads in flight together), lane l owns dims
-// [l * D/32, (l + 1) * D/32) of q, k, v and the accumulator; online softmax per warp, merged
-// across warps in shared memory. With one split the block writes the bf16 output row
-// out[i, h * D ..]; otherwise (m, l, acc[D]) go to part[((h * n + i) * splits + s)] for
-// attn_combine.
-template <int D>
-__device__ void attn_block(const bf16* __restrict__ src, int src_stride, int q_off, const bf16* __restrict__ qw,
-                           float eps, const bf16* __restrict__ cs, int rot, float scale,
-                           const bf16* __restrict__ kv, int kvh, long long cap, int kv_len, int rep,
-                           int q_pos0, int causal, int window, int chunk, bf16* __restrict__ out,
-                           float* __restrict__ part) {
+// grid (kvh, splits, groups): block (g, s, q) serves the (row, head) pairs q*P .. q*P + P of
+// KV head g (pair p: row p / rep, head g * rep + p % rep) over the keys of chunk s, [s * chunk,
+// (s + 1) * chunk). The block's 4 warps split the chunk's keys (warp w: keys s * chunk + 4w +
+// 16t .. + 4); each warp loads 4 keys and values at a time and uses them for all P pairs, so
+// the chunk is read once per block, not once per query row (a 16-row verify of a 32-head model
+// read every key 16 x 4 times). Lane l owns dims [l * D/32, (l + 1) * D/32) of q, k, v and the
+// accumulators; online softmax per (warp, pair), merged across the warps in warp order. With
+// one split the block writes the bf16 output rows; otherwise (m, l, acc[D]) go to part[((h *
+// n + i) * splits + s)] for attn_combine.
+//
+// Batch invariance: a pair's arithmetic (its q's norm and rope, which keys each warp takes and
+// in which groups of 4, the masking, the merge order) depends on its row's position and the
+// chunk only, never on n or on the other pairs of its block, so a row gives the same bits in a
+// 1-row decode step and in a 16-row verify.
+template <int D, int P>
+__device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, int q_off,
+                                const bf16* __restrict__ qw, float eps, const bf16* __restrict__ cs,
+                                int rot, float scale, const bf16* __restrict__ kv, int kvh,
+                                long long cap, int kv_len, int rep, int q_pos0, int causal, int window,
+                                int chunk, int n, bf16* __restrict__ out, float* __restrict__ part) {
   constexpr int E = D / 32;  // dims per lane
   constexpr int NW = 4;
-  __shared__ float scratch[32];
-  __shared__ float qs[D];
-  __shared__ float wm[NW], wl[NW];
-  __shared__ float wacc[NW][D];
-  const int h = blockIdx.x, i = blockIdx.y, s = blockIdx.z;
-  const int n = gridDim.y, splits = gridDim.z, heads = gridDim.x;
+  __shared__ float qs[P][D];
+  __shared__ float wm[NW][P], wl[NW][P];
+  __shared__ float wacc[NW][P][D];
+  const int g = blockIdx.x, s = blockIdx.y, grp = blockIdx.z;
+  const int splits = gridDim.y, heads = kvh * rep, pairs = n * rep;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int pos = q_pos0 + i;
 
-  // q: norm + rope by the first D threads (blockDim = 128 >= D for D <= 128; looped below
-  // otherwise).
-  if (D <= NW * 32) {
-    float q = load_norm_rope(src + (size_t)i * src_stride + q_off + h * D, qw, eps, cs + (size_t)i * rot, rot,
-                             D, qs, scratch);
-    __syncthreads();
-    if (threadIdx.x < D) qs[threadIdx.x] = q * scale;
-  } else {
-    // D = 256: two passes of 128 threads would need the norm over all D; do it directly.
+  // 1. q of each pair: norm (warp sum), rope, scale; warp w prepares pairs w, w + NW, ...
+  for (int pp = warp; pp < P; pp += NW) {
+    const int p = grp * P + pp;
+    if (p >= pairs) break;
+    const int i = p / rep, h = g * rep + p % rep;
     const bf16* qr = src + (size_t)i * src_stride + q_off + h * D;
+    float x[E];
     float ss = 0.f;
-    for (int e = threadIdx.x; e < D; e += blockDim.x) {
-      float x = __bfloat162float(qr[e]);
-      ss += x * x;
+#pragma unroll
+    for (int t = 0; t < E; ++t) {
+      x[t] = __bfloat162float(qr[lane * E + t]);
+      ss += x[t] * x[t];
     }
-    float inv = qw != nullptr ? rsqrtf(block_sum(ss, scratch) / D + eps) : 1.f;
-    __syncthreads();
-    for (int e = threadIdx.x; e < D; e += blockDim.x) {
-      float x = __bfloat162float(qr[e]);
-      qs[e] = qw != nullptr ? round_bf16(x * inv * __bfloat162float(qw[e])) : x;
+    if (qw != nullptr) {
+      const float inv = rsqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+      for (int t = 0; t < E; ++t) x[t] = round_bf16(x[t] * inv * __bfloat162float(qw[lane * E + t]));
     }
-    __syncthreads();
-    constexpr int R = D / (NW * 32) > 0 ? D / (NW * 32) : 1;
-    float r[R];
+#pragma unroll
+    for (int t = 0; t < E; ++t) qs[pp][lane * E + t] = x[t];
+    __syncwarp();
     const bf16* c = cs + (size_t)i * rot;
     const int half = rot / 2;
 #pragma unroll
-    for (int t = 0; t < R; ++t) {
-      int e = threadIdx.x + t * NW * 32;
-      float x = qs[e];
-      if (e < half) x = qs[e] * __bfloat162float(c[e]) - qs[e + half] * __bfloat162float(c[half + e]);
-      else if (e < rot) x = qs[e] * __bfloat162float(c[e - half]) + qs[e - half] * __bfloat162float(c[e]);
-      r[t] = x;
+    for (int t = 0; t < E; ++t) {
+      const int e = lane * E + t;
+      if (e < half) {
+        x[t] = qs[pp][e] * __bfloat162float(c[e]) - qs[pp][e + half] * __bfloat162float(c[half + e]);
+      } else if (e < rot) {
+        x[t] = qs[pp][e] * __bfloat162float(c[e - half]) + qs[pp][e - half] * __bfloat162float(c[e]);
+      }
     }
-    __syncthreads();
+    __syncwarp();
 #pragma unroll
-    for (int t = 0; t < R; ++t) qs[threadIdx.x + t * NW * 32] = r[t] * scale;
+    for (int t = 0; t < E; ++t) qs[pp][lane * E + t] = x[t] * scale;
   }
   __syncthreads();
 
-  float qv[E];
+  // 2. This warp's keys of the chunk, 4 at a time, for every pair.
+  float qv[P][E], m[P], l[P], acc[P][E];
+  int lo[P], hi[P];
 #pragma unroll
-  for (int t = 0; t < E; ++t) qv[t] = qs[lane * E + t];
-
-  const int g = h / rep;
+  for (int pp = 0; pp < P; ++pp) {
+    const int p = grp * P + pp;
+    const int pos = q_pos0 + (p < pairs ? p / rep : 0);
+    lo[pp] = window > 0 ? pos - window + 1 : 0;
+    hi[pp] = p >= pairs ? 0 : causal ? min(kv_len, pos + 1) : kv_len;
+    m[pp] = -INFINITY;
+    l[pp] = 0.f;
+#pragma unroll
+    for (int t = 0; t < E; ++t) {
+      qv[pp][t] = qs[pp][lane * E + t];
+      acc[pp][t] = 0.f;
+    }
+  }
   const bf16* kbase = kv + (size_t)g * cap * D;
   const bf16* vbase = kv + ((size_t)kvh * cap + (size_t)g * cap) * D;
-  int j0 = s * chunk;
-  int j1 = min(kv_len, j0 + chunk);
-  if (causal) j1 = min(j1, pos + 1);
-  if (window > 0) j0 = max(j0, pos - window + 1);
-
-  float m = -INFINITY, l = 0.f, acc[E];
-#pragma unroll
-  for (int t = 0; t < E; ++t) acc[t] = 0.f;
-
-  for (int jb = j0 + warp * 4; jb < j1; jb += NW * 4) {
-    float sc[4];
-    float vv[4][E];
+  const int j0 = s * chunk;
+  const int jend = min(kv_len, j0 + chunk);
+  for (int jb = j0 + warp * 4; jb < jend; jb += NW * 4) {
+    float kf[4][E], vv[4][E];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int j = jb + u;
-      float dot = 0.f;
-      if (j < j1) {
+      if (j < jend) {
         const bf16* kr = kbase + (size_t)j * D + lane * E;
         const bf16* vr = vbase + (size_t)j * D + lane * E;
 #pragma unroll
         for (int t = 0; t < E; ++t) {
-          dot = fmaf(qv[t], __bfloat162float(kr[t]), dot);
+          kf[u][t] = __bfloat162float(kr[t]);
           vv[u][t] = __bfloat162float(vr[t]);
         }
       } else {
 #pragma unroll
-        for (int t = 0; t < E; ++t) vv[u][t] = 0.f;
+        for (int t = 0; t < E; ++t) kf[u][t] = vv[u][t] = 0.f;
       }
-      sc[u] = dot;
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      sc[u] = warp_sum(sc[u]);
-      if (jb + u >= j1) sc[u] = -INFINITY;
+    for (int pp = 0; pp < P; ++pp) {
+      // Warp-uniform: skip the pairs that see none of these 4 keys (as if not iterated).
+      if (jb >= hi[pp] || jb + 3 < lo[pp]) continue;
+      float sc[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        float dot = 0.f;
+#pragma unroll
+        for (int t = 0; t < E; ++t) dot = fmaf(qv[pp][t], kf[u][t], dot);
+        dot = warp_sum(dot);
+        const int j = jb + u;
+        sc[u] = (j < jend && j < hi[pp] && j >= lo[pp]) ? dot : -INFINITY;
+      }
+      const float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+      if (mx == -INFINITY) continue;
+      const float mn = fmaxf(m[pp], mx);
+      const float corr = __expf(m[pp] - mn);
+      l[pp] *= corr;
+#pragma unroll
+      for (int t = 0; t < E; ++t) acc[pp][t] *= corr;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float pr = __expf(sc[u] - mn);
+        l[pp] += pr;
+#pragma unroll
+        for (int t = 0; t < E; ++t) acc[pp][t] = fmaf(pr, vv[u][t], acc[pp][t]);
+      }
+      m[pp] = mn;
     }
-    float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
-    float mn = fmaxf(m, mx);  // finite: key jb < j1 is visible
-    float corr = __expf(m - mn);
-    l *= corr;
-#pragma unroll
-    for (int t = 0; t < E; ++t) acc[t] *= corr;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      float p = __expf(sc[u] - mn);
-      l += p;
-#pragma unroll
-      for (int t = 0; t < E; ++t) acc[t] = fmaf(p, vv[u][t], acc[t]);
-    }
-    m = mn;
   }
 
-  // Merge the warps.
-  if (lane == 0) {
-    wm[warp] = m;
-    wl[warp] = l;
-  }
+  // 3. Merge the warps per pair, in warp order.
 #pragma unroll
-  for (int t = 0; t < E; ++t) wacc[warp][lane * E + t] = acc[t];
+  for (int pp = 0; pp < P; ++pp) {
+    if (lane == 0) {
+      wm[warp][pp] = m[pp];
+      wl[warp][pp] = l[pp];
+    }
+#pragma unroll
+    for (int t = 0; t < E; ++t) wacc[warp][pp][lane * E + t] = acc[pp][t];
+  }
   __syncthreads();
-  float M = -INFINITY;
+  for (int idx = threadIdx.x; idx < P * D; idx += blockDim.x) {
+    const int pp = idx / D, e = idx % D;
+    const int p = grp * P + pp;
+    if (p >= pairs) break;
+    const int i = p / rep, h = g * rep + p % rep;
+    float M = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < NW; ++w) M = fmaxf(M, wm[w]);
-  float L = 0.f;
-  float f[NW];
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, wm[w][pp]);
+    float L = 0.f, a = 0.f;
 #pragma unroll
-  for (int w = 0; w < NW; ++w) {
-    f[w] = wm[w] == -INFINITY ? 0.f : __expf(wm[w] - M);
-    L += wl[w] * f[w];
-  }
-  const size_t pidx = ((size_t)h * n + i) * splits + s;
-  for (int e = threadIdx.x; e < D; e += blockDim.x) {
-    float a = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) a += wacc[w][e] * f[w];
+    for (int w = 0; w < NW; ++w) {
+      const float f = wm[w][pp] == -INFINITY ? 0.f : __expf(wm[w][pp] - M);
+      L += wl[w][pp] * f;
+      a += wacc[w][pp][e] * f;
+    }
+    const size_t pidx = ((size_t)h * n + i) * splits + s;
     if (splits == 1) {
       out[(size_t)i * heads * D + (size_t)h * D + e] = __float2bfloat16(L > 0.f ? a / L : 0.f);
     } else {
       part[pidx * (D + 2) + 2 + e] = a;
+      if (e == 0) {
+        part[pidx * (D + 2)] = M;
+        part[pidx * (D + 2) + 1] = L;
+      }
     }
-  }
-  if (splits > 1 && threadIdx.x == 0) {
-    part[pidx * (D + 2)] = M;
-    part[pidx * (D + 2) + 1] = L;
   }
 }
 
-#define ATTN(D)                                                                                          \
+// Pairs per block: 8 (4 for head dim 256, to bound registers and shared memory).
+#define ATTN(D, P)                                                                                        \
   extern "C" __global__ void __launch_bounds__(128) attn_bf16_d##D(                                       \
       const bf16* src, int src_stride, int q_off, const bf16* qw, float eps, const bf16* cs, int rot,        \
       float scale, const bf16* kv, int kvh, long long cap, int kv_len, int rep, int q_pos0, int causal,   \
-      int window, int chunk, bf16* out, float* part) {                                                    \
-    attn_block<D>(src, src_stride, q_off, qw, eps, cs, rot, scale, kv, kvh, cap, kv_len, rep, q_pos0,     \
-                  causal, window, chunk, out, part);                                                      \
+      int window, int chunk, int n, bf16* out, float* part) {                                             \
+    attn_rows_block<D, P>(src, src_stride, q_off, qw, eps, cs, rot, scale, kv, kvh, cap, kv_len, rep,     \
+                          q_pos0, causal, window, chunk, n, out, part);                                  \
   }
-ATTN(64)
-ATTN(128)
-ATTN(256)
+ATTN(64, 8)
+ATTN(128, 8)
+ATTN(256, 4)
 
 // Merge the splits of attn: grid (heads, n), block d threads (rounded up to a warp).
 extern "C" __global__ void attn_combine_bf16(const float* __restrict__ part, bf16* __restrict__ out, int splits,
@@ -321,3 +344,69 @@ extern "C" __global__ void spin(long long cycles) {
   }
 }
 
+
+// Greedy choice per row of f32 logits x [rows, vocab]: the largest value, the lowest index
+// among equal ones; NaN never wins; a row with no value above -inf gives 0 (as
+// sampling::argmax on the host). Two launches: argmax_part (grid (chunks, rows), 256
+// threads) reduces each chunk of a row to (value, index), argmax_final (grid rows, one warp)
+// merges a row's chunks. candle's argmax gives a whole row to one block with 64-bit index
+// arithmetic per element: ~40-90 us for the 152k-word vocabulary on the H200.
+__device__ __forceinline__ void argmax_merge(float& v, int& i, float v2, int i2) {
+  if (v2 > v || (v2 == v && i2 < i)) {
+    v = v2;
+    i = i2;
+  }
+}
+
+__device__ __forceinline__ void argmax_warp(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+    const int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    argmax_merge(v, i, v2, i2);
+  }
+}
+
+extern "C" __global__ void argmax_part_f32(const float* __restrict__ x, int vocab, int chunk,
+                                           float* __restrict__ pv, int* __restrict__ pi) {
+  __shared__ float sv[8];
+  __shared__ int si[8];
+  const int c = blockIdx.x, r = blockIdx.y, chunks = gridDim.x;
+  const float* row = x + (size_t)r * vocab;
+  const int j0 = c * chunk, j1 = min(vocab, j0 + chunk);
+  float v = -INFINITY;
+  int i = INT_MAX;
+  for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+    const float y = row[j];
+    if (y > v) {  // j increases per thread: the first of equal values stays
+      v = y;
+      i = j;
+    }
+  }
+  argmax_warp(v, i);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) {
+    sv[warp] = v;
+    si[warp] = i;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < blockDim.x / 32 ? sv[lane] : -INFINITY;
+    i = lane < blockDim.x / 32 ? si[lane] : INT_MAX;
+    argmax_warp(v, i);
+    if (lane == 0) {
+      pv[(size_t)r * chunks + c] = v;
+      pi[(size_t)r * chunks + c] = i;
+    }
+  }
+}
+
+extern "C" __global__ void argmax_final(const float* __restrict__ pv, const int* __restrict__ pi,
+                                        int chunks, uint32_t* __restrict__ out) {
+  const int r = blockIdx.x, lane = threadIdx.x;
+  float v = -INFINITY;
+  int i = INT_MAX;
+  for (int c = lane; c < chunks; c += 32) argmax_merge(v, i, pv[(size_t)r * chunks + c], pi[(size_t)r * chunks + c]);
+  argmax_warp(v, i);
+  if (lane == 0) out[r] = i == INT_MAX ? 0u : (uint32_t)i;
+}

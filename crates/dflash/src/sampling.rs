@@ -65,6 +65,17 @@ impl SamplingParams {
 }
 
 /// First index of the maximum (ties -> lowest id, like torch.argmax).
+/// Greedy choice of every row of f32 `logits [rows, vocab]`, as [`argmax`] on each row (the
+/// largest value, the lowest index among equal ones): on CUDA with our own kernel (candle's
+/// argmax gives a 152k-word row to one block: tens of us), elsewhere with candle's.
+pub fn argmax_rows(logits: &candle_core::Tensor) -> crate::Result<Vec<u32>> {
+    #[cfg(feature = "cuda")]
+    if let Some(ids) = crate::nn::cuda::argmax_rows(logits)? {
+        return Ok(ids.to_vec1::<u32>()?);
+    }
+    Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+}
+
 pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0usize;
     let mut bv = f32::NEG_INFINITY;

@@ -416,3 +416,43 @@ fn attention_layer_matches_candle() {
         check(c, &dev);
     }
 }
+
+/// The greedy choice kernel (`nn::cuda::argmax_rows`) against the host's `sampling::argmax`,
+/// row by row: vocabularies above and below its 64 chunks per row, ties across chunks (the
+/// lowest index wins), NaN (never chosen), a row of -inf (index 0).
+#[test]
+fn argmax_rows_matches_host_argmax() {
+    let Some(dev) = gpu() else { return };
+    for (rows, vocab) in [(1, 151936), (15, 151936), (3, 1000), (2, 17), (4, 49152)] {
+        let x = randn(&[rows, vocab], 3.0, &dev)
+            .to_dtype(DType::F32)
+            .unwrap();
+        let mut host = x.to_vec2::<f32>().unwrap();
+        if vocab > 200 {
+            // Row 0: the same maximum at two indices in different chunks, NaN elsewhere.
+            host[0][vocab - 3] = 50.0;
+            host[0][vocab / 3] = 50.0;
+            host[0][7] = f32::NAN;
+        }
+        if rows > 2 {
+            for v in host[rows - 1].iter_mut() {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        let flat: Vec<f32> = host.iter().flatten().copied().collect();
+        let x = Tensor::from_vec(flat, (rows, vocab), &dev).unwrap();
+        let got = dflash::nn::cuda::argmax_rows(&x)
+            .unwrap()
+            .expect("applies to f32 on CUDA")
+            .to_vec1::<u32>()
+            .unwrap();
+        let want: Vec<u32> = host.iter().map(|r| dflash::sampling::argmax(r)).collect();
+        assert_eq!(got, want, "rows {rows} vocab {vocab}");
+        if vocab > 200 {
+            assert_eq!(got[0] as usize, vocab / 3);
+        }
+    }
+    // bf16 logits are not its job (the caller falls back to candle).
+    let b = randn(&[2, 64], 1.0, &dev);
+    assert!(dflash::nn::cuda::argmax_rows(&b).unwrap().is_none());
+}

@@ -255,7 +255,7 @@ impl DraftModel {
         cache: &mut DraftCache,
     ) -> Result<Vec<u32>> {
         let logits = self.forward(target, ctx_in, block, start, cache)?;
-        let ids = logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+        let ids = crate::sampling::argmax_rows(&logits)?;
         Ok(match &self.d2t {
             Some(d2t) => ids
                 .iter()

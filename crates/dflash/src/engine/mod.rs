@@ -18,7 +18,7 @@ use crate::sampling::{argmax, Sampler, SamplingParams};
 use crate::stats::GenerationStats;
 use crate::{Error, Result};
 use adaptive::{AdaptivePolicy, Reason};
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -321,7 +321,7 @@ impl Engine {
     /// Target choice for every row of `logits [rows, vocab]`.
     fn choose(&self, logits: &Tensor, sampler: &mut Sampler) -> Result<Vec<u32>> {
         if sampler.params.is_greedy() {
-            return Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?);
+            return crate::sampling::argmax_rows(logits);
         }
         let rows = logits.to_vec2::<f32>()?;
         Ok(rows.iter().map(|r| sampler.sample(r)).collect())
@@ -338,7 +338,7 @@ impl Engine {
         let q = block.len();
         let mut post = Vec::with_capacity(q);
         if sampler.params.is_greedy() {
-            let all = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            let all = crate::sampling::argmax_rows(logits)?;
             for i in 0..q {
                 post.push(all[i]);
                 if i + 1 >= q || block[i + 1] != all[i] {

@@ -439,6 +439,81 @@ pub fn swiglu(gu: &Tensor) -> candle_core::Result<Option<Tensor>> {
     Ok(Some(gu.apply_op1_no_bwd(&SwiGlu)?))
 }
 
+struct ArgmaxRows;
+
+/// Chunks per row for argmax_part: enough blocks for one row to spread over the GPU.
+const ARGMAX_CHUNKS: usize = 64;
+
+impl CustomOp1 for ArgmaxRows {
+    fn name(&self) -> &'static str {
+        "dflash-argmax-rows"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, vocab) = l.shape().dims2()?;
+        let Some((o1, o2)) = l.contiguous_offsets() else {
+            candle_core::bail!("{}: logits must be contiguous", self.name());
+        };
+        let dev = s.device();
+        let x = s.as_cuda_slice::<f32>()?.slice(o1..o2);
+        let chunks = ARGMAX_CHUNKS.min(vocab.max(1));
+        let chunk = vocab.div_ceil(chunks);
+        // SAFETY: argmax_part writes every partial, argmax_final every output.
+        let pv = unsafe { dev.alloc::<f32>(rows * chunks)? };
+        let pi = unsafe { dev.alloc::<i32>(rows * chunks)? };
+        let out = unsafe { dev.alloc::<u32>(rows)? };
+        let func = dev.get_or_load_custom_func("argmax_part_f32", "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (chunks as u32, rows as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (v_i, c_i, n_i) = (vocab as i32, chunk as i32, chunks as i32);
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&v_i);
+        b.arg(&c_i);
+        b.arg(&pv);
+        b.arg(&pi);
+        // SAFETY: argument types match the kernel; sizes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        let func = dev.get_or_load_custom_func("argmax_final", "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = func.builder();
+        b.arg(&pv);
+        b.arg(&pi);
+        b.arg(&n_i);
+        b.arg(&out);
+        // SAFETY: argument types match the kernel.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(rows),
+        ))
+    }
+}
+
+/// Greedy choice of every row of f32 logits `[rows, vocab]` (u32 `[rows]` on the device):
+/// the largest value, the lowest index among equal ones, as `sampling::argmax`. None when the
+/// kernel does not apply (not CUDA, not f32, not 2-D, empty).
+pub fn argmax_rows(logits: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !logits.device().is_cuda()
+        || logits.dtype() != DType::F32
+        || logits.rank() != 2
+        || logits.elem_count() == 0
+        || logits.dim(1)? > i32::MAX as usize / 2
+    {
+        return Ok(None);
+    }
+    Ok(Some(logits.contiguous()?.apply_op1_no_bwd(&ArgmaxRows)?))
+}
+
 /// Where the heads sit in a projection output and how they are normed and rotated.
 #[derive(Clone)]
 pub struct HeadSource {
@@ -680,8 +755,11 @@ impl CustomOp3 for Attend {
         };
         let func =
             dev.get_or_load_custom_func(&format!("attn_bf16_d{d}"), "dflash_fused", FUSED_PTX)?;
+        // One block per (KV head, key chunk, group of (row, head) pairs): kernels/fused.cu's ATTN.
+        let pairs_per_block = if d > 128 { 4 } else { 8 };
+        let groups = (n * (heads / kvh)).div_ceil(pairs_per_block);
         let cfg = LaunchConfig {
-            grid_dim: (heads as u32, n as u32, splits as u32),
+            grid_dim: (kvh as u32, splits as u32, groups as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -726,6 +804,8 @@ impl CustomOp3 for Attend {
         b.arg(&causal);
         b.arg(&window);
         b.arg(&chunk_i);
+        let n_i = n as i32;
+        b.arg(&n_i);
         b.arg(&out);
         b.arg(&part);
         // SAFETY: argument types match the kernel; shapes and bounds checked above.
