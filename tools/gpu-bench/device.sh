@@ -7,7 +7,7 @@
 #   CARGO_TARGET_DIR=/work/target-cuda cargo build --release --features cuda -p dflash-cli
 #   CARGO_TARGET_DIR=/work/target-cuda cargo test --release --features cuda -p dflash --test fused_cuda --no-run
 #   strip both binaries; xz -3 them to .device/dflash.xz and .device/fused_cuda.xz
-# Run there from the repo root: SKIP_REF=0 tools/gpu-bench/device.sh
+# Run there from the repo root: SKIP_REF=0 tools/gpu-bench/device.sh (PROFILES=0: no profiles)
 # (carry [".device", "tools/goldens/wheels"]); results come back as $OUT/gb.tgz.
 set -u
 mkdir -p /root/stash /tmp/gb
@@ -20,7 +20,7 @@ timeout ${RUN_LIMIT:-450} env BIN=/root/stash/dflash RES=/tmp/gb SKIP_REF=${SKIP
 grep -i "error\|fail\|panic" /tmp/gb/run.err | head -20
 echo "== table"; cat /tmp/gb/run.out
 M=/root/gpu-bench-models
-for ctx in 128 2048; do for q in 16; do
+[ "${PROFILES:-1}" = 1 ] && for ctx in 128 2048; do for q in 16; do
   DFLASH_PROFILE=gpu timeout 60 /root/stash/dflash bench --micro --model $M/target --draft $M/draft-agree \
     --device cuda --dtype bf16 --micro-context $ctx --micro-q $q --micro-iters 30 --out /tmp/gb/p-$ctx-$q > /tmp/gb/p-$ctx-$q.log 2>&1
   echo "== profile ctx=$ctx q=$q"; grep -E "^\| (verify|draft)" /tmp/gb/p-$ctx-$q.log | cut -d'|' -f2,5

@@ -410,3 +410,98 @@ extern "C" __global__ void argmax_final(const float* __restrict__ pv, const int*
   argmax_warp(v, i);
   if (lane == 0) out[r] = i == INT_MAX ? 0u : (uint32_t)i;
 }
+
+// Plain temperature sampling of every row of f32 logits x [rows, vocab] (no top-k / top-p /
+// min-p), the host sampler's rule on the device: token j has weight w_j = exp((x_j - max) / t)
+// (0 for non-finite logits); with u the row's uniform in [0, 1), the answer is the first j in
+// token order whose cumulative weight exceeds u * sum(w) (the last positive-weight token if
+// rounding leaves none). One block of 1024 threads per row; thread k owns the contiguous
+// tokens [k * seg, (k + 1) * seg), sums its weights in f64, a block scan gives each thread
+// its starting cumulative weight, and the one thread whose range holds u * sum scans its
+// tokens. Sums are grouped differently from the host's single pass, so a draw can differ
+// from the host's only when u * sum falls within rounding of a boundary between two tokens.
+__device__ __forceinline__ float sample_weight(float x, float m, float t) {
+  return isfinite(x) ? expf((x - m) / t) : 0.f;
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+    sample_rows_f32(const float* __restrict__ x, int vocab, float t, const double* __restrict__ u,
+                    uint32_t* __restrict__ out) {
+  __shared__ float smax[32];
+  __shared__ double ssum[32];
+  __shared__ int slast[32];
+  __shared__ int found;
+  const int r = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int nw = blockDim.x / 32;
+  const float* row = x + (size_t)r * vocab;
+  // 1. max over the finite logits (coalesced).
+  float m = -INFINITY;
+  for (int j = tid; j < vocab; j += blockDim.x) {
+    const float v = row[j];
+    if (isfinite(v)) m = fmaxf(m, v);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) smax[warp] = m;
+  if (tid == 0) found = 0;
+  __syncthreads();
+  m = -INFINITY;
+  for (int w = 0; w < nw; ++w) m = fmaxf(m, smax[w]);
+  // 2. this thread's tokens: weight sum (f64) and last positive-weight token.
+  const int seg = (vocab + blockDim.x - 1) / blockDim.x;
+  const int a = min(vocab, tid * seg), b = min(vocab, a + seg);
+  double s = 0.0;
+  int last = -1;
+  for (int j = a; j < b; ++j) {
+    const float w = sample_weight(row[j], m, t);
+    if (w > 0.f) {
+      s += (double)w;
+      last = j;
+    }
+  }
+  // 3. block scan of s (inclusive within the warp, then over the warps' totals).
+  double inc = s;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double y = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += y;
+  }
+  int lw = last;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) lw = max(lw, __shfl_xor_sync(0xffffffffu, lw, o));
+  if (lane == 31) ssum[warp] = inc;
+  if (lane == 0) slast[warp] = lw;
+  __syncthreads();
+  double before = 0.0, total = 0.0;
+  int lastall = -1;
+  for (int w = 0; w < nw; ++w) {
+    if (w < warp) before += ssum[w];
+    total += ssum[w];
+    lastall = max(lastall, slast[w]);
+  }
+  // This thread's range [lo_t, hi): lo_t is the previous thread's hi (the same additions), so
+  // the ranges tile [0, total) exactly and one thread holds the target.
+  const double hi = before + inc;
+  const double prev_hi = __shfl_up_sync(0xffffffffu, hi, 1);
+  const double lo_t = lane == 0 ? before : prev_hi;
+  const double target = u[r] * total;
+  if (s > 0.0 && target >= lo_t && target < hi) {
+    found = 1;
+    const double rel = target - lo_t;
+    double cum = 0.0;
+    int pick = last;
+    for (int j = a; j < b; ++j) {
+      const float w = sample_weight(row[j], m, t);
+      if (w > 0.f) {
+        cum += (double)w;
+        if (rel < cum) {
+          pick = j;
+          break;
+        }
+      }
+    }
+    out[r] = (uint32_t)pick;
+  }
+  __syncthreads();
+  if (tid == 0 && !found) out[r] = lastall < 0 ? 0u : (uint32_t)lastall;
+}

@@ -76,6 +76,29 @@ pub fn argmax_rows(logits: &candle_core::Tensor) -> crate::Result<Vec<u32>> {
     Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
 }
 
+/// Every row of f32 `logits [rows, vocab]` sampled on the device with plain temperature
+/// sampling, row i with the sampler's i-th next uniform, as [`Sampler::sample`] would draw it
+/// on the host (the same rule; sums grouped differently, so a draw can differ only when the
+/// uniform falls within rounding of a boundary between two tokens). Does not advance the
+/// sampler: the caller [`Sampler::skip`]s the rows it uses, so the random stream stays the one
+/// plain decoding consumes. None when it does not apply (CPU, top-k / top-p / min-p, greedy):
+/// the caller copies the logits to the host and samples there.
+pub fn sample_rows_on_device(
+    logits: &candle_core::Tensor,
+    sampler: &Sampler,
+) -> crate::Result<Option<Vec<u32>>> {
+    #[cfg(feature = "cuda")]
+    if sampler.is_plain_temperature() && logits.rank() == 2 {
+        let u = sampler.peek_uniforms(logits.dim(0)?);
+        let t = sampler.params.temperature.max(1e-6);
+        if let Some(ids) = crate::nn::cuda::sample_rows(logits, t, &u)? {
+            return Ok(Some(ids.to_vec1::<u32>()?));
+        }
+    }
+    let _ = (logits, sampler);
+    Ok(None)
+}
+
 pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0usize;
     let mut bv = f32::NEG_INFINITY;
@@ -164,6 +187,26 @@ impl Sampler {
         cand
     }
 
+    /// Plain temperature sampling (no top-k, top-p or min-p): what the device sampler
+    /// ([`sample_rows_on_device`]) implements.
+    pub fn is_plain_temperature(&self) -> bool {
+        let p = &self.params;
+        !p.is_greedy() && p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0
+    }
+
+    /// The next `n` uniforms [`Self::sample`] would draw, without drawing them.
+    pub fn peek_uniforms(&self, n: usize) -> Vec<f64> {
+        let mut r = self.rng.clone();
+        (0..n).map(|_| r.uniform()).collect()
+    }
+
+    /// Draw `n` uniforms, as `n` calls of [`Self::sample`] would.
+    pub fn skip(&mut self, n: usize) {
+        for _ in 0..n {
+            self.rng.uniform();
+        }
+    }
+
     /// Choose the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() {
@@ -214,6 +257,24 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peeked_uniforms_are_the_ones_drawn_next() {
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 9,
+            ..Default::default()
+        });
+        let u = s.peek_uniforms(4);
+        assert_eq!(u, s.peek_uniforms(4), "peeking does not draw");
+        for k in 0..4 {
+            assert_eq!(s.peek_uniforms(1)[0], u[k]);
+            s.skip(1);
+        }
+        assert!(s.is_plain_temperature());
+        s.params.top_p = 0.9;
+        assert!(!s.is_plain_temperature());
+    }
 
     #[test]
     fn greedy_takes_first_max() {

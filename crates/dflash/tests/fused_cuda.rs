@@ -456,3 +456,71 @@ fn argmax_rows_matches_host_argmax() {
     let b = randn(&[2, 64], 1.0, &dev);
     assert!(dflash::nn::cuda::argmax_rows(&b).unwrap().is_none());
 }
+
+/// The device sampler (`sampling::sample_rows_on_device`, plain temperature sampling) against
+/// the host sampler drawing the same uniforms in turn: the same token, or (when a uniform
+/// falls within rounding of a boundary: the sums are grouped differently and the GPU's expf
+/// is not the host's) the neighbouring one, at most twice in 300 draws; -inf logits never
+/// drawn; the sampler itself not advanced.
+#[test]
+fn device_sampler_matches_host_sampler() {
+    use dflash::sampling::{sample_rows_on_device, Sampler, SamplingParams};
+    let Some(dev) = gpu() else { return };
+    let (rows, vocab) = (6, 151936);
+    let mut host_rows = randn(&[rows, vocab], 4.0, &dev)
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    // Row 5: only every 1000th token is finite.
+    for (j, v) in host_rows[5].iter_mut().enumerate() {
+        if j % 1000 != 3 {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+    let flat: Vec<f32> = host_rows.iter().flatten().copied().collect();
+    let x = Tensor::from_vec(flat, (rows, vocab), &dev).unwrap();
+    let mut near = 0;
+    for seed in 0..50u64 {
+        let params = SamplingParams {
+            temperature: 0.9,
+            seed,
+            ..Default::default()
+        };
+        let dev_sampler = Sampler::new(params.clone());
+        let got = sample_rows_on_device(&x, &dev_sampler)
+            .unwrap()
+            .expect("plain temperature sampling runs on the device");
+        // Not advanced: its next uniforms are still the first ones.
+        assert_eq!(
+            dev_sampler.peek_uniforms(1),
+            Sampler::new(params.clone()).peek_uniforms(1)
+        );
+        let mut host = Sampler::new(params);
+        for (i, row) in host_rows.iter().enumerate() {
+            let want = host.sample(row);
+            let g = got[i];
+            assert!(
+                row[g as usize].is_finite(),
+                "seed {seed} row {i}: drew -inf token {g}"
+            );
+            if g != want {
+                near += 1;
+                // The neighbouring positive-weight token in token order.
+                let (lo, hi) = (g.min(want) as usize, g.max(want) as usize);
+                assert!(
+                    row[lo + 1..hi].iter().all(|v| !v.is_finite()),
+                    "seed {seed} row {i}: device {g}, host {want}"
+                );
+            }
+        }
+    }
+    assert!(near <= 2, "{near} of 300 draws differ from the host's");
+    // Top-p (sorted nucleus) stays on the host.
+    let topp = Sampler::new(SamplingParams {
+        temperature: 0.9,
+        top_p: 0.9,
+        ..Default::default()
+    });
+    assert!(sample_rows_on_device(&x, &topp).unwrap().is_none());
+}

@@ -323,6 +323,10 @@ impl Engine {
         if sampler.params.is_greedy() {
             return crate::sampling::argmax_rows(logits);
         }
+        if let Some(ids) = crate::sampling::sample_rows_on_device(logits, sampler)? {
+            sampler.skip(ids.len());
+            return Ok(ids);
+        }
         let rows = logits.to_vec2::<f32>()?;
         Ok(rows.iter().map(|r| sampler.sample(r)).collect())
     }
@@ -345,6 +349,16 @@ impl Engine {
                     break;
                 }
             }
+        } else if let Some(all) = crate::sampling::sample_rows_on_device(logits, sampler)? {
+            // Every row drawn on the device with the uniforms the host would use in turn;
+            // only the rows up to the first mismatch are kept, and only their uniforms drawn.
+            for i in 0..q {
+                post.push(all[i]);
+                if i + 1 >= q || block[i + 1] != all[i] {
+                    break;
+                }
+            }
+            sampler.skip(post.len());
         } else {
             let rows = logits.to_vec2::<f32>()?;
             for i in 0..q {

@@ -514,6 +514,83 @@ pub fn argmax_rows(logits: &Tensor) -> candle_core::Result<Option<Tensor>> {
     Ok(Some(logits.contiguous()?.apply_op1_no_bwd(&ArgmaxRows)?))
 }
 
+struct SampleRows {
+    temperature: f32,
+    uniforms: Vec<f64>,
+}
+
+impl CustomOp1 for SampleRows {
+    fn name(&self) -> &'static str {
+        "dflash-sample-rows"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, vocab) = l.shape().dims2()?;
+        let Some((o1, o2)) = l.contiguous_offsets() else {
+            candle_core::bail!("{}: logits must be contiguous", self.name());
+        };
+        if self.uniforms.len() != rows {
+            candle_core::bail!(
+                "{}: {} uniforms for {rows} rows",
+                self.name(),
+                self.uniforms.len()
+            );
+        }
+        let dev = s.device();
+        let x = s.as_cuda_slice::<f32>()?.slice(o1..o2);
+        let u = dev.clone_htod(&self.uniforms)?;
+        // SAFETY: the kernel writes every row's output.
+        let out = unsafe { dev.alloc::<u32>(rows)? };
+        let func = dev.get_or_load_custom_func("sample_rows_f32", "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let v_i = vocab as i32;
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&v_i);
+        b.arg(&self.temperature);
+        b.arg(&u);
+        b.arg(&out);
+        // SAFETY: argument types match the kernel; sizes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(rows),
+        ))
+    }
+}
+
+/// Plain temperature sampling of every row of f32 logits `[rows, vocab]` on the device (u32
+/// `[rows]`), row i with `uniforms[i]` in [0, 1): the host sampler's rule (the first token in
+/// token order whose cumulative weight `exp((x - max) / t)` exceeds `u * sum`). None when the
+/// kernel does not apply (not CUDA, not f32, not 2-D, empty).
+pub fn sample_rows(
+    logits: &Tensor,
+    temperature: f32,
+    uniforms: &[f64],
+) -> candle_core::Result<Option<Tensor>> {
+    if !logits.device().is_cuda()
+        || logits.dtype() != DType::F32
+        || logits.rank() != 2
+        || logits.elem_count() == 0
+        || logits.dim(0)? != uniforms.len()
+        || logits.dim(1)? > i32::MAX as usize / 2
+        || !(temperature > 0.0)
+    {
+        return Ok(None);
+    }
+    let op = SampleRows {
+        temperature,
+        uniforms: uniforms.to_vec(),
+    };
+    Ok(Some(logits.contiguous()?.apply_op1_no_bwd(&op)?))
+}
+
 /// Where the heads sit in a projection output and how they are normed and rotated.
 #[derive(Clone)]
 pub struct HeadSource {
