@@ -161,230 +161,16 @@ __global__ void __launch_bounds__(32 * BW)
 }
 
 // ---------------------------------------------------------------------------------------
-// Candidate: registers, software-pipelined (the next U chunks are loaded before the mma of
-// the current ones), W warps per tile, BW warps per block.
-template <int W, int T, int U, int BW, int MINB>
+// Candidates with registers: the production template (kernels/mma.cu gemm_rows: software
+// pipelined, U chunks in flight, W warps per tile, TN 16-row tiles per warp, BW warps per
+// block) at other blockings. (The first two lab runs also had a copy of it with the weight
+// load as a parameter: ld.global.cs vs ld.global.nc.L1::no_allocate(.L2::256B); the 256-byte
+// hint was as fast or faster, and production keeps it.)
+template <int W, int T, int U, int BW, int MINB, int TN>
 __global__ void __launch_bounds__(32 * BW, MINB)
-    sk_reg(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-           __nv_bfloat16* __restrict__ y, int m_rows, int n_rows, int k) {
-  __shared__ float red[W > 1 ? BW : 1][16][8 * T];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, c = lane % 4;
-  const int tile = blockIdx.x * (BW / W) + warp / W;
-  const int kw = warp % W;
-  const int n0 = tile * 16;
-  const int ra = min(n0 + g, n_rows - 1), rb = min(n0 + g + 8, n_rows - 1);
-  const uint4* wpa = reinterpret_cast<const uint4*>(w + (size_t)ra * k) + c;
-  const uint4* wpb = reinterpret_cast<const uint4*>(w + (size_t)rb * k) + c;
-  const uint4* xp[T];
-  bool xok[T];
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    const int xr = 8 * t + g;
-    xok[t] = xr < m_rows;
-    xp[t] = reinterpret_cast<const uint4*>(x + (size_t)(xok[t] ? xr : 0) * k) + c;
-  }
-  const int chunks = k / 32;
-  const int c0 = kw * chunks / W, c1 = (kw + 1) * chunks / W;
-  float acc[T][4];
-#pragma unroll
-  for (int t = 0; t < T; ++t)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[t][j] = 0.f;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 wa[U], wb[U], xv[T][U];
-  auto load = [&](int ch) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int cc = min(ch + u, c1 - 1);
-      wa[u] = __ldcs(wpa + cc * 4);
-      wb[u] = __ldcs(wpb + cc * 4);
-    }
-#pragma unroll
-    for (int t = 0; t < T; ++t)
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        xv[t][u] = xok[t] ? __ldg(xp[t] + min(ch + u, c1 - 1) * 4) : zero;
-  };
-  int ch = c0;
-  if (ch < c1) load(ch);
-  for (; ch < c1; ch += U) {
-    uint4 ca[U], cb[U], cx[T][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      ca[u] = wa[u];
-      cb[u] = wb[u];
-#pragma unroll
-      for (int t = 0; t < T; ++t) cx[t][u] = xv[t][u];
-    }
-    if (ch + U < c1) load(ch + U);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (ch + u < c1)
-#pragma unroll
-        for (int t = 0; t < T; ++t) mma_chunk(acc[t], ca[u], cb[u], cx[t][u]);
-  }
-  if (W == 1) {
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const int m = 8 * t + 2 * c;
-      const int na = n0 + g, nb = n0 + g + 8;
-      if (m < m_rows) {
-        if (na < n_rows) y[(size_t)m * n_rows + na] = __float2bfloat16(acc[t][0]);
-        if (nb < n_rows) y[(size_t)m * n_rows + nb] = __float2bfloat16(acc[t][2]);
-      }
-      if (m + 1 < m_rows) {
-        if (na < n_rows) y[(size_t)(m + 1) * n_rows + na] = __float2bfloat16(acc[t][1]);
-        if (nb < n_rows) y[(size_t)(m + 1) * n_rows + nb] = __float2bfloat16(acc[t][3]);
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    red[warp][g][8 * t + 2 * c] = acc[t][0];
-    red[warp][g][8 * t + 2 * c + 1] = acc[t][1];
-    red[warp][g + 8][8 * t + 2 * c] = acc[t][2];
-    red[warp][g + 8][8 * t + 2 * c + 1] = acc[t][3];
-  }
-  __syncthreads();
-  constexpr int PER_TILE = 16 * 8 * T;
-  for (int i = threadIdx.x; i < (BW / W) * PER_TILE; i += blockDim.x) {
-    const int tb = i / PER_TILE, e = i % PER_TILE;
-    const int r = e % 16, m = e / 16;
-    const int nn = (blockIdx.x * (BW / W) + tb) * 16 + r;
-    if (m < m_rows && nn < n_rows) {
-      float sum = 0.f;
-#pragma unroll
-      for (int v = 0; v < W; ++v) sum += red[tb * W + v][r][m];
-      y[(size_t)m * n_rows + nn] = __float2bfloat16(sum);
-    }
-  }
-}
-
-// Candidate: registers, software-pipelined, TN 16-row A tiles per warp sharing the x
-// fragments (x bytes per weight byte 1/TN), weight loads flavoured by LD:
-// 0 = ld.global.cs, 1 = ld.global.nc.L1::no_allocate.L2::256B, 2 = ld.global.nc.L1::no_allocate.
-template <int LD>
-__device__ __forceinline__ uint4 ldw(const uint4* p) {
-  if (LD == 0) return __ldcs(p);
-  uint4 r;
-  if (LD == 1)
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-  else
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-  return r;
-}
-
-template <int W, int T, int U, int BW, int MINB, int TN, int LD>
-__global__ void __launch_bounds__(32 * BW, MINB)
-    sk_reg2(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-            __nv_bfloat16* __restrict__ y, int m_rows, int n_rows, int k) {
-  constexpr int R = 16 * TN;  // weight rows per warp
-  __shared__ float red[W > 1 ? BW : 1][R][8 * T];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, c = lane % 4;
-  const int tile = blockIdx.x * (BW / W) + warp / W;
-  const int kw = warp % W;
-  const int n0 = tile * R;
-  const uint4* wp[2 * TN];
-#pragma unroll
-  for (int j = 0; j < 2 * TN; ++j)
-    wp[j] = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + 8 * j + g, n_rows - 1) * k) + c;
-  const uint4* xp[T];
-  bool xok[T];
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    const int xr = 8 * t + g;
-    xok[t] = xr < m_rows;
-    xp[t] = reinterpret_cast<const uint4*>(x + (size_t)(xok[t] ? xr : 0) * k) + c;
-  }
-  const int chunks = k / 32;
-  const int c0 = kw * chunks / W, c1 = (kw + 1) * chunks / W;
-  float acc[TN][T][4];
-#pragma unroll
-  for (int a = 0; a < TN; ++a)
-#pragma unroll
-    for (int t = 0; t < T; ++t)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[a][t][j] = 0.f;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 wv[U][2 * TN], xv[U][T];
-  auto load = [&](int ch) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int j = 0; j < 2 * TN; ++j) wv[u][j] = ldw<LD>(wp[j] + min(ch + u, c1 - 1) * 4);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int t = 0; t < T; ++t)
-        xv[u][t] = xok[t] ? __ldg(xp[t] + min(ch + u, c1 - 1) * 4) : zero;
-  };
-  int ch = c0;
-  if (ch < c1) load(ch);
-  for (; ch < c1; ch += U) {
-    uint4 cw[U][2 * TN], cx[U][T];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int j = 0; j < 2 * TN; ++j) cw[u][j] = wv[u][j];
-#pragma unroll
-      for (int t = 0; t < T; ++t) cx[u][t] = xv[u][t];
-    }
-    if (ch + U < c1) load(ch + U);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (ch + u < c1)
-#pragma unroll
-        for (int a = 0; a < TN; ++a)
-#pragma unroll
-          for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], cw[u][2 * a], cw[u][2 * a + 1], cx[u][t]);
-  }
-  if (W == 1) {
-#pragma unroll
-    for (int a = 0; a < TN; ++a)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const int m = 8 * t + 2 * c;
-        const int na = n0 + 16 * a + g, nb = na + 8;
-        if (m < m_rows) {
-          if (na < n_rows) y[(size_t)m * n_rows + na] = __float2bfloat16(acc[a][t][0]);
-          if (nb < n_rows) y[(size_t)m * n_rows + nb] = __float2bfloat16(acc[a][t][2]);
-        }
-        if (m + 1 < m_rows) {
-          if (na < n_rows) y[(size_t)(m + 1) * n_rows + na] = __float2bfloat16(acc[a][t][1]);
-          if (nb < n_rows) y[(size_t)(m + 1) * n_rows + nb] = __float2bfloat16(acc[a][t][3]);
-        }
-      }
-    return;
-  }
-#pragma unroll
-  for (int a = 0; a < TN; ++a)
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      red[warp][16 * a + g][8 * t + 2 * c] = acc[a][t][0];
-      red[warp][16 * a + g][8 * t + 2 * c + 1] = acc[a][t][1];
-      red[warp][16 * a + g + 8][8 * t + 2 * c] = acc[a][t][2];
-      red[warp][16 * a + g + 8][8 * t + 2 * c + 1] = acc[a][t][3];
-    }
-  __syncthreads();
-  constexpr int PER_TILE = R * 8 * T;
-  for (int i = threadIdx.x; i < (BW / W) * PER_TILE; i += blockDim.x) {
-    const int tb = i / PER_TILE, e = i % PER_TILE;
-    const int r = e % R, m = e / R;
-    const int nn = (blockIdx.x * (BW / W) + tb) * R + r;
-    if (m < m_rows && nn < n_rows) {
-      float sum = 0.f;
-#pragma unroll
-      for (int v = 0; v < W; ++v) sum += red[tb * W + v][r][m];
-      y[(size_t)m * n_rows + nn] = __float2bfloat16(sum);
-    }
-  }
+    lab_gemm(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+             __nv_bfloat16* __restrict__ y, int m_rows, int n_rows, int k) {
+  gemm_rows<W, T, U, BW, TN>(x, w, y, m_rows, n_rows, k);
 }
 
 // f32 reference: one thread per output.
@@ -431,19 +217,11 @@ Cand async_cand() {
   CK(cudaFuncSetAttribute(c.t2, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem2));
   return c;
 }
-template <int W, int U, int BW, int MINB>
+template <int W, int U, int BW, int MINB, int TN>
 Cand reg_cand() {
   char b[64];
-  snprintf(b, sizeof b, "reg W%d U%d B%d m%d", W, U, BW, MINB);
-  return Cand{b, sk_reg<W, 1, U, BW, MINB>, sk_reg<W, 2, U, BW, MINB>, 16 * (BW / W), 32 * BW, 0,
-              0};
-}
-
-template <int W, int U, int BW, int MINB, int TN, int LD>
-Cand reg2_cand() {
-  char b[64];
-  snprintf(b, sizeof b, "r2 W%d U%d B%d m%d TN%d L%d", W, U, BW, MINB, TN, LD);
-  return Cand{b, sk_reg2<W, 1, U, BW, MINB, TN, LD>, sk_reg2<W, 2, U, BW, MINB, TN, LD>,
+  snprintf(b, sizeof b, "reg W%d U%d B%d m%d TN%d", W, U, BW, MINB, TN);
+  return Cand{b, lab_gemm<W, 1, U, BW, MINB, TN>, lab_gemm<W, 2, U, BW, MINB, TN>,
               16 * TN * (BW / W), 32 * BW, 0, 0};
 }
 
@@ -483,33 +261,25 @@ int main(int argc, char** argv) {
   cands.push_back(Cand{"prod w1u4", gemm_w1u4_t1, gemm_w1u4_t2, 64, 128, 0, 0});
   cands.push_back(Cand{"prod w4u2n2", gemm_w4u2n2_t1, gemm_w4u2n2_t2, 32, 128, 0, 0});
   cands.push_back(async_cand<4, 8, 8, false>());
-  cands.push_back(reg_cand<1, 4, 4, 1>());
-  cands.push_back(reg_cand<4, 2, 8, 2>());
-  cands.push_back(reg_cand<8, 2, 8, 2>());
+  // TN = 1: 16 weight rows per warp
+  cands.push_back(reg_cand<1, 4, 4, 1, 1>());
+  cands.push_back(reg_cand<2, 4, 8, 1, 1>());
+  cands.push_back(reg_cand<4, 2, 8, 2, 1>());
+  cands.push_back(reg_cand<8, 2, 8, 2, 1>());
+  cands.push_back(reg_cand<8, 4, 8, 1, 1>());
+  cands.push_back(reg_cand<16, 2, 16, 1, 1>());
   // TN = 2: 32 weight rows per warp
-  cands.push_back(reg2_cand<1, 2, 4, 1, 2, 0>());
-  cands.push_back(reg2_cand<1, 2, 4, 1, 2, 1>());
-  cands.push_back(reg2_cand<1, 2, 4, 1, 2, 2>());
-  cands.push_back(reg2_cand<1, 4, 4, 1, 2, 1>());
-  cands.push_back(reg2_cand<2, 2, 8, 1, 2, 1>());
-  cands.push_back(reg2_cand<4, 2, 8, 1, 2, 1>());
-  cands.push_back(reg2_cand<8, 2, 8, 1, 2, 1>());
-  cands.push_back(reg2_cand<8, 2, 8, 1, 2, 0>());
-  cands.push_back(reg2_cand<4, 2, 4, 1, 2, 1>());
-  // TN = 1 with the load flavours
-  cands.push_back(reg2_cand<1, 4, 4, 1, 1, 1>());
-  cands.push_back(reg2_cand<1, 4, 4, 1, 1, 2>());
-  cands.push_back(reg2_cand<8, 2, 8, 2, 1, 1>());
-  cands.push_back(reg2_cand<4, 2, 8, 2, 1, 1>());
-  cands.push_back(reg2_cand<2, 4, 8, 1, 1, 1>());
-  cands.push_back(reg2_cand<8, 4, 8, 1, 1, 1>());
-  cands.push_back(reg2_cand<16, 2, 16, 1, 1, 1>());
-  cands.push_back(reg2_cand<16, 2, 16, 1, 2, 1>());
+  cands.push_back(reg_cand<1, 2, 4, 1, 2>());
+  cands.push_back(reg_cand<1, 4, 4, 1, 2>());
+  cands.push_back(reg_cand<2, 2, 8, 1, 2>());
+  cands.push_back(reg_cand<4, 2, 8, 1, 2>());
+  cands.push_back(reg_cand<8, 2, 8, 1, 2>());
+  cands.push_back(reg_cand<16, 2, 16, 1, 2>());
   // TN = 4: 64 weight rows per warp
-  cands.push_back(reg2_cand<1, 1, 4, 1, 4, 1>());
-  cands.push_back(reg2_cand<1, 2, 4, 1, 4, 1>());
-  cands.push_back(reg2_cand<4, 1, 4, 1, 4, 1>());
-  cands.push_back(reg2_cand<8, 1, 8, 1, 4, 1>());
+  cands.push_back(reg_cand<1, 1, 4, 1, 4>());
+  cands.push_back(reg_cand<1, 2, 4, 1, 4>());
+  cands.push_back(reg_cand<4, 1, 4, 1, 4>());
+  cands.push_back(reg_cand<8, 1, 8, 1, 4>());
 
   const int rows_list[] = {1, 8, 16};
   struct Best {

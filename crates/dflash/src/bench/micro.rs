@@ -70,6 +70,36 @@ fn summarize(name: impl Into<String>, rows: Option<usize>, mut us: Vec<f64>) -> 
 
 const WARMUP: usize = 2;
 
+/// CUDA: `step` (which only enqueues work) timed `WARMUP + n` times queued behind a busy
+/// kernel, so its kernels run back to back: pushes `{label}: GPU only` (the step's own GPU
+/// time) and `{label}: host enqueue` (the host's time to queue it). The wall time of the same
+/// step minus its GPU time is what launching costs (docs/perf.md, run 5).
+#[cfg(feature = "cuda")]
+fn host_ahead_rows<T>(
+    out: &mut Vec<MicroResult>,
+    dev: &candle_core::Device,
+    label: &str,
+    rows: usize,
+    n: usize,
+    mut step: impl FnMut() -> Result<T>,
+) -> Result<()> {
+    let (mut gpu, mut host) = (Vec::new(), Vec::new());
+    for i in 0..WARMUP + n {
+        let (_, g, h) = crate::nn::cuda::gpu_time_host_ahead(dev, 30_000, &mut step)?;
+        if i >= WARMUP {
+            gpu.push(g * 1e3);
+            host.push(h * 1e3);
+        }
+    }
+    out.push(summarize(format!("{label}: GPU only"), Some(rows), gpu));
+    out.push(summarize(
+        format!("{label}: host enqueue"),
+        Some(rows),
+        host,
+    ));
+    Ok(())
+}
+
 /// The engine's greedy choice left on the device (no copy, no sync): for the host-ahead timings.
 #[cfg(feature = "cuda")]
 fn device_argmax(logits: &candle_core::Tensor) -> Result<candle_core::Tensor> {
@@ -149,27 +179,12 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
         // above minus the GPU time is what launching costs (docs/perf.md, run 5).
         #[cfg(feature = "cuda")]
         if dev.is_cuda() && (q == 1 || q == qmax) {
-            let (mut gpu, mut host) = (Vec::new(), Vec::new());
-            for i in 0..WARMUP + n {
-                let block = ids(q);
-                let ((), g, h) = crate::nn::cuda::gpu_time_host_ahead(&dev, 30_000, || {
-                    let fw = target.forward(&block, ctx, &mut cache, &taps, Logits::All)?;
-                    let _ = fw.logits.map(|l| device_argmax(&l)).transpose()?;
-                    Ok(())
-                })?;
-                sync()?;
+            host_ahead_rows(&mut out, &dev, &format!("verify Q={q}"), q, n, || {
                 cache.truncate(ctx)?;
-                if i >= WARMUP {
-                    gpu.push(g * 1e3);
-                    host.push(h * 1e3);
-                }
-            }
-            out.push(summarize(format!("verify Q={q}: GPU only"), Some(q), gpu));
-            out.push(summarize(
-                format!("verify Q={q}: host enqueue"),
-                Some(q),
-                host,
-            ));
+                let fw = target.forward(&ids(q), ctx, &mut cache, &taps, Logits::All)?;
+                fw.logits.map(|l| device_argmax(&l)).transpose()
+            })?;
+            cache.truncate(ctx)?;
         }
     }
 
@@ -212,26 +227,12 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
         out.push(summarize(format!("draft forward Q={q}"), Some(q), us));
         #[cfg(feature = "cuda")]
         if dev.is_cuda() {
-            let (mut gpu, mut host) = (Vec::new(), Vec::new());
-            for i in 0..WARMUP + n {
+            host_ahead_rows(&mut out, &dev, &format!("draft Q={q}"), q, n, || {
                 let start = dc.len() + 1;
                 block[0] = ids(1)[0];
-                let (am, g, h) = crate::nn::cuda::gpu_time_host_ahead(&dev, 30_000, || {
-                    let logits = d.forward(target, &row, &block, start, &mut dc)?;
-                    device_argmax(&logits)
-                })?;
-                let _props: Vec<u32> = am.to_vec1::<u32>()?;
-                if i >= WARMUP {
-                    gpu.push(g * 1e3);
-                    host.push(h * 1e3);
-                }
-            }
-            out.push(summarize(format!("draft Q={q}: GPU only"), Some(q), gpu));
-            out.push(summarize(
-                format!("draft Q={q}: host enqueue"),
-                Some(q),
-                host,
-            ));
+                let logits = d.forward(target, &row, &block, start, &mut dc)?;
+                device_argmax(&logits)
+            })?;
         }
     }
 

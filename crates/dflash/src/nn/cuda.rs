@@ -439,6 +439,29 @@ pub fn swiglu(gu: &Tensor) -> candle_core::Result<Option<Tensor>> {
     Ok(Some(gu.apply_op1_no_bwd(&SwiGlu)?))
 }
 
+/// Whether the row kernels below take `logits`: CUDA, f32, `[rows, vocab]`, non-empty, a
+/// vocabulary an i32 index covers.
+fn logit_rows_apply(logits: &Tensor) -> candle_core::Result<bool> {
+    Ok(logits.device().is_cuda()
+        && logits.dtype() == DType::F32
+        && logits.rank() == 2
+        && logits.elem_count() > 0
+        && logits.dim(1)? <= i32::MAX as usize / 2)
+}
+
+/// `(rows, vocab, view)` of a contiguous f32 `[rows, vocab]` op input.
+fn logit_rows<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<(usize, usize, CudaView<'a, f32>)> {
+    let (rows, vocab) = l.shape().dims2()?;
+    let Some((o1, o2)) = l.contiguous_offsets() else {
+        candle_core::bail!("{what}: logits must be contiguous");
+    };
+    Ok((rows, vocab, s.as_cuda_slice::<f32>()?.slice(o1..o2)))
+}
+
 struct ArgmaxRows;
 
 /// Chunks per row for argmax_part: enough blocks for one row to spread over the GPU.
@@ -452,12 +475,8 @@ impl CustomOp1 for ArgmaxRows {
         no_cpu(self.name())
     }
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, vocab) = l.shape().dims2()?;
-        let Some((o1, o2)) = l.contiguous_offsets() else {
-            candle_core::bail!("{}: logits must be contiguous", self.name());
-        };
+        let (rows, vocab, x) = logit_rows(s, l, self.name())?;
         let dev = s.device();
-        let x = s.as_cuda_slice::<f32>()?.slice(o1..o2);
         let chunks = ARGMAX_CHUNKS.min(vocab.max(1));
         let chunk = vocab.div_ceil(chunks);
         // SAFETY: argmax_part writes every partial, argmax_final every output.
@@ -503,12 +522,7 @@ impl CustomOp1 for ArgmaxRows {
 /// the largest value, the lowest index among equal ones, as `sampling::argmax`. None when the
 /// kernel does not apply (not CUDA, not f32, not 2-D, empty).
 pub fn argmax_rows(logits: &Tensor) -> candle_core::Result<Option<Tensor>> {
-    if !logits.device().is_cuda()
-        || logits.dtype() != DType::F32
-        || logits.rank() != 2
-        || logits.elem_count() == 0
-        || logits.dim(1)? > i32::MAX as usize / 2
-    {
+    if !logit_rows_apply(logits)? {
         return Ok(None);
     }
     Ok(Some(logits.contiguous()?.apply_op1_no_bwd(&ArgmaxRows)?))
@@ -527,10 +541,7 @@ impl CustomOp1 for SampleRows {
         no_cpu(self.name())
     }
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, vocab) = l.shape().dims2()?;
-        let Some((o1, o2)) = l.contiguous_offsets() else {
-            candle_core::bail!("{}: logits must be contiguous", self.name());
-        };
+        let (rows, vocab, x) = logit_rows(s, l, self.name())?;
         if self.uniforms.len() != rows {
             candle_core::bail!(
                 "{}: {} uniforms for {rows} rows",
@@ -539,7 +550,6 @@ impl CustomOp1 for SampleRows {
             );
         }
         let dev = s.device();
-        let x = s.as_cuda_slice::<f32>()?.slice(o1..o2);
         let u = dev.clone_htod(&self.uniforms)?;
         // SAFETY: the kernel writes every row's output.
         let out = unsafe { dev.alloc::<u32>(rows)? };
@@ -574,13 +584,10 @@ pub fn sample_rows(
     temperature: f32,
     uniforms: &[f64],
 ) -> candle_core::Result<Option<Tensor>> {
-    if !logits.device().is_cuda()
-        || logits.dtype() != DType::F32
-        || logits.rank() != 2
-        || logits.elem_count() == 0
+    if !logit_rows_apply(logits)?
         || logits.dim(0)? != uniforms.len()
-        || logits.dim(1)? > i32::MAX as usize / 2
-        || !(temperature > 0.0)
+        || temperature.is_nan()
+        || temperature <= 0.0
     {
         return Ok(None);
     }
