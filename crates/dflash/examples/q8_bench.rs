@@ -1,8 +1,9 @@
-//! Our Q8_0 product (`nn::q8`) against candle's on the demo's shapes, 1 and 16 rows:
+//! Our int8 product (`nn::q8`) against candle's on the demo's shapes, 1 and 16 rows: Q8_0
+//! (candle's and ours) and Q4_1 kept as stored (ours):
 //! `cargo run --release --example q8_bench -p dflash`.
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use dflash::nn::q8::Q8Matrix;
+use dflash::nn::q8::QMatrix;
 use std::time::Instant;
 
 fn main() -> dflash::Result<()> {
@@ -15,7 +16,8 @@ fn main() -> dflash::Result<()> {
     ] {
         let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
         let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
-        let ours = Q8Matrix::from_qtensor(&q)?.expect("q8");
+        let ours = QMatrix::from_qtensor(&q)?.expect("q8");
+        let q4 = QMatrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1)?)?.expect("q4");
         let theirs = QMatMul::from_qtensor(q)?;
         for m in [1usize, 16] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
@@ -37,11 +39,13 @@ fn main() -> dflash::Result<()> {
             };
             let c = time(&|| Ok(theirs.forward(&x)?))?;
             let o = time(&|| ours.forward(&x))?;
+            let o4 = time(&|| q4.forward(&x))?;
             println!(
-                "[{n}x{k}] m={m}: candle {:.1} us, ours {:.1} us, {:.2}x",
+                "[{n}x{k}] m={m}: candle Q8_0 {:.1} us, ours Q8_0 {:.1} us ({:.2}x), ours Q4_1 {:.1} us",
                 c * 1e6,
                 o * 1e6,
-                c / o
+                c / o,
+                o4 * 1e6
             );
         }
     }

@@ -9,7 +9,7 @@
 
 use crate::config::TargetConfig;
 use crate::source::gguf::GgufFile;
-use crate::source::weights::{read_safetensors_header, requant_target};
+use crate::source::weights::{cpu_target, read_safetensors_header};
 use crate::source::ModelSource;
 use crate::{Error, Result};
 use candle_core::quantized::GgmlDType;
@@ -174,7 +174,7 @@ fn cuda_free(_device: &Device) -> Option<Available> {
 
 /// Bytes the weights of `src` will occupy once loaded in `dtype` on `device`: float
 /// tensors in the compute dtype, integer tensors as stored; GGUF quantized matrices as
-/// stored, or requantized (see [`requant_target`]) on the CPU unless `keep_quant`. An
+/// stored, or requantized (see [`cpu_target`]) on the CPU unless `keep_quant`. An
 /// estimate from the headers (tensors a family does not use are counted too).
 pub fn weight_bytes(
     src: &ModelSource,
@@ -192,7 +192,9 @@ pub fn weight_bytes(
             let stored = n / dt.block_size() as u64 * dt.type_size() as u64;
             total += match dt {
                 GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => n * el,
-                _ => match requant_target(dt).filter(|_| device.is_cpu() && !keep_quant) {
+                _ => match cpu_target(dt, t.shape.dims().last().copied().unwrap_or(0))
+                    .filter(|_| device.is_cpu() && !keep_quant)
+                {
                     Some(to) => n / to.block_size() as u64 * to.type_size() as u64,
                     None => stored,
                 },

@@ -157,6 +157,7 @@ fn target(t: TinyTarget, always0: bool) -> TinyTarget {
 #[test]
 fn greedy_dflash_equals_plain_decoding_with_quantized_targets() {
     let q4_1: fn(&str) -> GgmlDType = |_| GgmlDType::Q4_1;
+    let q5_0: fn(&str) -> GgmlDType = |_| GgmlDType::Q5_0;
     let q4k: fn(&str) -> GgmlDType = |_| GgmlDType::Q4K;
     let q8: fn(&str) -> GgmlDType = |_| GgmlDType::Q8_0;
     let mut mlx_mixed = Layout::new(4, 64);
@@ -169,10 +170,22 @@ fn greedy_dflash_equals_plain_decoding_with_quantized_targets() {
             "Q4K x",
         ),
         (
-            "gguf Q4_1 requantized llama",
+            // Widths of 64: Q4_1 stays as stored for dflash's own int8 product where the CPU
+            // has AVX-512 VNNI (nn::q8), else it is requantized to Q8_0.
+            "gguf Q4_1 default load llama",
             target(TinyTarget::llama(302), true),
             Target::Gguf(q4_1, false),
-            "Q4_1->Q8_0",
+            if dflash::nn::q8::keeps_q4(GgmlDType::Q4_1, 64) {
+                "Q4_1 x"
+            } else {
+                "Q4_1->Q8_0"
+            },
+        ),
+        (
+            "gguf Q5_0 requantized llama",
+            target(TinyTarget::llama(307), true),
+            Target::Gguf(q5_0, false),
+            "Q5_0->Q8_0",
         ),
         (
             "gguf Q4_1 kept llama",

@@ -1,6 +1,6 @@
 //! A linear layer whose weight is dense (any float dtype) or quantized (GGUF block types).
 
-use super::q8::Q8Matrix;
+use super::q8::QMatrix;
 use crate::source::Weights;
 use crate::Result;
 use candle_core::quantized::{QMatMul, QTensor};
@@ -20,10 +20,10 @@ pub enum Linear {
         bias: Option<Tensor>,
         out_features: usize,
     },
-    /// A Q8_0 weight on the CPU multiplied by dflash's own kernel ([`Q8Matrix`]), where that
+    /// A Q8_0 weight on the CPU multiplied by dflash's own kernel ([`QMatrix`]), where that
     /// is faster than candle's (rows not a multiple of 256).
     Q8 {
-        weight: Arc<Q8Matrix>,
+        weight: Arc<QMatrix>,
         bias: Option<Tensor>,
     },
 }
@@ -39,8 +39,8 @@ impl Linear {
     pub fn quant(weight: QMatMul, bias: Option<Tensor>, out_features: usize) -> Result<Self> {
         if let QMatMul::QTensor(q) = &weight {
             let cols = q.shape().dims().last().copied().unwrap_or(0);
-            if Q8Matrix::preferred_for(cols) && own_q8_enabled() {
-                if let Some(m) = Q8Matrix::from_qtensor(q)? {
+            if QMatrix::preferred_for(cols) && own_q8_enabled() {
+                if let Some(m) = QMatrix::from_qtensor(q)? {
                     return Ok(Linear::Q8 {
                         weight: Arc::new(m),
                         bias,
@@ -110,7 +110,7 @@ impl Linear {
             let weight = Tensor::cat(&ws, 0)?;
             return Ok(Some(Linear::Dense { weight, bias }));
         }
-        let q8: Option<Vec<&Q8Matrix>> = parts
+        let q8: Option<Vec<&QMatrix>> = parts
             .iter()
             .map(|p| match p {
                 Linear::Q8 { weight, .. } => Some(weight.as_ref()),
@@ -118,7 +118,7 @@ impl Linear {
             })
             .collect();
         if let Some(ws) = q8 {
-            return Ok(Q8Matrix::stack(&ws).map(|w| Linear::Q8 {
+            return Ok(QMatrix::stack(&ws).map(|w| Linear::Q8 {
                 weight: Arc::new(w),
                 bias,
             }));

@@ -71,6 +71,17 @@ pub fn requant_target(dt: GgmlDType) -> Option<GgmlDType> {
     }
 }
 
+/// What a stored GGUF matrix of width `cols` becomes on the CPU: [`requant_target`], except
+/// the Q4_0 / Q4_1 matrices that dflash's own int8 product multiplies as stored
+/// ([`crate::nn::q8::keeps_q4`]): 0.75 bytes a weight instead of Q8_0's 1.125.
+pub fn cpu_target(dt: GgmlDType, cols: usize) -> Option<GgmlDType> {
+    if crate::nn::q8::keeps_q4(dt, cols) {
+        None
+    } else {
+        requant_target(dt)
+    }
+}
+
 impl Weights {
     /// Memory-map the given safetensors files. Header errors (truncated file, bad JSON,
     /// offsets outside the file) are reported with the file name.
@@ -367,7 +378,7 @@ impl Weights {
         })
     }
 
-    /// A quantized matmul weight on the device, requantized per [`requant_target`] unless
+    /// A quantized matmul weight on the device, requantized per [`cpu_target`] unless
     /// `keep_quant`; None for float types (the caller loads those dense).
     fn matmul_weight(&self, q: Arc<QTensor>) -> Result<Option<QMatMul>> {
         let Backend::Gguf(g) = &self.backend else {
@@ -381,7 +392,7 @@ impl Weights {
         let target = if g.keep_quant || !self.device.is_cpu() {
             None
         } else {
-            requant_target(dt)
+            cpu_target(dt, q.shape().dims().last().copied().unwrap_or(0))
         };
         let q = match target {
             Some(t) => {
