@@ -192,12 +192,17 @@ pub fn weight_bytes(
             let stored = n / dt.block_size() as u64 * dt.type_size() as u64;
             total += match dt {
                 GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => n * el,
-                _ => match cpu_target(dt, t.shape.dims().last().copied().unwrap_or(0))
-                    .filter(|_| device.is_cpu() && !keep_quant)
-                {
-                    Some(to) => n / to.block_size() as u64 * to.type_size() as u64,
-                    None => stored,
-                },
+                _ => {
+                    let cols = t.shape.dims().last().copied().unwrap_or(0);
+                    let cpu = device.is_cpu() && !keep_quant;
+                    match cpu_target(dt, cols).filter(|_| cpu) {
+                        Some(to) => n / to.block_size() as u64 * to.type_size() as u64,
+                        // Kept Q4 for the own product: 16 bytes of quants plus an f32 scale and
+                        // minimum per 32 weights (nn::q8::QMatrix).
+                        None if cpu && crate::nn::q8::keeps_q4(dt, cols) => n / 32 * 24,
+                        None => stored,
+                    }
+                }
             };
         }
         return Ok(total);
