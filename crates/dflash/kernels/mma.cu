@@ -169,7 +169,7 @@ __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
 }
 
 // Configurations (name: W warps per tile, U chunks in flight, BW warps per block, TN tiles per
-// warp); nn::cuda::mma_config picks one from N and K. Keep the two in step.
+// warp); nn::cuda::mma_config picks one from N. Keep the two in step.
 #define GEMM(NAME, W, U, BW, MINB, TN)                                                        \
   extern "C" __global__ void __launch_bounds__(32 * BW, MINB)                                 \
       NAME##_t1(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int m_rows, \

@@ -69,11 +69,29 @@ impl SamplingParams {
 /// largest value, the lowest index among equal ones): on CUDA with our own kernel (candle's
 /// argmax gives a 152k-word row to one block: tens of us), elsewhere with candle's.
 pub fn argmax_rows(logits: &candle_core::Tensor) -> crate::Result<Vec<u32>> {
+    Ok(argmax_rows_tensor(logits)?.to_vec1::<u32>()?)
+}
+
+/// [`argmax_rows`] left where the logits are (u32 `[rows]`, no copy, no sync).
+pub fn argmax_rows_tensor(logits: &candle_core::Tensor) -> crate::Result<candle_core::Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(ids) = crate::nn::cuda::argmax_rows(logits)? {
-        return Ok(ids.to_vec1::<u32>()?);
+        return Ok(ids);
     }
-    Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+    Ok(logits.argmax(candle_core::D::Minus1)?)
+}
+
+/// Every row's choice at once where that is possible: greedy ([`argmax_rows`]), or plain
+/// temperature sampling on the device ([`sample_rows_on_device`]). The sampler is not advanced:
+/// the caller [`Sampler::skip`]s the rows it keeps. None: sample row by row on the host.
+pub fn choose_rows_at_once(
+    logits: &candle_core::Tensor,
+    sampler: &Sampler,
+) -> crate::Result<Option<Vec<u32>>> {
+    if sampler.params.is_greedy() {
+        return Ok(Some(argmax_rows(logits)?));
+    }
+    sample_rows_on_device(logits, sampler)
 }
 
 /// Every row of f32 `logits [rows, vocab]` sampled on the device with plain temperature
@@ -202,6 +220,9 @@ impl Sampler {
 
     /// Draw `n` uniforms, as `n` calls of [`Self::sample`] would.
     pub fn skip(&mut self, n: usize) {
+        if self.params.is_greedy() {
+            return; // greedy choices draw nothing
+        }
         for _ in 0..n {
             self.rng.uniform();
         }

@@ -113,7 +113,7 @@ fn mma_matches_f32_product() {
     ]);
     let configs: std::collections::BTreeSet<_> = cases
         .iter()
-        .map(|&(_, n, k)| dflash::nn::cuda::mma_config(n, k).name)
+        .map(|&(_, n, _)| dflash::nn::cuda::mma_config(n).name)
         .collect();
     assert_eq!(
         configs.len(),

@@ -11,8 +11,6 @@ use crate::pipeline::Pipeline;
 use crate::sampling::{argmax, argmax_rows, Sampler, SamplingParams};
 use crate::testing::Rng;
 use crate::{Error, Result};
-#[cfg(feature = "cuda")]
-use candle_core::D;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -100,15 +98,6 @@ fn host_ahead_rows<T>(
     Ok(())
 }
 
-/// The engine's greedy choice left on the device (no copy, no sync): for the host-ahead timings.
-#[cfg(feature = "cuda")]
-fn device_argmax(logits: &candle_core::Tensor) -> Result<candle_core::Tensor> {
-    Ok(match crate::nn::cuda::argmax_rows(logits)? {
-        Some(t) => t,
-        None => logits.argmax(D::Minus1)?,
-    })
-}
-
 /// Time the pieces on `p` (its draft, if loaded).
 pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
     let target = p.engine.target.as_ref();
@@ -182,7 +171,9 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
             host_ahead_rows(&mut out, &dev, &format!("verify Q={q}"), q, n, || {
                 cache.truncate(ctx)?;
                 let fw = target.forward(&ids(q), ctx, &mut cache, &taps, Logits::All)?;
-                fw.logits.map(|l| device_argmax(&l)).transpose()
+                fw.logits
+                    .map(|l| crate::sampling::argmax_rows_tensor(&l))
+                    .transpose()
             })?;
             cache.truncate(ctx)?;
         }
@@ -231,7 +222,7 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
                 let start = dc.len() + 1;
                 block[0] = ids(1)[0];
                 let logits = d.forward(target, &row, &block, start, &mut dc)?;
-                device_argmax(&logits)
+                crate::sampling::argmax_rows_tensor(&logits)
             })?;
         }
     }

@@ -320,10 +320,7 @@ impl Engine {
 
     /// Target choice for every row of `logits [rows, vocab]`.
     fn choose(&self, logits: &Tensor, sampler: &mut Sampler) -> Result<Vec<u32>> {
-        if sampler.params.is_greedy() {
-            return crate::sampling::argmax_rows(logits);
-        }
-        if let Some(ids) = crate::sampling::sample_rows_on_device(logits, sampler)? {
+        if let Some(ids) = crate::sampling::choose_rows_at_once(logits, sampler)? {
             sampler.skip(ids.len());
             return Ok(ids);
         }
@@ -340,34 +337,27 @@ impl Engine {
         sampler: &mut Sampler,
     ) -> Result<Vec<u32>> {
         let q = block.len();
+        // Every row chosen at once (greedy, or drawn on the device with the uniforms the host
+        // would use in turn), else row by row on the host; either way only the rows up to the
+        // first mismatch are kept, and only their uniforms drawn.
+        let all = crate::sampling::choose_rows_at_once(logits, sampler)?;
+        let rows = match all {
+            Some(_) => Vec::new(),
+            None => logits.to_vec2::<f32>()?,
+        };
         let mut post = Vec::with_capacity(q);
-        if sampler.params.is_greedy() {
-            let all = crate::sampling::argmax_rows(logits)?;
-            for i in 0..q {
-                post.push(all[i]);
-                if i + 1 >= q || block[i + 1] != all[i] {
-                    break;
-                }
+        for i in 0..q {
+            let t = match &all {
+                Some(all) => all[i],
+                None => sampler.sample(&rows[i]),
+            };
+            post.push(t);
+            if i + 1 >= q || block[i + 1] != t {
+                break;
             }
-        } else if let Some(all) = crate::sampling::sample_rows_on_device(logits, sampler)? {
-            // Every row drawn on the device with the uniforms the host would use in turn;
-            // only the rows up to the first mismatch are kept, and only their uniforms drawn.
-            for i in 0..q {
-                post.push(all[i]);
-                if i + 1 >= q || block[i + 1] != all[i] {
-                    break;
-                }
-            }
+        }
+        if all.is_some() {
             sampler.skip(post.len());
-        } else {
-            let rows = logits.to_vec2::<f32>()?;
-            for i in 0..q {
-                let t = sampler.sample(&rows[i]);
-                post.push(t);
-                if i + 1 >= q || block[i + 1] != t {
-                    break;
-                }
-            }
         }
         Ok(post)
     }

@@ -107,7 +107,7 @@ impl CustomOp2 for RowMatmul {
                 WARPS_PER_BLOCK,
             ),
             RowKernel::Mma => {
-                let c = mma_config(n, k);
+                let c = mma_config(n);
                 let name = format!("{}_t{}", c.name, if m <= 8 { 1 } else { 2 });
                 (
                     dev.get_or_load_custom_func(&name, "dflash_mma", MMA_PTX)?,
@@ -192,13 +192,13 @@ pub struct MmaConfig {
     pub warps: u32,
 }
 
-/// The skinny GEMM's blocking for a weight of `n` rows and `k` columns: picked from the shape
+/// The skinny GEMM's blocking for a weight of `n` rows: picked from the weight's shape
 /// only, never from the number of rows of x, which is what makes the kernel batch-invariant.
 /// Chosen from the H200 measurements of `tools/gpu-bench/skinny` (docs/perf.md, run 5): narrow
 /// weights need K split over 8 warps to fill the GPU; gate+up-sized ones (1k-4k tiles of 16
 /// rows) go fastest with one warp per tile and 4 chunks in flight; the rest (K/V stacks,
 /// LM heads) with 4 warps per tile of 32 rows.
-pub fn mma_config(n: usize, _k: usize) -> MmaConfig {
+pub fn mma_config(n: usize) -> MmaConfig {
     let tiles = n.div_ceil(16);
     if tiles < 512 {
         MmaConfig {

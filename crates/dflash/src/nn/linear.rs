@@ -39,7 +39,7 @@ impl Linear {
     pub fn quant(weight: QMatMul, bias: Option<Tensor>, out_features: usize) -> Result<Self> {
         if let QMatMul::QTensor(q) = &weight {
             let cols = q.shape().dims().last().copied().unwrap_or(0);
-            if QMatrix::preferred_for(cols) && own_q8_enabled() {
+            if QMatrix::preferred_for(cols) && super::q8::enabled() {
                 if let Some(m) = QMatrix::from_qtensor(q)? {
                     return Ok(Linear::Q8 {
                         weight: Arc::new(m),
@@ -252,11 +252,6 @@ impl Linear {
 }
 
 /// `DFLASH_Q8=0` keeps candle's Q8_0 product everywhere (A/B runs).
-fn own_q8_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_Q8").map_or(true, |v| v != "0"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

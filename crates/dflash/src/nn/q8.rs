@@ -42,6 +42,33 @@ enum Quants {
     },
 }
 
+impl Quants {
+    /// Append `other`'s rows; None when the kinds (or Q4 flavours) differ.
+    fn extend(&mut self, other: &Quants) -> Option<()> {
+        match (self, other) {
+            (Quants::Q8 { qs, d }, Quants::Q8 { qs: q2, d: d2 }) => {
+                qs.extend_from_slice(q2);
+                d.extend_from_slice(d2);
+            }
+            (
+                Quants::Q4 { qs, d, m, s16 },
+                Quants::Q4 {
+                    qs: q2,
+                    d: d2,
+                    m: m2,
+                    s16: s2,
+                },
+            ) if s16 == s2 => {
+                qs.extend_from_slice(q2);
+                d.extend_from_slice(d2);
+                m.extend_from_slice(m2);
+            }
+            _ => return None,
+        }
+        Some(())
+    }
+}
+
 /// A quantized weight `[rows, cols]` multiplied by dflash's own int8 product.
 #[derive(Debug, Clone)]
 pub struct QMatrix {
@@ -128,60 +155,25 @@ impl QMatrix {
         if parts.iter().any(|p| p.cols != cols) {
             return None;
         }
-        let cat = |f: &dyn Fn(&QMatrix) -> Option<&Vec<f32>>| -> Option<Vec<f32>> {
-            let mut v = Vec::new();
-            for p in parts {
-                v.extend_from_slice(f(p)?);
-            }
-            Some(v)
-        };
-        let w = match &parts[0].w {
-            Quants::Q8 { .. } => {
-                let mut qs = Vec::new();
-                for p in parts {
-                    let Quants::Q8 { qs: q, .. } = &p.w else {
-                        return None;
-                    };
-                    qs.extend_from_slice(q);
-                }
-                let d = cat(&|p| match &p.w {
-                    Quants::Q8 { d, .. } => Some(d),
-                    Quants::Q4 { .. } => None,
-                })?;
-                Quants::Q8 { qs, d }
-            }
-            Quants::Q4 { s16, .. } => {
-                let mut qs = Vec::new();
-                for p in parts {
-                    let Quants::Q4 { qs: q, s16: s, .. } = &p.w else {
-                        return None;
-                    };
-                    if s != s16 {
-                        return None;
-                    }
-                    qs.extend_from_slice(q);
-                }
-                let d = cat(&|p| match &p.w {
-                    Quants::Q4 { d, .. } => Some(d),
-                    Quants::Q8 { .. } => None,
-                })?;
-                let m = cat(&|p| match &p.w {
-                    Quants::Q4 { m, .. } => Some(m),
-                    Quants::Q8 { .. } => None,
-                })?;
-                Quants::Q4 {
-                    qs,
-                    d,
-                    m,
-                    s16: *s16,
-                }
-            }
-        };
+        let mut w = parts[0].w.clone();
+        for p in &parts[1..] {
+            w.extend(&p.w)?;
+        }
         Some(QMatrix {
             rows: parts.iter().map(|p| p.rows).sum(),
             cols,
             w,
         })
+    }
+
+    /// The activation block sums `d * sum(q)` as this matrix multiplies them: rounded to f16
+    /// for Q4_1 (as ggml's Q8_1 stores them, what llama.cpp and candle multiply Q4_1 by).
+    fn round_sums(&self, s: &mut [f32]) {
+        if let Quants::Q4 { s16: true, .. } = self.w {
+            for v in s {
+                *v = f16::from_f32(*v).to_f32();
+            }
+        }
     }
 
     /// `x [.., cols]` (any float dtype, CPU) -> `[.., rows]` f32.
@@ -196,8 +188,8 @@ impl QMatrix {
         }
         let xv = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let m = xv.len() / k.max(1);
-        let (xq, xd, xs) = quantize_rows(&xv, k);
-        let xs16: Vec<f32> = xs.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+        let (xq, xd, mut xs) = quantize_rows(&xv, k);
+        self.round_sums(&mut xs);
         let n = self.rows;
         let mut out = vec![0f32; m * n];
         let out_ptr = out.as_mut_ptr() as usize;
@@ -222,7 +214,6 @@ impl QMatrix {
                         q: &xq[r * k..(r + 1) * k],
                         d: &xd[r * kb..(r + 1) * kb],
                         s: &xs[r * kb..(r + 1) * kb],
-                        s16: &xs16[r * kb..(r + 1) * kb],
                     };
                     let acc = dot_rows(simd, self, r0, nr, &x, u);
                     for (j, v) in acc.iter().take(nr).enumerate() {
@@ -239,13 +230,11 @@ impl QMatrix {
 }
 
 /// One activation row quantized per block of 32: quants, scales, and `d * sum(q)` per block
-/// (what a Q4 weight's minimum multiplies).
+/// (what a Q4 weight's minimum multiplies; see [`QMatrix::round_sums`]).
 struct QRow<'a> {
     q: &'a [i8],
     d: &'a [f32],
     s: &'a [f32],
-    /// `s` rounded to f16 (for Q4_1 weights).
-    s16: &'a [f32],
 }
 
 /// ggml's Q8_0 rule per block of 32: `d = amax / 127`, `q = round(x / d)`, `d` rounded to f16;
@@ -335,7 +324,7 @@ fn dot_rows_scalar(w: &QMatrix, r0: usize, nr: usize, x: &QRow, u: Option<&[u8]>
                     }
                     d[row * kb + b]
                 }
-                Quants::Q4 { qs, d, m, s16 } => {
+                Quants::Q4 { qs, d, m, .. } => {
                     match u {
                         Some(u) => {
                             for (i, v) in wq.iter_mut().enumerate() {
@@ -350,8 +339,7 @@ fn dot_rows_scalar(w: &QMatrix, r0: usize, nr: usize, x: &QRow, u: Option<&[u8]>
                             }
                         }
                     }
-                    let xs = if *s16 { x.s16[b] } else { x.s[b] };
-                    macc = m[row * kb + b].mul_add(xs, macc);
+                    macc = m[row * kb + b].mul_add(x.s[b], macc);
                     d[row * kb + b]
                 }
             };
@@ -385,11 +373,21 @@ pub fn keeps_q4(dt: GgmlDType, cols: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1)
         && QMatrix::preferred_for(cols)
+        && enabled()
         && *ON.get_or_init(|| {
-            let off = |v: &str| std::env::var(v).is_ok_and(|x| x == "0");
-            simd_available() && !off("DFLASH_Q8") && !off("DFLASH_Q4")
+            simd_available() && std::env::var("DFLASH_Q4").map_or(true, |v| v != "0")
         })
 }
+
+/// Whether `Linear` uses this product at all (`DFLASH_Q8=0` keeps candle's for every type).
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_Q8").map_or(true, |v| v != "0"))
+}
+
+/// Bytes a kept Q4 block of 32 weights takes in a [`QMatrix`]: 16 of quants, an f32 scale and
+/// an f32 minimum (what `memory::weight_bytes` estimates with).
+pub const Q4_BLOCK_BYTES: usize = QK / 2 + 8;
 
 /// Whether the AVX-512 VNNI path runs (checked once; `DFLASH_Q8_SCALAR=1` forces the scalar
 /// path, which gives the same bits).
@@ -486,10 +484,9 @@ mod x86 {
         x: &QRow,
         u: Option<&[u8]>,
     ) -> [f32; 4] {
-        let Quants::Q4 { qs, d, m, s16 } = &w.w else {
+        let Quants::Q4 { qs, d, m, .. } = &w.w else {
             unreachable!("dot_rows dispatches on the kind")
         };
-        let xs = if *s16 { x.s16 } else { x.s };
         let k = w.cols;
         let kb = k / QK;
         let mut acc = [_mm256_setzero_ps(); 4];
@@ -499,7 +496,7 @@ mod x86 {
         for b in 0..kb {
             let xv = _mm256_loadu_si256(xp.add(b * QK) as *const __m256i);
             let dx = *x.d.get_unchecked(b);
-            let sx = *xs.get_unchecked(b);
+            let sx = *x.s.get_unchecked(b);
             for j in 0..4 {
                 if j >= nr {
                     break;
@@ -551,49 +548,62 @@ mod tests {
             assert!(QMatrix::preferred_for(cols));
             let q = q8_weight(rows, cols);
             let ours = QMatrix::from_qtensor(&q).unwrap().expect("Q8_0 on CPU");
-            let candle = candle_core::quantized::QMatMul::from_qtensor(q).unwrap();
             let x = Tensor::randn(0f32, 1.0, (16, cols), &Device::Cpu).unwrap();
-            let got = ours.forward(&x).unwrap();
-            let want = candle_core::Module::forward(&candle, &x).unwrap();
-            let max_abs = |t: &Tensor| {
-                t.abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap()
-            };
-            let diff = max_abs(&(&got - &want).unwrap());
-            let scale = max_abs(&want);
-            assert!(
-                diff <= 1e-5 * scale.max(1.0),
-                "{rows}x{cols}: {diff} vs scale {scale}"
-            );
-            let all = got.to_vec2::<f32>().unwrap();
-            for r in [0, 5, 15] {
-                let one = ours
-                    .forward(&x.narrow(0, r, 1).unwrap())
-                    .unwrap()
-                    .to_vec2::<f32>()
-                    .unwrap();
-                assert!(one[0] == all[r], "{rows}x{cols}: row {r} alone differs");
-            }
-            assert_scalar_equals_simd(&ours, &x);
+            assert_matches_candle(&ours, q, &x, &[0, 5, 15], &format!("{rows}x{cols}"));
         }
+    }
+
+    /// `ours` against candle's product with the same quantized weights `q` on `x [16, cols]`:
+    /// within 1e-5 of the output scale; the rows `alone` give the same bits multiplied alone
+    /// as among the 16; the scalar and SIMD paths give the same bits. Returns the 16 rows.
+    fn assert_matches_candle(
+        ours: &QMatrix,
+        q: QTensor,
+        x: &Tensor,
+        alone: &[usize],
+        label: &str,
+    ) -> Vec<Vec<f32>> {
+        let got = ours.forward(x).unwrap();
+        let candle = candle_core::quantized::QMatMul::from_qtensor(q).unwrap();
+        let want = candle_core::Module::forward(&candle, x).unwrap();
+        let max_abs = |t: &Tensor| {
+            t.abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        let diff = max_abs(&(&got - &want).unwrap());
+        let scale = max_abs(&want);
+        assert!(
+            diff <= 1e-5 * scale.max(1.0),
+            "{label}: {diff} vs scale {scale}"
+        );
+        let all = got.to_vec2::<f32>().unwrap();
+        for &r in alone {
+            let one = ours
+                .forward(&x.narrow(0, r, 1).unwrap())
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            assert!(one[0] == all[r], "{label}: row {r} alone differs");
+        }
+        assert_scalar_equals_simd(ours, x);
+        all
     }
 
     /// The scalar and SIMD paths give the same bits for every group of 4 rows.
     fn assert_scalar_equals_simd(w: &QMatrix, x: &Tensor) {
         let (rows, cols) = (w.rows, w.cols);
         let xv = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let (xq, xd, xs) = quantize_rows(&xv, cols);
-        let xs16: Vec<f32> = xs.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+        let (xq, xd, mut xs) = quantize_rows(&xv, cols);
+        w.round_sums(&mut xs);
         let kb = cols / QK;
         let row = QRow {
             q: &xq[..cols],
             d: &xd[..kb],
             s: &xs[..kb],
-            s16: &xs16[..kb],
         };
         let mut u = Vec::new();
         for r0 in (0..rows).step_by(4) {
@@ -631,41 +641,13 @@ mod tests {
                     "{dt:?} {rows}x{cols}"
                 );
                 let x = Tensor::randn(0f32, 1.0, (16, cols), &Device::Cpu).unwrap();
-                let got = ours.forward(&x).unwrap();
-                let candle = candle_core::quantized::QMatMul::from_qtensor(q).unwrap();
-                let want = candle_core::Module::forward(&candle, &x).unwrap();
-                let diff = (&got - &want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
-                let scale = want
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
-                assert!(
-                    diff <= 1e-5 * scale.max(1.0),
-                    "{dt:?} {rows}x{cols}: {diff} vs scale {scale}"
+                let all = assert_matches_candle(
+                    &ours,
+                    q,
+                    &x,
+                    &[0, 7, 15],
+                    &format!("{dt:?} {rows}x{cols}"),
                 );
-                let all = got.to_vec2::<f32>().unwrap();
-                for r in [0, 7, 15] {
-                    let one = ours
-                        .forward(&x.narrow(0, r, 1).unwrap())
-                        .unwrap()
-                        .to_vec2::<f32>()
-                        .unwrap();
-                    assert!(
-                        one[0] == all[r],
-                        "{dt:?} {rows}x{cols}: row {r} alone differs"
-                    );
-                }
-                assert_scalar_equals_simd(&ours, &x);
                 // Stacked with itself: the rows repeat, bit for bit; a Q8 part does not stack.
                 let st = QMatrix::stack(&[&ours, &ours]).unwrap();
                 let both = st.forward(&x).unwrap().to_vec2::<f32>().unwrap();
