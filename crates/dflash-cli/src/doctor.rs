@@ -75,12 +75,13 @@ pub fn run(
     println!("devices: cpu; {cuda}");
     #[cfg(feature = "cuda")]
     println!(
-        "cuda greedy exactness: {} (DFLASH_BATCH_INVARIANT=1: verify == decode bit for bit, slower; \
-         otherwise near-tie flips between 1-row and 16-row kernels are possible)",
-        if dflash::nn::cuda::batch_invariant() {
+        "cuda greedy exactness: {} (the default: a verify equals the decode steps bit for bit; \
+         DFLASH_BATCH_INVARIANT=0 is ~3-5% faster per step, and near-tie flips between 1-row and \
+         16-row kernels become possible)",
+        if dflash::switches::batch_invariant() {
             "batch-invariant kernels"
         } else {
-            "default kernels"
+            "non-invariant kernels (DFLASH_BATCH_INVARIANT=0)"
         }
     );
     let cache = dflash::source::demo::cache_dir();
@@ -127,12 +128,7 @@ pub fn run(
                     Err(e) => println!("  will not run: {e}"),
                     Ok((cfg, t)) => {
                         let i = t.info();
-                        let kv_per_1k = 2
-                            * cfg.num_hidden_layers
-                            * cfg.num_key_value_heads
-                            * cfg.head_dim
-                            * 1024
-                            * dt.size_in_bytes();
+                        let (per_token, fixed) = dflash::memory::target_cache_bytes(&cfg, dt)?;
                         println!(
                             "  family {} ({} layers, hidden {}), dtype {:?}, quantization {}",
                             i.family,
@@ -142,15 +138,21 @@ pub fn run(
                             i.quantization.clone().unwrap_or_else(|| "none".into())
                         );
                         println!(
-                            "  memory: weights {:.1} MiB + KV cache {:.1} MiB per 1k tokens of context",
+                            "  memory: weights {:.1} MiB + cache {:.1} MiB per 1k tokens of context{}",
                             i.weight_bytes as f64 / 1048576.0,
-                            kv_per_1k as f64 / 1048576.0
+                            (per_token * 1024) as f64 / 1048576.0,
+                            if fixed > 0 {
+                                format!(" + {:.1} MiB of recurrent state", fixed as f64 / 1048576.0)
+                            } else {
+                                String::new()
+                            }
                         );
                         match dflash::memory::available(&dev) {
                             Some(a) => {
                                 let need = dflash::memory::Need {
                                     weights: i.weight_bytes as u64,
-                                    kv_per_token: kv_per_1k as u64 / 1024,
+                                    fixed,
+                                    kv_per_token: per_token,
                                 };
                                 println!(
                                     "  available: {} ({}); largest context that fits: {} (model: {})",

@@ -104,28 +104,38 @@ __device__ __forceinline__ float load_norm_rope(const bf16* __restrict__ src, co
 }
 
 // Write rows pos0 .. pos0 + n of the KV cache kv [2, kvh, cap, d] (keys then values) from
-// src [n, src_stride]: keys at column k_off + h * d (normed with kw when given, roped with
-// cs [n, rot]), values at v_off + h * d. grid (kvh, n), block: d rounded up to a warp.
-extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_stride, int k_off, int v_off,
-                                         const bf16* __restrict__ kw, float eps, const bf16* __restrict__ cs,
-                                         int rot, bf16* __restrict__ kv, int kvh, long long cap, int pos0,
-                                         int d) {
+// src [n, src_stride]: keys at column k_off + h * k_hs (normed with kw when given, roped with
+// cs [n, rot]), values at v_off + h * v_hs (with v_unit: a scale-less RMSNorm, rounded to bf16
+// as the unfused norm's output is). grid (kvh, n), block: d rounded up to a warp.
+extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_stride, int k_off, int k_hs,
+                                         int v_off, int v_hs, int v_unit, const bf16* __restrict__ kw,
+                                         float eps, const bf16* __restrict__ cs, int rot,
+                                         bf16* __restrict__ kv, int kvh, long long cap, int pos0, int d) {
   __shared__ float scratch[32];
   extern __shared__ float xs[];
   const int h = blockIdx.x, i = blockIdx.y, e = threadIdx.x;
   const bf16* row = src + (size_t)i * src_stride;
-  float k = load_norm_rope(row + k_off + h * d, kw, eps, cs + (size_t)i * rot, rot, d, xs, scratch);
+  float k = load_norm_rope(row + k_off + h * k_hs, kw, eps, cs + (size_t)i * rot, rot, d, xs, scratch);
   const size_t dst = ((size_t)h * cap + pos0 + i) * d;
+  const bf16* vr = row + v_off + h * v_hs;
+  float v = e < d ? __bfloat162float(vr[e]) : 0.f;
+  if (v_unit) {
+    const float inv = rsqrtf(block_sum(v * v, scratch) / d + eps);
+    v = round_bf16(v * inv);
+  }
   if (e < d) {
     kv[dst + e] = __float2bfloat16(k);
-    kv[(size_t)kvh * cap * d + dst + e] = row[v_off + h * d + e];
+    kv[(size_t)kvh * cap * d + dst + e] = __float2bfloat16(v);
   }
 }
 
-// Attention of query rows (q at columns q_off + head * D of src [n, src_stride], normed with
+// Attention of query rows (q at columns q_off + head * q_hs of src [n, src_stride], normed with
 // qw when given, roped with cs, times scale) over keys 0 .. kv_len of the cache kv [2, kvh,
 // cap, D]. Query row i sits at position q_pos0 + i; a key j is visible iff (!causal || j <=
-// pos) && (window == 0 || j + window > pos). Head h reads KV head h / rep.
+// pos) && (window == 0 || j + window > pos). Head h reads KV head h / rep. sinks [heads]
+// (bf16, or null): a logit per head that joins each softmax (gpt-oss). gate_off >= 0: the
+// output is multiplied by sigmoid of the gate at column q_off + head * q_hs + gate_off of the
+// row (hybrid Qwen attention), rounded as the unfused bf16 ops round.
 //
 // grid (kvh, splits, groups): block (g, s, q) serves the (row, head) pairs q*P .. q*P + P of
 // KV head g (pair p: row p / rep, head g * rep + p % rep) over the keys of chunk s, [s * chunk,
@@ -141,12 +151,34 @@ extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_s
 // in which groups of 4, the masking, the merge order) depends on its row's position and the
 // chunk only, never on n or on the other pairs of its block, so a row gives the same bits in a
 // 1-row decode step and in a 16-row verify.
+// One output value from the merged (max M, sum L, accumulator a) of a (row, head): a / L, with
+// the head's sink joining the softmax when there is one, times sigmoid(gate[e]) when gate is
+// given (each rounded to bf16 as the unfused ops round).
+__device__ __forceinline__ bf16 attn_finish(float a, float L, float M, bool has_sink, float sink,
+                                            const bf16* __restrict__ gate, int e) {
+  float o;
+  if (has_sink) {
+    const float M2 = fmaxf(M, sink);
+    const float f = M == -INFINITY ? 0.f : __expf(M - M2);
+    o = (a * f) / (L * f + __expf(sink - M2));
+  } else {
+    o = L > 0.f ? a / L : 0.f;
+  }
+  if (gate != nullptr) {
+    const float g = __bfloat162float(gate[e]);
+    const float sg = round_bf16(1.f / (1.f + __expf(-g)));
+    o = round_bf16(o) * sg;
+  }
+  return __float2bfloat16(o);
+}
+
 template <int D, int P>
-__device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, int q_off,
+__device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, int q_off, int q_hs,
                                 const bf16* __restrict__ qw, float eps, const bf16* __restrict__ cs,
                                 int rot, float scale, const bf16* __restrict__ kv, int kvh,
                                 long long cap, int kv_len, int rep, int q_pos0, int causal, int window,
-                                int chunk, int n, bf16* __restrict__ out, float* __restrict__ part) {
+                                int chunk, int n, const bf16* __restrict__ sinks, int gate_off,
+                                bf16* __restrict__ out, float* __restrict__ part) {
   constexpr int E = D / 32;  // dims per lane
   constexpr int NW = 4;
   __shared__ float qs[P][D];
@@ -161,7 +193,7 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
     const int p = grp * P + pp;
     if (p >= pairs) break;
     const int i = p / rep, h = g * rep + p % rep;
-    const bf16* qr = src + (size_t)i * src_stride + q_off + h * D;
+    const bf16* qr = src + (size_t)i * src_stride + q_off + h * q_hs;
     float x[E];
     float ss = 0.f;
 #pragma unroll
@@ -293,7 +325,9 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
     }
     const size_t pidx = ((size_t)h * n + i) * splits + s;
     if (splits == 1) {
-      out[(size_t)i * heads * D + (size_t)h * D + e] = __float2bfloat16(L > 0.f ? a / L : 0.f);
+      const bf16* grow = gate_off >= 0 ? src + (size_t)i * src_stride + q_off + h * q_hs + gate_off : nullptr;
+      out[(size_t)i * heads * D + (size_t)h * D + e] =
+          attn_finish(a, L, M, sinks != nullptr, sinks != nullptr ? __bfloat162float(sinks[h]) : 0.f, grow, e);
     } else {
       part[pidx * (D + 2) + 2 + e] = a;
       if (e == 0) {
@@ -307,19 +341,23 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
 // Pairs per block: 8 (4 for head dim 256, to bound registers and shared memory).
 #define ATTN(D, P)                                                                                        \
   extern "C" __global__ void __launch_bounds__(128) attn_bf16_d##D(                                       \
-      const bf16* src, int src_stride, int q_off, const bf16* qw, float eps, const bf16* cs, int rot,        \
-      float scale, const bf16* kv, int kvh, long long cap, int kv_len, int rep, int q_pos0, int causal,   \
-      int window, int chunk, int n, bf16* out, float* part) {                                             \
-    attn_rows_block<D, P>(src, src_stride, q_off, qw, eps, cs, rot, scale, kv, kvh, cap, kv_len, rep,     \
-                          q_pos0, causal, window, chunk, n, out, part);                                  \
+      const bf16* src, int src_stride, int q_off, int q_hs, const bf16* qw, float eps, const bf16* cs,    \
+      int rot, float scale, const bf16* kv, int kvh, long long cap, int kv_len, int rep, int q_pos0,      \
+      int causal, int window, int chunk, int n, const bf16* sinks, int gate_off, bf16* out, float* part) { \
+    attn_rows_block<D, P>(src, src_stride, q_off, q_hs, qw, eps, cs, rot, scale, kv, kvh, cap, kv_len,    \
+                          rep, q_pos0, causal, window, chunk, n, sinks, gate_off, out, part);            \
   }
 ATTN(64, 8)
 ATTN(128, 8)
 ATTN(256, 4)
+ATTN(512, 2)
 
-// Merge the splits of attn: grid (heads, n), block d threads (rounded up to a warp).
+// Merge the splits of attn: grid (heads, n), block d threads (rounded up to a warp); sinks and
+// the output gate as in attn (src, src_stride, q_off, q_hs locate the gate).
 extern "C" __global__ void attn_combine_bf16(const float* __restrict__ part, bf16* __restrict__ out, int splits,
-                                             int d) {
+                                             int d, const bf16* __restrict__ sinks,
+                                             const bf16* __restrict__ src, int src_stride, int q_off, int q_hs,
+                                             int gate_off) {
   const int h = blockIdx.x, i = blockIdx.y, heads = gridDim.x, n = gridDim.y;
   const int e = threadIdx.x;
   const float* p = part + ((size_t)h * n + i) * splits * (d + 2);
@@ -333,7 +371,11 @@ extern "C" __global__ void attn_combine_bf16(const float* __restrict__ part, bf1
     L += p[s * (d + 2) + 1] * f;
     if (e < d) a += p[s * (d + 2) + 2 + e] * f;
   }
-  if (e < d) out[(size_t)i * heads * d + (size_t)h * d + e] = __float2bfloat16(L > 0.f ? a / L : 0.f);
+  if (e < d) {
+    const bf16* grow = gate_off >= 0 ? src + (size_t)i * src_stride + q_off + h * q_hs + gate_off : nullptr;
+    out[(size_t)i * heads * d + (size_t)h * d + e] =
+        attn_finish(a, L, M, sinks != nullptr, sinks != nullptr ? __bfloat162float(sinks[h]) : 0.f, grow, e);
+  }
 }
 
 // A single-thread busy wait of `cycles` SM clocks: the micro bench queues a step behind it to

@@ -19,6 +19,7 @@ pub mod registry;
 pub mod sampling;
 pub mod source;
 pub mod stats;
+pub mod switches;
 pub mod testing;
 pub mod tokenizer;
 pub mod train;

@@ -220,8 +220,8 @@ pub fn weight_bytes(
     Ok(total)
 }
 
-/// KV cache bytes per token of context of a decoder with `cfg`'s shape (K and V of every
-/// layer) in `dtype`.
+/// KV cache bytes per token of context of an attention-only decoder with `cfg`'s shape (K and
+/// V of every layer) in `dtype`: a DFlash draft.
 pub fn kv_bytes_per_token(cfg: &TargetConfig, dtype: DType) -> u64 {
     2 * cfg.num_hidden_layers as u64
         * cfg.num_key_value_heads as u64
@@ -229,21 +229,45 @@ pub fn kv_bytes_per_token(cfg: &TargetConfig, dtype: DType) -> u64 {
         * dtype.size_in_bytes() as u64
 }
 
-/// What a load needs: weights plus a KV cache that grows with the context.
+/// A target's cache in `dtype` from its family's plan: (bytes per token of context, bytes
+/// held whatever the context). Attention layers grow, MLA layers grow by their latent row,
+/// Gated DeltaNet layers hold a fixed state; KV-shared layers hold nothing of their own.
+pub fn target_cache_bytes(cfg: &TargetConfig, dtype: DType) -> Result<(u64, u64)> {
+    let fam = crate::archs::family_for(cfg)?;
+    let plan = (fam.plan)(cfg)?;
+    Ok((
+        plan.cache_bytes_per_token(dtype),
+        plan.cache_fixed_bytes(dtype),
+    ))
+}
+
+/// What a load needs: weights, cache state of a fixed size, and a cache that grows with the
+/// context.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Need {
     pub weights: u64,
+    /// Cache bytes that do not grow with the context (recurrent state).
+    pub fixed: u64,
     pub kv_per_token: u64,
 }
 
 impl Need {
     pub fn at(&self, context: usize) -> u64 {
         self.weights
+            .saturating_add(self.fixed)
             .saturating_add(self.kv_per_token.saturating_mul(context as u64))
+    }
+    /// ` + 12.0 MiB of recurrent state` when there is any.
+    fn fixed_note(&self) -> String {
+        if self.fixed == 0 {
+            String::new()
+        } else {
+            format!(" + {} of recurrent state", human(self.fixed))
+        }
     }
     /// The largest context that fits in `avail` bytes (0 when the weights alone do not fit).
     pub fn max_context(&self, avail: u64) -> usize {
-        match avail.checked_sub(self.weights) {
+        match avail.checked_sub(self.weights.saturating_add(self.fixed)) {
             None => 0,
             Some(_) if self.kv_per_token == 0 => usize::MAX,
             Some(room) => usize::try_from(room / self.kv_per_token).unwrap_or(usize::MAX),
@@ -274,10 +298,11 @@ pub fn plan_context(
         return Ok((
             ctx,
             Some(format!(
-                "context limited to {ctx} tokens (the model allows {model_max}) to fit in {} ({}): weights {} + KV cache {} per 1k tokens; --max-context chooses, --force-memory skips this check",
+                "context limited to {ctx} tokens (the model allows {model_max}) to fit in {} ({}): weights {}{} + KV cache {} per 1k tokens; --max-context chooses, --force-memory skips this check",
                 human(avail.bytes),
                 avail.source,
                 human(need.weights),
+                need.fixed_note(),
                 human(need.kv_per_token * 1024),
             )),
         ));
@@ -292,8 +317,9 @@ pub fn plan_context(
     advice.push("a quantized GGUF of the model".to_string());
     advice.push("--force-memory to load anyway".to_string());
     Err(Error::input(format!(
-        "not enough memory for {model}: weights {} + KV cache {} for a context of {want} tokens = {}, but {} is available ({}); use {}",
+        "not enough memory for {model}: weights {}{} + KV cache {} for a context of {want} tokens = {}, but {} is available ({}); use {}",
         human(need.weights),
+        need.fixed_note(),
         human(need.kv_per_token.saturating_mul(want as u64)),
         human(need.at(want)),
         human(avail.bytes),
@@ -322,6 +348,7 @@ mod tests {
     fn context_is_fitted_or_refused() {
         let need = Need {
             weights: 1000,
+            fixed: 0,
             kv_per_token: 10,
         };
         let avail = |b| Available {

@@ -153,9 +153,11 @@ fn plan_memory(
             }
         },
     };
+    let (kv_per_token, fixed) = memory::target_cache_bytes(&tcfg, dtype)?;
     let mut need = Need {
         weights: memory::weight_bytes(src, dtype, device, opts.keep_quant)?,
-        kv_per_token: memory::kv_bytes_per_token(&tcfg, dtype),
+        fixed,
+        kv_per_token,
     };
     if let Some(d) = dsrc {
         let dcfg = crate::config::draft::DraftConfig::from_file(&d.config)?;

@@ -157,6 +157,51 @@ pub fn published_target_config(target: &str) -> Option<serde_json::Value> {
             "attention_bias": true, "sliding_window": 128, "tie_word_embeddings": false,
             "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "mxfp4"}})
     };
+    // Qwen3.5 / Qwen3.6 (`qwen3_5`, `qwen3_5_moe`): the published `layer_types` list is three
+    // Gated DeltaNet layers, then one gated-attention layer (`full_attention_interval` 4).
+    let hybrid_layer_types = |n: u64| -> Vec<&'static str> {
+        (0..n)
+            .map(|i| {
+                if (i + 1) % 4 == 0 {
+                    "full_attention"
+                } else {
+                    "linear_attention"
+                }
+            })
+            .collect()
+    };
+    // Text model only: the published checkpoints also hold a 27-block vision tower (depth 27,
+    // width 1152, ~0.45 G parameters) and one MTP layer (`mtp.*`), both in bf16. Shared by all
+    // Qwen3.5 / 3.6 rows (transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig; the model cards'
+    // "Model Overview"): head_dim 256, 16 QK linear heads of 128, conv kernel 4, rotary 0.25.
+    let qwen3_5_text = |layers: u64, heads: u64, kv: u64, v_heads: u64, tied: bool| {
+        json!({"num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "head_dim": 256, "vocab_size": 248320, "tie_word_embeddings": tied,
+            "full_attention_interval": 4, "layer_types": hybrid_layer_types(layers),
+            "attn_output_gate": true, "partial_rotary_factor": 0.25,
+            "linear_num_key_heads": 16, "linear_num_value_heads": v_heads, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 1,
+            "dtype": "bfloat16"})
+    };
+    let qwen3_5 = |h: u64, i: u64, layers: u64, heads: u64, v_heads: u64, tied: bool| {
+        let mut t = qwen3_5_text(layers, heads, 4, v_heads, tied);
+        t["model_type"] = json!("qwen3_5_text");
+        t["hidden_size"] = json!(h);
+        t["intermediate_size"] = json!(i);
+        json!({"model_type": "qwen3_5", "tie_word_embeddings": tied, "text_config": t})
+    };
+    // Every layer is MoE (256 experts, 8 routed + 1 shared); the published MoE text_config has no
+    // dense `intermediate_size` (not confirmed for 122B-A10B: it sizes nothing either way).
+    let qwen3_5_moe = |h: u64, layers: u64, heads: u64, v_heads: u64, moe_i: u64| {
+        let mut t = qwen3_5_text(layers, heads, 2, v_heads, false);
+        t["model_type"] = json!("qwen3_5_moe_text");
+        t["hidden_size"] = json!(h);
+        t["num_experts"] = json!(256);
+        t["num_experts_per_tok"] = json!(8);
+        t["moe_intermediate_size"] = json!(moe_i);
+        t["shared_expert_intermediate_size"] = json!(moe_i);
+        json!({"model_type": "qwen3_5_moe", "tie_word_embeddings": false, "text_config": t})
+    };
     Some(match target {
         "Qwen3-4B" => qwen3(2560, 9728, true),
         "Qwen3-8B" => qwen3(4096, 12288, false),
@@ -183,6 +228,77 @@ pub fn published_target_config(target: &str) -> Option<serde_json::Value> {
             "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
                 "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32,
                     "type": "int", "symmetric": true, "strategy": "group"}}}}}}),
+        // Qwen/Qwen3.5-4B: 2560 / 9216 / 32 layers, 16 Q + 4 KV heads, 32 V linear heads, tied
+        // (model card overview; full text_config copy in a third-party test fixture; the
+        // Qwen3_5TextConfig docstring). No copy of the official config.json itself was found.
+        "Qwen3.5-4B" => qwen3_5(2560, 9216, 32, 16, 32, true),
+        // Qwen/Qwen3.5-9B: equals transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style").
+        // tie_word_embeddings false: not seen in a config copy; inferred from the 19.3 GB bf16
+        // checkpoint (tied would be ~17.3 GB) and the class default.
+        "Qwen3.5-9B" => qwen3_5(4096, 12288, 32, 16, 32, false),
+        // Qwen/Qwen3.5-27B (NVIDIA-NeMo/Megatron-Bridge tests/unit_tests/models/qwen_vl/
+        // test_qwen35_vl_bridge.py; THUDM/slime scripts/models/qwen3.5-27B.sh; model card)
+        "Qwen3.5-27B" => qwen3_5(5120, 17408, 64, 24, 48, false),
+        // Qwen/Qwen3.5-35B-A3B (THUDM/slime scripts/models/qwen3.5-35B-A3B.sh; transformers'
+        // Qwen3_5MoeTextConfig defaults, docstring checkpoint Qwen/Qwen3.5-35B-A3B)
+        "Qwen3.5-35B-A3B" => qwen3_5_moe(2048, 40, 16, 32, 512),
+        // Qwen/Qwen3.5-122B-A10B: 3072 / 48 layers, 32 Q + 2 KV heads, 64 V linear heads, expert
+        // and shared-expert width 1024 (model card; third-party configs). No copy of the official
+        // config.json found; the shapes reproduce its published 250.17 GB bf16 checkpoint exactly.
+        "Qwen3.5-122B-A10B" => qwen3_5_moe(3072, 48, 32, 64, 1024),
+        // Qwen3.6 checkpoints keep the Qwen3.5 architecture and model_type (transformers docs);
+        // Qwen/Qwen3.6-27B's card gives the same shape as Qwen3.5-27B, and its
+        // model.safetensors.index.json total_size is 55.56 GB.
+        "Qwen3.6-27B" => qwen3_5(5120, 17408, 64, 24, 48, false),
+        // Qwen/Qwen3.6-35B-A3B: same topology as Qwen3.5-35B-A3B (its model card; THUDM/slime
+        // scripts/models/qwen36-35B-A3B.sh sources the 3.5 script)
+        "Qwen3.6-35B-A3B" => qwen3_5_moe(2048, 40, 16, 32, 512),
+        // Qwen/Qwen3-Coder-Next, built on Qwen3-Next-80B-A3B: card gives 80B total / 3B active,
+        // 2048 / 48 layers, 16 Q + 2 KV heads of 256, 32 V + 16 QK linear heads of 128, 512
+        // experts (10 routed + 1 shared) of 512. The fields the card does not state are
+        // Qwen3-Next-80B-A3B's config (NVIDIA-NeMo/Megatron-Bridge tests/unit_tests/models/
+        // qwen/test_qwen3_next_bridge.py fixture); not confirmed for the Coder checkpoint itself.
+        // Text only; the checkpoint also carries one MTP layer (`mtp.*`).
+        "Qwen3-Coder-Next" => json!({"model_type": "qwen3_next", "hidden_size": 2048,
+            // unconfirmed for Coder-Next (Qwen3-Next-80B-A3B's value); unused, every layer is MoE
+            "intermediate_size": 5120,
+            "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+            "head_dim": 256,
+            "vocab_size": 151936, // Qwen3-Next-80B-A3B's; not seen in a Coder-Next config copy
+            "tie_word_embeddings": false, "full_attention_interval": 4, "partial_rotary_factor": 0.25,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512,
+            "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": true,
+            "torch_dtype": "bfloat16"}), // bf16 confirmed; the key's spelling (vs `dtype`) is not
+        // google/gemma-4-31B-it, text model only (the ~550 M vision encoder, 27 blocks, is not
+        // recorded). Card: 30.7 B parameters, 60 layers, sliding window 1024, 262K vocab; the
+        // attention shapes (16 sliding KV heads of 256, 4 global KV heads of 512 with K = V) from
+        // THUDM/slime scripts/models/gemma4-31B.sh and several third-party copies of the
+        // text_config. 5 sliding layers then 1 full, the last layer full.
+        "Gemma-4-31B-it" => {
+            let layer_types: Vec<&str> = (0..60)
+                .map(|i| {
+                    if (i + 1) % 6 == 0 {
+                        "full_attention"
+                    } else {
+                        "sliding_attention"
+                    }
+                })
+                .collect();
+            json!({"model_type": "gemma4", "tie_word_embeddings": true, "text_config": {
+                "model_type": "gemma4_text", "hidden_size": 5376, "intermediate_size": 21504,
+                "num_hidden_layers": 60, "num_attention_heads": 32, "num_key_value_heads": 16,
+                "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4,
+                "attention_k_eq_v": true, "sliding_window": 1024, "layer_types": layer_types,
+                "num_kv_shared_layers": 0,
+                // no per-layer embeddings; copies disagree on 0 vs null (both mean none)
+                "hidden_size_per_layer_input": 0,
+                "vocab_size_per_layer_input": 262144, "enable_moe_block": false,
+                "use_double_wide_mlp": false, "final_logit_softcapping": 30.0,
+                "vocab_size": 262144, "tie_word_embeddings": true, "dtype": "bfloat16"}})
+        }
         _ => return None,
     })
 }

@@ -140,21 +140,11 @@ pub struct SectionTimer {
     >,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum ProfileMode {
-    Off,
-    Sync,
-    Gpu,
-}
+use crate::switches::Profile as ProfileMode;
 
 impl SectionTimer {
     fn mode() -> ProfileMode {
-        static M: std::sync::OnceLock<ProfileMode> = std::sync::OnceLock::new();
-        *M.get_or_init(|| match std::env::var("DFLASH_PROFILE").as_deref() {
-            Ok("1") => ProfileMode::Sync,
-            Ok("gpu") => ProfileMode::Gpu,
-            _ => ProfileMode::Off,
-        })
+        crate::switches::get().profile
     }
 
     pub fn enabled() -> bool {

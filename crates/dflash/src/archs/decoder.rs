@@ -1,25 +1,137 @@
-//! The dense decoder shared by the attention-only families (llama, qwen3, and later gemma3):
-//! embeddings -> N x (norm, attention, residual, norm, gated MLP, residual) -> norm -> LM head.
+//! The decoder layer every family but gemma4 is made of, and the dense decoder families over
+//! it (llama, qwen2, qwen3, qwen3_moe, gemma3):
 //!
-//! A family file builds a [`DecoderSpec`] from its config and calls [`DecoderModel::load`];
-//! the differences between families are fields of the spec, not copies of this code.
+//! ```text
+//! h += mixer(norm(h))   [sandwich: h += post_norm(mixer(norm(h)))]
+//! h += ffn(norm(h))     [sandwich: h += post_ff(ffn(pre_ff(h)))]
+//! ```
+//!
+//! The mixer is attention (`nn::Attention`, through the one attention door), multi-head latent
+//! attention (`nn::LatentAttention`) or a Gated DeltaNet (`nn::GatedDeltaNet`); the
+//! feed-forward a gated MLP or a MoE block (`nn::SparseMoe`). Family files build these from
+//! their configs (`hybrid.rs`, `gpt_oss.rs`, `deepseek_v3.rs`); the dense families differ only
+//! by a [`DecoderSpec`] (`qwen3.rs` is a few lines).
 
-use super::{
-    checked_forward, ForwardOutput, Logits, TapRecorder, TargetCache, TargetInfo, TargetModel,
-};
-use crate::config::{LayerType, TargetConfig};
-use crate::nn::fused::Visibility;
+use super::stack::{kv_slot, CacheKind, Frame, Head, Layer, Params, Plan, Residual, Stack};
+use super::{LayerCache, TargetCache, TargetInfo};
+use crate::config::{LayerType, RopeConfig, TargetConfig};
+use crate::nn::moe::{MoeConfig, MoeDefaults};
 use crate::nn::{
-    attention_mask, Activation, Attention, AttentionSpec, Embedding, GatedMlp, Linear, RmsNorm,
-    Rope, SparseMoe,
+    Activation, Attention, AttentionSpec, GatedDeltaNet, GatedMlp, LatentAttention, Linear,
+    RmsNorm, Rope, SparseMoe, Visibility,
 };
 use crate::source::Weights;
-use crate::Result;
-use candle_core::{DType, Tensor};
+use crate::{Error, Result};
 
-/// Blocks of at most this many rows (verify blocks; prompts are longer) run their attention
-/// row by row on the CPU (`Attention::forward_rows`).
-const ROW_WISE_MAX: usize = 32;
+/// How a layer mixes tokens.
+pub enum Mixer {
+    /// Attention with rope `rope` of the model, rows seeing what `vis` allows.
+    Attention {
+        attn: Attention,
+        rope: usize,
+        vis: Visibility,
+    },
+    /// Multi-head latent attention with rope `rope`.
+    Latent { attn: LatentAttention, rope: usize },
+    /// A Gated DeltaNet (recurrent state).
+    Delta(GatedDeltaNet),
+}
+
+/// The feed-forward block of a layer.
+pub enum Ffn {
+    Dense(GatedMlp),
+    Moe(SparseMoe),
+}
+
+impl Ffn {
+    pub fn forward(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Moe(m) => m.forward(x),
+        }
+    }
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Ffn::Dense(m) => m.weight_bytes(),
+            Ffn::Moe(m) => m.weight_bytes(),
+        }
+    }
+}
+
+pub struct DecoderLayer {
+    pub input_norm: RmsNorm,
+    pub mixer: Mixer,
+    /// After the mixer: the norm before the feed-forward, or (sandwich) the norm of the
+    /// mixer's output.
+    pub post_norm: RmsNorm,
+    /// Gemma-style sandwich norms: (pre-feedforward, post-feedforward).
+    pub sandwich: Option<(RmsNorm, RmsNorm)>,
+    pub ffn: Ffn,
+    /// This layer's cache slot.
+    pub slot: usize,
+    pub family: &'static str,
+}
+
+impl Layer for DecoderLayer {
+    fn forward(&self, r: &mut Residual, f: &Frame, cache: &mut TargetCache) -> Result<()> {
+        let x = r.norm(&self.input_norm)?;
+        let a = match &self.mixer {
+            Mixer::Attention { attn, rope, vis } => {
+                let kv = kv_slot(cache, self.slot, self.family)?;
+                attn.forward(&x, &f.site(*rope, *vis)?, kv)?
+            }
+            Mixer::Latent { attn, rope } => match cache.layers.get_mut(self.slot) {
+                Some(LayerCache::Latent(lc)) => {
+                    attn.forward(&x, f.rope(*rope), f.tables(*rope)?, &f.masks, lc)?
+                }
+                _ => return Err(wrong_cache(self.family, self.slot, "latent")),
+            },
+            Mixer::Delta(d) => match cache.layers.get_mut(self.slot) {
+                Some(LayerCache::Recurrent(rc)) => d.forward(&x, rc, f.chunk_masks()?)?,
+                _ => return Err(wrong_cache(self.family, self.slot, "recurrent")),
+            },
+        };
+        f.mark("attention");
+        match &self.sandwich {
+            None => {
+                r.add(a)?;
+                let x = r.norm(&self.post_norm)?;
+                r.add(self.ffn.forward(&x)?)?;
+            }
+            Some((pre_ff, post_ff)) => {
+                r.add(self.post_norm.forward(&a)?)?;
+                let x = r.norm(pre_ff)?;
+                let m = self.ffn.forward(&x)?;
+                r.add(post_ff.forward(&m)?)?;
+            }
+        }
+        f.mark("mlp");
+        Ok(())
+    }
+
+    fn weight_bytes(&self) -> usize {
+        let mixer = match &self.mixer {
+            Mixer::Attention { attn, .. } => attn.weight_bytes(),
+            Mixer::Latent { attn, .. } => attn.weight_bytes(),
+            Mixer::Delta(d) => d.weight_bytes(),
+        };
+        let sandwich = self
+            .sandwich
+            .as_ref()
+            .map_or(0, |(a, b)| a.weight_bytes() + b.weight_bytes());
+        self.input_norm.weight_bytes()
+            + mixer
+            + self.post_norm.weight_bytes()
+            + sandwich
+            + self.ffn.weight_bytes()
+    }
+}
+
+fn wrong_cache(family: &str, slot: usize, want: &str) -> Error {
+    Error::input(format!(
+        "{family}: cache slot {slot} is not a {want} cache (the cache was made by another model)"
+    ))
+}
 
 /// What distinguishes one dense family from another.
 #[derive(Debug, Clone)]
@@ -38,41 +150,22 @@ pub struct DecoderSpec {
     /// Softmax scale; None = head_dim^-0.5.
     pub attn_scale: Option<f64>,
     /// RoPE for sliding layers when it differs from the global one (Gemma 3 local base).
-    pub sliding_rope: Option<crate::config::RopeConfig>,
-    /// Sparse MoE feed-forward on the layers it names (qwen3_moe).
-    pub moe: Option<MoeSpec>,
-    /// `attention_bias` puts biases on q/k/v only, not on o_proj (qwen2).
-    pub qkv_bias_only: bool,
-}
-
-/// Mixture-of-experts settings of a family.
-#[derive(Debug, Clone)]
-pub struct MoeSpec {
-    pub num_experts: usize,
-    pub top_k: usize,
-    pub norm_topk_prob: bool,
-    pub intermediate_size: usize,
-    /// `true` for layers whose MLP is the MoE block.
-    pub layers: Vec<bool>,
-}
-
-/// The feed-forward block of a layer.
-enum Ffn {
-    Dense(GatedMlp),
-    Moe(SparseMoe),
-}
-
-impl Ffn {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Ffn::Dense(m) => m.forward(x),
-            Ffn::Moe(m) => m.forward(x),
-        }
-    }
+    pub sliding_rope: Option<RopeConfig>,
+    /// Sparse MoE feed-forward on the layers marked true (qwen3_moe).
+    pub moe: Option<(MoeConfig, Vec<bool>)>,
+    /// Biases on q/k/v (`attention_bias`, or implied by the family).
+    pub qkv_bias: bool,
+    /// A bias on o_proj too.
+    pub o_bias: bool,
+    /// The LM head is the embedding table (unless the checkpoint carries a head anyway).
+    pub tied: bool,
+    pub layer_types: Vec<LayerType>,
 }
 
 impl DecoderSpec {
-    pub fn new(family: &'static str) -> Self {
+    /// The defaults a config gives: no q/k norm, biases as `attention_bias`, ties as
+    /// `tie_word_embeddings`, the config's layer types.
+    pub fn new(family: &'static str, cfg: &TargetConfig) -> Self {
         Self {
             family,
             qk_norm: false,
@@ -83,340 +176,200 @@ impl DecoderSpec {
             attn_scale: None,
             sliding_rope: None,
             moe: None,
-            qkv_bias_only: false,
+            qkv_bias: cfg.attention_bias,
+            o_bias: cfg.attention_bias,
+            tied: cfg.tie_word_embeddings,
+            layer_types: cfg.layer_types.clone(),
         }
     }
-}
 
-struct Layer {
-    input_norm: RmsNorm,
-    attn: Attention,
-    post_attn_norm: RmsNorm,
-    /// Sandwich norms: (pre-feedforward, post-feedforward).
-    ff_norms: Option<(RmsNorm, RmsNorm)>,
-    mlp: Ffn,
-    kind: LayerType,
-}
-
-pub struct DecoderModel {
-    info: TargetInfo,
-    embed_tokens: Embedding,
-    embed_scale: Option<f64>,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    /// LM head shares the embedding table.
-    tied: bool,
-    rope_full: Rope,
-    rope_sliding: Rope,
-    sliding_window: Option<usize>,
-    final_softcap: Option<f64>,
-    kv_heads: usize,
-    head_dim: usize,
-}
-
-impl DecoderModel {
-    /// Load HF tensor names (`model.embed_tokens`, `model.layers.{i}.…`, `model.norm`, `lm_head`).
-    pub fn load(cfg: &TargetConfig, w: &Weights, spec: DecoderSpec) -> Result<Self> {
-        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
-        let embed_tokens = w.embedding("model.embed_tokens.weight", v, h)?;
-        let eps = cfg.rms_norm_eps;
-        let norm = |name: &str, dim| RmsNorm::load(w, name, dim, eps, spec.norm_add_one);
-        let attn_spec = AttentionSpec {
-            hidden: h,
-            heads: cfg.num_attention_heads,
-            kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim,
-            bias: cfg.attention_bias,
-            o_bias: cfg.attention_bias && !spec.qkv_bias_only,
-            qk_norm: spec.qk_norm,
-            qk_norm_add_one: spec.norm_add_one,
-            eps,
-            scale: spec.attn_scale.unwrap_or((cfg.head_dim as f64).powf(-0.5)),
-        };
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let ff_norms = if spec.sandwich_norms {
-                Some((
-                    norm(&format!("{p}.pre_feedforward_layernorm.weight"), h)?,
-                    norm(&format!("{p}.post_feedforward_layernorm.weight"), h)?,
-                ))
-            } else {
-                None
-            };
-            // One matmul for q/k/v and one for gate/up (dense, or quantized of one type on the CPU).
-            let mut attn = Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?;
-            attn.fuse()?;
-            layers.push(Layer {
-                input_norm: norm(&format!("{p}.input_layernorm.weight"), h)?,
-                attn,
-                post_attn_norm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                ff_norms,
-                mlp: match &spec.moe {
-                    Some(m) if m.layers[i] => Ffn::Moe(SparseMoe::load(
-                        w,
-                        &format!("{p}.mlp"),
-                        h,
-                        m.intermediate_size,
-                        m.num_experts,
-                        m.top_k,
-                        m.norm_topk_prob,
-                        act,
-                    )?),
-                    _ => Ffn::Dense({
-                        let mut m = GatedMlp::load(
-                            w,
-                            &format!("{p}.mlp"),
-                            h,
-                            cfg.intermediate_size,
-                            cfg.mlp_bias,
-                            act,
-                        )?;
-                        m.fuse()?;
-                        m
-                    }),
-                },
-                kind: cfg.layer_types[i],
-            });
+    fn attention(&self, cfg: &TargetConfig) -> AttentionSpec {
+        AttentionSpec {
+            bias: self.qkv_bias,
+            o_bias: self.o_bias,
+            qk_norm: self.qk_norm,
+            qk_norm_add_one: self.norm_add_one,
+            scale: self.attn_scale.unwrap_or((cfg.head_dim as f64).powf(-0.5)),
+            ..AttentionSpec::new(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                cfg.rms_norm_eps,
+            )
         }
-        // Tied checkpoints may still carry a copy of the head; prefer it when present.
-        let (lm_head, tied) = match (cfg.tie_word_embeddings, w.contains("lm_head.weight")) {
-            (true, false) => (w.tied_head(&embed_tokens)?, true),
-            _ => (Linear::load(w, "lm_head", h, v, false)?, false),
-        };
-        let rope_full = Rope::new(&cfg.rope, cfg.head_dim);
-        let rope_sliding = Rope::new(
-            spec.sliding_rope.as_ref().unwrap_or(&cfg.rope),
-            cfg.head_dim,
-        );
-        let info = TargetInfo {
-            family: spec.family,
-            model_type: cfg.model_type.clone(),
-            num_layers: cfg.num_hidden_layers,
-            hidden_size: h,
-            vocab_size: v,
-            max_position: cfg.max_position_embeddings,
-            dtype: w.dtype,
-            device: w.device.clone(),
-            weight_bytes: 0,
-            quantization: w.quant_report(),
-        };
-        let mut m = Self {
-            info,
-            embed_tokens,
-            embed_scale: spec.embed_scale,
-            norm: norm("model.norm.weight", h)?,
-            layers,
-            lm_head,
-            tied,
-            rope_full,
-            rope_sliding,
-            sliding_window: cfg.sliding_window,
-            final_softcap: spec.final_softcap,
-            kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim,
-        };
-        m.info.weight_bytes = m.weight_bytes();
-        Ok(m)
     }
 
-    fn weight_bytes(&self) -> usize {
-        let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
-        let lin = |l: &Linear| l.weight_bytes();
-        let mut b = self.embed_tokens.bytes() + t(&self.norm.weight);
-        // A quantized table used as the head is shared; a requantized copy is not.
-        if !self.tied || matches!(self.embed_tokens, Embedding::Quant { .. }) {
-            b += lin(&self.lm_head);
-        }
-        for l in &self.layers {
-            let mut lins = vec![
-                &l.attn.q_proj,
-                &l.attn.k_proj,
-                &l.attn.v_proj,
-                &l.attn.o_proj,
-            ];
-            match &l.mlp {
-                Ffn::Dense(m) => lins.extend([&m.gate, &m.up, &m.down]),
-                Ffn::Moe(m) => {
-                    lins.push(&m.router);
-                    for e in &m.experts {
-                        lins.extend([&e.gate, &e.up, &e.down]);
-                    }
+    /// The sizing of this spec's model (`archs::Family::plan`).
+    pub fn plan(&self, cfg: &TargetConfig) -> Result<Plan> {
+        let (h, n) = (cfg.hidden_size as u64, cfg.num_hidden_layers);
+        let mut p = embedding_params(cfg, self.tied);
+        let attn = self.attention(cfg).params();
+        for i in 0..n {
+            p.plain += attn + h * if self.sandwich_norms { 4 } else { 2 };
+            match &self.moe {
+                Some((m, layers)) if layers[i] => {
+                    let q = m.params(cfg.hidden_size);
+                    p.plain += q.plain;
+                    p.experts += q.experts;
+                }
+                _ => {
+                    p.plain +=
+                        GatedMlp::params(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
                 }
             }
-            b += lins.iter().map(|x| lin(x)).sum::<usize>();
         }
-        b
-    }
-
-    /// Final norm, LM head, softcapping.
-    fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        let l = self.lm_head(&self.norm.forward(h)?)?;
-        Ok(match self.final_softcap {
-            Some(c) => ((l / c)?.tanh()? * c)?,
-            None => l,
+        Ok(Plan {
+            caches: vec![
+                CacheKind::Kv {
+                    kv_heads: cfg.num_key_value_heads,
+                    head_dim: cfg.head_dim,
+                };
+                n
+            ],
+            params: p,
         })
     }
+}
 
-    fn forward_inner(
-        &self,
-        tokens: &[u32],
-        start: usize,
-        cache: &mut TargetCache,
-        taps: &[usize],
-        logits: Logits,
-    ) -> Result<ForwardOutput> {
-        let n = tokens.len();
-        let dev = &self.info.device;
-        let dt = self.info.dtype;
-        let ids = Tensor::from_slice(tokens, n, dev)?;
-        let mut h = self.embed(&ids)?;
-        if let Some(s) = self.embed_scale {
-            // HF multiplies by the scale cast to the compute dtype.
-            let s = match dt {
-                DType::BF16 => half::bf16::from_f64(s).to_f64(),
-                DType::F16 => half::f16::from_f64(s).to_f64(),
-                _ => s as f32 as f64,
-            };
-            h = (h * s)?;
-        }
-        let t_full = self.rope_full.tables(start, n, dev, dt)?;
-        // Sliding-layer tables and mask only when the model has sliding layers (this runs
-        // every decode step; the mask scan is O(context)).
-        let sliding = self.layers.iter().any(|l| l.kind == LayerType::Sliding);
-        let t_slide = if sliding {
-            Some(self.rope_sliding.tables(start, n, dev, dt)?)
+/// Embedding, final norm and (untied) LM head parameters.
+pub fn embedding_params(cfg: &TargetConfig, tied: bool) -> Params {
+    let (h, v) = (cfg.hidden_size as u64, cfg.vocab_size as u64);
+    Params {
+        plain: v * h + h + if tied { 0 } else { v * h },
+        experts: 0,
+    }
+}
+
+/// The LM head: `lm_head` when the checkpoint has one, else the embedding table when tied.
+pub fn lm_head(
+    w: &Weights,
+    name: &str,
+    embed: &crate::nn::Embedding,
+    tied: bool,
+    hidden: usize,
+    vocab: usize,
+) -> Result<Linear> {
+    if tied && !w.contains(&format!("{name}.weight")) {
+        w.tied_head(embed)
+    } else {
+        Linear::load(w, name, hidden, vocab, false)
+    }
+}
+
+/// The facts every loaded target reports.
+pub fn target_info(cfg: &TargetConfig, w: &Weights, family: &'static str) -> TargetInfo {
+    TargetInfo {
+        family,
+        model_type: cfg.model_type.clone(),
+        num_layers: cfg.num_hidden_layers,
+        hidden_size: cfg.hidden_size,
+        vocab_size: cfg.vocab_size,
+        max_position: cfg.max_position_embeddings,
+        dtype: w.dtype,
+        device: w.device.clone(),
+        weight_bytes: 0,
+        quantization: w.quant_report(),
+    }
+}
+
+/// Load a dense decoder: HF tensor names (`model.embed_tokens`, `model.layers.{i}.…`,
+/// `model.norm`, `lm_head`).
+pub fn load(cfg: &TargetConfig, w: &Weights, spec: DecoderSpec) -> Result<Stack<DecoderLayer>> {
+    let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+    let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
+    let embed = w.embedding("model.embed_tokens.weight", v, h)?;
+    let eps = cfg.rms_norm_eps;
+    let norm = |name: &str| RmsNorm::load(w, name, h, eps, spec.norm_add_one);
+    let attn_spec = spec.attention(cfg);
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        // One matmul for q/k/v and one for gate/up (dense, or quantized of one type on the CPU).
+        let mut attn = Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?;
+        attn.fuse()?;
+        let (rope, vis) = match spec.layer_types[i] {
+            LayerType::Sliding => (
+                1,
+                Visibility::sliding(cfg.sliding_window.ok_or_else(|| {
+                    Error::config(&cfg.file, "sliding_window", "missing for sliding layers")
+                })?),
+            ),
+            // (linear_attention layers are refused at load: `archs::family_for`)
+            LayerType::Full | LayerType::Linear => (0, Visibility::CAUSAL),
+        };
+        let ffn = match &spec.moe {
+            Some((m, moe_layers)) if moe_layers[i] => Ffn::Moe(SparseMoe::load_qwen(
+                w,
+                &format!("{p}.mlp"),
+                h,
+                m,
+                m.norm_topk_prob,
+                act,
+            )?),
+            _ => {
+                let mut m = GatedMlp::load(
+                    w,
+                    &format!("{p}.mlp"),
+                    h,
+                    cfg.intermediate_size,
+                    cfg.mlp_bias,
+                    act,
+                )?;
+                m.fuse()?;
+                Ffn::Dense(m)
+            }
+        };
+        let sandwich = if spec.sandwich_norms {
+            Some((
+                norm(&format!("{p}.pre_feedforward_layernorm.weight"))?,
+                norm(&format!("{p}.post_feedforward_layernorm.weight"))?,
+            ))
         } else {
             None
         };
-        // Masks are built only for layers the fused attention does not take (it applies
-        // causality and the window itself); the sliding scan is O(context) per step.
-        let k_len = start + n;
-        let mut mask_full: Option<Option<Tensor>> = None;
-        let mut mask_slide: Option<Option<Tensor>> = None;
-        let mut tapped = TapRecorder::new(taps);
-        let mut prof = crate::stats::SectionTimer::start("target", dev);
-        let mut x = match self.layers.first() {
-            Some(l) => l.input_norm.forward(&h)?,
-            None => h.clone(),
-        };
-        for (i, layer) in self.layers.iter().enumerate() {
-            let kv = cache.layers[i].kv_mut()?;
-            let (rope, tables, window) = match layer.kind {
-                // (linear_attention layers are refused at load: `archs::load_target`)
-                LayerType::Full | LayerType::Linear => (&self.rope_full, &t_full, None),
-                LayerType::Sliding => (
-                    &self.rope_sliding,
-                    t_slide
-                        .as_ref()
-                        .expect("sliding tables exist when a layer is sliding"),
-                    self.sliding_window,
-                ),
-            };
-            let vis = Visibility {
-                causal: true,
-                window,
-            };
-            let a = match layer.attn.forward_fused(&x, rope, tables, kv, vis)? {
-                Some(a) => a,
-                // A verify-sized block on the CPU: row by row, bit-equal to decode steps.
-                None if dev.is_cpu() && n > 1 && n <= ROW_WISE_MAX => {
-                    layer.attn.forward_rows(&x, rope, tables, kv, window)?
-                }
-                None => {
-                    let slot = if window.is_some() {
-                        &mut mask_slide
-                    } else {
-                        &mut mask_full
-                    };
-                    if slot.is_none() {
-                        *slot = Some(if n > 1 || window.is_some() {
-                            attention_mask(n, start, k_len, true, window, dt, dev)?
-                        } else {
-                            None
-                        });
-                    }
-                    let mask = slot.as_ref().and_then(|m| m.as_ref());
-                    layer.attn.forward(&x, rope, tables, kv, mask)?
-                }
-            };
-            prof.mark("attention");
-            let next = self.layers.get(i + 1);
-            match &layer.ff_norms {
-                None => {
-                    let (h1, xn) = layer.post_attn_norm.add_forward(&h, &a)?;
-                    let m = layer.mlp.forward(&xn)?;
-                    // The residual add of this layer and the next layer's input norm.
-                    match next {
-                        Some(nl) => (h, x) = nl.input_norm.add_forward(&h1, &m)?,
-                        None => h = (h1 + m)?,
-                    }
-                }
-                Some((pre_ff, post_ff)) => {
-                    let h1 = (h + layer.post_attn_norm.forward(&a)?)?;
-                    let m = layer.mlp.forward(&pre_ff.forward(&h1)?)?;
-                    h = (h1 + post_ff.forward(&m)?)?;
-                    if let Some(nl) = next {
-                        x = nl.input_norm.forward(&h)?;
-                    }
-                }
-            }
-            tapped.record(i, &h);
-            prof.mark("mlp");
-        }
-        let taps_out = tapped.finish()?;
-        let logits = logits.rows(&h)?.map(|r| self.logits(&r)).transpose()?;
-        prof.mark("head");
-        prof.finish();
-        Ok(ForwardOutput {
-            logits,
-            taps: taps_out,
-        })
+        layers.push(DecoderLayer {
+            input_norm: norm(&format!("{p}.input_layernorm.weight"))?,
+            mixer: Mixer::Attention { attn, rope, vis },
+            post_norm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+            sandwich,
+            ffn,
+            slot: i,
+            family: spec.family,
+        });
     }
+    let head = Head::new(
+        norm("model.norm.weight")?,
+        lm_head(w, "lm_head", &embed, spec.tied, h, v)?,
+        spec.final_softcap,
+        &embed,
+    );
+    let ropes = vec![
+        Rope::new(&cfg.rope, cfg.head_dim),
+        Rope::new(
+            spec.sliding_rope.as_ref().unwrap_or(&cfg.rope),
+            cfg.head_dim,
+        ),
+    ];
+    Ok(Stack {
+        info: target_info(cfg, w, spec.family),
+        embed,
+        embed_scale: spec.embed_scale.map(|s| super::stack::round_to(s, w.dtype)),
+        ropes,
+        layers,
+        head,
+        caches: spec.plan(cfg)?.caches,
+        vocab_limit: v,
+        piece: None,
+        prologue: None,
+    }
+    .finish_load())
 }
 
-impl TargetModel for DecoderModel {
-    fn info(&self) -> &TargetInfo {
-        &self.info
-    }
-
-    fn new_cache(&self, capacity: usize) -> Result<TargetCache> {
-        TargetCache::uniform_kv(
-            self.layers.len(),
-            self.kv_heads,
-            self.head_dim,
-            capacity,
-            self.info.dtype,
-            &self.info.device,
-        )
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        start: usize,
-        cache: &mut TargetCache,
-        taps: &[usize],
-        logits: Logits,
-    ) -> Result<ForwardOutput> {
-        checked_forward(
-            tokens,
-            start,
-            cache,
-            taps,
-            self.layers.len(),
-            self.info.vocab_size,
-            |c| self.forward_inner(tokens, start, c, taps, logits),
-        )
-    }
-
-    fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
-        self.embed_tokens.forward(tokens)
-    }
-
-    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
-    }
+/// The MoE settings of a Qwen MoE decoder config (`qwen3_moe`): no defaults, the sparse
+/// layers from `decoder_sparse_step` / `mlp_only_layers`.
+pub fn qwen_moe(cfg: &TargetConfig) -> Result<(MoeConfig, Vec<bool>)> {
+    let f = cfg.text()?;
+    let m = MoeConfig::parse(&f, MoeDefaults::default())?;
+    Ok((m, MoeConfig::sparse_layers(&f, cfg.num_hidden_layers)?))
 }

@@ -12,12 +12,7 @@
 //!   `mscale = 0.1 * mscale_all_dim * ln(factor) + 1` when yarn sets `mscale_all_dim`.
 //! - **cache**: the compressed row (normed latent + roped k_rope) per position, in a
 //!   [`LayerCache::Latent`]; it truncates like any KV cache.
-//! - **absorbed form** (as inference engines do): `kv_b_proj` is split per head into `W_UK`
-//!   and `W_UV`; queries are mapped into latent space (`q_nope W_UK`), attention runs as MQA over
-//!   the cached rows (keys = the whole row, values = its latent part), and the per-head latent
-//!   outputs are mapped back by `W_UV` before `o_proj`. Mathematically equal to transformers'
-//!   expand-then-attend form; per cached position it reads `kv_lora_rank + qk_rope_head_dim`
-//!   values instead of `heads * (nope + rope + v)`.
+//! - **absorbed form** (`nn::LatentAttention`, as inference engines do).
 //! - **MoE** after `first_k_dense_replace` dense layers: sigmoid router scores (router in
 //!   f32), `e_score_correction_bias` added for the CHOICE only, grouped top-k (`n_group`
 //!   groups scored by their two best experts, `topk_group` kept), weights = the chosen raw
@@ -28,15 +23,13 @@
 //! transformers 5) or `language_model.model.*` (the published Kimi-K2.5 checkpoint); experts
 //! per expert (`experts.{e}.gate_proj`) or stacked (`experts.gate_up_proj`).
 
-use super::{
-    checked_forward, ForwardOutput, LayerCache, Logits, TapRecorder, TargetCache, TargetInfo,
-    TargetModel,
-};
-use crate::config::{Fields, RopeKind, TargetConfig};
-use crate::nn::attention::sdpa;
-use crate::nn::routing::{top_k_desc, Routes};
+use super::decoder::{embedding_params, lm_head, target_info, DecoderLayer, Ffn, Mixer};
+use super::stack::{CacheKind, Head, Plan, Stack};
+use super::TargetModel;
+use crate::config::{RopeKind, TargetConfig};
+use crate::nn::moe::{Experts, MoeConfig, Router, Scoring, SharedExpert};
 use crate::nn::{
-    attention_mask, Activation, Embedding, GatedMlp, LatentCache, Linear, RmsNorm, Rope, SparseMoe,
+    Activation, GatedMlp, LatentAttention, Linear, MlaShape, QProj, RmsNorm, Rope, SparseMoe,
 };
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -58,24 +51,13 @@ pub struct MlaConfig {
     pub attention_bias: bool,
     /// Softmax scale, with the yarn `mscale_all_dim` correction.
     pub scale: f64,
-    pub n_routed_experts: usize,
-    pub n_shared_experts: usize,
-    pub top_k: usize,
+    /// Routed experts (`n_routed_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
+    /// `norm_topk_prob`); the shared width is `n_shared_experts x moe_intermediate_size`.
+    pub moe: MoeConfig,
     pub n_group: usize,
     pub topk_group: usize,
     pub routed_scaling_factor: f64,
-    pub norm_topk_prob: bool,
-    pub moe_intermediate_size: usize,
     pub first_k_dense_replace: usize,
-}
-
-/// The text config: the top level, or `text_config` (kimi_k25).
-fn text_fields(cfg: &TargetConfig) -> Result<Fields<'_>> {
-    let f = Fields::new(&cfg.file, &cfg.raw)?;
-    Ok(match f.sub("text_config")? {
-        Some(t) => t,
-        None => f,
-    })
 }
 
 /// yarn's `get_mscale` as transformers writes it.
@@ -89,7 +71,7 @@ fn yarn_mscale(factor: f64, m: f64) -> f64 {
 
 impl MlaConfig {
     pub fn parse(cfg: &TargetConfig) -> Result<Self> {
-        let f = text_fields(cfg)?;
+        let f = cfg.text()?;
         // Absent keys take transformers' DeepseekV3Config defaults; `q_lora_rank: null` means
         // a plain q_proj.
         let q_lora_rank = match f.obj.get("q_lora_rank") {
@@ -136,6 +118,8 @@ impl MlaConfig {
                 scale *= ms * ms;
             }
         }
+        let moe_intermediate_size = f.opt_usize("moe_intermediate_size")?.unwrap_or(2048);
+        let n_shared_experts = f.opt_usize("n_shared_experts")?.unwrap_or(1);
         let n_routed_experts = match f.opt_usize("n_routed_experts")? {
             Some(n) => n,
             None => f.opt_usize("num_local_experts")?.unwrap_or(256),
@@ -182,14 +166,16 @@ impl MlaConfig {
             rope_interleave: f.opt_bool("rope_interleave")?.unwrap_or(true),
             attention_bias: cfg.attention_bias,
             scale,
-            n_routed_experts,
-            n_shared_experts: f.opt_usize("n_shared_experts")?.unwrap_or(1),
-            top_k,
+            moe: MoeConfig {
+                num_experts: n_routed_experts,
+                top_k,
+                intermediate_size: moe_intermediate_size,
+                shared_intermediate_size: n_shared_experts * moe_intermediate_size,
+                norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(true),
+            },
             n_group,
             topk_group,
             routed_scaling_factor: f.opt_f64("routed_scaling_factor")?.unwrap_or(2.5),
-            norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(true),
-            moe_intermediate_size: f.opt_usize("moe_intermediate_size")?.unwrap_or(2048),
             first_k_dense_replace,
         })
     }
@@ -198,15 +184,9 @@ impl MlaConfig {
 /// Float checkpoints only: the published Kimi-K2.5 (int4 routed experts, compressed-tensors)
 /// and DeepSeek-V3 (fp8 blocks) checkpoints are refused with what they would need.
 fn refuse_quantized(cfg: &TargetConfig) -> Result<()> {
-    let top = Fields::new(&cfg.file, &cfg.raw)?;
-    let q = match top.sub("quantization_config")? {
-        Some(q) => Some(q),
-        None => match top.sub("text_config")? {
-            Some(t) => t.sub("quantization_config")?,
-            None => None,
-        },
+    let Some(q) = cfg.quantization()? else {
+        return Ok(());
     };
-    let Some(q) = q else { return Ok(()) };
     let method = q.opt_str("quant_method")?.unwrap_or("unknown");
     let need = super::footprint::estimate(cfg)
         .ok()
@@ -278,463 +258,209 @@ fn rope_deinterleave_index(
     Ok(Tensor::from_vec(idx, blocks * width, dev)?)
 }
 
-enum QProj {
-    Plain(Linear),
-    LowRank { a: Linear, norm: RmsNorm, b: Linear },
-}
-
-struct Mla {
-    q: QProj,
-    kv_a: Linear,
-    kv_a_norm: RmsNorm,
-    /// `[heads, nope, kv_lora]`: maps a query's nope part into latent space.
-    w_uk: Tensor,
-    /// `[heads, kv_lora, v]`: maps a head's latent output to its value space.
-    w_uv_t: Tensor,
-    o_proj: Linear,
-    /// Kept for the weight count only (absorbed into `w_uk` / `w_uv_t`).
-    kv_b_bytes: usize,
-}
-
-struct Moe {
-    /// `[experts, hidden]` f32 (transformers routes in float32).
-    router: Tensor,
-    /// `[experts]` f32, added to the scores for the choice only.
-    correction_bias: Vec<f32>,
-    experts: Vec<GatedMlp>,
-    shared: Option<GatedMlp>,
-}
-
-enum Ffn {
-    Dense(GatedMlp),
-    Moe(Moe),
-}
-
-struct Layer {
-    input_norm: RmsNorm,
-    attn: Mla,
-    post_attn_norm: RmsNorm,
-    ffn: Ffn,
-}
-
-pub struct DeepseekV3Model {
-    info: TargetInfo,
-    c: MlaConfig,
-    heads: usize,
-    embed_tokens: Embedding,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    rope: Rope,
-}
-
-fn tensor_bytes(t: &Tensor) -> usize {
-    t.elem_count() * t.dtype().size_in_bytes()
-}
-
-fn linear_bytes(l: &Linear) -> usize {
-    l.weight_bytes()
-}
-
-fn mlp_bytes(m: &GatedMlp) -> usize {
-    linear_bytes(&m.gate)
-        + linear_bytes(&m.up)
-        + linear_bytes(&m.down)
-        + m.gate_up.as_ref().map_or(0, linear_bytes)
-}
-
-impl DeepseekV3Model {
-    pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Self> {
-        if w.is_gguf() {
-            return Err(Error::input(
-                "deepseek_v3 / kimi_k25 from GGUF is not supported: use the safetensors checkpoint",
-            ));
-        }
-        let c = MlaConfig::parse(cfg)?;
-        refuse_quantized(cfg)?;
-        let (h, v, heads) = (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads);
-        let (nope, rope_d, vd, kvr) = (
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.kv_lora_rank,
-        );
-        let qk = nope + rope_d;
-        let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
-        let (base, head_name) = tensor_prefix(w)?;
-        let dev = &w.device;
-        let eps = cfg.rms_norm_eps;
-        let q_perm = rope_deinterleave_index(heads, qk, rope_d, dev)?;
-        let kv_perm = rope_deinterleave_index(1, kvr + rope_d, rope_d, dev)?;
-        let embed_tokens = w.embedding(&format!("{base}.embed_tokens.weight"), v, h)?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let p = format!("{base}.layers.{i}");
-            let a = format!("{p}.self_attn");
-            let lin = |n: &str, i, o, b| Linear::load(w, &format!("{a}.{n}"), i, o, b);
-            let interleave = |l: Linear, idx: &Tensor| {
-                if c.rope_interleave {
-                    permute_rows(l, idx)
-                } else {
-                    Ok(l)
-                }
-            };
-            let q = match c.q_lora_rank {
-                None => QProj::Plain(interleave(lin("q_proj", h, heads * qk, false)?, &q_perm)?),
-                Some(r) => QProj::LowRank {
-                    a: lin("q_a_proj", h, r, c.attention_bias)?,
-                    norm: RmsNorm::load(
-                        w,
-                        &format!("{a}.q_a_layernorm.weight"),
-                        r,
-                        LORA_NORM_EPS,
-                        false,
-                    )?,
-                    b: interleave(lin("q_b_proj", r, heads * qk, false)?, &q_perm)?,
-                },
-            };
-            let kv_a = interleave(
-                lin("kv_a_proj_with_mqa", h, kvr + rope_d, c.attention_bias)?,
-                &kv_perm,
-            )?;
-            let kv_b = w
-                .get(&format!("{a}.kv_b_proj.weight"), (heads * (nope + vd), kvr))?
-                .reshape((heads, nope + vd, kvr))?;
-            let attn = Mla {
-                q,
-                kv_a,
-                kv_a_norm: RmsNorm::load(
-                    w,
-                    &format!("{a}.kv_a_layernorm.weight"),
-                    kvr,
-                    LORA_NORM_EPS,
-                    false,
-                )?,
-                w_uk: kv_b.narrow(1, 0, nope)?.contiguous()?,
-                w_uv_t: kv_b.narrow(1, nope, vd)?.transpose(1, 2)?.contiguous()?,
-                o_proj: lin("o_proj", heads * vd, h, c.attention_bias)?,
-                kv_b_bytes: tensor_bytes(&kv_b),
-            };
-            let ffn = if i < c.first_k_dense_replace {
-                let mut m =
-                    GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, false, act)?;
-                m.fuse()?;
-                Ffn::Dense(m)
-            } else {
-                let e = c.n_routed_experts;
-                let mi = c.moe_intermediate_size;
-                if mi == 0 {
-                    return Err(Error::config(
-                        &cfg.file,
-                        "moe_intermediate_size",
-                        "missing (required for MoE layers)",
-                    ));
-                }
-                // Experts in either checkpoint layout (the router copy it loads is unused).
-                let sparse =
-                    SparseMoe::load(w, &format!("{p}.mlp"), h, mi, e, c.top_k, false, act)?;
-                let router = w.get_dtype(&format!("{p}.mlp.gate.weight"), (e, h), DType::F32)?;
-                let correction_bias = w
-                    .get_dtype(
-                        &format!("{p}.mlp.gate.e_score_correction_bias"),
-                        e,
-                        DType::F32,
-                    )?
-                    .to_vec1::<f32>()?;
-                let shared = if c.n_shared_experts > 0 {
-                    let mut m = GatedMlp::load(
-                        w,
-                        &format!("{p}.mlp.shared_experts"),
-                        h,
-                        mi * c.n_shared_experts,
-                        false,
-                        act,
-                    )?;
-                    m.fuse()?;
-                    Some(m)
-                } else {
-                    None
-                };
-                Ffn::Moe(Moe {
-                    router,
-                    correction_bias,
-                    experts: sparse.experts,
-                    shared,
-                })
-            };
-            layers.push(Layer {
-                input_norm: RmsNorm::load(
-                    w,
-                    &format!("{p}.input_layernorm.weight"),
-                    h,
-                    eps,
-                    false,
-                )?,
-                attn,
-                post_attn_norm: RmsNorm::load(
-                    w,
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    h,
-                    eps,
-                    false,
-                )?,
-                ffn,
-            });
-        }
-        let lm_head = match (cfg.tie_word_embeddings, w.contains(head_name)) {
-            (true, false) => w.tied_head(&embed_tokens)?,
-            _ => Linear::load(w, head_name.trim_end_matches(".weight"), h, v, false)?,
-        };
-        let info = TargetInfo {
-            family: "deepseek_v3",
-            model_type: cfg.model_type.clone(),
-            num_layers: cfg.num_hidden_layers,
-            hidden_size: h,
-            vocab_size: v,
-            max_position: cfg.max_position_embeddings,
-            dtype: w.dtype,
-            device: w.device.clone(),
-            weight_bytes: 0,
-            quantization: None,
-        };
-        let mut m = Self {
-            info,
+impl MlaConfig {
+    fn shape(&self, heads: usize) -> MlaShape {
+        MlaShape {
             heads,
-            embed_tokens,
-            norm: RmsNorm::load(w, &format!("{base}.norm.weight"), h, eps, false)?,
-            layers,
-            lm_head,
-            rope: Rope::new(&cfg.rope, rope_d),
-            c,
-        };
-        m.info.weight_bytes = m.weight_bytes();
-        Ok(m)
-    }
-
-    fn weight_bytes(&self) -> usize {
-        let mut b = self.embed_tokens.bytes() + tensor_bytes(&self.norm.weight);
-        b += linear_bytes(&self.lm_head);
-        for l in &self.layers {
-            b += tensor_bytes(&l.input_norm.weight) + tensor_bytes(&l.post_attn_norm.weight);
-            let a = &l.attn;
-            b += match &a.q {
-                QProj::Plain(q) => linear_bytes(q),
-                QProj::LowRank { a, norm, b } => {
-                    linear_bytes(a) + tensor_bytes(&norm.weight) + linear_bytes(b)
-                }
-            };
-            b += linear_bytes(&a.kv_a) + tensor_bytes(&a.kv_a_norm.weight);
-            b += a.kv_b_bytes + linear_bytes(&a.o_proj);
-            b += match &l.ffn {
-                Ffn::Dense(m) => mlp_bytes(m),
-                Ffn::Moe(m) => {
-                    tensor_bytes(&m.router)
-                        + m.experts.iter().map(mlp_bytes).sum::<usize>()
-                        + m.shared.as_ref().map_or(0, mlp_bytes)
-                }
-            };
+            nope: self.qk_nope_head_dim,
+            rope: self.qk_rope_head_dim,
+            v_dim: self.v_head_dim,
+            kv_lora: self.kv_lora_rank,
+            scale: self.scale,
         }
-        b
-    }
-
-    /// Multi-head latent attention of `x [n, hidden]` at the positions of `t`, appending the
-    /// compressed rows to `cache`.
-    fn attention(
-        &self,
-        a: &Mla,
-        x: &Tensor,
-        t: &crate::nn::RopeTables,
-        cache: &mut LatentCache,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let c = &self.c;
-        let n = x.dim(0)?;
-        let (nope, rd, kvr, vd) = (
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.kv_lora_rank,
-            c.v_head_dim,
-        );
-        // 1. queries [heads, n, nope + rope]
-        let q = match &a.q {
-            QProj::Plain(q) => q.forward(x)?,
-            QProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
-        };
-        let q = q.reshape((n, self.heads, nope + rd))?.transpose(0, 1)?;
-        let q_nope = q.narrow(2, 0, nope)?.contiguous()?;
-        let q_rope = self.rope.apply(&q.narrow(2, nope, rd)?.contiguous()?, t)?;
-        // 2. the compressed row: normed latent | roped shared key part
-        let kv = a.kv_a.forward(x)?;
-        let latent = a.kv_a_norm.forward(&kv.narrow(1, 0, kvr)?)?;
-        let k_rope = self
-            .rope
-            .apply(&kv.narrow(1, kvr, rd)?.contiguous()?.unsqueeze(0)?, t)?;
-        let row = Tensor::cat(&[&latent.unsqueeze(0)?, &k_rope], 2)?;
-        let rows = cache.append(&row)?; // [1, L, kvr + rd]
-                                        // 3. absorbed queries: q_nope W_UK per head, then the rope part: [heads, n, kvr + rd]
-        let q_lat = q_nope.matmul(&a.w_uk)?;
-        let q_full = Tensor::cat(&[&q_lat, &q_rope], 2)?;
-        // 4. MQA over the cached rows; values are the latent part
-        let o = sdpa(&q_full, &rows, &rows.narrow(2, 0, kvr)?, mask, c.scale)?; // [n, heads*kvr]
-                                                                                // 5. per-head latent -> value space, then o_proj
-        let o = o
-            .reshape((n, self.heads, kvr))?
-            .transpose(0, 1)?
-            .contiguous()?
-            .matmul(&a.w_uv_t)?; // [heads, n, vd]
-        let o = o
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((n, self.heads * vd))?;
-        a.o_proj.forward(&o)
-    }
-
-    fn moe(&self, m: &Moe, x: &Tensor) -> Result<Tensor> {
-        let c = &self.c;
-        let logits = x.to_dtype(DType::F32)?.matmul(&m.router.t()?)?;
-        let scores = candle_nn::ops::sigmoid(&logits)?.to_vec2::<f32>()?;
-        let e = c.n_routed_experts;
-        let per_group = e / c.n_group;
-        let mut routes = Routes::new(e);
-        for (row, s) in scores.iter().enumerate() {
-            let choice: Vec<f32> = s
-                .iter()
-                .zip(&m.correction_bias)
-                .map(|(a, b)| a + b)
-                .collect();
-            // groups scored by the sum of their two best choice scores
-            let group_scores: Vec<f32> = choice
-                .chunks(per_group)
-                .map(|g| top_k_desc(g, 2).iter().map(|&i| g[i]).sum())
-                .collect();
-            let groups = top_k_desc(&group_scores, c.topk_group);
-            let masked: Vec<f32> = choice
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| {
-                    if groups.contains(&(i / per_group)) {
-                        v
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-                .collect();
-            let top = top_k_desc(&masked, c.top_k);
-            let denom = if c.norm_topk_prob {
-                top.iter().map(|&i| s[i]).sum::<f32>() + 1e-20
-            } else {
-                1.0
-            };
-            for &i in &top {
-                routes.push(row, i, s[i] / denom * c.routed_scaling_factor as f32);
-            }
-        }
-        let routed = routes.dispatch(x, |i, xe| m.experts[i].forward(xe))?;
-        Ok(match &m.shared {
-            Some(s) => (routed + s.forward(x)?)?,
-            None => routed,
-        })
-    }
-
-    fn forward_inner(
-        &self,
-        tokens: &[u32],
-        start: usize,
-        cache: &mut TargetCache,
-        taps: &[usize],
-        logits: Logits,
-    ) -> Result<ForwardOutput> {
-        let n = tokens.len();
-        let dev = &self.info.device;
-        let dt = self.info.dtype;
-        let ids = Tensor::from_slice(tokens, n, dev)?;
-        let mut h = self.embed_tokens.forward(&ids)?;
-        let tables = self.rope.tables(start, n, dev, dt)?;
-        let mask = if n > 1 {
-            attention_mask(n, start, start + n, true, None, dt, dev)?
-        } else {
-            None
-        };
-        let mut tapped = TapRecorder::new(taps);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let LayerCache::Latent(lc) = &mut cache.layers[i] else {
-                return Err(Error::input(
-                    "deepseek_v3: cache layer is not a latent cache",
-                ));
-            };
-            let x = layer.input_norm.forward(&h)?;
-            let a = self.attention(&layer.attn, &x, &tables, lc, mask.as_ref())?;
-            let h1 = (h + a)?;
-            let x = layer.post_attn_norm.forward(&h1)?;
-            let m = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&x)?,
-                Ffn::Moe(moe) => self.moe(moe, &x)?,
-            };
-            h = (h1 + m)?;
-            tapped.record(i, &h);
-        }
-        let taps_out = tapped.finish()?;
-        let logits = logits
-            .rows(&h)?
-            .map(|r| self.lm_head(&self.norm.forward(&r)?))
-            .transpose()?;
-        Ok(ForwardOutput {
-            logits,
-            taps: taps_out,
-        })
     }
 }
 
-impl TargetModel for DeepseekV3Model {
-    fn info(&self) -> &TargetInfo {
-        &self.info
+/// Caches and parameters of a DeepSeek-V3 / Kimi config.
+pub fn plan(cfg: &TargetConfig) -> Result<Plan> {
+    let m = MlaConfig::parse(cfg)?;
+    let h = cfg.hidden_size as u64;
+    let heads = cfg.num_attention_heads as u64;
+    let (nope, rope, vd, kvr) = (
+        m.qk_nope_head_dim as u64,
+        m.qk_rope_head_dim as u64,
+        m.v_head_dim as u64,
+        m.kv_lora_rank as u64,
+    );
+    let b = m.attention_bias as u64;
+    let q = match m.q_lora_rank.map(|r| r as u64) {
+        Some(r) => h * r + b * r + r + r * heads * (nope + rope),
+        None => h * heads * (nope + rope),
+    };
+    let attn = q
+        + h * (kvr + rope)
+        + b * (kvr + rope)
+        + kvr
+        + kvr * heads * (nope + vd)
+        + heads * vd * h
+        + b * h;
+    let mut p = embedding_params(cfg, cfg.tie_word_embeddings);
+    for i in 0..cfg.num_hidden_layers {
+        p.plain += 2 * h + attn;
+        if i < m.first_k_dense_replace {
+            p.plain += GatedMlp::params(cfg.hidden_size, cfg.intermediate_size, false);
+        } else {
+            let q = m.moe.params(cfg.hidden_size);
+            // no shared-expert gate; the correction bias
+            p.plain += q.plain - h + m.moe.num_experts as u64;
+            p.experts += q.experts;
+        }
     }
-
-    fn new_cache(&self, capacity: usize) -> Result<TargetCache> {
-        let width = self.c.kv_lora_rank + self.c.qk_rope_head_dim;
-        let layers = (0..self.layers.len())
-            .map(|_| {
-                Ok(LayerCache::Latent(LatentCache::new(
-                    width,
-                    capacity,
-                    self.info.dtype,
-                    &self.info.device,
-                )?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(TargetCache::new(layers, capacity))
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        start: usize,
-        cache: &mut TargetCache,
-        taps: &[usize],
-        logits: Logits,
-    ) -> Result<ForwardOutput> {
-        checked_forward(
-            tokens,
-            start,
-            cache,
-            taps,
-            self.layers.len(),
-            self.info.vocab_size,
-            |c| self.forward_inner(tokens, start, c, taps, logits),
-        )
-    }
-
-    fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
-        self.embed_tokens.forward(tokens)
-    }
-
-    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
-    }
+    let width = m.kv_lora_rank + m.qk_rope_head_dim;
+    Ok(Plan {
+        caches: vec![CacheKind::Latent { width }; cfg.num_hidden_layers],
+        params: p,
+    })
 }
 
 pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
-    Ok(Box::new(DeepseekV3Model::load(cfg, w)?))
+    if w.is_gguf() {
+        return Err(Error::input(
+            "deepseek_v3 / kimi_k25 from GGUF is not supported: use the safetensors checkpoint",
+        ));
+    }
+    let c = MlaConfig::parse(cfg)?;
+    refuse_quantized(cfg)?;
+    let (h, v, heads) = (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads);
+    let (nope, rope_d, vd, kvr) = (
+        c.qk_nope_head_dim,
+        c.qk_rope_head_dim,
+        c.v_head_dim,
+        c.kv_lora_rank,
+    );
+    let qk = nope + rope_d;
+    let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
+    let (base, head_name) = tensor_prefix(w)?;
+    let dev = &w.device;
+    let eps = cfg.rms_norm_eps;
+    let q_perm = rope_deinterleave_index(heads, qk, rope_d, dev)?;
+    let kv_perm = rope_deinterleave_index(1, kvr + rope_d, rope_d, dev)?;
+    let embed = w.embedding(&format!("{base}.embed_tokens.weight"), v, h)?;
+    let norm = |name: &str, dim: usize, eps: f64| RmsNorm::load(w, name, dim, eps, false);
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("{base}.layers.{i}");
+        let a = format!("{p}.self_attn");
+        let lin = |n: &str, i, o, b| Linear::load(w, &format!("{a}.{n}"), i, o, b);
+        let interleave = |l: Linear, idx: &Tensor| {
+            if c.rope_interleave {
+                permute_rows(l, idx)
+            } else {
+                Ok(l)
+            }
+        };
+        let q = match c.q_lora_rank {
+            None => QProj::Plain(interleave(lin("q_proj", h, heads * qk, false)?, &q_perm)?),
+            Some(r) => QProj::LowRank {
+                a: lin("q_a_proj", h, r, c.attention_bias)?,
+                norm: norm(&format!("{a}.q_a_layernorm.weight"), r, LORA_NORM_EPS)?,
+                b: interleave(lin("q_b_proj", r, heads * qk, false)?, &q_perm)?,
+            },
+        };
+        let kv_a = interleave(
+            lin("kv_a_proj_with_mqa", h, kvr + rope_d, c.attention_bias)?,
+            &kv_perm,
+        )?;
+        let kv_b = w.get(&format!("{a}.kv_b_proj.weight"), (heads * (nope + vd), kvr))?;
+        let attn = LatentAttention::new(
+            q,
+            kv_a,
+            norm(&format!("{a}.kv_a_layernorm.weight"), kvr, LORA_NORM_EPS)?,
+            &kv_b,
+            lin("o_proj", heads * vd, h, c.attention_bias)?,
+            c.shape(heads),
+        )?;
+        let ffn = if i < c.first_k_dense_replace {
+            let mut m =
+                GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, false, act)?;
+            m.fuse()?;
+            Ffn::Dense(m)
+        } else {
+            let mc = &c.moe;
+            let e = mc.num_experts;
+            // transformers routes in float32
+            let router = Router {
+                proj: Linear::dense(
+                    w.get_dtype(&format!("{p}.mlp.gate.weight"), (e, h), DType::F32)?,
+                    None,
+                ),
+                f32_input: true,
+                scoring: Scoring::SigmoidGrouped {
+                    correction: w
+                        .get_dtype(
+                            &format!("{p}.mlp.gate.e_score_correction_bias"),
+                            e,
+                            DType::F32,
+                        )?
+                        .to_vec1::<f32>()?,
+                    n_group: c.n_group,
+                    topk_group: c.topk_group,
+                    renormalize: mc.norm_topk_prob,
+                },
+                top_k: mc.top_k,
+                scale: c.routed_scaling_factor as f32,
+                per_expert_scale: None,
+            };
+            let shared = if mc.shared_intermediate_size > 0 {
+                let mut m = GatedMlp::load(
+                    w,
+                    &format!("{p}.mlp.shared_experts"),
+                    h,
+                    mc.shared_intermediate_size,
+                    false,
+                    act,
+                )?;
+                m.fuse()?;
+                Some(SharedExpert { mlp: m, gate: None })
+            } else {
+                None
+            };
+            Ffn::Moe(SparseMoe {
+                router,
+                experts: Experts::load(w, &format!("{p}.mlp"), h, mc.intermediate_size, e, act)?,
+                shared,
+            })
+        };
+        layers.push(DecoderLayer {
+            input_norm: norm(&format!("{p}.input_layernorm.weight"), h, eps)?,
+            mixer: Mixer::Latent { attn, rope: 0 },
+            post_norm: norm(&format!("{p}.post_attention_layernorm.weight"), h, eps)?,
+            sandwich: None,
+            ffn,
+            slot: i,
+            family: "deepseek_v3",
+        });
+    }
+    let head = Head::new(
+        norm(&format!("{base}.norm.weight"), h, eps)?,
+        lm_head(
+            w,
+            head_name.trim_end_matches(".weight"),
+            &embed,
+            cfg.tie_word_embeddings,
+            h,
+            v,
+        )?,
+        None,
+        &embed,
+    );
+    let mut info = target_info(cfg, w, "deepseek_v3");
+    info.quantization = None;
+    Ok(Box::new(
+        Stack {
+            info,
+            embed,
+            embed_scale: None,
+            ropes: vec![Rope::new(&cfg.rope, rope_d)],
+            layers,
+            head,
+            caches: plan(cfg)?.caches,
+            vocab_limit: v,
+            piece: None,
+            prologue: None,
+        }
+        .finish_load(),
+    ))
 }
 
 #[cfg(test)]

@@ -5,38 +5,33 @@
 //! layers with their own RoPE base (`rope_local_base_freq`) between global layers (whose
 //! RoPE may be linearly scaled), and final logit softcapping when configured.
 
-use super::decoder::{DecoderModel, DecoderSpec};
+use super::decoder::{self, DecoderSpec};
+use super::stack::Plan;
 use super::TargetModel;
-use crate::config::{Fields, LayerType, RopeConfig, RopeKind, TargetConfig};
+use crate::config::{LayerType, RopeConfig, RopeKind, TargetConfig};
 use crate::source::Weights;
 use crate::Result;
 
-pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
-    let root = Fields::new(&cfg.file, &cfg.raw)?;
-    let f = match root.sub("text_config")? {
-        Some(t) => t,
-        None => root,
-    };
-    let mut cfg = cfg.clone();
+/// The spec of a gemma3 config. `gguf`: llama.cpp's converter stores norm weights as `1 + w`
+/// (HF stores `w`).
+fn spec(cfg: &TargetConfig, gguf: bool) -> Result<DecoderSpec> {
+    let f = cfg.text()?;
     // Gemma 3 ties its head to the embeddings unless the config says otherwise.
-    if !f.has("tie_word_embeddings") {
-        cfg.tie_word_embeddings = true;
-    }
+    let tied = f.opt_bool("tie_word_embeddings")?.unwrap_or(true);
     // Older configs give the layer pattern as `sliding_window_pattern` (every n-th layer
     // global); HF's default is 6.
-    if !f.has("layer_types") {
+    let mut layer_types = cfg.layer_types.clone();
+    if !f.has("layer_types") && cfg.sliding_window.is_some() {
         let n = f.opt_usize("sliding_window_pattern")?.unwrap_or(6);
-        if cfg.sliding_window.is_some() {
-            cfg.layer_types = (0..cfg.num_hidden_layers)
-                .map(|i| {
-                    if n == 0 || (i + 1) % n != 0 {
-                        LayerType::Sliding
-                    } else {
-                        LayerType::Full
-                    }
-                })
-                .collect();
-        }
+        layer_types = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                if n == 0 || (i + 1) % n != 0 {
+                    LayerType::Sliding
+                } else {
+                    LayerType::Full
+                }
+            })
+            .collect();
     }
     let local_theta = match f
         .sub("rope_parameters")?
@@ -50,10 +45,9 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
     let scalar = f
         .opt_f64("query_pre_attn_scalar")?
         .unwrap_or(cfg.head_dim as f64);
-    let spec = DecoderSpec {
+    Ok(DecoderSpec {
         qk_norm: true,
-        // HF stores w of x * (1 + w); llama.cpp's converter stores 1 + w.
-        norm_add_one: !w.is_gguf(),
+        norm_add_one: !gguf,
         sandwich_norms: true,
         embed_scale: Some((cfg.hidden_size as f64).sqrt()),
         final_softcap: f.opt_f64("final_logit_softcapping")?,
@@ -63,7 +57,16 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
             kind: RopeKind::Default,
             partial_rotary_factor: cfg.rope.partial_rotary_factor,
         }),
-        ..DecoderSpec::new("gemma3")
-    };
-    Ok(Box::new(DecoderModel::load(&cfg, w, spec)?))
+        tied,
+        layer_types,
+        ..DecoderSpec::new("gemma3", cfg)
+    })
+}
+
+pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
+    Ok(Box::new(decoder::load(cfg, w, spec(cfg, w.is_gguf())?)?))
+}
+
+pub fn plan(cfg: &TargetConfig) -> Result<Plan> {
+    spec(cfg, false)?.plan(cfg)
 }

@@ -14,27 +14,26 @@
 //!   of the scaled input embedding, fed through a gate after each layer's MLP;
 //! - an optional MoE block next to the dense MLP (router with its own norm and scales, experts
 //!   stored as `[E, 2I, H]` / `[E, H, I]`), `layer_scalar` per layer, final logit softcapping.
+//!
+//! The attention (value norm, keys as values, shared KV) is `nn::Attention` through the one
+//! attention door; the MoE block is `nn::SparseMoe`; the per-layer inputs are the stack's
+//! prologue. This file holds the layer's wiring and the config.
 
-use super::{
-    checked_forward, ForwardOutput, LayerCache, Logits, TapRecorder, TargetCache, TargetInfo,
-    TargetModel,
+use super::decoder::{embedding_params, lm_head, target_info};
+use super::stack::{
+    kv_slot, round_to, CacheKind, Frame, Head, Layer, Plan, Prologue, Residual, Stack,
 };
+use super::{TargetCache, TargetModel};
 use crate::config::{Fields, LayerType, RopeConfig, RopeKind, TargetConfig};
-use crate::nn::attention::sdpa;
-use crate::nn::{attention_mask, Activation, GatedMlp, KvCache, Linear, RmsNorm, Rope, RopeTables};
+use crate::nn::moe::{Experts, Router, RouterInput, Scoring};
+use crate::nn::{
+    tensor_bytes, Activation, Attention, AttentionSpec, Embedding, GatedMlp, Linear, RmsNorm, Rope,
+    SparseMoe, Visibility,
+};
 use crate::source::Weights;
-use crate::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use crate::Result;
+use candle_core::{DType, Tensor};
 use serde_json::{json, Value};
-
-/// The text config: the top level, or `text_config` of a multimodal config.
-fn text_fields<'a>(cfg: &'a TargetConfig) -> Result<Fields<'a>> {
-    let f = Fields::new(&cfg.file, &cfg.raw)?;
-    Ok(match f.sub("text_config")? {
-        Some(t) => t,
-        None => f,
-    })
-}
 
 /// Attention shape of one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +99,7 @@ fn parse_rope(f: &Fields, params: Option<Fields>, ty: &str, max_pos: usize) -> R
 
 impl Gemma4Config {
     fn parse(cfg: &TargetConfig) -> Result<Self> {
-        let f = text_fields(cfg)?;
+        let f = cfg.text()?;
         let n = cfg.num_hidden_layers;
         match f.opt_str("use_bidirectional_attention")? {
             // "vision" only changes the mask between image tokens; text is causal.
@@ -298,7 +297,7 @@ impl Gemma4Config {
             ple_vocab,
             moe,
             // The multimodal wrapper's own flag wins (it owns the LM head); gemma4 ties by default.
-            tied: match Fields::new(&cfg.file, &cfg.raw)?.opt_bool("tie_word_embeddings")? {
+            tied: match cfg.top()?.opt_bool("tie_word_embeddings")? {
                 Some(t) => t,
                 None => f.opt_bool("tie_word_embeddings")?.unwrap_or(true),
             },
@@ -306,127 +305,73 @@ impl Gemma4Config {
     }
 }
 
-/// An RMSNorm without a learned scale (`with_scale=False`).
-fn plain_norm(dim: usize, eps: f64, dtype: DType, device: &Device) -> Result<RmsNorm> {
-    Ok(RmsNorm {
-        weight: Tensor::ones(dim, dtype, device)?,
-        eps: eps as f32,
-    })
+/// Caches and parameters of a gemma4 config.
+pub fn plan(cfg: &TargetConfig) -> Result<Plan> {
+    let g = Gemma4Config::parse(cfg)?;
+    let (h, nl) = (cfg.hidden_size as u64, cfg.num_hidden_layers);
+    let mut p = embedding_params(cfg, g.tied);
+    let mut caches = vec![];
+    if g.ple_dim > 0 {
+        let d = g.ple_dim as u64;
+        p.plain += g.ple_vocab as u64 * nl as u64 * d + h * nl as u64 * d + d;
+    }
+    for i in 0..nl {
+        let shared = g.kv_owner[i] != i;
+        if !shared {
+            caches.push(CacheKind::Kv {
+                kv_heads: g.shapes[i].kv_heads,
+                head_dim: g.shapes[i].head_dim,
+            });
+        }
+        p.plain += 4 * h + 1 + g.attention(cfg, i).params();
+        p.plain += GatedMlp::params(cfg.hidden_size, g.mlp_width(cfg, i), false);
+        if let Some((e, _, mi)) = g.moe {
+            let e = e as u64;
+            p.plain += e * h + h + e + 3 * h;
+            p.experts += e * GatedMlp::params(cfg.hidden_size, mi, false);
+        }
+        if g.ple_dim > 0 {
+            p.plain += 2 * h * g.ple_dim as u64 + h;
+        }
+    }
+    Ok(Plan { caches, params: p })
 }
 
-/// K/V projections of a non-shared layer.
-struct KvProj {
-    k_proj: Linear,
-    /// None with `attention_k_eq_v` on full layers: values are the raw key projection.
-    v_proj: Option<Linear>,
-    k_norm: RmsNorm,
-    v_norm: RmsNorm,
-}
+impl Gemma4Config {
+    fn attention(&self, cfg: &TargetConfig, i: usize) -> AttentionSpec {
+        let s = self.shapes[i];
+        AttentionSpec {
+            bias: cfg.attention_bias,
+            o_bias: cfg.attention_bias,
+            qk_norm: true,
+            scale: 1.0,
+            v_norm: true,
+            k_eq_v: self.k_eq_v && self.layer_types[i] == LayerType::Full,
+            shared_kv: self.kv_owner[i] != i,
+            ..AttentionSpec::new(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                s.kv_heads,
+                s.head_dim,
+                cfg.rms_norm_eps,
+            )
+        }
+    }
 
-struct Attn {
-    q_proj: Linear,
-    q_norm: RmsNorm,
-    /// None for KV-shared layers.
-    kv: Option<KvProj>,
-    o_proj: Linear,
-    heads: usize,
-    shape: AttnShape,
-}
-
-impl Attn {
-    fn forward(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        t: &RopeTables,
-        kv: &mut KvCache,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let n = x.dim(0)?;
-        let (d, kvh) = (self.shape.head_dim, self.shape.kv_heads);
-        let q = self.q_proj.forward(x)?.reshape((n, self.heads, d))?;
-        let q = self.q_norm.forward(&q)?;
-        let q = rope.apply(&q.transpose(0, 1)?.contiguous()?, t)?;
-        let (k, v) = match &self.kv {
-            Some(p) => {
-                let k_raw = p.k_proj.forward(x)?.reshape((n, kvh, d))?;
-                let v_raw = match &p.v_proj {
-                    Some(vp) => vp.forward(x)?.reshape((n, kvh, d))?,
-                    None => k_raw.clone(),
-                };
-                let k = p.k_norm.forward(&k_raw)?;
-                let k = rope.apply(&k.transpose(0, 1)?.contiguous()?, t)?;
-                let v = p.v_norm.forward(&v_raw)?.transpose(0, 1)?.contiguous()?;
-                kv.append(&k, &v)?
-            }
-            // The owner layer (earlier in this pass) already appended this block.
-            None => kv.view()?,
-        };
-        let o = sdpa(&q, &k, &v, mask, 1.0)?;
-        self.o_proj.forward(&o)
+    /// The MLP width of layer i: doubled on KV-shared layers with `use_double_wide_mlp`.
+    fn mlp_width(&self, cfg: &TargetConfig, i: usize) -> usize {
+        let wide = self.double_wide_mlp && i >= self.first_shared && self.first_shared > 0;
+        cfg.intermediate_size * if wide { 2 } else { 1 }
     }
 }
 
 /// The MoE block that runs next to the dense MLP.
 struct Moe {
-    router_norm: RmsNorm,
-    router_scale: Tensor,
-    router_root: f64,
-    router_proj: Linear,
-    per_expert_scale: Vec<f32>,
-    /// `[E, 2I, H]`
-    gate_up: Tensor,
-    /// `[E, H, I]`
-    down: Tensor,
-    top_k: usize,
-    inter: usize,
-    act: Activation,
+    moe: SparseMoe,
+    router_input: RouterInput,
     pre_ff_norm_2: RmsNorm,
     post_ff_norm_1: RmsNorm,
     post_ff_norm_2: RmsNorm,
-}
-
-impl Moe {
-    /// Expert output for `resid [n, H]` (the residual stream before the MLP), before
-    /// `post_feedforward_layernorm_2`.
-    fn experts(&self, resid: &Tensor) -> Result<Tensor> {
-        let (n, h) = resid.dims2()?;
-        let dev = resid.device();
-        let dt = resid.dtype();
-        let r = self.router_norm.forward(resid)?;
-        let r = (r.broadcast_mul(&self.router_scale)? * self.router_root)?;
-        let scores = self.router_proj.forward(&r)?.to_dtype(DType::F32)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_vec2::<f32>()?;
-        let e_count = self.per_expert_scale.len();
-        let mut routes: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); e_count];
-        for (tok, row) in probs.iter().enumerate() {
-            let mut idx: Vec<usize> = (0..e_count).collect();
-            idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            let top = &idx[..self.top_k];
-            let sum: f32 = top.iter().map(|&e| row[e]).sum();
-            for &e in top {
-                routes[e].0.push(tok as u32);
-                routes[e].1.push(row[e] / sum * self.per_expert_scale[e]);
-            }
-        }
-        let x = self.pre_ff_norm_2.forward(resid)?;
-        let mut out = Tensor::zeros((n, h), dt, dev)?;
-        for (e, (toks, ws)) in routes.into_iter().enumerate() {
-            if toks.is_empty() {
-                continue;
-            }
-            let m = toks.len();
-            let idx = Tensor::from_vec(toks, m, dev)?;
-            let w = Tensor::from_vec(ws, (m, 1), dev)?.to_dtype(dt)?;
-            let xs = x.index_select(&idx, 0)?;
-            let gu = xs.matmul(&self.gate_up.get(e)?.t()?)?; // [m, 2I]
-            let g = self.act.apply(&gu.narrow(1, 0, self.inter)?)?;
-            let u = gu.narrow(1, self.inter, self.inter)?;
-            let y = (g * u)?.matmul(&self.down.get(e)?.t()?)?; // [m, H]
-            out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
-        }
-        Ok(out)
-    }
 }
 
 /// The per-layer-input branch of one layer.
@@ -436,408 +381,269 @@ struct PleLayer {
     post_norm: RmsNorm,
 }
 
-/// The model-level per-layer-input tables.
+/// The model-level per-layer-input tables (the stack's prologue).
 struct Ple {
     embed: Tensor,
-    embed_scale: Tensor,
+    embed_scale: f64,
     model_proj: Linear,
     model_proj_scale: f64,
     proj_norm: RmsNorm,
     dim: usize,
+    layers: usize,
 }
 
-struct Layer {
+impl Prologue for Ple {
+    /// Per-layer inputs `[n, layers, ple_dim]` for the token ids and their scaled embeddings.
+    fn inputs(&self, f: &Frame, emb: &Tensor) -> Result<Tensor> {
+        let n = f.n;
+        let tok = (self.embed.index_select(&f.ids, 0)? * self.embed_scale)?.reshape((
+            n,
+            self.layers,
+            self.dim,
+        ))?;
+        let proj = (self.model_proj.forward(emb)? * self.model_proj_scale)?.reshape((
+            n,
+            self.layers,
+            self.dim,
+        ))?;
+        let proj = self.proj_norm.forward(&proj)?;
+        Ok(((proj + tok)? * 2f64.powf(-0.5))?)
+    }
+    fn weight_bytes(&self) -> usize {
+        tensor_bytes(&self.embed) + self.model_proj.weight_bytes() + self.proj_norm.weight_bytes()
+    }
+}
+
+struct Gemma4Layer {
+    index: usize,
     input_norm: RmsNorm,
-    attn: Attn,
+    attn: Attention,
+    rope: usize,
+    vis: Visibility,
     post_attn_norm: RmsNorm,
     pre_ff_norm: RmsNorm,
     post_ff_norm: RmsNorm,
     mlp: GatedMlp,
     moe: Option<Moe>,
     ple: Option<PleLayer>,
-    layer_scalar: Tensor,
-    kind: LayerType,
-    /// Index into the cache's layers of the K/V this layer appends to or reads.
-    cache_slot: usize,
-}
-
-pub struct Gemma4Model {
-    info: TargetInfo,
-    embed_tokens: Tensor,
-    /// sqrt(hidden) in the compute dtype (as transformers casts it), shape [1].
-    embed_scale: Tensor,
-    ple: Option<Ple>,
-    ple_vocab: usize,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    rope_full: Rope,
-    rope_sliding: Rope,
-    sliding_window: usize,
-    final_softcap: Option<f64>,
     act: Activation,
-    /// Shapes of the caches, one per non-shared layer.
-    cache_shapes: Vec<AttnShape>,
+    layer_scalar: Tensor,
+    /// The cache slot this layer appends to or (KV-shared) reads.
+    slot: usize,
 }
 
-fn scalar(x: f64, dtype: DType, device: &Device) -> Result<Tensor> {
-    // transformers keeps these as float32 tensors cast to the weight dtype.
-    Ok(Tensor::new(&[x as f32], device)?.to_dtype(dtype)?)
-}
-
-fn tensor_bytes(t: &Tensor) -> usize {
-    t.elem_count() * t.dtype().size_in_bytes()
-}
-
-fn linear_bytes(l: &Linear) -> usize {
-    l.weight_bytes()
-}
-
-impl Gemma4Model {
-    pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Self> {
-        let g = Gemma4Config::parse(cfg)?;
-        let (h, v, nl) = (cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers);
-        let (dt, dev) = (w.dtype, w.device.clone());
-        let eps = cfg.rms_norm_eps;
-        let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
-        let pre = if w.contains("model.language_model.embed_tokens.weight") {
-            "model.language_model."
-        } else {
-            "model."
-        };
-        let mut bytes = 0usize;
-        let embed_tokens = w.get(&format!("{pre}embed_tokens.weight"), (v, h))?;
-        bytes += tensor_bytes(&embed_tokens);
-        let norm = |name: &str, dim: usize| RmsNorm::load(w, name, dim, eps, false);
-        let lin = |name: &str, i: usize, o: usize, b: bool| Linear::load(w, name, i, o, b);
-        let ple = if g.ple_dim > 0 {
-            let p = g.ple_dim;
-            let embed = w.get(
-                &format!("{pre}embed_tokens_per_layer.weight"),
-                (g.ple_vocab, nl * p),
+impl Layer for Gemma4Layer {
+    fn forward(&self, r: &mut Residual, f: &Frame, cache: &mut TargetCache) -> Result<()> {
+        let x = r.norm(&self.input_norm)?;
+        let kv = kv_slot(cache, self.slot, "gemma4")?;
+        let a = self.attn.forward(&x, &f.site(self.rope, self.vis)?, kv)?;
+        f.mark("attention");
+        r.add(self.post_attn_norm.forward(&a)?)?;
+        let x = r.norm(&self.pre_ff_norm)?;
+        let mut m = self.mlp.forward(&x)?;
+        if let Some(moe) = &self.moe {
+            let h1 = r.settle()?;
+            let e = moe.moe.forward_routed(
+                &moe.router_input.forward(h1)?,
+                &moe.pre_ff_norm_2.forward(h1)?,
             )?;
-            let model_proj = lin(
-                &format!("{pre}per_layer_model_projection"),
-                h,
-                nl * p,
-                false,
-            )?;
-            bytes += tensor_bytes(&embed) + linear_bytes(&model_proj);
-            Some(Ple {
-                embed,
-                embed_scale: scalar((p as f64).sqrt(), dt, &dev)?,
-                model_proj,
-                model_proj_scale: (h as f64).powf(-0.5),
-                proj_norm: norm(&format!("{pre}per_layer_projection_norm.weight"), p)?,
-                dim: p,
-            })
-        } else {
-            None
-        };
-        let bias = cfg.attention_bias;
-        let heads = cfg.num_attention_heads;
-        let mut layers = Vec::with_capacity(nl);
-        let mut cache_shapes = vec![];
-        let mut slot_of = vec![usize::MAX; nl];
-        for i in 0..nl {
-            let p = format!("{pre}layers.{i}");
-            let a = format!("{p}.self_attn");
-            let shape = g.shapes[i];
-            let (d, kvh) = (shape.head_dim, shape.kv_heads);
-            let shared = g.kv_owner[i] != i;
-            let kv = if shared {
-                None
-            } else {
-                let k_eq_v = g.k_eq_v && g.layer_types[i] == LayerType::Full;
-                let k_proj = lin(&format!("{a}.k_proj"), h, kvh * d, bias)?;
-                let v_proj = if k_eq_v {
-                    None
-                } else {
-                    Some(lin(&format!("{a}.v_proj"), h, kvh * d, bias)?)
-                };
-                bytes += linear_bytes(&k_proj) + v_proj.as_ref().map_or(0, linear_bytes);
-                Some(KvProj {
-                    k_proj,
-                    v_proj,
-                    k_norm: norm(&format!("{a}.k_norm.weight"), d)?,
-                    v_norm: plain_norm(d, eps, dt, &dev)?,
-                })
-            };
-            let cache_slot = if shared {
-                slot_of[g.kv_owner[i]]
-            } else {
-                cache_shapes.push(shape);
-                cache_shapes.len() - 1
-            };
-            slot_of[i] = cache_slot;
-            let attn = Attn {
-                q_proj: lin(&format!("{a}.q_proj"), h, heads * d, bias)?,
-                q_norm: norm(&format!("{a}.q_norm.weight"), d)?,
-                kv,
-                o_proj: lin(&format!("{a}.o_proj"), heads * d, h, bias)?,
-                heads,
-                shape,
-            };
-            bytes += linear_bytes(&attn.q_proj) + linear_bytes(&attn.o_proj);
-            // MLP: doubled width on KV-shared layers with use_double_wide_mlp.
-            let wide = g.double_wide_mlp && i >= g.first_shared && g.first_shared > 0;
-            let inter = cfg.intermediate_size * if wide { 2 } else { 1 };
-            let mlp = GatedMlp::load(w, &format!("{p}.mlp"), h, inter, false, act)?;
-            bytes += linear_bytes(&mlp.gate) + linear_bytes(&mlp.up) + linear_bytes(&mlp.down);
-            let moe = match g.moe {
-                None => None,
-                Some((e, k, mi)) => {
-                    let gate_up = w.get(&format!("{p}.experts.gate_up_proj"), (e, 2 * mi, h))?;
-                    let down = w.get(&format!("{p}.experts.down_proj"), (e, h, mi))?;
-                    let router_proj = lin(&format!("{p}.router.proj"), h, e, false)?;
-                    bytes +=
-                        tensor_bytes(&gate_up) + tensor_bytes(&down) + linear_bytes(&router_proj);
-                    Some(Moe {
-                        router_norm: plain_norm(h, eps, dt, &dev)?,
-                        router_scale: w.get(&format!("{p}.router.scale"), h)?,
-                        router_root: (h as f64).powf(-0.5),
-                        router_proj,
-                        per_expert_scale: w
-                            .get_dtype(&format!("{p}.router.per_expert_scale"), e, DType::F32)?
-                            .to_vec1::<f32>()?,
-                        gate_up,
-                        down,
-                        top_k: k,
-                        inter: mi,
-                        act,
-                        pre_ff_norm_2: norm(&format!("{p}.pre_feedforward_layernorm_2.weight"), h)?,
-                        post_ff_norm_1: norm(
-                            &format!("{p}.post_feedforward_layernorm_1.weight"),
-                            h,
-                        )?,
-                        post_ff_norm_2: norm(
-                            &format!("{p}.post_feedforward_layernorm_2.weight"),
-                            h,
-                        )?,
-                    })
-                }
-            };
-            let ple_layer = match &ple {
-                None => None,
-                Some(pl) => {
-                    let gate = lin(&format!("{p}.per_layer_input_gate"), h, pl.dim, false)?;
-                    let proj = lin(&format!("{p}.per_layer_projection"), pl.dim, h, false)?;
-                    bytes += linear_bytes(&gate) + linear_bytes(&proj);
-                    Some(PleLayer {
-                        gate,
-                        proj,
-                        post_norm: norm(&format!("{p}.post_per_layer_input_norm.weight"), h)?,
-                    })
-                }
-            };
-            let layer_scalar = match w.get_opt(&format!("{p}.layer_scalar"), 1)? {
-                Some(s) => s,
-                None => Tensor::ones(1, dt, &dev)?,
-            };
-            layers.push(Layer {
-                input_norm: norm(&format!("{p}.input_layernorm.weight"), h)?,
-                attn,
-                post_attn_norm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                pre_ff_norm: norm(&format!("{p}.pre_feedforward_layernorm.weight"), h)?,
-                post_ff_norm: norm(&format!("{p}.post_feedforward_layernorm.weight"), h)?,
-                mlp,
-                moe,
-                ple: ple_layer,
-                layer_scalar,
-                kind: g.layer_types[i],
-                cache_slot,
-            });
+            m = (moe.post_ff_norm_1.forward(&m)? + moe.post_ff_norm_2.forward(&e)?)?;
         }
-        let lm_head = if w.contains("lm_head.weight") {
-            let l = lin("lm_head", h, v, false)?;
-            bytes += linear_bytes(&l);
-            l
-        } else if g.tied {
-            Linear::dense(embed_tokens.clone(), None)
-        } else {
-            lin("lm_head", h, v, false)?
-        };
-        let full_dim = (0..nl)
-            .find(|&i| g.layer_types[i] == LayerType::Full)
-            .map_or(cfg.head_dim, |i| g.shapes[i].head_dim);
-        let slide_dim = (0..nl)
-            .find(|&i| g.layer_types[i] == LayerType::Sliding)
-            .map_or(cfg.head_dim, |i| g.shapes[i].head_dim);
-        let info = TargetInfo {
-            family: "gemma4",
-            model_type: cfg.model_type.clone(),
-            num_layers: nl,
-            hidden_size: h,
-            vocab_size: v,
-            max_position: cfg.max_position_embeddings,
-            dtype: dt,
-            device: dev.clone(),
-            weight_bytes: 0,
-            quantization: w.quant_report(),
-        };
-        let norm_w = norm(&format!("{pre}norm.weight"), h)?;
-        let mut m = Self {
-            info,
-            embed_tokens,
-            embed_scale: scalar((h as f64).sqrt(), dt, &dev)?,
-            ple,
-            ple_vocab: g.ple_vocab,
-            layers,
-            norm: norm_w,
-            lm_head,
-            rope_full: Rope::new(&g.rope_full, full_dim),
-            rope_sliding: Rope::new(&g.rope_sliding, slide_dim),
-            sliding_window: g.sliding_window,
-            final_softcap: g.final_softcap,
-            act,
-            cache_shapes,
-        };
-        m.info.weight_bytes = bytes;
-        Ok(m)
-    }
-
-    /// Per-layer inputs `[n, layers, ple_dim]` for token ids and their scaled embeddings.
-    fn per_layer_inputs(&self, ple: &Ple, ids: &Tensor, emb: &Tensor) -> Result<Tensor> {
-        let n = ids.dim(0)?;
-        let nl = self.layers.len();
-        let tok = ple
-            .embed
-            .index_select(ids, 0)?
-            .broadcast_mul(&ple.embed_scale)?
-            .reshape((n, nl, ple.dim))?;
-        let proj =
-            (ple.model_proj.forward(emb)? * ple.model_proj_scale)?.reshape((n, nl, ple.dim))?;
-        let proj = ple.proj_norm.forward(&proj)?;
-        Ok(((proj + tok)? * 2f64.powf(-0.5))?)
-    }
-
-    /// Final norm, LM head, softcapping.
-    fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        let l = self.lm_head(&self.norm.forward(h)?)?;
-        Ok(match self.final_softcap {
-            Some(c) => ((l / c)?.tanh()? * c)?,
-            None => l,
-        })
-    }
-
-    fn forward_inner(
-        &self,
-        tokens: &[u32],
-        start: usize,
-        cache: &mut TargetCache,
-        taps: &[usize],
-        logits: Logits,
-    ) -> Result<ForwardOutput> {
-        let n = tokens.len();
-        let dev = &self.info.device;
-        let dt = self.info.dtype;
-        let ids = Tensor::from_slice(tokens, n, dev)?;
-        let mut h = self.embed(&ids)?.broadcast_mul(&self.embed_scale)?;
-        let ple = match &self.ple {
-            Some(p) => Some(self.per_layer_inputs(p, &ids, &h)?),
-            None => None,
-        };
-        let t_full = self.rope_full.tables(start, n, dev, dt)?;
-        let t_slide = self.rope_sliding.tables(start, n, dev, dt)?;
-        let k_len = start + n;
-        let mask_full = if n > 1 {
-            attention_mask(n, start, k_len, true, None, dt, dev)?
-        } else {
-            None
-        };
-        let mask_slide = attention_mask(n, start, k_len, true, Some(self.sliding_window), dt, dev)?;
-        let mut tapped = TapRecorder::new(taps);
-        for (i, layer) in self.layers.iter().enumerate() {
-            #[allow(unreachable_patterns)]
-            let kv = match &mut cache.layers[layer.cache_slot] {
-                LayerCache::Kv(kv) => kv,
-                _ => return Err(Error::input("gemma4: cache layer is not a KV cache")),
-            };
-            let (rope, tables, mask): (&Rope, &RopeTables, Option<&Tensor>) = match layer.kind {
-                LayerType::Sliding => (&self.rope_sliding, &t_slide, mask_slide.as_ref()),
-                // (linear_attention layers are refused at load: `archs::load_target`)
-                LayerType::Full | LayerType::Linear => {
-                    (&self.rope_full, &t_full, mask_full.as_ref())
-                }
-            };
-            let x = layer.input_norm.forward(&h)?;
-            let a = layer.attn.forward(&x, rope, tables, kv, mask)?;
-            let h1 = (h + layer.post_attn_norm.forward(&a)?)?;
-            let mut m = layer.mlp.forward(&layer.pre_ff_norm.forward(&h1)?)?;
-            if let Some(moe) = &layer.moe {
-                let e = moe.post_ff_norm_2.forward(&moe.experts(&h1)?)?;
-                m = (moe.post_ff_norm_1.forward(&m)? + e)?;
-            }
-            let mut h2 = (&h1 + layer.post_ff_norm.forward(&m)?)?;
-            if let (Some(pl), Some(inputs)) = (&layer.ple, &ple) {
-                let pin = inputs.narrow(1, i, 1)?.squeeze(1)?;
-                let gz = self.act.apply(&pl.gate.forward(&h2)?)?;
-                let y = pl.proj.forward(&(gz * pin)?)?;
-                h2 = (&h2 + pl.post_norm.forward(&y)?)?;
-            }
-            h = h2.broadcast_mul(&layer.layer_scalar)?;
-            tapped.record(i, &h);
+        r.add(self.post_ff_norm.forward(&m)?)?;
+        if let (Some(pl), Some(inputs)) = (&self.ple, &f.extra) {
+            let h2 = r.settle()?;
+            let pin = inputs.narrow(1, self.index, 1)?.squeeze(1)?;
+            let gz = self.act.apply(&pl.gate.forward(h2)?)?;
+            let y = pl.proj.forward(&(gz * pin)?)?;
+            r.add(pl.post_norm.forward(&y)?)?;
         }
-        let taps_out = tapped.finish()?;
-        let logits = logits.rows(&h)?.map(|r| self.logits(&r)).transpose()?;
-        Ok(ForwardOutput {
-            logits,
-            taps: taps_out,
-        })
-    }
-}
-
-impl TargetModel for Gemma4Model {
-    fn info(&self) -> &TargetInfo {
-        &self.info
+        r.scale(&self.layer_scalar)?;
+        f.mark("mlp");
+        Ok(())
     }
 
-    fn new_cache(&self, capacity: usize) -> Result<TargetCache> {
-        let layers = self
-            .cache_shapes
-            .iter()
-            .map(|s| {
-                Ok(LayerCache::Kv(KvCache::new(
-                    s.kv_heads,
-                    s.head_dim,
-                    capacity,
-                    self.info.dtype,
-                    &self.info.device,
-                )?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(TargetCache::new(layers, capacity))
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        start: usize,
-        cache: &mut TargetCache,
-        taps: &[usize],
-        logits: Logits,
-    ) -> Result<ForwardOutput> {
-        let limit = if self.ple.is_some() {
-            self.info.vocab_size.min(self.ple_vocab)
-        } else {
-            self.info.vocab_size
-        };
-        checked_forward(tokens, start, cache, taps, self.layers.len(), limit, |c| {
-            self.forward_inner(tokens, start, c, taps, logits)
-        })
-    }
-
-    fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
-        Ok(self.embed_tokens.index_select(tokens, 0)?)
-    }
-
-    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+    fn weight_bytes(&self) -> usize {
+        let norms = [
+            &self.input_norm,
+            &self.post_attn_norm,
+            &self.pre_ff_norm,
+            &self.post_ff_norm,
+        ]
+        .iter()
+        .map(|n| n.weight_bytes())
+        .sum::<usize>();
+        let moe = self.moe.as_ref().map_or(0, |m| {
+            m.moe.weight_bytes()
+                + m.router_input.norm.weight_bytes()
+                + tensor_bytes(&m.router_input.scale)
+                + m.pre_ff_norm_2.weight_bytes()
+                + m.post_ff_norm_1.weight_bytes()
+                + m.post_ff_norm_2.weight_bytes()
+        });
+        let ple = self.ple.as_ref().map_or(0, |p| {
+            p.gate.weight_bytes() + p.proj.weight_bytes() + p.post_norm.weight_bytes()
+        });
+        norms
+            + self.attn.weight_bytes()
+            + self.mlp.weight_bytes()
+            + moe
+            + ple
+            + tensor_bytes(&self.layer_scalar)
     }
 }
 
 pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
-    Ok(Box::new(Gemma4Model::load(cfg, w)?))
+    let g = Gemma4Config::parse(cfg)?;
+    let (h, v, nl) = (cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers);
+    let (dt, dev) = (w.dtype, w.device.clone());
+    let eps = cfg.rms_norm_eps;
+    let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
+    let pre = if w.contains("model.language_model.embed_tokens.weight") {
+        "model.language_model."
+    } else {
+        "model."
+    };
+    let embed = Embedding::Dense(w.get(&format!("{pre}embed_tokens.weight"), (v, h))?);
+    let norm = |name: &str, dim: usize| RmsNorm::load(w, name, dim, eps, false);
+    let lin = |name: &str, i: usize, o: usize, b: bool| Linear::load(w, name, i, o, b);
+    // transformers keeps these scales as float32 tensors cast to the weight dtype.
+    let ple = if g.ple_dim > 0 {
+        let p = g.ple_dim;
+        Some(Ple {
+            embed: w.get(
+                &format!("{pre}embed_tokens_per_layer.weight"),
+                (g.ple_vocab, nl * p),
+            )?,
+            embed_scale: round_to((p as f64).sqrt(), dt),
+            model_proj: lin(
+                &format!("{pre}per_layer_model_projection"),
+                h,
+                nl * p,
+                false,
+            )?,
+            model_proj_scale: (h as f64).powf(-0.5),
+            proj_norm: norm(&format!("{pre}per_layer_projection_norm.weight"), p)?,
+            dim: p,
+            layers: nl,
+        })
+    } else {
+        None
+    };
+    let mut layers = Vec::with_capacity(nl);
+    let mut slot_of = vec![usize::MAX; nl];
+    let mut slots = 0;
+    for i in 0..nl {
+        let p = format!("{pre}layers.{i}");
+        let mut attn = Attention::load(w, &format!("{p}.self_attn"), g.attention(cfg, i))?;
+        attn.fuse()?;
+        let slot = if g.kv_owner[i] != i {
+            slot_of[g.kv_owner[i]]
+        } else {
+            slots += 1;
+            slots - 1
+        };
+        slot_of[i] = slot;
+        let (rope, vis) = match g.layer_types[i] {
+            LayerType::Sliding => (1, Visibility::sliding(g.sliding_window)),
+            // (linear_attention layers are refused at load: `archs::family_for`)
+            LayerType::Full | LayerType::Linear => (0, Visibility::CAUSAL),
+        };
+        let mut mlp = GatedMlp::load(w, &format!("{p}.mlp"), h, g.mlp_width(cfg, i), false, act)?;
+        mlp.fuse()?;
+        let moe = match g.moe {
+            None => None,
+            Some((e, k, mi)) => Some(Moe {
+                moe: SparseMoe {
+                    router: Router {
+                        per_expert_scale: Some(
+                            w.get_dtype(&format!("{p}.router.per_expert_scale"), e, DType::F32)?
+                                .to_vec1::<f32>()?,
+                        ),
+                        ..Router::load(
+                            w,
+                            &format!("{p}.router.proj"),
+                            h,
+                            e,
+                            false,
+                            Scoring::Softmax { renormalize: true },
+                            k,
+                        )?
+                    },
+                    experts: Experts::load(w, &p, h, mi, e, act)?,
+                    shared: None,
+                },
+                router_input: RouterInput {
+                    norm: RmsNorm::unit(h, eps, dt, &dev)?,
+                    scale: w.get(&format!("{p}.router.scale"), h)?,
+                    root: (h as f64).powf(-0.5),
+                },
+                pre_ff_norm_2: norm(&format!("{p}.pre_feedforward_layernorm_2.weight"), h)?,
+                post_ff_norm_1: norm(&format!("{p}.post_feedforward_layernorm_1.weight"), h)?,
+                post_ff_norm_2: norm(&format!("{p}.post_feedforward_layernorm_2.weight"), h)?,
+            }),
+        };
+        let ple_layer = match &ple {
+            None => None,
+            Some(pl) => Some(PleLayer {
+                gate: lin(&format!("{p}.per_layer_input_gate"), h, pl.dim, false)?,
+                proj: lin(&format!("{p}.per_layer_projection"), pl.dim, h, false)?,
+                post_norm: norm(&format!("{p}.post_per_layer_input_norm.weight"), h)?,
+            }),
+        };
+        let layer_scalar = match w.get_opt(&format!("{p}.layer_scalar"), 1)? {
+            Some(s) => s,
+            None => Tensor::ones(1, dt, &dev)?,
+        };
+        layers.push(Gemma4Layer {
+            index: i,
+            input_norm: norm(&format!("{p}.input_layernorm.weight"), h)?,
+            attn,
+            rope,
+            vis,
+            post_attn_norm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            pre_ff_norm: norm(&format!("{p}.pre_feedforward_layernorm.weight"), h)?,
+            post_ff_norm: norm(&format!("{p}.post_feedforward_layernorm.weight"), h)?,
+            mlp,
+            moe,
+            ple: ple_layer,
+            act,
+            layer_scalar,
+            slot,
+        });
+    }
+    let head = Head::new(
+        norm(&format!("{pre}norm.weight"), h)?,
+        lm_head(w, "lm_head", &embed, g.tied, h, v)?,
+        g.final_softcap,
+        &embed,
+    );
+    let full_dim = (0..nl)
+        .find(|&i| g.layer_types[i] == LayerType::Full)
+        .map_or(cfg.head_dim, |i| g.shapes[i].head_dim);
+    let slide_dim = (0..nl)
+        .find(|&i| g.layer_types[i] == LayerType::Sliding)
+        .map_or(cfg.head_dim, |i| g.shapes[i].head_dim);
+    let mut info = target_info(cfg, w, "gemma4");
+    info.num_layers = nl;
+    let vocab_limit = if ple.is_some() { v.min(g.ple_vocab) } else { v };
+    Ok(Box::new(
+        Stack {
+            info,
+            embed,
+            embed_scale: Some(round_to((h as f64).sqrt(), dt)),
+            ropes: vec![
+                Rope::new(&g.rope_full, full_dim),
+                Rope::new(&g.rope_sliding, slide_dim),
+            ],
+            layers,
+            head,
+            caches: plan(cfg)?.caches,
+            vocab_limit,
+            piece: None,
+            prologue: ple.map(|p| Box::new(p) as Box<dyn Prologue>),
+        }
+        .finish_load(),
+    ))
 }
 
 #[cfg(test)]

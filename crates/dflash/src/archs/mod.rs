@@ -18,6 +18,7 @@ pub mod qwen3_5;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
 pub mod qwen3_next;
+pub mod stack;
 
 use crate::config::TargetConfig;
 use crate::nn::{KvCache, LatentCache, RecurrentCache};
@@ -115,24 +116,6 @@ impl TargetCache {
         }
     }
 
-    /// `layers` identical KV caches (families whose every layer is attention of one shape).
-    pub fn uniform_kv(
-        layers: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        capacity: usize,
-        dtype: candle_core::DType,
-        device: &candle_core::Device,
-    ) -> Result<Self> {
-        let layers = (0..layers)
-            .map(|_| {
-                Ok(LayerCache::Kv(crate::nn::KvCache::new(
-                    kv_heads, head_dim, capacity, dtype, device,
-                )?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self::new(layers, capacity))
-    }
     /// Positions held.
     pub fn len(&self) -> usize {
         self.len
@@ -232,6 +215,10 @@ impl<'a> TapRecorder<'a> {
             got: vec![None; layers.len()],
         }
     }
+    /// Whether layer `layer`'s output is tapped.
+    pub fn wants(&self, layer: usize) -> bool {
+        self.layers.contains(&layer)
+    }
     /// `h` is the output of decoder layer `layer`.
     pub fn record(&mut self, layer: usize, h: &Tensor) {
         for (slot, &t) in self.layers.iter().enumerate() {
@@ -325,11 +312,14 @@ impl Default for LoadOptions {
     }
 }
 
-/// A family: its `model_type` names and its loader.
+/// A family: its `model_type` names, its loader, its sizing and what it can do.
 pub struct Family {
     pub name: &'static str,
     pub model_types: &'static [&'static str],
     pub load: fn(&TargetConfig, &Weights) -> Result<Box<dyn TargetModel>>,
+    /// Caches and parameter counts from the config alone (the memory plan, `doctor` and
+    /// `dflash models` use it; the loader builds its caches from the same plan).
+    pub plan: fn(&TargetConfig) -> Result<stack::Plan>,
     pub caps: Capabilities,
 }
 
@@ -370,66 +360,77 @@ pub const FAMILIES: &[Family] = &[
         name: "qwen3",
         model_types: &["qwen3"],
         load: qwen3::load,
+        plan: qwen3::plan,
         caps: caps(true, false, false, true),
     },
     Family {
         name: "qwen3_moe",
         model_types: &["qwen3_moe"],
         load: qwen3_moe::load,
+        plan: qwen3_moe::plan,
         caps: caps(false, false, true, false),
     },
     Family {
         name: "llama",
         model_types: &["llama"],
         load: llama::load,
+        plan: llama::plan,
         caps: caps(true, false, false, true),
     },
     Family {
         name: "qwen2",
         model_types: &["qwen2"],
         load: qwen2::load,
+        plan: qwen2::plan,
         caps: caps(true, false, false, true),
     },
     Family {
         name: "gemma3",
         model_types: &["gemma3_text", "gemma3"],
         load: gemma3::load,
+        plan: gemma3::plan,
         caps: caps(true, false, false, true),
     },
     Family {
         name: "gemma4",
         model_types: &["gemma4_text", "gemma4"],
         load: gemma4::load,
+        plan: gemma4::plan,
         caps: caps(true, true, true, false),
     },
     Family {
         name: "qwen3_5",
         model_types: &["qwen3_5", "qwen3_5_text"],
         load: qwen3_5::load,
+        plan: qwen3_5::plan,
         caps: hybrid::caps(false),
     },
     Family {
         name: "qwen3_5_moe",
         model_types: &["qwen3_5_moe", "qwen3_5_moe_text"],
         load: qwen3_5_moe::load,
+        plan: qwen3_5_moe::plan,
         caps: hybrid::caps(true),
     },
     Family {
         name: "qwen3_next",
         model_types: &["qwen3_next"],
         load: qwen3_next::load,
+        plan: qwen3_next::plan,
         caps: hybrid::caps(true),
     },
     Family {
         name: "gpt_oss",
         model_types: &["gpt_oss"],
         load: gpt_oss::load,
+        plan: gpt_oss::plan,
         caps: caps(true, false, true, false),
     },
     Family {
         name: "deepseek_v3",
         model_types: &["deepseek_v3", "kimi_k2", "kimi_k25"],
         load: deepseek_v3::load,
+        plan: deepseek_v3::plan,
         caps: caps(false, false, true, false),
     },
 ];

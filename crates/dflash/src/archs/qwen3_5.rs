@@ -5,18 +5,27 @@
 //! `model.language_model.`); the vision tower is not loaded (text-only decoding, where the
 //! multimodal rope reduces to ordinary rope over the rotary part).
 
-use super::hybrid::{HybridModel, HybridSpec};
+use super::hybrid::{self, HybridSpec};
+use super::stack::Plan;
 use super::TargetModel;
 use crate::config::TargetConfig;
 use crate::nn::InProjLayout;
 use crate::source::Weights;
 use crate::Result;
 
-pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
-    let spec = HybridSpec {
+fn spec() -> HybridSpec {
+    HybridSpec {
         family: "qwen3_5",
         layout: InProjLayout::Split,
         moe: None,
-    };
-    Ok(Box::new(HybridModel::load(cfg, w, spec)?))
+        renormalize: true,
+    }
+}
+
+pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
+    hybrid::load(cfg, w, spec())
+}
+
+pub fn plan(cfg: &TargetConfig) -> Result<Plan> {
+    hybrid::plan(cfg, &spec())
 }

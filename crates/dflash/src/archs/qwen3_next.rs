@@ -4,35 +4,49 @@
 //! a sigmoid gate) on the layers selected by `decoder_sparse_step` and `mlp_only_layers`;
 //! the other layers have a SwiGLU MLP of `intermediate_size`.
 
-use super::hybrid::{moe_spec, text_fields, HybridModel, HybridSpec};
+use super::hybrid::{self, HybridSpec};
+use super::stack::Plan;
 use super::TargetModel;
 use crate::config::TargetConfig;
+use crate::nn::moe::{MoeConfig, MoeDefaults};
 use crate::nn::InProjLayout;
 use crate::source::Weights;
 use crate::Result;
 
-pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
-    let f = text_fields(cfg)?;
+fn spec(cfg: &TargetConfig) -> Result<HybridSpec> {
+    let f = cfg.text()?;
     // transformers' Qwen3NextConfig defaults
-    let experts = match f.opt_usize("num_experts")? {
-        Some(n) => n,
-        None => f.opt_usize("num_local_experts")?.unwrap_or(512),
+    let defaults = MoeDefaults {
+        num_experts: Some(512),
+        top_k: Some(10),
+        intermediate_size: Some(512),
+        shared_intermediate_size: Some(512),
+        norm_topk_prob: true,
     };
-    let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
-    let mlp_only = f.opt_usize_list("mlp_only_layers")?.unwrap_or_default();
-    let layers: Vec<bool> = (0..cfg.num_hidden_layers)
-        .map(|i| !mlp_only.contains(&i) && experts > 0 && (i + 1) % step == 0)
-        .collect();
-    let moe = if layers.iter().any(|&x| x) {
-        let norm = f.opt_bool("norm_topk_prob")?.unwrap_or(true);
-        Some(moe_spec(cfg, (512, 10, 512, 512), norm, layers)?)
-    } else {
-        None
-    };
-    let spec = HybridSpec {
+    // `num_experts: 0` means no MoE layers at all (a dense Qwen3-Next).
+    if f.opt_usize("num_experts")? == Some(0) {
+        return Ok(HybridSpec {
+            family: "qwen3_next",
+            layout: InProjLayout::Fused,
+            moe: None,
+            renormalize: true,
+        });
+    }
+    let m = MoeConfig::parse(&f, defaults)?;
+    let layers = MoeConfig::sparse_layers(&f, cfg.num_hidden_layers)?;
+    let renormalize = m.norm_topk_prob;
+    Ok(HybridSpec {
         family: "qwen3_next",
         layout: InProjLayout::Fused,
-        moe,
-    };
-    Ok(Box::new(HybridModel::load(cfg, w, spec)?))
+        moe: layers.iter().any(|&x| x).then_some((m, layers)),
+        renormalize,
+    })
+}
+
+pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
+    hybrid::load(cfg, w, spec(cfg)?)
+}
+
+pub fn plan(cfg: &TargetConfig) -> Result<Plan> {
+    hybrid::plan(cfg, &spec(cfg)?)
 }

@@ -27,6 +27,10 @@ pub struct Machine {
     /// `DFLASH_BATCH_INVARIANT`, `DFLASH_FUSED`; `CANDLE_*`; `RAYON_NUM_THREADS`), as set.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// The effective kernel switches (`crate::switches::describe`: defaults included, so a
+    /// report says e.g. `batch_invariant=on` even when nothing was set).
+    #[serde(default)]
+    pub switches: BTreeMap<String, String>,
 }
 
 impl Machine {
@@ -76,6 +80,10 @@ impl Machine {
             git_commit,
             versions,
             env: switches(std::env::vars()),
+            switches: crate::switches::describe()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
         }
     }
 
@@ -91,8 +99,13 @@ impl Machine {
             .map(|(k, v)| format!("{k} {v}"))
             .collect();
         let env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let sw: Vec<String> = self
+            .switches
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         format!(
-            "{hw}; {}; dtype {}, quantization {}; commit {}; {}{}",
+            "{hw}; {}; dtype {}, quantization {}; commit {}; {}{}{}",
             self.os,
             self.dtype,
             self.quantization,
@@ -102,6 +115,11 @@ impl Machine {
                 String::new()
             } else {
                 format!("; env {}", env.join(" "))
+            },
+            if sw.is_empty() {
+                String::new()
+            } else {
+                format!("; switches {}", sw.join(" "))
             }
         )
     }

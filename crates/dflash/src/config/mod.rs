@@ -260,6 +260,27 @@ pub struct TargetConfig {
 }
 
 impl TargetConfig {
+    /// The fields of the language model: `text_config` of a multimodal config (errors then
+    /// name `text_config.<key>`), else the top level. Families read their own keys here; this
+    /// is the one place that knows where they live.
+    pub fn text(&self) -> Result<Fields<'_>> {
+        let top = self.top()?;
+        Ok(top.sub("text_config")?.unwrap_or(top))
+    }
+
+    /// The top-level fields (a multimodal wrapper's own keys, e.g. its `tie_word_embeddings`).
+    pub fn top(&self) -> Result<Fields<'_>> {
+        Fields::new(&self.file, &self.raw)
+    }
+
+    /// `quantization_config` at the top level or in the text config.
+    pub fn quantization(&self) -> Result<Option<Fields<'_>>> {
+        match self.top()?.sub("quantization_config")? {
+            Some(q) => Ok(Some(q)),
+            None => self.text()?.sub("quantization_config"),
+        }
+    }
+
     pub fn from_file(path: &Path) -> Result<Self> {
         let v = read_json(path)?;
         Self::from_value(&path.display().to_string(), v)

@@ -13,10 +13,9 @@
 use crate::archs::TargetModel;
 use crate::config::draft::DraftConfig;
 use crate::config::LayerType;
-use crate::nn::fused::Visibility;
 use crate::nn::{
-    attention::sdpa, attention_mask, Activation, Attention, AttentionSpec, GatedMlp, KvCache,
-    Linear, RmsNorm, Rope,
+    sdpa, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, Masks, RmsNorm, Rope,
+    Site, Visibility,
 };
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -99,16 +98,16 @@ impl DraftModel {
         let eps = c.rms_norm_eps;
         let act = Activation::parse(&cfg.file, &c.hidden_act)?;
         let spec = AttentionSpec {
-            hidden: h,
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
             bias: c.attention_bias,
             o_bias: c.attention_bias,
             qk_norm: true,
-            qk_norm_add_one: false,
-            eps,
-            scale: (c.head_dim as f64).powf(-0.5),
+            ..AttentionSpec::new(
+                h,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                eps,
+            )
         };
         let fc = Linear::load(w, "fc", k * h, h, false).map_err(|e| match e {
             Error::Weights { file, msg } if msg.contains("has shape") => Error::Weights {
@@ -298,12 +297,10 @@ impl DraftModel {
         let mut h = self.embed_block(target, block)?;
         let t_ctx = self.rope.tables(ctx_start, s, dev, self.dtype)?;
         let t_blk = self.rope.tables(start, q, dev, self.dtype)?;
+        // The block sees the whole context and the whole block (no causal mask) except in
+        // sliding layers (causal + window); masks only if a portable attention asks.
+        let masks = Masks::new(q, start, self.dtype, dev);
         let window = self.cfg.layers.sliding_window;
-        let mask_sliding = if self.layers.iter().any(|l| l.kind == LayerType::Sliding) {
-            attention_mask(q, start, start + q, true, window, self.dtype, dev)?
-        } else {
-            None
-        };
         let ctx_kv = match (&self.ctx_kv, s > 0) {
             (Some(l), true) => Some(l.forward(&ctx)?),
             _ => None,
@@ -325,34 +322,19 @@ impl DraftModel {
                 }
             }
             prof.mark("norm+ctx kv");
-            // The block sees the whole context and the whole block (no causal mask) except in
-            // sliding layers. Its K/V go into the cache only for this call: written in place,
-            // then dropped.
-            let fused = match layer.kind {
-                LayerType::Full | LayerType::Linear => a.forward_fused(
-                    &x,
-                    &self.rope,
-                    &t_blk,
-                    kv,
-                    Visibility {
-                        causal: false,
-                        window: None,
-                    },
-                )?,
-                LayerType::Sliding => None,
+            // The block's K/V go into the cache only for this call, then are dropped.
+            let vis = match (layer.kind, window) {
+                (LayerType::Sliding, Some(w)) => Visibility::sliding(w),
+                (LayerType::Sliding, None) => Visibility::CAUSAL,
+                (LayerType::Full | LayerType::Linear, _) => Visibility::FULL,
             };
-            let attn_out = match fused {
-                Some(o) => o,
-                None => {
-                    let (qb, kb, vb) = a.queries_keys_values(&x, &self.rope, &t_blk)?;
-                    let (k, v) = kv.append(&kb, &vb)?;
-                    let mask = match layer.kind {
-                        LayerType::Sliding => mask_sliding.as_ref(),
-                        LayerType::Full | LayerType::Linear => None,
-                    };
-                    a.o_proj.forward(&sdpa(&qb, &k, &v, mask, a.spec.scale)?)?
-                }
+            let site = Site {
+                rope: &self.rope,
+                tables: &t_blk,
+                vis,
+                masks: &masks,
             };
+            let attn_out = a.forward(&x, &site, kv)?;
             kv.truncate(start);
             prof.mark("attention");
             // Residual updates fused with the next norm: post-attention norm, then the

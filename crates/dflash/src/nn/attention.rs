@@ -1,14 +1,58 @@
-//! Grouped-query attention with optional per-head q/k RMSNorm, RoPE at absolute positions,
-//! causal or sliding-window masks at an offset, and the engine-owned KV cache.
+//! The attention door: every family's attention goes through here, and this file alone
+//! chooses how it runs.
 //!
-//! Batch 1: queries are laid out `[kv_heads, n_rep * q_len, head_dim]` so that every query
-//! head of a group shares its K/V head without copying K/V (`repeat_kv` is never needed).
+//! Model code says *what* an attention layer is ([`AttentionSpec`]: heads, scale, q/k norms,
+//! an output gate, a value norm, values equal to the keys, KV shared with an earlier layer,
+//! sinks) and *which keys a row sees* ([`Visibility`]: causal, sliding window, or the draft's
+//! non-causal block). [`Attention::forward`] then picks one of three ways:
+//!
+//! | way | when | what |
+//! |---|---|---|
+//! | fused CUDA kernels | CUDA, bf16, stacked q/k/v dense weights, a head dim the kernel has | one projection, one K/V write (norm + RoPE in the kernel), one attention launch (two with split keys) that also applies sinks and the output gate |
+//! | row by row | CPU, a causal block of 2..=[`ROW_WISE_MAX`] rows (a verify) | each row as a one-row decode step computes it, so a verify's logits equal the decode steps' bit for bit |
+//! | portable | everything else | candle ops with an explicit additive mask ([`Masks`], built once per forward) |
+//!
+//! [`attend`] is the same choice for queries a family has already formed (MLA's absorbed
+//! queries over its latent rows). Batch 1: queries are laid out `[kv_heads, n_rep * q_len,
+//! head_dim]` so every query head of a group shares its K/V head without copying K/V.
 
-use super::fused::{self, HeadSource, Visibility};
+use super::fused::{self, HeadSource};
 use super::{KvCache, Linear, RmsNorm, Rope, RopeTables};
 use crate::source::Weights;
 use crate::Result;
 use candle_core::{DType, Device, Tensor};
+use std::cell::RefCell;
+
+/// Blocks of at most this many rows (verify blocks; prompts are longer) run their attention
+/// row by row on the CPU.
+pub const ROW_WISE_MAX: usize = 32;
+
+/// Which keys a query row sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Visibility {
+    /// A key after the query's position is hidden.
+    pub causal: bool,
+    /// Sliding window: key j is visible to the query at position p iff j + window > p.
+    pub window: Option<usize>,
+}
+
+impl Visibility {
+    pub const CAUSAL: Visibility = Visibility {
+        causal: true,
+        window: None,
+    };
+    /// The draft's block rows: the whole context and the whole block.
+    pub const FULL: Visibility = Visibility {
+        causal: false,
+        window: None,
+    };
+    pub fn sliding(window: usize) -> Self {
+        Visibility {
+            causal: true,
+            window: Some(window),
+        }
+    }
+}
 
 /// Shapes and options of one attention layer.
 #[derive(Debug, Clone)]
@@ -21,24 +65,143 @@ pub struct AttentionSpec {
     pub bias: bool,
     /// A bias on o_proj (llama with `attention_bias`; not qwen2).
     pub o_bias: bool,
-    /// Per-head RMSNorm on q and k before RoPE (qwen3, gemma3, the DFlash draft).
+    /// Per-head RMSNorm on q and k before RoPE (qwen3, gemma, the DFlash draft, hybrids).
     pub qk_norm: bool,
     pub qk_norm_add_one: bool,
     pub eps: f64,
     /// Softmax scale (head_dim^-0.5 unless the family says otherwise).
     pub scale: f64,
+    /// `q_proj` also produces an output gate per head (`[q_h | gate_h]` for each head in turn);
+    /// the attention output is multiplied by `sigmoid(gate)` before `o_proj` (hybrid Qwen).
+    pub output_gate: bool,
+    /// A scale-less RMSNorm on every value head (gemma4).
+    pub v_norm: bool,
+    /// No `v_proj`: values are the raw key projection, before the k norm (gemma4 full layers
+    /// with `attention_k_eq_v`).
+    pub k_eq_v: bool,
+    /// No K/V projections: the layer attends over the cache of an earlier layer, which has
+    /// already appended this forward's rows (gemma4's KV-shared layers).
+    pub shared_kv: bool,
+}
+
+impl AttentionSpec {
+    /// Plain GQA attention: no gate, no value norm, own K/V.
+    pub fn new(hidden: usize, heads: usize, kv_heads: usize, head_dim: usize, eps: f64) -> Self {
+        Self {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            bias: false,
+            o_bias: false,
+            qk_norm: false,
+            qk_norm_add_one: false,
+            eps,
+            scale: (head_dim as f64).powf(-0.5),
+            output_gate: false,
+            v_norm: false,
+            k_eq_v: false,
+            shared_kv: false,
+        }
+    }
+    /// Parameters of the layer's projections, biases and q/k norms.
+    pub fn params(&self) -> u64 {
+        let (h, d) = (self.hidden as u64, self.head_dim as u64);
+        let (qw, qd) = (self.q_width() as u64, (self.heads * self.head_dim) as u64);
+        let kd = self.kv_width() as u64;
+        let kv = match (self.shared_kv, self.k_eq_v) {
+            (true, _) => 0,
+            (false, true) => 1,
+            (false, false) => 2,
+        };
+        let bias = |x: bool, n: u64| if x { n } else { 0 };
+        h * qw
+            + bias(self.bias, qw)
+            + kv * (h * kd + bias(self.bias, kd))
+            + qd * h
+            + bias(self.o_bias, h)
+            + if self.qk_norm {
+                d * if self.shared_kv { 1 } else { 2 }
+            } else {
+                0
+            }
+    }
+
+    /// Width of the q projection (queries, and gates when there is an output gate).
+    fn q_width(&self) -> usize {
+        self.heads * self.head_dim * if self.output_gate { 2 } else { 1 }
+    }
+    fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// Where a layer's rows sit: the RoPE and tables of their positions, who they see, and the
+/// forward's masks (built on first use).
+#[derive(Clone, Copy)]
+pub struct Site<'a> {
+    pub rope: &'a Rope,
+    pub tables: &'a RopeTables,
+    pub vis: Visibility,
+    pub masks: &'a Masks,
+}
+
+/// The additive masks of one forward (`n` query rows at positions `start ..` over keys
+/// `0 .. start + n`), one per visibility, built when a portable attention first asks.
+pub struct Masks {
+    n: usize,
+    start: usize,
+    dtype: DType,
+    device: Device,
+    built: RefCell<Vec<(Visibility, Option<Tensor>)>>,
+}
+
+impl Masks {
+    pub fn new(n: usize, start: usize, dtype: DType, device: &Device) -> Self {
+        Self {
+            n,
+            start,
+            dtype,
+            device: device.clone(),
+            built: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The mask for `vis` (None when nothing is hidden).
+    pub fn get(&self, vis: Visibility) -> Result<Option<Tensor>> {
+        if let Some((_, m)) = self.built.borrow().iter().find(|(v, _)| *v == vis) {
+            return Ok(m.clone());
+        }
+        let m = attention_mask(
+            self.n,
+            self.start,
+            self.start + self.n,
+            vis.causal,
+            vis.window,
+            self.dtype,
+            &self.device,
+        )?;
+        self.built.borrow_mut().push((vis, m.clone()));
+        Ok(m)
+    }
 }
 
 #[derive(Debug, Clone)]
 pub struct Attention {
+    /// `[q_width, hidden]`: queries (and gates, see [`AttentionSpec::output_gate`]).
     pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
+    /// None for KV-shared layers.
+    pub k_proj: Option<Linear>,
+    /// None for KV-shared layers and `k_eq_v`.
+    pub v_proj: Option<Linear>,
     pub o_proj: Linear,
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
+    /// The scale-less value norm ([`AttentionSpec::v_norm`]).
+    pub v_norm: Option<RmsNorm>,
     pub spec: AttentionSpec,
-    /// q, k and v stacked (see `fuse`): one matmul for the three in `forward`.
+    /// q, k and v (those that exist) stacked by [`Self::fuse`]: one matmul for all of them;
+    /// the separate weights are then emptied.
     pub qkv: Option<Linear>,
     /// The k/v rows of `qkv` (a view of the same weight): keys and values without queries.
     pub kv: Option<Linear>,
@@ -47,13 +210,11 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Load `{prefix}.{q,k,v,o}_proj` and, with `qk_norm`, `{prefix}.{q,k}_norm`.
+    /// Load `{prefix}.{q,k,v,o}_proj` (those the spec has) and, with `qk_norm`,
+    /// `{prefix}.{q,k}_norm`.
     pub fn load(w: &Weights, prefix: &str, spec: AttentionSpec) -> Result<Self> {
-        let (h, qd, kd) = (
-            spec.hidden,
-            spec.heads * spec.head_dim,
-            spec.kv_heads * spec.head_dim,
-        );
+        let h = spec.hidden;
+        let (qd, kd) = (spec.heads * spec.head_dim, spec.kv_width());
         let lin = |n: &str, i, o, b| Linear::load(w, &format!("{prefix}.{n}"), i, o, b);
         let norm = |n: &str| {
             RmsNorm::load(
@@ -64,21 +225,23 @@ impl Attention {
                 spec.qk_norm_add_one,
             )
         };
+        let own_kv = !spec.shared_kv;
         Ok(Self {
-            q_proj: lin("q_proj", h, qd, spec.bias)?,
-            k_proj: lin("k_proj", h, kd, spec.bias)?,
-            v_proj: lin("v_proj", h, kd, spec.bias)?,
+            q_proj: lin("q_proj", h, spec.q_width(), spec.bias)?,
+            k_proj: own_kv
+                .then(|| lin("k_proj", h, kd, spec.bias))
+                .transpose()?,
+            v_proj: (own_kv && !spec.k_eq_v)
+                .then(|| lin("v_proj", h, kd, spec.bias))
+                .transpose()?,
             o_proj: lin("o_proj", qd, h, spec.o_bias)?,
-            q_norm: if spec.qk_norm {
-                Some(norm("q_norm")?)
-            } else {
-                None
-            },
-            k_norm: if spec.qk_norm {
-                Some(norm("k_norm")?)
-            } else {
-                None
-            },
+            q_norm: spec.qk_norm.then(|| norm("q_norm")).transpose()?,
+            k_norm: (spec.qk_norm && own_kv)
+                .then(|| norm("k_norm"))
+                .transpose()?,
+            v_norm: (spec.v_norm && own_kv)
+                .then(|| RmsNorm::unit(spec.head_dim, spec.eps, w.dtype, &w.device))
+                .transpose()?,
             spec,
             qkv: None,
             kv: None,
@@ -86,53 +249,99 @@ impl Attention {
         })
     }
 
-    /// Stack q/k/v into one linear for `forward` when [`Linear::concat`] can (dense, or
-    /// quantized of one type on the CPU); the separate weights are dropped (memory does not
-    /// grow), so `queries`/`keys_values` then use the fused one too.
+    /// Stack q/k/v into one linear when [`Linear::concat`] can (dense, or quantized of one
+    /// type on the CPU); the separate weights are dropped, so memory does not grow.
     pub fn fuse(&mut self) -> Result<()> {
-        if self.qkv.is_none() {
-            if let Some(f) = Linear::concat(&[&self.q_proj, &self.k_proj, &self.v_proj])? {
-                let qd = self.spec.heads * self.spec.head_dim;
-                let kd = self.spec.kv_heads * self.spec.head_dim;
-                self.q_proj = self.q_proj.emptied()?;
-                self.k_proj = self.k_proj.emptied()?;
-                self.v_proj = self.v_proj.emptied()?;
-                self.kv = f.rows(qd, 2 * kd)?;
-                self.qkv = Some(f);
-            }
+        if self.qkv.is_some() {
+            return Ok(());
+        }
+        let mut parts = vec![&self.q_proj];
+        parts.extend(self.k_proj.as_ref());
+        parts.extend(self.v_proj.as_ref());
+        if parts.len() == 1 {
+            return Ok(());
+        }
+        if let Some(f) = Linear::concat(&parts)? {
+            let qw = self.spec.q_width();
+            let kv_rows = f.out_features() - qw;
+            self.kv = f.rows(qw, kv_rows)?;
+            self.q_proj = self.q_proj.emptied()?;
+            self.k_proj = self.k_proj.as_ref().map(|l| l.emptied()).transpose()?;
+            self.v_proj = self.v_proj.as_ref().map(|l| l.emptied()).transpose()?;
+            self.qkv = Some(f);
         }
         Ok(())
     }
 
-    /// q, k, v projections of `x [n, hidden]`: `[n, heads*d]`, `[n, kvh*d]`, `[n, kvh*d]`.
-    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        match &self.qkv {
-            Some(f) => {
-                let y = f.forward(x)?;
-                let (qd, kd) = (
-                    self.spec.heads * self.spec.head_dim,
-                    self.spec.kv_heads * self.spec.head_dim,
-                );
-                Ok((
-                    y.narrow(1, 0, qd)?,
-                    y.narrow(1, qd, kd)?,
-                    y.narrow(1, qd + kd, kd)?,
-                ))
-            }
-            None => Ok((
-                self.q_proj.forward(x)?,
-                self.k_proj.forward(x)?,
-                self.v_proj.forward(x)?,
-            )),
+    /// Bytes of weights held (the stacked copy included, the emptied parts at 0).
+    pub fn weight_bytes(&self) -> usize {
+        let lin = |l: &Option<Linear>| l.as_ref().map_or(0, Linear::weight_bytes);
+        let norm = |n: &Option<RmsNorm>| n.as_ref().map_or(0, RmsNorm::weight_bytes);
+        self.q_proj.weight_bytes()
+            + lin(&self.k_proj)
+            + lin(&self.v_proj)
+            + self.o_proj.weight_bytes()
+            + lin(&self.qkv)
+            + norm(&self.q_norm)
+            + norm(&self.k_norm)
+            + self.sinks.as_ref().map_or(0, super::tensor_bytes)
+    }
+
+    /// Columns of the stacked projection: (keys, values); values at the keys' columns for
+    /// `k_eq_v`.
+    fn kv_columns(&self) -> (usize, usize) {
+        let qw = self.spec.q_width();
+        let kd = self.spec.kv_width();
+        (qw, if self.spec.k_eq_v { qw } else { qw + kd })
+    }
+
+    /// q (with gates), k and v projections of `x [n, hidden]` (k/v None for shared layers;
+    /// v = k for `k_eq_v`).
+    fn project(&self, x: &Tensor) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let (qw, kd) = (self.spec.q_width(), self.spec.kv_width());
+        if let Some(f) = &self.qkv {
+            let y = f.forward(x)?;
+            let q = y.narrow(1, 0, qw)?;
+            let (kc, vc) = self.kv_columns();
+            let kv = (!self.spec.shared_kv)
+                .then(|| -> Result<(Tensor, Tensor)> {
+                    Ok((y.narrow(1, kc, kd)?, y.narrow(1, vc, kd)?))
+                })
+                .transpose()?;
+            return Ok((q, kv));
         }
+        let q = self.q_proj.forward(x)?;
+        let kv = match &self.k_proj {
+            None => None,
+            Some(kp) => {
+                let k = kp.forward(x)?;
+                let v = match &self.v_proj {
+                    Some(vp) => vp.forward(x)?,
+                    None => k.clone(),
+                };
+                Some((k, v))
+            }
+        };
+        Ok((q, kv))
+    }
+
+    /// Split a q projection `[n, q_width]` into queries `[n, heads * d]` and gates.
+    fn split_gate(&self, q: Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        if !self.spec.output_gate {
+            return Ok((q, None));
+        }
+        let n = q.dim(0)?;
+        let (heads, d) = (self.spec.heads, self.spec.head_dim);
+        let qg = q.reshape((n, heads, 2 * d))?;
+        let gate = qg.narrow(2, d, d)?.contiguous()?.reshape((n, heads * d))?;
+        let q = qg.narrow(2, 0, d)?.contiguous()?.reshape((n, heads * d))?;
+        Ok((q, Some(gate)))
     }
 
     /// Queries for `x [n, hidden]`: projected, normed, roped: `[heads, n, head_dim]`.
     pub fn queries(&self, x: &Tensor, rope: &Rope, t: &RopeTables) -> Result<Tensor> {
-        let q = match &self.qkv {
-            Some(_) => self.project(x)?.0,
-            None => self.q_proj.forward(x)?,
-        };
+        let (q, _) = self.project(x)?;
+        let (q, _) = self.split_gate(q)?;
         self.finish_queries(q, rope, t)
     }
 
@@ -146,209 +355,39 @@ impl Attention {
         rope.apply(&q.transpose(0, 1)?.contiguous()?, t)
     }
 
-    /// Keys and values for `x [n, hidden]`: `[kv_heads, n, head_dim]` each (keys normed, roped).
+    /// Keys and values for `x [n, hidden]`: `[kv_heads, n, head_dim]` each (keys normed and
+    /// roped, values normed when the spec says so).
     pub fn keys_values(&self, x: &Tensor, rope: &Rope, t: &RopeTables) -> Result<(Tensor, Tensor)> {
-        let (k, v) = self.project_kv(x)?;
+        let (k, v) = match (&self.kv, &self.qkv) {
+            (Some(kv), _) => {
+                let y = kv.forward(x)?;
+                let kd = self.spec.kv_width();
+                let vc = if self.spec.k_eq_v { 0 } else { kd };
+                (y.narrow(1, 0, kd)?, y.narrow(1, vc, kd)?)
+            }
+            _ => self.project(x)?.1.ok_or_else(|| {
+                crate::Error::input("attention: a KV-shared layer has no keys of its own")
+            })?,
+        };
         self.finish_keys_values(k, v, rope, t)
     }
 
-    /// k and v projections only (`[n, kvh*d]` each), without computing queries.
-    fn project_kv(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
-        match (&self.kv, &self.qkv) {
-            (Some(kv), _) => {
-                let y = kv.forward(x)?;
-                let kd = self.spec.kv_heads * self.spec.head_dim;
-                Ok((y.narrow(1, 0, kd)?, y.narrow(1, kd, kd)?))
-            }
-            (None, Some(_)) => {
-                let (_, k, v) = self.project(x)?;
-                Ok((k, v))
-            }
-            (None, None) => Ok((self.k_proj.forward(x)?, self.v_proj.forward(x)?)),
-        }
-    }
-
     /// Queries, keys and values of `x [n, hidden]` from one projection:
-    /// `[heads, n, d]`, `[kv_heads, n, d]`, `[kv_heads, n, d]`.
+    /// `[heads, n, d]`, `[kv_heads, n, d]`, `[kv_heads, n, d]` (draft training).
     pub fn queries_keys_values(
         &self,
         x: &Tensor,
         rope: &Rope,
         t: &RopeTables,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (q, k, v) = self.project(x)?;
+        let (q, kv) = self.project(x)?;
+        let (q, _) = self.split_gate(q)?;
         let q = self.finish_queries(q, rope, t)?;
+        let (k, v) = kv.ok_or_else(|| {
+            crate::Error::input("attention: a KV-shared layer has no keys of its own")
+        })?;
         let (k, v) = self.finish_keys_values(k, v, rope, t)?;
         Ok((q, k, v))
-    }
-
-    /// The fused kernels' view of this layer's heads: where they sit in a projection output
-    /// whose first column is `offset`, and their norm.
-    fn head_source(&self, offset: usize, norm: &Option<RmsNorm>, rope: &Rope) -> HeadSource {
-        HeadSource {
-            offset,
-            norm: norm.as_ref().map(|n| n.weight.clone()),
-            eps: norm.as_ref().map_or(0.0, |n| n.eps),
-            rot: rope.rotary_dim,
-        }
-    }
-
-    /// Whether the fused path can run for this layer at all (dense stacked q/k/v, no sinks, a
-    /// joint cache, a head dim the kernel handles, packed tables); the kernels then check
-    /// device, dtype and shapes.
-    fn fusable(&self, cache: &KvCache, t: &RopeTables) -> bool {
-        self.qkv.is_some()
-            && self.sinks.is_none()
-            && cache.joint().is_some()
-            && t.packed.is_some()
-            && fused::attention_supports(self.spec.head_dim)
-    }
-
-    /// Append the keys/values of `x [n, hidden]` (positions of `t`) to `cache`, with the fused
-    /// kernel when it applies.
-    pub fn append_keys_values(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        t: &RopeTables,
-        cache: &mut KvCache,
-    ) -> Result<()> {
-        if let (true, Some(kvl), Some(packed)) = (self.fusable(cache, t), &self.kv, &t.packed) {
-            let y = kvl.forward(x)?;
-            let kd = self.spec.kv_heads * self.spec.head_dim;
-            let k = self.head_source(0, &self.k_norm, rope);
-            let n = x.dim(0)?;
-            if cache.append_in_place(n, |kv, pos0| fused::kv_write(kv, &y, packed, &k, kd, pos0))? {
-                return Ok(());
-            }
-        }
-        let (k, v) = self.keys_values(x, rope, t)?;
-        cache.append(&k, &v)?;
-        Ok(())
-    }
-
-    /// [`Self::forward`] for a short causal block (a verify) computed row by row, each row
-    /// exactly as a one-row decode step at its position computes it: the keys up to its own
-    /// position and the same mask (none for full layers, the window's for sliding ones). The
-    /// matmul kernels pick their blocking (and so their summation order) by shape, so one
-    /// `[rep * n, d] x [d, L]` product does not round like n `[rep, d] x [d, L_i]` products;
-    /// after activation quantization (GGUF weights) those last-bit differences grow into
-    /// logit differences that flip greedy choices. Row by row, a verify's logits equal the
-    /// plain decoding steps' (tested in `tests/lossless.rs`), so greedy DFlash output equals
-    /// greedy plain decoding without relying on near-ties being rare.
-    pub fn forward_rows(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        t: &RopeTables,
-        cache: &mut KvCache,
-        window: Option<usize>,
-    ) -> Result<Tensor> {
-        let (q, k, v) = self.queries_keys_values(x, rope, t)?;
-        let start = cache.len();
-        let (k, v) = cache.append(&k, &v)?;
-        let n = x.dim(0)?;
-        let mut rows = Vec::with_capacity(n);
-        for i in 0..n {
-            let len = start + i + 1;
-            let mask = match window {
-                Some(_) => attention_mask(1, start + i, len, true, window, q.dtype(), q.device())?,
-                None => None,
-            };
-            let qi = q.narrow(1, i, 1)?.contiguous()?;
-            rows.push(sdpa_with_sinks(
-                &qi,
-                &k.narrow(1, 0, len)?,
-                &v.narrow(1, 0, len)?,
-                mask.as_ref(),
-                self.spec.scale,
-                self.sinks.as_ref(),
-            )?);
-        }
-        self.o_proj.forward(&Tensor::cat(&rows, 0)?)
-    }
-
-    /// Write this layer's keys/values for new rows from `y`, a projection of those rows by
-    /// every layer's k/v weights stacked (`[n, layers * 2 * kv_heads * head_dim]`; this layer
-    /// is block `layer`). True when the fused kernel wrote them; false (nothing written)
-    /// when it does not apply.
-    pub fn write_keys_values_from(
-        &self,
-        y: &Tensor,
-        layer: usize,
-        rope: &Rope,
-        t: &RopeTables,
-        cache: &mut KvCache,
-    ) -> Result<bool> {
-        let Some(packed) = &t.packed else {
-            return Ok(false);
-        };
-        if !self.fusable(cache, t) {
-            return Ok(false);
-        }
-        let kd = self.spec.kv_heads * self.spec.head_dim;
-        let k = self.head_source(layer * 2 * kd, &self.k_norm, rope);
-        let n = y.dim(0)?;
-        cache.append_in_place(n, |kv, pos0| {
-            fused::kv_write(kv, y, packed, &k, layer * 2 * kd + kd, pos0)
-        })
-    }
-
-    /// [`Self::forward`] through the fused kernels: one projection, one K/V write, one
-    /// attention launch (two with split keys). None when they do not apply (nothing changed);
-    /// the caller then runs `forward` with an explicit mask.
-    pub fn forward_fused(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        t: &RopeTables,
-        cache: &mut KvCache,
-        vis: Visibility,
-    ) -> Result<Option<Tensor>> {
-        let (Some(qkv), Some(packed)) = (&self.qkv, &t.packed) else {
-            return Ok(None);
-        };
-        if !self.fusable(cache, t) {
-            return Ok(None);
-        }
-        let n = x.dim(0)?;
-        let (qd, kd) = (
-            self.spec.heads * self.spec.head_dim,
-            self.spec.kv_heads * self.spec.head_dim,
-        );
-        let y = qkv.forward(x)?;
-        let k = self.head_source(qd, &self.k_norm, rope);
-        let pos0 = cache.len();
-        if !cache.append_in_place(n, |kv, p| fused::kv_write(kv, &y, packed, &k, qd + kd, p))? {
-            return Ok(None);
-        }
-        let q = self.head_source(0, &self.q_norm, rope);
-        let joint = cache
-            .joint()
-            .expect("append_in_place wrote the joint buffer");
-        let o = fused::attention(
-            &y,
-            packed,
-            joint,
-            &q,
-            self.spec.heads,
-            self.spec.scale as f32,
-            pos0 + n,
-            pos0,
-            vis,
-        )?;
-        match o {
-            Some(o) => Ok(Some(self.o_proj.forward(&o)?)),
-            None => {
-                // The kernel declined after the K/V write (it checks the same conditions as
-                // `fusable`, so this is a bug, not an input): undo the write and say so.
-                cache.truncate(pos0);
-                Err(crate::Error::input(format!(
-                    "fused attention declined a layer it was set up for (heads {}, head_dim {}); run with DFLASH_FUSED=0 and report this",
-                    self.spec.heads, self.spec.head_dim
-                )))
-            }
-        }
     }
 
     fn finish_keys_values(
@@ -366,25 +405,282 @@ impl Attention {
             None => k,
         };
         let k = rope.apply(&k.transpose(0, 1)?.contiguous()?, t)?;
-        let v = v.reshape((n, kvh, d))?.transpose(0, 1)?.contiguous()?;
-        Ok((k, v))
+        let v = v.reshape((n, kvh, d))?;
+        let v = match &self.v_norm {
+            Some(norm) => norm.forward(&v)?,
+            None => v,
+        };
+        Ok((k, v.transpose(0, 1)?.contiguous()?))
     }
 
-    /// Self-attention of `x [n, hidden]` whose rows sit at the positions of `t`, appending its
-    /// K/V to `cache` and attending over everything cached. `mask [n, cache_len + n]` or None.
-    pub fn forward(
+    /// The fused kernels' view of this layer's heads: where they sit in a projection output
+    /// whose first column is `offset`, and their norm.
+    fn head_source(&self, offset: usize, norm: &Option<RmsNorm>, rope: &Rope) -> HeadSource {
+        HeadSource {
+            offset,
+            head_stride: self.spec.head_dim,
+            norm: norm.as_ref().map(|n| n.weight.clone()),
+            eps: norm.as_ref().map_or(self.spec.eps as f32, |n| n.eps),
+            rot: rope.rotary_dim,
+            unit_norm: false,
+        }
+    }
+
+    /// The value columns as the K/V write kernel takes them.
+    fn value_source(&self, offset: usize) -> HeadSource {
+        HeadSource {
+            offset,
+            head_stride: self.spec.head_dim,
+            norm: None,
+            eps: self.spec.eps as f32,
+            rot: 0,
+            unit_norm: self.spec.v_norm,
+        }
+    }
+
+    /// Whether the fused path can run for this layer at all (stacked q/k/v, or a q projection
+    /// alone for KV-shared layers, dense; a joint cache; a head dim the kernel has; packed
+    /// tables); the kernels then check device, dtype and shapes.
+    fn fusable(&self, cache: &KvCache, t: &RopeTables) -> bool {
+        let proj_ok = self.qkv.is_some() || (self.spec.shared_kv && self.q_proj.is_dense());
+        proj_ok
+            && cache.joint().is_some()
+            && t.packed.is_some()
+            && fused::attention_supports(self.spec.head_dim)
+    }
+
+    /// Write the keys/values of already projected rows `y` (k at `kc`, v at `vc`) into the
+    /// cache with the fused kernel. False (nothing written) when it does not apply.
+    fn write_kv_fused(
+        &self,
+        y: &Tensor,
+        kc: usize,
+        vc: usize,
+        rope: &Rope,
+        t: &RopeTables,
+        cache: &mut KvCache,
+    ) -> Result<bool> {
+        let Some(packed) = &t.packed else {
+            return Ok(false);
+        };
+        let k = self.head_source(kc, &self.k_norm, rope);
+        let v = self.value_source(vc);
+        let n = y.dim(0)?;
+        cache.append_in_place(n, |kv, pos0| fused::kv_write(kv, y, packed, &k, &v, pos0))
+    }
+
+    /// Append the keys/values of `x [n, hidden]` (positions of `t`) to `cache`, with the fused
+    /// kernel when it applies (the draft's context rows).
+    pub fn append_keys_values(
         &self,
         x: &Tensor,
         rope: &Rope,
         t: &RopeTables,
         cache: &mut KvCache,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let (q, k, v) = self.queries_keys_values(x, rope, t)?;
-        let (k, v) = cache.append(&k, &v)?;
-        let o = sdpa_with_sinks(&q, &k, &v, mask, self.spec.scale, self.sinks.as_ref())?;
+    ) -> Result<()> {
+        if let (true, Some(kvl)) = (self.fusable(cache, t), &self.kv) {
+            let y = kvl.forward(x)?;
+            let vc = if self.spec.k_eq_v {
+                0
+            } else {
+                self.spec.kv_width()
+            };
+            if self.write_kv_fused(&y, 0, vc, rope, t, cache)? {
+                return Ok(());
+            }
+        }
+        let (k, v) = self.keys_values(x, rope, t)?;
+        cache.append(&k, &v)?;
+        Ok(())
+    }
+
+    /// Write this layer's keys/values for new rows from `y`, a projection of those rows by
+    /// every layer's k/v weights stacked (`[n, layers * 2 * kv_heads * head_dim]`; this layer
+    /// is block `layer`; the draft's context rows). True when the fused kernel wrote them;
+    /// false (nothing written) when it does not apply.
+    pub fn write_keys_values_from(
+        &self,
+        y: &Tensor,
+        layer: usize,
+        rope: &Rope,
+        t: &RopeTables,
+        cache: &mut KvCache,
+    ) -> Result<bool> {
+        if self.spec.k_eq_v || self.spec.shared_kv || !self.fusable(cache, t) {
+            return Ok(false);
+        }
+        let kd = self.spec.kv_width();
+        self.write_kv_fused(y, layer * 2 * kd, layer * 2 * kd + kd, rope, t, cache)
+    }
+
+    /// Self-attention of `x [n, hidden]` at the positions of `at.tables`: appends this layer's
+    /// K/V to `cache` (KV-shared layers read it as the owner left it) and attends over
+    /// everything cached, as `at.vis` allows. The one entry point of every family's attention
+    /// layers and the draft's; see the module docs for how it runs.
+    pub fn forward(&self, x: &Tensor, at: &Site, cache: &mut KvCache) -> Result<Tensor> {
+        if let Some(o) = self.forward_fused(x, at, cache)? {
+            return Ok(o);
+        }
+        let n = x.dim(0)?;
+        let (q, kv) = self.project(x)?;
+        let (q, gate) = self.split_gate(q)?;
+        let q = self.finish_queries(q, at.rope, at.tables)?;
+        let (k, v) = match kv {
+            Some((k, v)) => {
+                let (k, v) = self.finish_keys_values(k, v, at.rope, at.tables)?;
+                cache.append(&k, &v)?
+            }
+            None => cache.view()?,
+        };
+        let q_start = k.dim(1)? - n;
+        let props = Props {
+            scale: self.spec.scale,
+            vis: at.vis,
+            sinks: self.sinks.as_ref(),
+        };
+        let o = attend(&q, &k, &v, q_start, &props, at.masks)?;
+        let o = match gate {
+            Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
+            None => o,
+        };
         self.o_proj.forward(&o)
     }
+
+    /// [`Self::forward`] through the fused kernels: one projection, one K/V write, one
+    /// attention launch (two with split keys), sinks and the output gate inside it. None when
+    /// they do not apply (nothing changed).
+    fn forward_fused(&self, x: &Tensor, at: &Site, cache: &mut KvCache) -> Result<Option<Tensor>> {
+        let Some(packed) = &at.tables.packed else {
+            return Ok(None);
+        };
+        if !self.fusable(cache, at.tables) {
+            return Ok(None);
+        }
+        let y = match &self.qkv {
+            Some(f) => f.forward(x)?,
+            None => self.q_proj.forward(x)?,
+        };
+        let n = x.dim(0)?;
+        let pos0 = if self.spec.shared_kv {
+            // The owner appended this forward's rows already.
+            cache.len().checked_sub(n).ok_or_else(|| {
+                crate::Error::input("attention: a KV-shared layer ran before its owner")
+            })?
+        } else {
+            let (kc, vc) = self.kv_columns();
+            let pos0 = cache.len();
+            if !self.write_kv_fused(&y, kc, vc, at.rope, at.tables, cache)? {
+                return Ok(None);
+            }
+            pos0
+        };
+        let mut q = self.head_source(0, &self.q_norm, at.rope);
+        let gate = self.spec.output_gate.then(|| {
+            q.head_stride = 2 * self.spec.head_dim;
+            self.spec.head_dim
+        });
+        let joint = cache.joint().expect("fusable checked the joint buffer");
+        let o = fused::attention(
+            &y,
+            packed,
+            joint,
+            &fused::AttentionCall {
+                q,
+                heads: self.spec.heads,
+                scale: self.spec.scale as f32,
+                kv_len: pos0 + n,
+                q_pos0: pos0,
+                vis: at.vis,
+                sinks: self.sinks.clone(),
+                gate_offset: gate,
+            },
+        )?;
+        match o {
+            Some(o) => Ok(Some(self.o_proj.forward(&o)?)),
+            None => {
+                // The kernel declined after the K/V write (it checks the same conditions as
+                // `fusable`, so this is a bug, not an input): undo the write and say so.
+                if !self.spec.shared_kv {
+                    cache.truncate(pos0);
+                }
+                Err(crate::Error::input(format!(
+                    "fused attention declined a layer it was set up for (heads {}, head_dim {}); run with DFLASH_FUSED=0 and report this",
+                    self.spec.heads, self.spec.head_dim
+                )))
+            }
+        }
+    }
+}
+
+/// What [`attend`] needs besides the tensors.
+pub struct Props<'a> {
+    pub scale: f64,
+    pub vis: Visibility,
+    /// `[heads]` logits joining every row's softmax (gpt-oss).
+    pub sinks: Option<&'a Tensor>,
+}
+
+/// Attention of ready queries `q [heads, n, d]` (row i at position `q_start + i`) over keys
+/// and values `k [kv_heads, L, dk]`, `v [kv_heads, L, dv]` (positions `0 .. L`, views allowed):
+/// `[n, heads * dv]`. On the CPU a causal verify-sized block runs row by row (each row exactly
+/// as its one-row decode step), anything else as one masked product.
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_start: usize,
+    p: &Props,
+    masks: &Masks,
+) -> Result<Tensor> {
+    let n = q.dim(1)?;
+    if q.device().is_cpu() && p.vis.causal && n > 1 && n <= ROW_WISE_MAX {
+        return attend_rows(q, k, v, q_start, p);
+    }
+    let mask = if n > 1 || p.vis.window.is_some() {
+        masks.get(p.vis)?
+    } else {
+        None
+    };
+    sdpa_with_sinks(q, k, v, mask.as_ref(), p.scale, p.sinks)
+}
+
+/// [`attend`] for a short causal block computed row by row, each row exactly as a one-row
+/// decode step at its position computes it: the keys up to its own position and the same mask
+/// (none for full layers, the window's for sliding ones). The matmul kernels pick their
+/// blocking (and so their summation order) by shape, so one `[rep * n, d] x [d, L]` product
+/// does not round like n `[rep, d] x [d, L_i]` products; after activation quantization (GGUF
+/// weights) those last-bit differences grow into logit differences that flip greedy choices.
+/// Row by row, a verify's logits equal the plain decoding steps' (tested in
+/// `tests/lossless.rs`), so greedy DFlash output equals greedy plain decoding without relying
+/// on near-ties being rare.
+fn attend_rows(q: &Tensor, k: &Tensor, v: &Tensor, q_start: usize, p: &Props) -> Result<Tensor> {
+    let n = q.dim(1)?;
+    let mut rows = Vec::with_capacity(n);
+    for i in 0..n {
+        let len = q_start + i + 1;
+        let mask = match p.vis.window {
+            Some(_) => attention_mask(
+                1,
+                q_start + i,
+                len,
+                true,
+                p.vis.window,
+                q.dtype(),
+                q.device(),
+            )?,
+            None => None,
+        };
+        let qi = q.narrow(1, i, 1)?.contiguous()?;
+        rows.push(sdpa_with_sinks(
+            &qi,
+            &k.narrow(1, 0, len)?,
+            &v.narrow(1, 0, len)?,
+            mask.as_ref(),
+            p.scale,
+            p.sinks,
+        )?);
+    }
+    Ok(Tensor::cat(&rows, 0)?)
 }
 
 /// Scaled dot-product attention. `q [heads, n, d]`, `k/v [kv_heads, L, d]` (views allowed),

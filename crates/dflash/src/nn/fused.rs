@@ -3,40 +3,55 @@
 //! On CUDA in bf16 the decode / verify / draft steps launch a few hand-written kernels
 //! (`kernels/fused.cu`, wrapped in `nn::cuda`) instead of chains of small candle ops: residual
 //! add + RMSNorm, SwiGLU, the K/V cache write with per-head norm and RoPE, and attention over
-//! the cache. Every function here returns `None` (or `false`) when its kernel does not apply:
-//! another device or dtype, a shape the kernel does not handle, tensors tracked by autograd
-//! (draft training needs the differentiable candle path), or `DFLASH_FUSED=0` in the
-//! environment (to measure or rule out the kernels). The caller then runs the portable path,
-//! which is the definition the kernels are tested against.
+//! the cache (sinks and an output gate included). Every function here returns `None` (or
+//! `false`) when its kernel does not apply: another device or dtype, a shape the kernel does
+//! not handle, tensors tracked by autograd (draft training needs the differentiable candle
+//! path), or `DFLASH_FUSED=0` (the switchboard, to measure or rule out the kernels). The
+//! caller then runs the portable path, which is the definition the kernels are tested against.
 
+use super::attention::Visibility;
 use crate::Result;
 use candle_core::Tensor;
 
-#[cfg(feature = "cuda")]
-pub use super::cuda::{HeadSource, Visibility};
-
 /// Where the heads sit in a projection output and how they are normed and rotated.
-#[cfg(not(feature = "cuda"))]
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct HeadSource {
+    /// Column of head 0's first value in each row of the source.
     pub offset: usize,
+    /// Columns from one head to the next (head_dim, or 2 * head_dim when a gate follows each
+    /// query head).
+    pub head_stride: usize,
+    /// Per-head RMSNorm weight `[head_dim]`.
     pub norm: Option<Tensor>,
     pub eps: f32,
+    /// Dims rotated by RoPE (the first `rot` of each head; 0 = none).
     pub rot: usize,
+    /// A scale-less RMSNorm (weight one) instead of `norm` (gemma4's values).
+    pub unit_norm: bool,
 }
 
-/// Which keys a query row sees.
-#[cfg(not(feature = "cuda"))]
-#[derive(Clone, Copy, Debug)]
-pub struct Visibility {
-    pub causal: bool,
-    pub window: Option<usize>,
+/// One attention launch over a joint KV cache (see [`attention`]).
+#[derive(Clone, Debug)]
+pub struct AttentionCall {
+    /// The queries in the projection output (normed + roped in the kernel).
+    pub q: HeadSource,
+    pub heads: usize,
+    pub scale: f32,
+    /// Keys `0 .. kv_len` of the cache are attended over.
+    pub kv_len: usize,
+    /// Position of query row 0.
+    pub q_pos0: usize,
+    pub vis: Visibility,
+    /// `[heads]` logits joining each softmax (gpt-oss).
+    pub sinks: Option<Tensor>,
+    /// Column offset of head 0's output gate from the head's query (the output is multiplied
+    /// by `sigmoid(gate)`; hybrid Qwen attention).
+    pub gate_offset: Option<usize>,
 }
 
-/// False when `DFLASH_FUSED=0` (read once).
+/// False when `DFLASH_FUSED=0` (the switchboard, `crate::switches`).
 pub fn allowed() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_FUSED").map_or(true, |v| v != "0"))
+    crate::switches::get().fused
 }
 
 /// Whether the fused path may run for these tensors (CUDA build, switch on, nothing tracked
@@ -81,14 +96,15 @@ pub fn swiglu(gu: &Tensor) -> Result<Option<Tensor>> {
     }
 }
 
-/// Write K/V rows `pos0 ..` of a joint cache `[2, kv_heads, cap, d]` from `src` (see
-/// `nn::cuda::kv_write`). False when nothing was written.
+/// Write K/V rows `pos0 ..` of a joint cache `[2, kv_heads, cap, d]` from `src`: keys from
+/// `k` (normed + roped), values from `v` (optionally unit-normed). False when nothing was
+/// written.
 pub fn kv_write(
     kv: &Tensor,
     src: &Tensor,
     tables: &Tensor,
     k: &HeadSource,
-    v_offset: usize,
+    v: &HeadSource,
     pos0: usize,
 ) -> Result<bool> {
     if !usable(&[kv, src, tables]) {
@@ -96,11 +112,11 @@ pub fn kv_write(
     }
     #[cfg(feature = "cuda")]
     {
-        Ok(super::cuda::kv_write(kv, src, tables, k, v_offset, pos0)?)
+        Ok(super::cuda::kv_write(kv, src, tables, k, v, pos0)?)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (k, v_offset, pos0);
+        let _ = (k, v, pos0);
         Ok(false)
     }
 }
@@ -109,7 +125,7 @@ pub fn kv_write(
 pub fn attention_supports(head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
-        super::cuda::ATTN_HEAD_DIMS.contains(&head_dim)
+        allowed() && super::cuda::ATTN_HEAD_DIMS.contains(&head_dim)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -118,32 +134,24 @@ pub fn attention_supports(head_dim: usize) -> bool {
     }
 }
 
-/// Attention of the query rows of `src` over the first `kv_len` rows of a joint cache (see
-/// `nn::cuda::attention`).
-#[allow(clippy::too_many_arguments)]
+/// Attention of the query rows of `src` over the first `call.kv_len` rows of a joint cache
+/// (see `nn::cuda::attention`).
 pub fn attention(
     src: &Tensor,
     tables: &Tensor,
     kv: &Tensor,
-    q: &HeadSource,
-    heads: usize,
-    scale: f32,
-    kv_len: usize,
-    q_pos0: usize,
-    vis: Visibility,
+    call: &AttentionCall,
 ) -> Result<Option<Tensor>> {
     if !usable(&[src, tables, kv]) {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
     {
-        Ok(super::cuda::attention(
-            src, tables, kv, q, heads, scale, kv_len, q_pos0, vis,
-        )?)
+        Ok(super::cuda::attention(src, tables, kv, call)?)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, heads, scale, kv_len, q_pos0, vis);
+        let _ = call;
         Ok(None)
     }
 }

@@ -69,6 +69,14 @@ impl GatedDeltaSpec {
     pub fn conv_dim(&self) -> usize {
         2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
     }
+    /// Parameters of one layer: the input projections, conv taps, decay and bias vectors, the
+    /// output norm and projection.
+    pub fn params(&self) -> u64 {
+        let (h, hv, dv) = (self.hidden as u64, self.v_heads as u64, self.v_dim as u64);
+        let cd = self.conv_dim() as u64;
+        (cd + hv * dv + 2 * hv) * h + cd * self.conv_kernel as u64 + 2 * hv + dv + hv * dv * h
+    }
+
     /// A fresh (zero) cache for a layer of this shape.
     pub fn new_cache(&self, dtype: DType, device: &Device) -> Result<RecurrentCache> {
         RecurrentCache::new(

@@ -199,6 +199,11 @@ impl Linear {
         })
     }
 
+    /// A dense weight (the CUDA kernels take these).
+    pub fn is_dense(&self) -> bool {
+        matches!(self, Linear::Dense { .. })
+    }
+
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Dense { weight, .. } => weight.dims()[0],

@@ -73,6 +73,20 @@ impl GatedMlp {
         Ok(())
     }
 
+    /// Parameters of a `hidden -> inter -> hidden` gated MLP.
+    pub fn params(hidden: usize, inter: usize, bias: bool) -> u64 {
+        let (h, i) = (hidden as u64, inter as u64);
+        3 * h * i + if bias { 2 * i + h } else { 0 }
+    }
+
+    /// Bytes of weights held (the stacked gate/up included, the emptied parts at 0).
+    pub fn weight_bytes(&self) -> usize {
+        self.gate.weight_bytes()
+            + self.up.weight_bytes()
+            + self.down.weight_bytes()
+            + self.gate_up.as_ref().map_or(0, Linear::weight_bytes)
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (g, u) = match &self.gate_up {
             Some(gu) => {

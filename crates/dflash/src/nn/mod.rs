@@ -3,34 +3,65 @@
 //! for the hybrid families, gated attention and the Gated DeltaNet with its recurrent cache.
 //!
 //! Activations are 2-D `[tokens, features]` (batch 1): the engine decodes one sequence.
+//! Every layer reports the bytes of weights it holds (`weight_bytes`), fused copies included,
+//! so a family's sizing is the sum of its layers'.
 
 pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod embedding;
 pub mod fused;
-pub mod gated_attention;
 pub mod gated_delta;
 pub mod kv_cache;
 pub mod latent_cache;
 pub mod linear;
+pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod norm;
 pub mod q8;
 pub mod recurrent_cache;
 pub mod rope;
-pub mod routing;
 
-pub use attention::{attention_mask, sdpa_with_sinks, Attention, AttentionSpec};
+pub use attention::{
+    attend, attention_mask, sdpa, sdpa_with_sinks, Attention, AttentionSpec, Masks, Props, Site,
+    Visibility,
+};
 pub use embedding::Embedding;
-pub use gated_attention::GatedAttention;
 pub use gated_delta::{ChunkMasks, GatedDeltaNet, GatedDeltaSpec, InProjLayout};
 pub use kv_cache::KvCache;
 pub use latent_cache::LatentCache;
 pub use linear::Linear;
+pub use mla::{LatentAttention, MlaShape, QProj};
 pub use mlp::{Activation, GatedMlp};
-pub use moe::SparseMoe;
+pub use moe::{Experts, MoeConfig, Router, SparseMoe};
 pub use norm::RmsNorm;
 pub use recurrent_cache::RecurrentCache;
 pub use rope::{Rope, RopeTables};
+
+/// Bytes of a tensor's elements.
+pub fn tensor_bytes(t: &candle_core::Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+/// Parameters of a model or layer by how a checkpoint may store them (sizing from a config).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Params {
+    /// Weights stored in the checkpoint's float dtype.
+    pub plain: u64,
+    /// Routed-expert matrices (what MXFP4 / int4 checkpoints quantize).
+    pub experts: u64,
+}
+
+impl Params {
+    pub fn total(&self) -> u64 {
+        self.plain + self.experts
+    }
+}
+
+impl std::ops::AddAssign for Params {
+    fn add_assign(&mut self, o: Params) {
+        self.plain += o.plain;
+        self.experts += o.experts;
+    }
+}

@@ -1,24 +1,336 @@
-//! Sparse mixture-of-experts feed-forward: softmax router over E experts, top-k per token,
-//! optional renormalization of the k weights (`norm_topk_prob`), gated-MLP experts.
+//! Mixture-of-experts feed-forward, one implementation for every MoE family: a [`Router`]
+//! (how each row chooses its experts and their weights), the routed [`Experts`] (stacked
+//! weights `[E, 2I, H]` / `[E, H, I]`, one activation), and an optional shared expert.
 //!
-//! Routing happens on the host (a `[tokens, E]` copy); each selected expert runs once on the
-//! rows routed to it and its weighted output is scattered back with `index_add`.
+//! | family | scoring | weights | experts | shared |
+//! |---|---|---|---|---|
+//! | qwen3_moe | softmax, top-k | renormalized iff `norm_topk_prob` | SwiGLU | - |
+//! | qwen3_5_moe, qwen3_next | softmax, top-k | renormalized (qwen3_5_moe always) | SwiGLU | sigmoid-gated |
+//! | gemma4 | softmax, top-k | renormalized, times a per-expert scale | GeGLU | - (a dense MLP beside it) |
+//! | gpt_oss | top-k of the logits, softmax over them | as computed | clamped GLU with biases | - |
+//! | deepseek_v3 / kimi | sigmoid, correction bias for the choice, grouped top-k | raw scores, renormalized, times `routed_scaling_factor` | SwiGLU | always on |
+//!
+//! The config side is one reader too ([`MoeConfig`]), with the family's defaults for absent
+//! keys. Routing happens on the host from an f32 `[rows, experts]` copy; each selected expert
+//! runs once on the rows routed to it and its weighted output is added back in expert order
+//! (as transformers loops over experts). [`Experts::forward`] is the door a grouped expert
+//! kernel plugs into.
 
-use super::{Activation, GatedMlp, Linear};
+use super::{Activation, GatedMlp, Linear, RmsNorm};
+use crate::config::Fields;
 use crate::source::Weights;
-use crate::Result;
+use crate::{Error, Result};
 use candle_core::{DType, Tensor};
 
-#[derive(Debug, Clone)]
-pub struct SparseMoe {
-    pub router: Linear,
-    pub experts: Vec<GatedMlp>,
+/// Indices of the `k` largest values, descending; ties go to the lower index (torch.topk).
+pub fn top_k_desc(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// The MoE settings of a config, one reader for every family.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
     pub top_k: usize,
+    /// Width of one routed expert.
+    pub intermediate_size: usize,
+    /// Width of the shared expert (0 = none).
+    pub shared_intermediate_size: usize,
     pub norm_topk_prob: bool,
 }
 
-impl SparseMoe {
-    /// Load `{prefix}.gate.weight [E, H]` and the experts, either per expert
+/// A family's defaults for absent MoE keys (None: the key is required).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MoeDefaults {
+    pub num_experts: Option<usize>,
+    pub top_k: Option<usize>,
+    pub intermediate_size: Option<usize>,
+    pub shared_intermediate_size: Option<usize>,
+    pub norm_topk_prob: bool,
+}
+
+impl MoeConfig {
+    /// Read the expert count (`num_experts`, `num_local_experts` or `n_routed_experts`), the
+    /// experts per token (`num_experts_per_tok`, `experts_per_token` or `top_k_experts`),
+    /// `moe_intermediate_size`, `shared_expert_intermediate_size` and `norm_topk_prob` from
+    /// the text config `f`, with `d` for absent keys. Errors name the field.
+    pub fn parse(f: &Fields, d: MoeDefaults) -> Result<Self> {
+        let first = |keys: &[&str]| -> Result<Option<(String, usize)>> {
+            for k in keys {
+                if let Some(x) = f.opt_usize(k)? {
+                    return Ok(Some((k.to_string(), x)));
+                }
+            }
+            Ok(None)
+        };
+        let need = |keys: &[&str], default: Option<usize>| -> Result<(String, usize)> {
+            match (first(keys)?, default) {
+                (Some(v), _) => Ok(v),
+                (None, Some(x)) => Ok((keys[0].to_string(), x)),
+                (None, None) => Err(f.err(keys[0], "missing (required for MoE layers)")),
+            }
+        };
+        let (ek, num_experts) = need(
+            &["num_experts", "num_local_experts", "n_routed_experts"],
+            d.num_experts,
+        )?;
+        if num_experts == 0 {
+            return Err(f.err(&ek, "must be > 0"));
+        }
+        let (kk, top_k) = need(
+            &["num_experts_per_tok", "experts_per_token", "top_k_experts"],
+            d.top_k,
+        )?;
+        if top_k == 0 || top_k > num_experts {
+            return Err(f.err(
+                &kk,
+                format!("{top_k} experts per token of {num_experts}: need 1..={num_experts}"),
+            ));
+        }
+        let (ik, intermediate_size) = need(&["moe_intermediate_size"], d.intermediate_size)?;
+        if intermediate_size == 0 {
+            return Err(f.err(&ik, "must be > 0"));
+        }
+        let shared_intermediate_size = match (
+            f.opt_usize("shared_expert_intermediate_size")?,
+            d.shared_intermediate_size,
+        ) {
+            (Some(0), Some(_)) => {
+                return Err(f.err("shared_expert_intermediate_size", "must be > 0"))
+            }
+            (Some(x), _) => x,
+            (None, x) => x.unwrap_or(0),
+        };
+        Ok(Self {
+            num_experts,
+            top_k,
+            intermediate_size,
+            shared_intermediate_size,
+            norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(d.norm_topk_prob),
+        })
+    }
+
+    /// Parameters of one Qwen-layout MoE block of `hidden`: router, routed experts, and the
+    /// shared expert with its gate when there is one.
+    pub fn params(&self, hidden: usize) -> super::Params {
+        let (h, e) = (hidden as u64, self.num_experts as u64);
+        let shared = match self.shared_intermediate_size {
+            0 => 0,
+            s => GatedMlp::params(hidden, s, false) + h,
+        };
+        super::Params {
+            plain: e * h + shared,
+            experts: e * GatedMlp::params(hidden, self.intermediate_size, false),
+        }
+    }
+
+    /// Which of `layers` layers have the MoE block under `decoder_sparse_step` (every n-th
+    /// layer, default 1) and `mlp_only_layers` (dense exceptions), as the Qwen MoE configs say.
+    pub fn sparse_layers(f: &Fields, layers: usize) -> Result<Vec<bool>> {
+        let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
+        let mlp_only = f.opt_usize_list("mlp_only_layers")?.unwrap_or_default();
+        Ok((0..layers)
+            .map(|i| !mlp_only.contains(&i) && (i + 1) % step == 0)
+            .collect())
+    }
+}
+
+/// How a router turns its logits into choices.
+#[derive(Debug, Clone)]
+pub enum Scoring {
+    /// Softmax over every expert, then the top k; renormalized to sum to one when asked.
+    Softmax { renormalize: bool },
+    /// The top k logits, softmaxed among themselves (gpt-oss).
+    TopKSoftmax,
+    /// Sigmoid scores; the choice adds `correction` and keeps the best `topk_group` of
+    /// `n_group` groups (each scored by its two best); the weights are the chosen raw scores,
+    /// renormalized when asked (deepseek_v3).
+    SigmoidGrouped {
+        correction: Vec<f32>,
+        n_group: usize,
+        topk_group: usize,
+        renormalize: bool,
+    },
+}
+
+/// For each expert, the rows routed to it and their weights, in row order.
+#[derive(Debug, Clone)]
+pub struct Routes {
+    pub per_expert: Vec<Vec<(u32, f32)>>,
+}
+
+impl Routes {
+    pub fn new(num_experts: usize) -> Self {
+        Self {
+            per_expert: vec![vec![]; num_experts],
+        }
+    }
+    pub fn push(&mut self, row: usize, expert: usize, weight: f32) {
+        self.per_expert[expert].push((row as u32, weight));
+    }
+    /// Experts with at least one row (the union a block routes to).
+    pub fn used(&self) -> usize {
+        self.per_expert.iter().filter(|r| !r.is_empty()).count()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Router {
+    /// `[E, H]` (with a bias for gpt-oss).
+    pub proj: Linear,
+    /// Multiply in f32 (deepseek_v3 routes in float32: the weight is loaded as f32).
+    pub f32_input: bool,
+    pub scoring: Scoring,
+    pub top_k: usize,
+    /// Multiplies every chosen weight (`routed_scaling_factor`; 1 otherwise).
+    pub scale: f32,
+    /// Per-expert multipliers of the chosen weights (gemma4).
+    pub per_expert_scale: Option<Vec<f32>>,
+}
+
+impl Router {
+    /// A plain `{name}` linear router.
+    pub fn load(
+        w: &Weights,
+        name: &str,
+        hidden: usize,
+        experts: usize,
+        bias: bool,
+        scoring: Scoring,
+        top_k: usize,
+    ) -> Result<Self> {
+        Ok(Self {
+            proj: Linear::load(w, name, hidden, experts, bias)?,
+            f32_input: false,
+            scoring,
+            top_k,
+            scale: 1.0,
+            per_expert_scale: None,
+        })
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.proj.weight_bytes()
+    }
+
+    /// Router logits `[n, E]` f32.
+    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let y = if self.f32_input {
+            self.proj.forward(&x.to_dtype(DType::F32)?)?
+        } else {
+            self.proj.forward(x)?
+        };
+        Ok(y.to_dtype(DType::F32)?)
+    }
+
+    /// One row's choices `(expert, weight)` from its logits.
+    pub fn choose(&self, l: &[f32]) -> Vec<(usize, f32)> {
+        let mut out: Vec<(usize, f32)> = match &self.scoring {
+            Scoring::Softmax { renormalize } => {
+                let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let ex: Vec<f32> = l.iter().map(|&x| (x - m).exp()).collect();
+                let z: f32 = ex.iter().sum();
+                let p: Vec<f32> = ex.iter().map(|&e| e / z).collect();
+                let top = top_k_desc(&p, self.top_k);
+                let sum: f32 = top.iter().map(|&e| p[e]).sum();
+                top.into_iter()
+                    .map(|e| (e, if *renormalize { p[e] / sum } else { p[e] }))
+                    .collect()
+            }
+            Scoring::TopKSoftmax => {
+                let top = top_k_desc(l, self.top_k);
+                let m = l[top[0]];
+                let ex: Vec<f32> = top.iter().map(|&e| (l[e] - m).exp()).collect();
+                let sum: f32 = ex.iter().sum();
+                top.into_iter().zip(ex).map(|(e, x)| (e, x / sum)).collect()
+            }
+            Scoring::SigmoidGrouped {
+                correction,
+                n_group,
+                topk_group,
+                renormalize,
+            } => {
+                let s: Vec<f32> = l.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+                let choice: Vec<f32> = s.iter().zip(correction).map(|(a, b)| a + b).collect();
+                let per_group = choice.len() / n_group;
+                // groups scored by the sum of their two best choice scores
+                let group_scores: Vec<f32> = choice
+                    .chunks(per_group)
+                    .map(|g| top_k_desc(g, 2).iter().map(|&i| g[i]).sum())
+                    .collect();
+                let groups = top_k_desc(&group_scores, *topk_group);
+                let masked: Vec<f32> = choice
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| {
+                        if groups.contains(&(i / per_group)) {
+                            v
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    })
+                    .collect();
+                let top = top_k_desc(&masked, self.top_k);
+                let denom = if *renormalize {
+                    top.iter().map(|&i| s[i]).sum::<f32>() + 1e-20
+                } else {
+                    1.0
+                };
+                top.into_iter().map(|i| (i, s[i] / denom)).collect()
+            }
+        };
+        for (e, wt) in &mut out {
+            if let Some(s) = &self.per_expert_scale {
+                *wt *= s[*e];
+            }
+            *wt *= self.scale;
+        }
+        out
+    }
+
+    /// Route the rows of `x [n, hidden]`.
+    pub fn route(&self, x: &Tensor) -> Result<Routes> {
+        let logits = self.logits(x)?.to_vec2::<f32>()?;
+        let e = self.proj.out_features();
+        let mut routes = Routes::new(e);
+        for (row, l) in logits.iter().enumerate() {
+            for (expert, wt) in self.choose(l) {
+                routes.push(row, expert, wt);
+            }
+        }
+        Ok(routes)
+    }
+}
+
+/// The activation of a routed expert's gate/up pair.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertAct {
+    /// `act(gate) * up` (SwiGLU with silu, GeGLU with gelu-tanh).
+    Glu(Activation),
+    /// gpt-oss: `(clamp(up, -l, l) + 1) * g * sigmoid(alpha g)` with `g = min(gate, l)`.
+    ClampedGlu { limit: f64, alpha: f64 },
+}
+
+/// The routed experts, stacked.
+#[derive(Debug, Clone)]
+pub struct Experts {
+    /// `[E, 2I, H]`: each expert's gate rows, then its up rows.
+    pub gate_up: Tensor,
+    /// `[E, 2I]`
+    pub gate_up_bias: Option<Tensor>,
+    /// `[E, H, I]`
+    pub down: Tensor,
+    /// `[E, H]`
+    pub down_bias: Option<Tensor>,
+    pub act: ExpertAct,
+    pub inter: usize,
+}
+
+impl Experts {
+    /// Load `{prefix}.experts` without biases, either per expert
     /// (`{prefix}.experts.{e}.{gate,up,down}_proj.weight`, the checkpoint layout) or stacked
     /// (`{prefix}.experts.gate_up_proj [E, 2I, H]`, `{prefix}.experts.down_proj [E, H, I]`,
     /// transformers 5's in-memory layout).
@@ -27,93 +339,311 @@ impl SparseMoe {
         prefix: &str,
         hidden: usize,
         inter: usize,
-        num_experts: usize,
-        top_k: usize,
-        norm_topk_prob: bool,
+        experts: usize,
         act: Activation,
     ) -> Result<Self> {
-        let router = Linear::load(w, &format!("{prefix}.gate"), hidden, num_experts, false)?;
         let stacked = format!("{prefix}.experts.gate_up_proj");
-        let experts = if w.contains(&stacked) {
-            let gu = w.get(&stacked, (num_experts, 2 * inter, hidden))?;
-            let down = w.get(
-                &format!("{prefix}.experts.down_proj"),
-                (num_experts, hidden, inter),
-            )?;
-            (0..num_experts)
-                .map(|e| {
-                    let g = gu.get(e)?;
-                    Ok(GatedMlp {
-                        gate: Linear::dense(g.narrow(0, 0, inter)?.contiguous()?, None),
-                        up: Linear::dense(g.narrow(0, inter, inter)?.contiguous()?, None),
-                        down: Linear::dense(down.get(e)?.contiguous()?, None),
-                        act,
-                        gate_up: None,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?
+        let (gate_up, down) = if w.contains(&stacked) {
+            (
+                w.get(&stacked, (experts, 2 * inter, hidden))?,
+                w.get(
+                    &format!("{prefix}.experts.down_proj"),
+                    (experts, hidden, inter),
+                )?,
+            )
         } else {
-            (0..num_experts)
-                .map(|e| {
-                    GatedMlp::load(
-                        w,
-                        &format!("{prefix}.experts.{e}"),
-                        hidden,
-                        inter,
-                        false,
-                        act,
-                    )
-                })
-                .collect::<Result<Vec<_>>>()?
+            let (mut gu, mut dn) = (Vec::with_capacity(experts), Vec::with_capacity(experts));
+            for e in 0..experts {
+                let p = format!("{prefix}.experts.{e}");
+                let g = w.get(&format!("{p}.gate_proj.weight"), (inter, hidden))?;
+                let u = w.get(&format!("{p}.up_proj.weight"), (inter, hidden))?;
+                gu.push(Tensor::cat(&[&g, &u], 0)?);
+                dn.push(w.get(&format!("{p}.down_proj.weight"), (hidden, inter))?);
+            }
+            (Tensor::stack(&gu, 0)?, Tensor::stack(&dn, 0)?)
         };
         Ok(Self {
-            router,
-            experts,
-            top_k,
-            norm_topk_prob,
+            gate_up,
+            gate_up_bias: None,
+            down,
+            down_bias: None,
+            act: ExpertAct::Glu(act),
+            inter,
         })
+    }
+
+    pub fn count(&self) -> usize {
+        self.gate_up.dims()[0]
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        let t = super::tensor_bytes;
+        t(&self.gate_up)
+            + t(&self.down)
+            + self.gate_up_bias.as_ref().map_or(0, t)
+            + self.down_bias.as_ref().map_or(0, t)
+    }
+
+    /// Expert `e` on its rows `x [m, hidden]` -> `[m, hidden]`.
+    pub fn expert(&self, e: usize, x: &Tensor) -> Result<Tensor> {
+        let mut gu = x.matmul(&self.gate_up.get(e)?.t()?)?;
+        if let Some(b) = &self.gate_up_bias {
+            gu = gu.broadcast_add(&b.get(e)?)?;
+        }
+        let i = self.inter;
+        let (g, u) = (gu.narrow(1, 0, i)?, gu.narrow(1, i, i)?);
+        let h = match self.act {
+            ExpertAct::Glu(a) => (a.apply(&g)? * u)?,
+            ExpertAct::ClampedGlu { limit, alpha } => {
+                let g = g.minimum(limit)?;
+                let u = u.clamp(-limit, limit)?;
+                let glu = (&g * candle_nn::ops::sigmoid(&(&g * alpha)?)?)?;
+                ((u + 1.0)? * glu)?
+            }
+        };
+        let mut y = h.matmul(&self.down.get(e)?.t()?)?;
+        if let Some(b) = &self.down_bias {
+            y = y.broadcast_add(&b.get(e)?)?;
+        }
+        Ok(y)
+    }
+
+    /// `sum_e weight(row, e) * expert(e, x[rows of e])` for `x [n, hidden]`, experts taken in
+    /// index order.
+    pub fn forward(&self, x: &Tensor, routes: &Routes) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let mut out = x.zeros_like()?;
+        for (e, rows) in routes.per_expert.iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            let wts: Vec<f32> = rows.iter().map(|r| r.1).collect();
+            let wts = Tensor::from_vec(wts, (rows.len(), 1), x.device())?.to_dtype(x.dtype())?;
+            // Rows are pushed in order, so all n of them means exactly 0..n.
+            if rows.len() == n {
+                out = (out + self.expert(e, x)?.broadcast_mul(&wts)?)?;
+            } else {
+                let ids: Vec<u32> = rows.iter().map(|r| r.0).collect();
+                let ids = Tensor::from_vec(ids, rows.len(), x.device())?;
+                let ye = self
+                    .expert(e, &x.index_select(&ids, 0)?)?
+                    .broadcast_mul(&wts)?;
+                out = out.index_add(&ids, &ye, 0)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The always-on expert of the Qwen hybrid and DeepSeek MoE blocks.
+#[derive(Debug, Clone)]
+pub struct SharedExpert {
+    pub mlp: GatedMlp,
+    /// `[1, hidden]`: the output is scaled by `sigmoid(gate(x))` (Qwen); None = unscaled.
+    pub gate: Option<Linear>,
+}
+
+impl SharedExpert {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.mlp.forward(x)?;
+        Ok(match &self.gate {
+            Some(g) => y.broadcast_mul(&candle_nn::ops::sigmoid(&g.forward(x)?)?)?,
+            None => y,
+        })
+    }
+    fn weight_bytes(&self) -> usize {
+        self.mlp.weight_bytes() + self.gate.as_ref().map_or(0, Linear::weight_bytes)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    pub router: Router,
+    pub experts: Experts,
+    pub shared: Option<SharedExpert>,
+}
+
+impl SparseMoe {
+    /// The Qwen layout under `{prefix}`: router `{prefix}.gate`, experts, and (when `c` has a
+    /// shared width) `{prefix}.shared_expert` with its gate `{prefix}.shared_expert_gate`.
+    pub fn load_qwen(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        c: &MoeConfig,
+        renormalize: bool,
+        act: Activation,
+    ) -> Result<Self> {
+        let shared = if c.shared_intermediate_size > 0 {
+            let mut mlp = GatedMlp::load(
+                w,
+                &format!("{prefix}.shared_expert"),
+                hidden,
+                c.shared_intermediate_size,
+                false,
+                act,
+            )?;
+            mlp.fuse()?;
+            Some(SharedExpert {
+                mlp,
+                gate: Some(Linear::load(
+                    w,
+                    &format!("{prefix}.shared_expert_gate"),
+                    hidden,
+                    1,
+                    false,
+                )?),
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            router: Router::load(
+                w,
+                &format!("{prefix}.gate"),
+                hidden,
+                c.num_experts,
+                false,
+                Scoring::Softmax { renormalize },
+                c.top_k,
+            )?,
+            experts: Experts::load(w, prefix, hidden, c.intermediate_size, c.num_experts, act)?,
+            shared,
+        })
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.router.weight_bytes()
+            + self.experts.weight_bytes()
+            + self.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
     }
 
     /// `x [n, hidden] -> [n, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let n = x.dim(0)?;
-        let probs =
-            candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
-        let probs = probs.to_vec2::<f32>()?;
-        // per expert: (row, weight)
-        let mut routed: Vec<Vec<(u32, f32)>> = vec![vec![]; self.experts.len()];
-        for (row, p) in probs.iter().enumerate() {
-            let mut idx: Vec<usize> = (0..p.len()).collect();
-            // descending probability, ties -> lower expert id (torch.topk order)
-            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            idx.truncate(self.top_k);
-            let sum: f32 = idx.iter().map(|&e| p[e]).sum();
-            for &e in &idx {
-                let wgt = if self.norm_topk_prob {
-                    p[e] / sum
-                } else {
-                    p[e]
-                };
-                routed[e].push((row as u32, wgt));
+        self.forward_routed(x, x)
+    }
+
+    /// Routed by `router_x`, computed on `x` (gemma4 routes on its own normed input).
+    pub fn forward_routed(&self, router_x: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let routes = self.router.route(router_x)?;
+        let y = self.experts.forward(x, &routes)?;
+        Ok(match &self.shared {
+            Some(s) => (y + s.forward(x)?)?,
+            None => y,
+        })
+    }
+}
+
+/// A norm on the router's input (gemma4: `norm(x) * scale * hidden^-0.5`).
+#[derive(Debug, Clone)]
+pub struct RouterInput {
+    pub norm: RmsNorm,
+    pub scale: Tensor,
+    pub root: f64,
+}
+
+impl RouterInput {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok((self.norm.forward(x)?.broadcast_mul(&self.scale)? * self.root)?)
+    }
+}
+
+/// An error for a MoE layer that a config does not describe.
+pub fn missing_moe(file: &str, layer: usize) -> Error {
+    Error::config(
+        file,
+        "num_experts",
+        format!("layer {layer} is a MoE layer but the config has no MoE settings"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn top_k_order_and_ties() {
+        assert_eq!(top_k_desc(&[0.1, 0.5, 0.5, -1.0, 0.7], 3), vec![4, 1, 2]);
+        assert_eq!(top_k_desc(&[1.0, 2.0], 5), vec![1, 0]);
+    }
+
+    fn router(scoring: Scoring, top_k: usize) -> Router {
+        let w = Tensor::zeros((4, 2), DType::F32, &Device::Cpu).unwrap();
+        Router {
+            proj: Linear::dense(w, None),
+            f32_input: false,
+            scoring,
+            top_k,
+            scale: 1.0,
+            per_expert_scale: None,
+        }
+    }
+
+    #[test]
+    fn scorings_choose_as_the_families_do() {
+        let l = [1.0f32, 3.0, 2.0, 0.0];
+        // softmax over all, top 2, renormalized: e^3 / (e^3 + e^2), e^2 / (e^3 + e^2)
+        let c = router(Scoring::Softmax { renormalize: true }, 2).choose(&l);
+        assert_eq!(c.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
+        let want = 1.0 / (1.0 + (-1f32).exp());
+        assert!((c[0].1 - want).abs() < 1e-6 && (c[0].1 + c[1].1 - 1.0).abs() < 1e-6);
+        // not renormalized: the full-softmax probabilities
+        let c = router(Scoring::Softmax { renormalize: false }, 2).choose(&l);
+        let z: f32 = l.iter().map(|x| x.exp()).sum();
+        assert!((c[0].1 - 3f32.exp() / z).abs() < 1e-6);
+        // top-k logits then softmax equals the renormalized softmax
+        let t = router(Scoring::TopKSoftmax, 2).choose(&l);
+        assert!((t[0].1 - want).abs() < 1e-6);
+        // grouped sigmoid: the correction picks, the raw score weighs
+        let mut r = router(
+            Scoring::SigmoidGrouped {
+                correction: vec![10.0, 0.0, 0.0, 0.0],
+                n_group: 2,
+                topk_group: 1,
+                renormalize: false,
+            },
+            1,
+        );
+        r.scale = 2.0;
+        let g = r.choose(&l);
+        assert_eq!(g[0].0, 0);
+        assert!((g[0].1 - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn dispatch_weights_and_scatters() {
+        let dev = Device::Cpu;
+        let x = Tensor::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &dev).unwrap();
+        // expert 0: gate = up = identity rows -> silu(x) * x then identity down
+        let eye = Tensor::new(&[[1f32, 0.], [0., 1.]], &dev).unwrap();
+        let one = Tensor::cat(&[&eye, &eye], 0).unwrap();
+        let gu = Tensor::stack(&[one.clone(), one], 0).unwrap();
+        let down = Tensor::stack(&[eye.clone(), (eye.clone() * 2.0).unwrap()], 0).unwrap();
+        let ex = Experts {
+            gate_up: gu,
+            gate_up_bias: None,
+            down,
+            down_bias: None,
+            act: ExpertAct::Glu(Activation::Silu),
+            inter: 2,
+        };
+        let mut r = Routes::new(2);
+        r.push(0, 0, 0.5);
+        r.push(2, 0, 1.0);
+        r.push(1, 1, 1.0);
+        assert_eq!(r.used(), 2);
+        let y = ex.forward(&x, &r).unwrap().to_vec2::<f32>().unwrap();
+        let f = |v: f32| v * v / (1.0 + (-v).exp());
+        let want = [
+            [0.5 * f(1.), 0.5 * f(2.)],
+            [2. * f(3.), 2. * f(4.)],
+            [f(5.), f(6.)],
+        ];
+        for (a, b) in y.iter().zip(want) {
+            for (p, q) in a.iter().zip(b) {
+                assert!((p - q).abs() < 1e-5, "{y:?}");
             }
         }
-        let mut out = x.zeros_like()?;
-        for (e, rows) in routed.iter().enumerate() {
-            if rows.is_empty() {
-                continue;
-            }
-            let ids: Vec<u32> = rows.iter().map(|r| r.0).collect();
-            let wts: Vec<f32> = rows.iter().map(|r| r.1).collect();
-            let ids = Tensor::from_vec(ids, rows.len(), x.device())?;
-            let wts = Tensor::from_vec(wts, (rows.len(), 1), x.device())?.to_dtype(x.dtype())?;
-            let xe = if rows.len() == n && n == 1 {
-                x.clone()
-            } else {
-                x.index_select(&ids, 0)?
-            };
-            let ye = self.experts[e].forward(&xe)?.broadcast_mul(&wts)?;
-            out = out.index_add(&ids, &ye, 0)?;
-        }
-        Ok(out)
     }
 }

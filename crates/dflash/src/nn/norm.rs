@@ -25,6 +25,23 @@ impl RmsNorm {
         })
     }
 
+    /// A norm without a learned scale (`with_scale=False`): a weight of ones.
+    pub fn unit(
+        dim: usize,
+        eps: f64,
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            weight: Tensor::ones(dim, dtype, device)?,
+            eps: eps as f32,
+        })
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        super::tensor_bytes(&self.weight)
+    }
+
     /// `(res + delta, norm(res + delta))`: the residual update and the next norm, fused into
     /// one kernel where it can run (see `nn::fused`).
     pub fn add_forward(&self, res: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {

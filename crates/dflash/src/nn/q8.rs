@@ -374,15 +374,12 @@ pub fn keeps_q4(dt: GgmlDType, cols: usize) -> bool {
     matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1)
         && QMatrix::preferred_for(cols)
         && enabled()
-        && *ON.get_or_init(|| {
-            simd_available() && std::env::var("DFLASH_Q4").map_or(true, |v| v != "0")
-        })
+        && *ON.get_or_init(|| simd_available() && crate::switches::get().q4)
 }
 
 /// Whether `Linear` uses this product at all (`DFLASH_Q8=0` keeps candle's for every type).
 pub fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_Q8").map_or(true, |v| v != "0"))
+    crate::switches::get().q8
 }
 
 /// Bytes a kept Q4 block of 32 weights takes in a [`QMatrix`]: 16 of quants, an f32 scale and
@@ -396,7 +393,7 @@ fn simd_available() -> bool {
     {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *ON.get_or_init(|| {
-            std::env::var("DFLASH_Q8_SCALAR").map_or(true, |v| v != "1")
+            !crate::switches::get().q8_scalar
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx512bw")

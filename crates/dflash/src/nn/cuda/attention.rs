@@ -1,0 +1,383 @@
+//! The K/V cache write (per-head norm + RoPE) and attention over the cache (`kernels/fused.cu`),
+//! with sinks and an output gate. `nn::attention` decides when they run.
+
+use super::*;
+use crate::nn::attention::Visibility;
+pub use crate::nn::fused::{AttentionCall, HeadSource};
+
+/// A tensor's bf16 view, if one was given.
+fn opt_view<'a>(
+    h: &'a Option<Held<'a>>,
+    what: &str,
+) -> candle_core::Result<Option<CudaView<'a, bf16>>> {
+    h.as_ref().map(|h| h.view(what)).transpose()
+}
+
+/// Push an optional device pointer (null when absent).
+fn push_opt<'a>(
+    b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
+    v: &'a Option<CudaView<'a, bf16>>,
+    null: &'a u64,
+) {
+    match v {
+        Some(v) => b.arg(v),
+        None => b.arg(null),
+    };
+}
+
+struct KvWrite {
+    k: HeadSource,
+    v: HeadSource,
+    kv_heads: usize,
+    head_dim: usize,
+    pos0: usize,
+}
+
+impl InplaceOp3 for KvWrite {
+    fn name(&self) -> &'static str {
+        "dflash-kv-write"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        candle_core::bail!(
+            "dflash-kv-write is a CUDA kernel (the caller appends with candle on CPU)"
+        )
+    }
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dl: &Layout,
+        ss: &CudaStorage,
+        sl: &Layout,
+        cs: &CudaStorage,
+        cl: &Layout,
+    ) -> candle_core::Result<()> {
+        let (n, stride) = sl.shape().dims2()?;
+        let (two, kvh, cap, d) = dl.shape().dims4()?;
+        let (_, rot_cols) = cl.shape().dims2()?;
+        let last = |h: &HeadSource| h.offset + (kvh - 1) * h.head_stride + d;
+        let ok = d == self.head_dim
+            && two == 2
+            && kvh == self.kv_heads
+            && cl.shape().dims2()?.0 == n
+            && self.k.rot == rot_cols
+            && last(&self.k) <= stride
+            && last(&self.v) <= stride
+            && self.pos0 + n <= cap;
+        if !ok {
+            candle_core::bail!(
+                "dflash-kv-write: src {:?} tables {:?} cache {:?} at {}",
+                sl.shape(),
+                cl.shape(),
+                dl.shape(),
+                self.pos0
+            );
+        }
+        let dev = dst.device().clone();
+        let src = view(ss, sl, "projection")?;
+        let tab = view(cs, cl, "rope tables")?;
+        let held = self.k.norm.as_ref().map(Held::new);
+        let kw = opt_view(&held, "head norm weight")?;
+        let Some((o, e)) = dl.contiguous_offsets() else {
+            candle_core::bail!("dflash-kv-write: cache must be contiguous");
+        };
+        let mut kv = dst.as_cuda_slice_mut::<bf16>()?.slice_mut(o..e);
+        let func = dev.get_or_load_custom_func("kv_write_bf16", "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (kvh as u32, n as u32, 1),
+            block_dim: (block_for(d), 1, 1),
+            shared_mem_bytes: (d * 4) as u32,
+        };
+        let i = |x: usize| x as i32;
+        let (stride_i, k_off, k_hs, v_off, v_hs, v_unit) = (
+            i(stride),
+            i(self.k.offset),
+            i(self.k.head_stride),
+            i(self.v.offset),
+            i(self.v.head_stride),
+            self.v.unit_norm as i32,
+        );
+        let (eps, rot, kvh_i, cap_i, pos_i, d_i) = (
+            self.k.eps,
+            i(self.k.rot),
+            i(kvh),
+            cap as i64,
+            i(self.pos0),
+            i(d),
+        );
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&src);
+        b.arg(&stride_i);
+        b.arg(&k_off);
+        b.arg(&k_hs);
+        b.arg(&v_off);
+        b.arg(&v_hs);
+        b.arg(&v_unit);
+        push_opt(&mut b, &kw, &null);
+        b.arg(&eps);
+        b.arg(&tab);
+        b.arg(&rot);
+        b.arg(&mut kv);
+        b.arg(&kvh_i);
+        b.arg(&cap_i);
+        b.arg(&pos_i);
+        b.arg(&d_i);
+        // SAFETY: argument types match the kernel; shapes and bounds checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+/// Write rows `pos0 .. pos0 + n` of a joint KV cache `kv [2, kv_heads, cap, head_dim]` from a
+/// projection output `src [n, ..]`: keys normed + roped from `k`, values from `v` (copied, or
+/// unit-normed). `tables [n, rot]` holds the packed `cos | sin` of the rows' positions.
+/// Returns false (nothing written) when the kernel does not apply.
+pub fn kv_write(
+    kv: &Tensor,
+    src: &Tensor,
+    tables: &Tensor,
+    k: &HeadSource,
+    v: &HeadSource,
+    pos0: usize,
+) -> candle_core::Result<bool> {
+    let mut ts = vec![kv, src, tables];
+    if let Some(w) = &k.norm {
+        ts.push(w);
+    }
+    if !is_bf16_cuda(&ts) || kv.rank() != 4 || src.rank() != 2 || v.norm.is_some() {
+        return Ok(false);
+    }
+    let (_, kv_heads, _, head_dim) = kv.dims4()?;
+    if head_dim > 1024 || k.rot > head_dim || k.rot % 2 != 0 {
+        return Ok(false);
+    }
+    let op = KvWrite {
+        k: k.clone(),
+        v: v.clone(),
+        kv_heads,
+        head_dim,
+        pos0,
+    };
+    kv.inplace_op3(src, tables, &op)?;
+    Ok(true)
+}
+
+/// Head dims the attention kernel is built for.
+pub const ATTN_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
+
+/// Keys per attention block (see `Attend::cuda_fwd`). 64 is what the row-dependent rule it
+/// replaced chose at the benchmark's shape (32 heads, context 128, 1 or 16 rows).
+const ATTN_CHUNK: usize = 64;
+
+struct Attend(AttentionCall);
+
+impl CustomOp3 for Attend {
+    fn name(&self) -> &'static str {
+        "dflash-attention"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        ss: &CudaStorage,
+        sl: &Layout,
+        cs: &CudaStorage,
+        cl: &Layout,
+        ks: &CudaStorage,
+        kl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let c = &self.0;
+        let (n, stride) = sl.shape().dims2()?;
+        let (two, kvh, cap, d) = kl.shape().dims4()?;
+        let (tab_rows, rot_cols) = cl.shape().dims2()?;
+        let heads = c.heads;
+        let q_last = c.q.offset + (heads - 1) * c.q.head_stride + d + c.gate_offset.unwrap_or(0);
+        let ok = two == 2
+            && ATTN_HEAD_DIMS.contains(&d)
+            && heads % kvh == 0
+            && c.kv_len <= cap
+            && c.kv_len > 0
+            && tab_rows == n
+            && c.q.rot == rot_cols
+            && q_last <= stride;
+        if !ok {
+            candle_core::bail!(
+                "dflash-attention: src {:?} tables {:?} cache {:?} heads {heads} len {}",
+                sl.shape(),
+                cl.shape(),
+                kl.shape(),
+                c.kv_len
+            );
+        }
+        let dev = ss.device();
+        let src = view(ss, sl, "projection")?;
+        let tab = view(cs, cl, "rope tables")?;
+        let kv = view(ks, kl, "kv cache")?;
+        let held_q = c.q.norm.as_ref().map(Held::new);
+        let qw = opt_view(&held_q, "head norm weight")?;
+        let held_s = c.sinks.as_ref().map(Held::new);
+        let sinks = opt_view(&held_s, "sinks")?;
+        // Keys split into fixed chunks of ATTN_CHUNK from position 0, one block each, merged by
+        // attn_combine. Fixed, so that a query row's arithmetic (which keys each block and
+        // warp sums, in which order) depends on its position only, not on how many rows the
+        // call has or how long the cache is: a verify reproduces the decode steps bit for bit
+        // (with one split the kernel writes a / L itself, which is what the combine computes
+        // from one non-empty split).
+        let rows = heads * n;
+        let chunk = ATTN_CHUNK;
+        let splits = c.kv_len.div_ceil(chunk);
+        // SAFETY: every element is written (by attn with one split, else by attn_combine).
+        let out = unsafe { dev.alloc::<bf16>(n * heads * d)? };
+        let part = unsafe {
+            dev.alloc::<f32>(if splits > 1 {
+                rows * splits * (d + 2)
+            } else {
+                1
+            })?
+        };
+        let func =
+            dev.get_or_load_custom_func(&format!("attn_bf16_d{d}"), "dflash_fused", FUSED_PTX)?;
+        // One block per (KV head, key chunk, group of (row, head) pairs): kernels/fused.cu's ATTN.
+        let pairs_per_block = match d {
+            512 => 2,
+            256 => 4,
+            _ => 8,
+        };
+        let groups = (n * (heads / kvh)).div_ceil(pairs_per_block);
+        let cfg = LaunchConfig {
+            grid_dim: (kvh as u32, splits as u32, groups as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let i = |x: usize| x as i32;
+        let (stride_i, q_off, q_hs, eps, rot, scale) = (
+            i(stride),
+            i(c.q.offset),
+            i(c.q.head_stride),
+            c.q.eps,
+            i(c.q.rot),
+            c.scale,
+        );
+        let (kvh_i, cap_i, len_i, rep_i, pos_i) =
+            (i(kvh), cap as i64, i(c.kv_len), i(heads / kvh), i(c.q_pos0));
+        let (causal, window, chunk_i, n_i) = (
+            c.vis.causal as i32,
+            c.vis.window.unwrap_or(0).min(i32::MAX as usize) as i32,
+            i(chunk),
+            i(n),
+        );
+        let gate_off = c.gate_offset.map_or(-1, i);
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&src);
+        b.arg(&stride_i);
+        b.arg(&q_off);
+        b.arg(&q_hs);
+        push_opt(&mut b, &qw, &null);
+        b.arg(&eps);
+        b.arg(&tab);
+        b.arg(&rot);
+        b.arg(&scale);
+        b.arg(&kv);
+        b.arg(&kvh_i);
+        b.arg(&cap_i);
+        b.arg(&len_i);
+        b.arg(&rep_i);
+        b.arg(&pos_i);
+        b.arg(&causal);
+        b.arg(&window);
+        b.arg(&chunk_i);
+        b.arg(&n_i);
+        push_opt(&mut b, &sinks, &null);
+        b.arg(&gate_off);
+        b.arg(&out);
+        b.arg(&part);
+        // SAFETY: argument types match the kernel; shapes and bounds checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        if splits > 1 {
+            let func =
+                dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: (heads as u32, n as u32, 1),
+                block_dim: (block_for(d), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (splits_i, d_i) = (i(splits), i(d));
+            let mut b = func.builder();
+            b.arg(&part);
+            b.arg(&out);
+            b.arg(&splits_i);
+            b.arg(&d_i);
+            push_opt(&mut b, &sinks, &null);
+            b.arg(&src);
+            b.arg(&stride_i);
+            b.arg(&q_off);
+            b.arg(&q_hs);
+            b.arg(&gate_off);
+            // SAFETY: argument types match the kernel.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, heads * d)),
+        ))
+    }
+}
+
+/// Attention of the `n` query rows of `src [n, ..]` (heads at `call.q`, normed + roped + scaled
+/// in the kernel; row i at position `call.q_pos0 + i`) over the first `call.kv_len` rows of the
+/// joint cache `kv [2, kv_heads, cap, head_dim]`, with the call's sinks and output gate.
+/// Returns `[n, heads * head_dim]`, or None when the kernel does not apply.
+pub fn attention(
+    src: &Tensor,
+    tables: &Tensor,
+    kv: &Tensor,
+    call: &AttentionCall,
+) -> candle_core::Result<Option<Tensor>> {
+    let mut ts = vec![src, tables, kv];
+    if let Some(w) = &call.q.norm {
+        ts.push(w);
+    }
+    if let Some(s) = &call.sinks {
+        ts.push(s);
+    }
+    if !is_bf16_cuda(&ts) || kv.rank() != 4 || src.rank() != 2 || call.q.unit_norm {
+        return Ok(None);
+    }
+    let (_, kvh, _, d) = kv.dims4()?;
+    if !ATTN_HEAD_DIMS.contains(&d)
+        || call.heads % kvh != 0
+        || call.q.rot > d
+        || call.q.rot % 2 != 0
+        || call.kv_len == 0
+        || call
+            .sinks
+            .as_ref()
+            .is_some_and(|s| s.elem_count() != call.heads)
+    {
+        return Ok(None);
+    }
+    let _: Visibility = call.vis;
+    Ok(Some(src.apply_op3_no_bwd(
+        tables,
+        kv,
+        &Attend(call.clone()),
+    )?))
+}

@@ -1,0 +1,134 @@
+//! The kernels between the matmuls (`kernels/fused.cu`): residual add + RMSNorm, SwiGLU.
+
+use super::*;
+
+struct AddRmsNorm {
+    eps: f32,
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "dflash-add-rmsnorm"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        rs: &CudaStorage,
+        rl: &Layout,
+        ds: &CudaStorage,
+        dl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (n, h) = rl.shape().dims2()?;
+        if dl.shape().dims2()? != (n, h) || wl.shape().dims1()? != h {
+            candle_core::bail!(
+                "dflash-add-rmsnorm: shapes {:?} {:?} {:?}",
+                rl.shape(),
+                dl.shape(),
+                wl.shape()
+            );
+        }
+        let dev = rs.device();
+        let (r, d, w) = (
+            view(rs, rl, "residual")?,
+            view(ds, dl, "delta")?,
+            view(ws, wl, "weight")?,
+        );
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<bf16>(2 * n * h)? };
+        let (sum, norm) = (out.slice(0..n * h), out.slice(n * h..2 * n * h));
+        let func = dev.get_or_load_custom_func("add_rmsnorm_bf16", "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (block_for(h.min(1024)), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (h_i, eps) = (h as i32, self.eps);
+        let mut b = func.builder();
+        b.arg(&r);
+        b.arg(&d);
+        b.arg(&w);
+        b.arg(&sum);
+        b.arg(&norm);
+        b.arg(&h_i);
+        b.arg(&eps);
+        // SAFETY: argument types match the kernel; shapes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        drop((sum, norm));
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((2, n, h)),
+        ))
+    }
+}
+
+/// `(res + delta, rms_norm(res + delta) * w)` for `[n, h]` rows in one kernel.
+pub fn add_rms_norm(
+    res: &Tensor,
+    delta: &Tensor,
+    w: &Tensor,
+    eps: f32,
+) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+    if !is_bf16_cuda(&[res, delta, w]) || res.rank() != 2 || res.dims() != delta.dims() {
+        return Ok(None);
+    }
+    let out = res.apply_op3_no_bwd(delta, w, &AddRmsNorm { eps })?;
+    Ok(Some((out.get(0)?, out.get(1)?)))
+}
+
+struct SwiGlu;
+
+impl CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "dflash-swiglu"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (n, two_i) = l.shape().dims2()?;
+        let inter = two_i / 2;
+        let dev = s.device();
+        let gu = view(s, l, "gate/up")?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<bf16>(n * inter)? };
+        let func = dev.get_or_load_custom_func("swiglu_bf16", "dflash_fused", FUSED_PTX)?;
+        let total = (n * inter) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (i_i, n_i) = (inter as i32, n as i32);
+        let mut b = func.builder();
+        b.arg(&gu);
+        b.arg(&out);
+        b.arg(&i_i);
+        b.arg(&n_i);
+        // SAFETY: argument types match the kernel.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, inter)),
+        ))
+    }
+}
+
+/// `silu(gu[:, :I]) * gu[:, I:]` of a stacked gate/up output `[n, 2I]`.
+pub fn swiglu(gu: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !is_bf16_cuda(&[gu]) || gu.rank() != 2 || gu.dim(1)? % 2 != 0 {
+        return Ok(None);
+    }
+    Ok(Some(gu.apply_op1_no_bwd(&SwiGlu)?))
+}

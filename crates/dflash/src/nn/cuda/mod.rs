@@ -1,0 +1,109 @@
+//! Own CUDA kernels (PTX built by build.rs from `kernels/*.cu`), wrapped as candle custom ops.
+//! Only compiled with `--features cuda`; every entry point says when it does not apply, so the
+//! caller falls back to the portable candle path.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::CudaView;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Shape,
+    Storage, Tensor,
+};
+use half::bf16;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
+const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+const MMA_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mma.ptx"));
+
+mod attention;
+mod fused;
+mod matmul;
+mod sampling;
+
+pub use attention::*;
+pub use fused::*;
+pub use matmul::*;
+pub use sampling::*;
+
+// ---------------------------------------------------------------------------------------
+// Fused kernels (kernels/fused.cu). Each wrapper returns None when its kernel does not apply
+// (not CUDA, not bf16, a shape it does not handle), and the caller runs the candle path.
+
+fn no_cpu(name: &str) -> candle_core::Result<(CpuStorage, Shape)> {
+    candle_core::bail!("{name} is a CUDA kernel (the caller runs the portable path on CPU)")
+}
+
+/// The bf16 view of a contiguous operand.
+fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> candle_core::Result<CudaView<'a, bf16>> {
+    let Some((o, e)) = l.contiguous_offsets() else {
+        candle_core::bail!("dflash fused kernel: {what} must be contiguous");
+    };
+    Ok(s.as_cuda_slice::<bf16>()?.slice(o..e))
+}
+
+fn is_bf16_cuda(ts: &[&Tensor]) -> bool {
+    ts.iter()
+        .all(|t| t.device().is_cuda() && t.dtype() == DType::BF16 && t.is_contiguous())
+}
+
+/// A tensor held by an op (weights, tables), locked for reading while the op launches.
+struct Held<'a>(candle_core::StorageRef<'a>, &'a Layout);
+
+impl<'a> Held<'a> {
+    fn new(t: &'a Tensor) -> Self {
+        let (s, l) = t.storage_and_layout();
+        Held(s, l)
+    }
+    fn view(&self, what: &str) -> candle_core::Result<CudaView<'_, bf16>> {
+        match &*self.0 {
+            Storage::Cuda(s) => view(s, self.1, what),
+            _ => candle_core::bail!("dflash fused kernel: {what} is not on the CUDA device"),
+        }
+    }
+}
+
+fn block_for(d: usize) -> u32 {
+    (d.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+// ---------------------------------------------------------------------------------------
+// Timing helper for the micro bench: how long a piece of work takes on the GPU when the host
+// is not what it waits for.
+
+/// Run `issue` (which must only enqueue work, no host syncs) behind a `spin_us` busy kernel, so
+/// the host has queued everything before the GPU starts on it. Returns its result, the GPU
+/// time from the end of the spin to the end of the work (ms) and the host time `issue` took
+/// (ms). When the GPU time is well below the usual synchronized wall time, the step is bound
+/// by launching (host) rather than by the kernels.
+pub fn gpu_time_host_ahead<T>(
+    dev: &candle_core::Device,
+    spin_us: u32,
+    issue: impl FnOnce() -> crate::Result<T>,
+) -> crate::Result<(T, f64, f64)> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    let cuda = dev.as_cuda_device()?;
+    let stream = cuda.cuda_stream();
+    let func = cuda.get_or_load_custom_func("spin", "dflash_fused", FUSED_PTX)?;
+    // ~2 GHz SM clock: cycles = 2000 per us (the spin only has to outlast the host's enqueue).
+    let cycles = spin_us as i64 * 2000;
+    let mut b = func.builder();
+    b.arg(&cycles);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: spin(long long) takes one i64.
+    unsafe { b.launch(cfg) }.w()?;
+    let ev = |s: &candle_core::cuda_backend::cudarc::driver::CudaStream| {
+        s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).w()
+    };
+    let start = ev(&stream)?;
+    let t = std::time::Instant::now();
+    let out = issue()?;
+    let host_ms = t.elapsed().as_secs_f64() * 1e3;
+    let end = ev(&stream)?;
+    let gpu_ms = start.elapsed_ms(&end).w()? as f64;
+    Ok((out, gpu_ms, host_ms))
+}

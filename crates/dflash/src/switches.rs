@@ -1,0 +1,154 @@
+//! The switchboard: every `DFLASH_*` setting that changes which kernels run, read from the
+//! environment once, in this one place. Code below asks [`get`]; `dflash bench` records
+//! [`describe`] (the effective values, defaults included) with every report.
+//!
+//! | variable | default | effect |
+//! |---|---|---|
+//! | `DFLASH_FUSED` | on | the fused CUDA kernels (`nn::fused`); `0` runs the portable candle path |
+//! | `DFLASH_BATCH_INVARIANT` | on (CUDA) | 1-16 row products through the batch-invariant skinny GEMM, so a verify reproduces the decode steps bit for bit; `0` takes the GEMV / cuBLAS kernels (faster, near-tie flips possible) |
+//! | `DFLASH_GEMV_ROWS` | 1 | rows up to which the non-invariant path takes the GEMV kernel (0..=8) |
+//! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
+//! | `DFLASH_Q4` | on | Q4_0 / Q4_1 GGUF matrices kept as stored on the CPU; `0` requantizes them to Q8_0 |
+//! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
+//! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events |
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+/// Per-section timing of forwards (`stats::SectionTimer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    Off,
+    /// Synchronize the device at every mark (wall times).
+    Sync,
+    /// CUDA events (GPU times, no host syncs inside the step).
+    Gpu,
+}
+
+/// The settings as read from the environment.
+#[derive(Debug, Clone)]
+pub struct Switches {
+    pub fused: bool,
+    /// None: not set (the device's default applies, see [`batch_invariant`]).
+    batch_invariant_env: Option<bool>,
+    pub gemv_rows: usize,
+    pub q8: bool,
+    pub q4: bool,
+    pub q8_scalar: bool,
+    pub profile: Profile,
+}
+
+/// The most rows the GEMV kernel takes (one accumulator per row).
+pub const GEMV_MAX_ROWS: usize = 8;
+
+impl Switches {
+    /// Parse from variable lookups (tests pass their own).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Self {
+        let off = |k: &str| get(k).is_some_and(|v| v == "0");
+        let on = |k: &str| get(k).is_some_and(|v| v == "1");
+        Self {
+            fused: !off("DFLASH_FUSED"),
+            batch_invariant_env: get("DFLASH_BATCH_INVARIANT")
+                .filter(|v| !v.is_empty())
+                .map(|v| v != "0"),
+            gemv_rows: get("DFLASH_GEMV_ROWS")
+                .and_then(|v| v.parse().ok())
+                .map_or(1, |n: usize| n.min(GEMV_MAX_ROWS)),
+            q8: !off("DFLASH_Q8"),
+            q4: !off("DFLASH_Q4"),
+            q8_scalar: on("DFLASH_Q8_SCALAR"),
+            profile: match get("DFLASH_PROFILE").as_deref() {
+                Some("1") => Profile::Sync,
+                Some("gpu") => Profile::Gpu,
+                _ => Profile::Off,
+            },
+        }
+    }
+}
+
+/// The process's switches (read once).
+pub fn get() -> &'static Switches {
+    static S: OnceLock<Switches> = OnceLock::new();
+    S.get_or_init(|| Switches::from_lookup(|k| std::env::var(k).ok()))
+}
+
+/// 0 = follow the environment / default, 1 = off, 2 = on.
+static INVARIANT_OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// Batch-invariant kernels on CUDA: on unless `DFLASH_BATCH_INVARIANT=0` or
+/// [`set_batch_invariant`]`(false)`. With them a Q-row verify computes every row exactly as a
+/// one-row decode step would, so greedy DFlash equals plain greedy decoding on the GPU (the
+/// CPU path is exact by construction: `nn::attention`'s row-wise verify and row-invariant
+/// int8 products).
+pub fn batch_invariant() -> bool {
+    match INVARIANT_OVERRIDE.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => get().batch_invariant_env.unwrap_or(true),
+    }
+}
+
+/// Override batch-invariant mode for the process; set it before loading models.
+pub fn set_batch_invariant(on: bool) {
+    INVARIANT_OVERRIDE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// The effective value of every switch, for reports (`bench` records these).
+pub fn describe() -> Vec<(&'static str, String)> {
+    let s = get();
+    let b = |x: bool| if x { "on" } else { "off" }.to_string();
+    vec![
+        ("fused", b(s.fused)),
+        ("batch_invariant", b(batch_invariant())),
+        ("gemv_rows", s.gemv_rows.to_string()),
+        ("q8", b(s.q8)),
+        ("q4", b(s.q4)),
+        ("q8_scalar", b(s.q8_scalar)),
+        (
+            "profile",
+            match s.profile {
+                Profile::Off => "off",
+                Profile::Sync => "sync",
+                Profile::Gpu => "gpu",
+            }
+            .into(),
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(vars: &[(&str, &str)]) -> Switches {
+        Switches::from_lookup(|k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn defaults_and_opt_outs() {
+        let d = parse(&[]);
+        assert!(d.fused && d.q8 && d.q4 && !d.q8_scalar);
+        assert_eq!(d.batch_invariant_env, None);
+        assert_eq!((d.gemv_rows, d.profile), (1, Profile::Off));
+        let s = parse(&[
+            ("DFLASH_FUSED", "0"),
+            ("DFLASH_BATCH_INVARIANT", "0"),
+            ("DFLASH_GEMV_ROWS", "99"),
+            ("DFLASH_Q8", "0"),
+            ("DFLASH_Q4", "0"),
+            ("DFLASH_Q8_SCALAR", "1"),
+            ("DFLASH_PROFILE", "gpu"),
+        ]);
+        assert!(!s.fused && !s.q8 && !s.q4 && s.q8_scalar);
+        assert_eq!(s.batch_invariant_env, Some(false));
+        assert_eq!((s.gemv_rows, s.profile), (GEMV_MAX_ROWS, Profile::Gpu));
+        assert_eq!(
+            parse(&[("DFLASH_BATCH_INVARIANT", "1")]).batch_invariant_env,
+            Some(true)
+        );
+    }
+}
