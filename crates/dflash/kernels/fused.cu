@@ -172,18 +172,21 @@ __device__ __forceinline__ bf16 attn_finish(float a, float L, float M, bool has_
   return __float2bfloat16(o);
 }
 
-template <int D, int P>
+template <int DK, int DV, int P>
 __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, int q_off, int q_hs,
                                 const bf16* __restrict__ qw, float eps, const bf16* __restrict__ cs,
-                                int rot, float scale, const bf16* __restrict__ kv, int kvh,
-                                long long cap, int kv_len, int rep, int q_pos0, int causal, int window,
+                                int rot, float scale, const bf16* __restrict__ kp,
+                                const bf16* __restrict__ vp, long long head_stride, int row_stride,
+                                int kvh, int kv_len, int rep, int q_pos0, int causal, int window,
                                 int chunk, int n, const bf16* __restrict__ sinks, int gate_off,
                                 bf16* __restrict__ out, float* __restrict__ part) {
-  constexpr int E = D / 32;  // dims per lane
+  constexpr int D = DK;
+  constexpr int E = DK / 32;   // key dims per lane
+  constexpr int EV = DV / 32;  // value dims per lane
   constexpr int NW = 4;
   __shared__ float qs[P][D];
   __shared__ float wm[NW][P], wl[NW][P];
-  __shared__ float wacc[NW][P][D];
+  __shared__ float wacc[NW][P][DV];
   const int g = blockIdx.x, s = blockIdx.y, grp = blockIdx.z;
   const int splits = gridDim.y, heads = kvh * rep, pairs = n * rep;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -227,7 +230,7 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
   __syncthreads();
 
   // 2. This warp's keys of the chunk, 4 at a time, for every pair.
-  float qv[P][E], m[P], l[P], acc[P][E];
+  float qv[P][E], m[P], l[P], acc[P][EV];
   int lo[P], hi[P];
 #pragma unroll
   for (int pp = 0; pp < P; ++pp) {
@@ -238,31 +241,31 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
     m[pp] = -INFINITY;
     l[pp] = 0.f;
 #pragma unroll
-    for (int t = 0; t < E; ++t) {
-      qv[pp][t] = qs[pp][lane * E + t];
-      acc[pp][t] = 0.f;
-    }
+    for (int t = 0; t < E; ++t) qv[pp][t] = qs[pp][lane * E + t];
+#pragma unroll
+    for (int t = 0; t < EV; ++t) acc[pp][t] = 0.f;
   }
-  const bf16* kbase = kv + (size_t)g * cap * D;
-  const bf16* vbase = kv + ((size_t)kvh * cap + (size_t)g * cap) * D;
+  const bf16* kbase = kp + (size_t)g * head_stride;
+  const bf16* vbase = vp + (size_t)g * head_stride;
   const int j0 = s * chunk;
   const int jend = min(kv_len, j0 + chunk);
   for (int jb = j0 + warp * 4; jb < jend; jb += NW * 4) {
-    float kf[4][E], vv[4][E];
+    float kf[4][E], vv[4][EV];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int j = jb + u;
       if (j < jend) {
-        const bf16* kr = kbase + (size_t)j * D + lane * E;
-        const bf16* vr = vbase + (size_t)j * D + lane * E;
+        const bf16* kr = kbase + (size_t)j * row_stride + lane * E;
+        const bf16* vr = vbase + (size_t)j * row_stride + lane * EV;
 #pragma unroll
-        for (int t = 0; t < E; ++t) {
-          kf[u][t] = __bfloat162float(kr[t]);
-          vv[u][t] = __bfloat162float(vr[t]);
-        }
+        for (int t = 0; t < E; ++t) kf[u][t] = __bfloat162float(kr[t]);
+#pragma unroll
+        for (int t = 0; t < EV; ++t) vv[u][t] = __bfloat162float(vr[t]);
       } else {
 #pragma unroll
-        for (int t = 0; t < E; ++t) kf[u][t] = vv[u][t] = 0.f;
+        for (int t = 0; t < E; ++t) kf[u][t] = 0.f;
+#pragma unroll
+        for (int t = 0; t < EV; ++t) vv[u][t] = 0.f;
       }
     }
 #pragma unroll
@@ -285,13 +288,13 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
       const float corr = __expf(m[pp] - mn);
       l[pp] *= corr;
 #pragma unroll
-      for (int t = 0; t < E; ++t) acc[pp][t] *= corr;
+      for (int t = 0; t < EV; ++t) acc[pp][t] *= corr;
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const float pr = __expf(sc[u] - mn);
         l[pp] += pr;
 #pragma unroll
-        for (int t = 0; t < E; ++t) acc[pp][t] = fmaf(pr, vv[u][t], acc[pp][t]);
+        for (int t = 0; t < EV; ++t) acc[pp][t] = fmaf(pr, vv[u][t], acc[pp][t]);
       }
       m[pp] = mn;
     }
@@ -305,11 +308,11 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
       wl[warp][pp] = l[pp];
     }
 #pragma unroll
-    for (int t = 0; t < E; ++t) wacc[warp][pp][lane * E + t] = acc[pp][t];
+    for (int t = 0; t < EV; ++t) wacc[warp][pp][lane * EV + t] = acc[pp][t];
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < P * D; idx += blockDim.x) {
-    const int pp = idx / D, e = idx % D;
+  for (int idx = threadIdx.x; idx < P * DV; idx += blockDim.x) {
+    const int pp = idx / DV, e = idx % DV;
     const int p = grp * P + pp;
     if (p >= pairs) break;
     const int i = p / rep, h = g * rep + p % rep;
@@ -326,31 +329,38 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
     const size_t pidx = ((size_t)h * n + i) * splits + s;
     if (splits == 1) {
       const bf16* grow = gate_off >= 0 ? src + (size_t)i * src_stride + q_off + h * q_hs + gate_off : nullptr;
-      out[(size_t)i * heads * D + (size_t)h * D + e] =
+      out[(size_t)i * heads * DV + (size_t)h * DV + e] =
           attn_finish(a, L, M, sinks != nullptr, sinks != nullptr ? __bfloat162float(sinks[h]) : 0.f, grow, e);
     } else {
-      part[pidx * (D + 2) + 2 + e] = a;
+      part[pidx * (DV + 2) + 2 + e] = a;
       if (e == 0) {
-        part[pidx * (D + 2)] = M;
-        part[pidx * (D + 2) + 1] = L;
+        part[pidx * (DV + 2)] = M;
+        part[pidx * (DV + 2) + 1] = L;
       }
     }
   }
 }
 
 // Pairs per block: 8 (4 for head dim 256, to bound registers and shared memory).
-#define ATTN(D, P)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(128) attn_bf16_d##D(                                       \
+// k / v: head g's keys and values start at kp / vp + g * head_stride, one row per position,
+// row_stride apart (a joint cache: vp = kp + kvh * cap * D, head_stride cap * D, row_stride
+// D; an MLA latent cache: one head, the values the first DV dims of the key rows).
+#define ATTN(NAME, DK, DV, P)                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) NAME(                                                 \
       const bf16* src, int src_stride, int q_off, int q_hs, const bf16* qw, float eps, const bf16* cs,    \
-      int rot, float scale, const bf16* kv, int kvh, long long cap, int kv_len, int rep, int q_pos0,      \
-      int causal, int window, int chunk, int n, const bf16* sinks, int gate_off, bf16* out, float* part) { \
-    attn_rows_block<D, P>(src, src_stride, q_off, q_hs, qw, eps, cs, rot, scale, kv, kvh, cap, kv_len,    \
-                          rep, q_pos0, causal, window, chunk, n, sinks, gate_off, out, part);            \
+      int rot, float scale, const bf16* kp, const bf16* vp, long long head_stride, int row_stride,       \
+      int kvh, int kv_len, int rep, int q_pos0, int causal, int window, int chunk, int n,                 \
+      const bf16* sinks, int gate_off, bf16* out, float* part) {                                          \
+    attn_rows_block<DK, DV, P>(src, src_stride, q_off, q_hs, qw, eps, cs, rot, scale, kp, vp,            \
+                               head_stride, row_stride, kvh, kv_len, rep, q_pos0, causal, window, chunk,  \
+                               n, sinks, gate_off, out, part);                                            \
   }
-ATTN(64, 8)
-ATTN(128, 8)
-ATTN(256, 4)
-ATTN(512, 2)
+ATTN(attn_bf16_d64, 64, 64, 8)
+ATTN(attn_bf16_d128, 128, 128, 8)
+ATTN(attn_bf16_d256, 256, 256, 4)
+ATTN(attn_bf16_d512, 512, 512, 2)
+// MLA (DeepSeek-V3 / Kimi): 512 latent + 64 rope dims per key row, the latent part as values.
+ATTN(attn_bf16_k576_v512, 576, 512, 2)
 
 // Merge the splits of attn: grid (heads, n), block d threads (rounded up to a warp); sinks and
 // the output gate as in attn (src, src_stride, q_off, q_hs locate the gate).

@@ -63,6 +63,10 @@ __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
                                           int k) {
   constexpr int R = 16 * TN;  // weight rows per warp
   __shared__ float red[W > 1 ? BW : 1][R][8 * T];
+  // A batch of independent products (grid y): x [b, M, K], w [b, N, K], y [b, M, N].
+  x += (size_t)blockIdx.y * m_rows * k;
+  w += (size_t)blockIdx.y * n_rows * k;
+  y += (size_t)blockIdx.y * m_rows * n_rows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
   const int n0 = (blockIdx.x * (BW / W) + warp / W) * R;

@@ -74,6 +74,22 @@ pub fn get() -> &'static Switches {
 
 /// 0 = follow the environment / default, 1 = off, 2 = on.
 static INVARIANT_OVERRIDE: AtomicU8 = AtomicU8::new(0);
+static FUSED_OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// The fused CUDA kernels: on unless `DFLASH_FUSED=0` or [`set_fused`]`(false)`.
+pub fn fused() -> bool {
+    match FUSED_OVERRIDE.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => get().fused,
+    }
+}
+
+/// Override the fused kernels for the process (tests compare both paths in one run; never
+/// while a model is generating).
+pub fn set_fused(on: bool) {
+    FUSED_OVERRIDE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
 
 /// Batch-invariant kernels on CUDA: on unless `DFLASH_BATCH_INVARIANT=0` or
 /// [`set_batch_invariant`]`(false)`. With them a Q-row verify computes every row exactly as a
@@ -98,7 +114,7 @@ pub fn describe() -> Vec<(&'static str, String)> {
     let s = get();
     let b = |x: bool| if x { "on" } else { "off" }.to_string();
     vec![
-        ("fused", b(s.fused)),
+        ("fused", b(fused())),
         ("batch_invariant", b(batch_invariant())),
         ("gemv_rows", s.gemv_rows.to_string()),
         ("q8", b(s.q8)),

@@ -24,7 +24,13 @@ fn fixtures() -> Vec<std::path::PathBuf> {
 /// counted as the values they unpack to (two per `*_blocks` byte; the `*_scales` bytes are
 /// not values). Loaded in f32 on the CPU, each takes 4 bytes.
 fn checkpoint_values(dir: &Path) -> u64 {
-    let not_text = ["vision", "visual", "mm_projector", "multi_modal_projector", "mtp."];
+    let not_text = [
+        "vision",
+        "visual",
+        "mm_projector",
+        "multi_modal_projector",
+        "mtp.",
+    ];
     read_safetensors_header(&dir.join("model.safetensors"))
         .unwrap()
         .iter()

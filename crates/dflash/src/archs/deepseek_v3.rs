@@ -400,6 +400,7 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
                 top_k: mc.top_k,
                 scale: c.routed_scaling_factor as f32,
                 per_expert_scale: None,
+                device_tables: Default::default(),
             };
             let shared = if mc.shared_intermediate_size > 0 {
                 let mut m = GatedMlp::load(

@@ -51,7 +51,7 @@ pub struct AttentionCall {
 
 /// False when `DFLASH_FUSED=0` (the switchboard, `crate::switches`).
 pub fn allowed() -> bool {
-    crate::switches::get().fused
+    crate::switches::fused()
 }
 
 /// Whether the fused path may run for these tensors (CUDA build, switch on, nothing tracked

@@ -28,7 +28,7 @@
 //! Every op is a candle tensor op on the layer's device (no host round trips); the recurrence
 //! runs in f32 whatever the compute dtype, as transformers does.
 
-use super::recurrent_cache::DeltaChunk;
+use super::recurrent_cache::{DeltaChunk, WyChunk};
 use super::{Activation, Linear, RecurrentCache};
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -191,12 +191,18 @@ impl GatedDeltaNet {
 
     /// `x [n, hidden]` at the positions after `cache`; advances the cache by n (at the end,
     /// so a failing call leaves it untouched). `masks` are the chunk masks of this forward.
+    /// On CUDA (bf16, head dims 128, up to one chunk of rows: decode and verify) the conv, the
+    /// row-by-row delta rule and the output norm run as three kernels (`kernels/delta.cu`);
+    /// prompts and other devices take the chunked candle path below.
     pub fn forward(
         &self,
         x: &Tensor,
         cache: &mut RecurrentCache,
         masks: &ChunkMasks,
     ) -> Result<Tensor> {
+        if let Some(out) = self.forward_device(x, cache)? {
+            return Ok(out);
+        }
         let s = &self.spec;
         let (n, dt) = (x.dim(0)?, x.dtype());
         let (hk, hv, dk, dv) = (s.k_heads, s.v_heads, s.k_dim, s.v_dim);
@@ -277,6 +283,80 @@ impl GatedDeltaNet {
         let tail = keep(inputs.narrow(0, last_off, kern - 1 + c_last)?)?;
         cache.commit(n, window, state, last_off, last, tail);
         Ok(out)
+    }
+}
+
+impl GatedDeltaNet {
+    /// [`Self::forward`] through the device kernels, or None where they do not apply.
+    #[cfg(feature = "cuda")]
+    fn forward_device(&self, x: &Tensor, cache: &mut RecurrentCache) -> Result<Option<Tensor>> {
+        use super::cuda::{DeltaLayout, DELTA_HEAD_DIM};
+        use super::recurrent_cache::ReplayChunk;
+        let s = &self.spec;
+        let n = x.dim(0)?;
+        let ok = super::fused::allowed()
+            && x.device().is_cuda()
+            && x.dtype() == DType::BF16
+            && !x.track_op()
+            && n <= DELTA_CHUNK
+            && s.k_dim == DELTA_HEAD_DIM
+            && s.v_dim == DELTA_HEAD_DIM
+            && s.act == Activation::Silu;
+        if !ok {
+            return Ok(None);
+        }
+        let (hv, dv, cd) = (s.v_heads, s.v_dim, s.conv_dim());
+        let layout = DeltaLayout {
+            k_heads: s.k_heads,
+            v_heads: hv,
+            v_dim: dv,
+            z_off: cd,
+            b_off: cd + hv * dv,
+            a_off: cd + hv * dv + hv,
+        };
+        // 1. projections, 2. conv over [window | rows] + SiLU
+        let proj = self.in_proj.forward(x)?.contiguous()?;
+        let inputs = Tensor::cat(&[cache.conv(), &proj.narrow(1, 0, cd)?], 0)?;
+        let Some(conv) = super::cuda::delta_conv(&inputs, &self.conv_w)? else {
+            return Ok(None);
+        };
+        // 3.-5. norms, gates and the rule, row by row from the cached state
+        let Some((Some(o), state)) = super::cuda::delta_rule(
+            &conv,
+            &proj,
+            &self.a_neg,
+            &self.dt_bias,
+            cache.state(),
+            &layout,
+            n,
+            true,
+        )?
+        else {
+            return Ok(None);
+        };
+        // 6. gated RMSNorm per value head, output projection
+        let Some(y) = super::cuda::delta_out(&o, &proj, &self.norm, s.eps as f32, layout.z_off)?
+        else {
+            return Ok(None);
+        };
+        let out = self.out_proj.forward(&y)?;
+        let kern = s.conv_kernel;
+        let chunk = DeltaChunk::Replay(ReplayChunk {
+            s0: cache.state().clone(),
+            conv,
+            proj,
+            a_neg: self.a_neg.clone(),
+            dt_bias: self.dt_bias.clone(),
+            layout,
+        });
+        let window = inputs.narrow(0, n, kern - 1)?;
+        cache.commit(n, window, state, 0, chunk, inputs);
+        Ok(Some(out))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn forward_device(&self, _: &Tensor, _: &mut RecurrentCache) -> Result<Option<Tensor>> {
+        Ok(None)
     }
 }
 
@@ -482,12 +562,12 @@ fn delta_chunk(
     };
     Ok((
         out,
-        DeltaChunk {
+        DeltaChunk::Wy(WyChunk {
             s0: s.clone(),
             k: k.clone(),
             delta,
             gcum,
-        },
+        }),
     ))
 }
 

@@ -48,6 +48,11 @@ impl LatentCache {
         self.view()
     }
 
+    /// The whole buffer `[1, capacity, width]` (the latent attention kernel reads its rows).
+    pub fn buffer(&self) -> &Tensor {
+        &self.rows
+    }
+
     /// View of the cached rows `[1, len, width]`.
     pub fn view(&self) -> Result<Tensor> {
         Ok(self.rows.narrow(1, 0, self.len)?)

@@ -40,10 +40,11 @@ pub struct LatentAttention {
     pub q: QProj,
     pub kv_a: Linear,
     pub kv_a_norm: RmsNorm,
-    /// `[heads, nope, kv_lora]`: maps a query's nope part into latent space.
-    pub w_uk: Tensor,
-    /// `[heads, kv_lora, v]`: maps a head's latent output to its value space.
-    pub w_uv_t: Tensor,
+    /// `[heads, kv_lora, nope]`: maps a query's nope part into latent space (`q_nope W_UK`,
+    /// stored as the per-head weight of a `[n, nope] -> [n, kv_lora]` product).
+    pub w_uk_t: Tensor,
+    /// `[heads, v, kv_lora]`: maps a head's latent output to its value space.
+    pub w_uv: Tensor,
     pub o_proj: Linear,
     pub shape: MlaShape,
 }
@@ -64,11 +65,8 @@ impl LatentAttention {
             q,
             kv_a,
             kv_a_norm,
-            w_uk: kv_b.narrow(1, 0, s.nope)?.contiguous()?,
-            w_uv_t: kv_b
-                .narrow(1, s.nope, s.v_dim)?
-                .transpose(1, 2)?
-                .contiguous()?,
+            w_uk_t: kv_b.narrow(1, 0, s.nope)?.transpose(1, 2)?.contiguous()?,
+            w_uv: kv_b.narrow(1, s.nope, s.v_dim)?.contiguous()?,
             o_proj,
             shape,
         })
@@ -89,8 +87,8 @@ impl LatentAttention {
         };
         q + self.kv_a.weight_bytes()
             + self.kv_a_norm.weight_bytes()
-            + t(&self.w_uk)
-            + t(&self.w_uv_t)
+            + t(&self.w_uk_t)
+            + t(&self.w_uv)
             + self.o_proj.weight_bytes()
     }
 
@@ -126,27 +124,103 @@ impl LatentAttention {
         let row = Tensor::cat(&[&latent.unsqueeze(0)?, &k_rope], 2)?;
         let rows = cache.append(&row)?; // [1, L, kv_lora + rope]
                                         // 3. absorbed queries: q_nope W_UK per head, then the rope part: [heads, n, kv_lora + rope]
-        let q_lat = q_nope.matmul(&self.w_uk)?;
+        let q_lat = per_head(&q_nope, &self.w_uk_t)?;
         let q_full = Tensor::cat(&[&q_lat, &q_rope], 2)?;
         // 4. MQA over the cached rows; values are the latent part
-        let props = Props {
-            scale: s.scale,
-            vis: Visibility::CAUSAL,
-            sinks: None,
-        };
         let l = rows.dim(1)?;
-        let values = rows.narrow(2, 0, s.kv_lora)?;
-        let o = attend(&q_full, &rows, &values, l - n, &props, masks)?; // [n, heads*kv_lora]
-                                                                        // 5. per-head latent -> value space, then o_proj
+        let o = match self.attend_device(&q_full, t, cache, l)? {
+            Some(o) => o,
+            None => {
+                let props = Props {
+                    scale: s.scale,
+                    vis: Visibility::CAUSAL,
+                    sinks: None,
+                };
+                let values = rows.narrow(2, 0, s.kv_lora)?;
+                attend(&q_full, &rows, &values, l - n, &props, masks)? // [n, heads*kv_lora]
+            }
+        };
+        // 5. per-head latent -> value space, then o_proj
         let o = o
             .reshape((n, s.heads, s.kv_lora))?
             .transpose(0, 1)?
-            .contiguous()?
-            .matmul(&self.w_uv_t)?; // [heads, n, v]
+            .contiguous()?;
+        let o = per_head(&o, &self.w_uv)?; // [heads, n, v]
         let o = o
             .transpose(0, 1)?
             .contiguous()?
             .reshape((n, s.heads * s.v_dim))?;
         self.o_proj.forward(&o)
     }
+
+    /// The latent attention kernel (CUDA, bf16, 512 + 64 dims, `nn::cuda::attention_latent`):
+    /// `q_full [heads, n, width]` over the first `l` cached rows. None where it does not apply.
+    #[cfg(feature = "cuda")]
+    fn attend_device(
+        &self,
+        q_full: &Tensor,
+        t: &RopeTables,
+        cache: &LatentCache,
+        l: usize,
+    ) -> Result<Option<Tensor>> {
+        let s = self.shape;
+        let (Some(tables), true) = (&t.packed, super::fused::allowed()) else {
+            return Ok(None);
+        };
+        if (s.kv_lora + s.rope, s.kv_lora) != super::cuda::LATENT_DIMS || q_full.track_op() {
+            return Ok(None);
+        }
+        let (heads, n, w) = q_full.dims3()?;
+        let src = q_full
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((n, heads * w))?;
+        let call = super::fused::AttentionCall {
+            q: super::fused::HeadSource {
+                offset: 0,
+                head_stride: w,
+                norm: None,
+                eps: 0.0,
+                rot: 0,
+                unit_norm: false,
+            },
+            heads,
+            scale: s.scale as f32,
+            kv_len: l,
+            q_pos0: l - n,
+            vis: Visibility::CAUSAL,
+            sinks: None,
+            gate_offset: None,
+        };
+        Ok(super::cuda::attention_latent(
+            &src,
+            tables,
+            cache.buffer(),
+            s.kv_lora,
+            &call,
+        )?)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn attend_device(
+        &self,
+        _: &Tensor,
+        _: &RopeTables,
+        _: &LatentCache,
+        _: usize,
+    ) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+}
+
+/// `x [heads, n, k] @ w [heads, m, k]^T` per head: `[heads, n, m]`; on CUDA in batch-invariant
+/// mode through the batched skinny GEMM (a row's bits do not depend on the other rows).
+fn per_head(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::fused::allowed() && !x.track_op() {
+        if let Some(y) = super::cuda::mma_batched(&x.contiguous()?, w)? {
+            return Ok(y);
+        }
+    }
+    Ok(x.matmul(&w.transpose(1, 2)?)?)
 }

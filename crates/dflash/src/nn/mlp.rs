@@ -42,6 +42,19 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
+    /// From its three linears, gate and up stacked (see [`Self::fuse`]).
+    pub fn new(gate: Linear, up: Linear, down: Linear, act: Activation) -> Result<Self> {
+        let mut m = Self {
+            gate,
+            up,
+            down,
+            act,
+            gate_up: None,
+        };
+        m.fuse()?;
+        Ok(m)
+    }
+
     /// Load `{prefix}.{gate,up,down}_proj`.
     pub fn load(
         w: &Weights,

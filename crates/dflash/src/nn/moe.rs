@@ -189,6 +189,9 @@ pub struct Router {
     pub scale: f32,
     /// Per-expert multipliers of the chosen weights (gemma4).
     pub per_expert_scale: Option<Vec<f32>>,
+    /// The correction bias and per-expert scales as f32 device tensors, made on the first
+    /// device-side routing (the routing kernel reads them).
+    pub device_tables: std::sync::OnceLock<(Option<Tensor>, Option<Tensor>)>,
 }
 
 impl Router {
@@ -209,6 +212,7 @@ impl Router {
             top_k,
             scale: 1.0,
             per_expert_scale: None,
+            device_tables: Default::default(),
         })
     }
 
@@ -523,14 +527,96 @@ impl SparseMoe {
         self.forward_routed(x, x)
     }
 
-    /// Routed by `router_x`, computed on `x` (gemma4 routes on its own normed input).
+    /// Routed by `router_x`, computed on `x` (gemma4 routes on its own normed input). On CUDA
+    /// (bf16, up to 16 rows) routing and the chosen experts run on the device in one op
+    /// (`kernels/moe.cu`: each expert the rows route to is read once); elsewhere routing is
+    /// on the host and each chosen expert runs on its rows ([`Experts::forward`]).
     pub fn forward_routed(&self, router_x: &Tensor, x: &Tensor) -> Result<Tensor> {
-        let routes = self.router.route(router_x)?;
-        let y = self.experts.forward(x, &routes)?;
+        let y = match self.forward_device(router_x, x)? {
+            Some(y) => y,
+            None => {
+                let routes = self.router.route(router_x)?;
+                self.experts.forward(x, &routes)?
+            }
+        };
         Ok(match &self.shared {
             Some(s) => (y + s.forward(x)?)?,
             None => y,
         })
+    }
+}
+
+impl SparseMoe {
+    /// The routed experts on the device, or None where the kernels do not apply.
+    #[cfg(feature = "cuda")]
+    fn forward_device(&self, router_x: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+        use super::cuda::{ActMode, MoeCall, RouteMode};
+        if !super::fused::allowed()
+            || !x.device().is_cuda()
+            || x.track_op()
+            || x.dim(0)? > super::cuda::MOE_MAX_ROWS
+        {
+            return Ok(None);
+        }
+        let r = &self.router;
+        let dev = x.device();
+        let (corr, pe) = match r.device_tables.get() {
+            Some(t) => t,
+            None => {
+                let up = |v: &[f32]| Tensor::from_slice(v, v.len(), dev);
+                let corr = match &r.scoring {
+                    Scoring::SigmoidGrouped { correction, .. } => Some(up(correction)?),
+                    _ => None,
+                };
+                let pe = r.per_expert_scale.as_deref().map(up).transpose()?;
+                r.device_tables.get_or_init(|| (corr, pe))
+            }
+        };
+        let mode = match &r.scoring {
+            Scoring::Softmax { renormalize } => RouteMode::Softmax {
+                renormalize: *renormalize,
+            },
+            Scoring::TopKSoftmax => RouteMode::TopKSoftmax,
+            Scoring::SigmoidGrouped {
+                n_group,
+                topk_group,
+                renormalize,
+                ..
+            } => RouteMode::SigmoidGrouped {
+                correction: corr.clone().expect("made with the tables"),
+                n_group: *n_group,
+                topk_group: *topk_group,
+                renormalize: *renormalize,
+            },
+        };
+        let e = &self.experts;
+        let act = match e.act {
+            ExpertAct::Glu(Activation::Silu) => ActMode::Silu,
+            ExpertAct::Glu(Activation::GeluTanh) => ActMode::GeluTanh,
+            ExpertAct::ClampedGlu { limit, alpha } => ActMode::ClampedGlu {
+                limit: limit as f32,
+                alpha: alpha as f32,
+            },
+        };
+        let call = MoeCall {
+            mode,
+            top_k: r.top_k,
+            per_expert_scale: pe.clone(),
+            scale: r.scale,
+            gate_up: e.gate_up.clone(),
+            gate_up_bias: e.gate_up_bias.clone(),
+            down: e.down.clone(),
+            down_bias: e.down_bias.clone(),
+            inter: e.inter,
+            act,
+        };
+        let logits = r.logits(router_x)?;
+        Ok(super::cuda::moe(x, &logits, &call)?)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn forward_device(&self, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
+        Ok(None)
     }
 }
 
@@ -577,6 +663,7 @@ mod tests {
             top_k,
             scale: 1.0,
             per_expert_scale: None,
+            device_tables: Default::default(),
         }
     }
 

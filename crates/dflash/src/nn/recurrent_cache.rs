@@ -33,9 +33,78 @@
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
-/// What one chunk of the delta rule leaves behind to rebuild the state after any of its rows.
+/// What one chunk of the delta rule leaves behind to rebuild the state after any of its rows:
+/// the chunked (WY) form's corrections (the portable path), or, on CUDA, the rows themselves
+/// to replay with the row-by-row kernel from the chunk's start state (so a rolled-back state
+/// has exactly the bits the decode steps would have given it).
 #[derive(Debug, Clone)]
-pub struct DeltaChunk {
+pub enum DeltaChunk {
+    Wy(WyChunk),
+    #[cfg(feature = "cuda")]
+    Replay(ReplayChunk),
+}
+
+/// The rows of a forward kept for a replay on the device.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+pub struct ReplayChunk {
+    /// State at the chunk's start `[v_heads, k_dim, v_dim]` (f32).
+    pub s0: Tensor,
+    /// The conv outputs of its rows `[c, conv_dim]` and their input projections.
+    pub conv: Tensor,
+    pub proj: Tensor,
+    pub a_neg: Tensor,
+    pub dt_bias: Tensor,
+    pub layout: super::cuda::DeltaLayout,
+}
+
+impl DeltaChunk {
+    pub fn rows(&self) -> Result<usize> {
+        match self {
+            DeltaChunk::Wy(c) => c.rows(),
+            #[cfg(feature = "cuda")]
+            DeltaChunk::Replay(c) => Ok(c.conv.dim(0)?),
+        }
+    }
+    /// The state at the chunk's start.
+    pub fn s0(&self) -> &Tensor {
+        match self {
+            DeltaChunk::Wy(c) => &c.s0,
+            #[cfg(feature = "cuda")]
+            DeltaChunk::Replay(c) => &c.s0,
+        }
+    }
+    /// The state after the chunk's first `j` rows (`1 <= j <= c`).
+    pub fn state_after(&self, j: usize) -> Result<Tensor> {
+        match self {
+            DeltaChunk::Wy(c) => c.state_after(j),
+            #[cfg(feature = "cuda")]
+            DeltaChunk::Replay(c) => {
+                let out = super::cuda::delta_rule(
+                    &c.conv, &c.proj, &c.a_neg, &c.dt_bias, &c.s0, &c.layout, j, false,
+                )?;
+                match out {
+                    Some((_, state)) => Ok(state),
+                    None => Err(Error::input(
+                        "recurrent state: the replay kernel declined the rows it computed",
+                    )),
+                }
+            }
+        }
+    }
+    fn bytes(&self) -> usize {
+        let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
+        match self {
+            DeltaChunk::Wy(c) => t(&c.k) + t(&c.delta) + t(&c.gcum),
+            #[cfg(feature = "cuda")]
+            DeltaChunk::Replay(c) => t(&c.conv) + t(&c.proj),
+        }
+    }
+}
+
+/// The chunked form's record (see the module docs).
+#[derive(Debug, Clone)]
+pub struct WyChunk {
     /// State at the chunk's start `[v_heads, k_dim, v_dim]` (f32).
     pub s0: Tensor,
     /// Normalized keys, one per value head `[v_heads, c, k_dim]` (f32).
@@ -46,7 +115,7 @@ pub struct DeltaChunk {
     pub gcum: Tensor,
 }
 
-impl DeltaChunk {
+impl WyChunk {
     pub fn rows(&self) -> Result<usize> {
         Ok(self.gcum.dim(1)?)
     }
@@ -202,7 +271,7 @@ impl RecurrentCache {
             let j = len - u.chunk_start;
             self.conv = u.inputs.narrow(0, j, k1)?;
             self.state = if j == 0 {
-                u.chunk.s0.clone()
+                u.chunk.s0().clone()
             } else {
                 u.chunk.state_after(j)?
             };
@@ -217,7 +286,7 @@ impl RecurrentCache {
         let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
         let mut b = t(&self.conv) + t(&self.state);
         if let Some(u) = &self.undo {
-            b += t(&u.chunk.k) + t(&u.chunk.delta) + t(&u.chunk.gcum) + t(&u.inputs);
+            b += u.chunk.bytes() + t(&u.inputs);
             // kept states are counted once each (they are shared tensors for a verify)
             b += t(&u.state);
         }

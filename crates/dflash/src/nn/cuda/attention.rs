@@ -177,7 +177,9 @@ pub const ATTN_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 /// replaced chose at the benchmark's shape (32 heads, context 128, 1 or 16 rows).
 const ATTN_CHUNK: usize = 64;
 
-struct Attend(AttentionCall);
+/// One attention launch: the call, and for an MLA latent cache `[1, cap, width]` the width of
+/// its value part (None: a joint `[2, kv_heads, cap, d]` cache).
+struct Attend(AttentionCall, Option<usize>);
 
 impl CustomOp3 for Attend {
     fn name(&self) -> &'static str {
@@ -205,17 +207,33 @@ impl CustomOp3 for Attend {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let c = &self.0;
         let (n, stride) = sl.shape().dims2()?;
-        let (two, kvh, cap, d) = kl.shape().dims4()?;
+        // (kv heads, positions, key width, value width, offset of the values, head stride, row stride)
+        let (kvh, cap, dk, dv, v_off, head_stride, row_stride) = match self.1 {
+            None => {
+                let (two, kvh, cap, d) = kl.shape().dims4()?;
+                if two != 2 {
+                    candle_core::bail!("dflash-attention: cache {:?}", kl.shape());
+                }
+                (kvh, cap, d, d, kvh * cap * d, cap * d, d)
+            }
+            Some(dv) => {
+                let (one, cap, w) = kl.shape().dims3()?;
+                if one != 1 || dv > w {
+                    candle_core::bail!("dflash-attention: latent cache {:?}", kl.shape());
+                }
+                (1, cap, w, dv, 0, 0, w)
+            }
+        };
+        let d = dk;
         let (tab_rows, rot_cols) = cl.shape().dims2()?;
         let heads = c.heads;
         let q_last = c.q.offset + (heads - 1) * c.q.head_stride + d + c.gate_offset.unwrap_or(0);
-        let ok = two == 2
-            && ATTN_HEAD_DIMS.contains(&d)
+        let ok = attn_kernel(dk, dv).is_some()
             && heads % kvh == 0
             && c.kv_len <= cap
             && c.kv_len > 0
             && tab_rows == n
-            && c.q.rot == rot_cols
+            && (c.q.rot == 0 || c.q.rot == rot_cols)
             && q_last <= stride;
         if !ok {
             candle_core::bail!(
@@ -230,6 +248,7 @@ impl CustomOp3 for Attend {
         let src = view(ss, sl, "projection")?;
         let tab = view(cs, cl, "rope tables")?;
         let kv = view(ks, kl, "kv cache")?;
+        let (kp, vp) = (kv.slice(0..), kv.slice(v_off..));
         let held_q = c.q.norm.as_ref().map(Held::new);
         let qw = opt_view(&held_q, "head norm weight")?;
         let held_s = c.sinks.as_ref().map(Held::new);
@@ -244,22 +263,17 @@ impl CustomOp3 for Attend {
         let chunk = ATTN_CHUNK;
         let splits = c.kv_len.div_ceil(chunk);
         // SAFETY: every element is written (by attn with one split, else by attn_combine).
-        let out = unsafe { dev.alloc::<bf16>(n * heads * d)? };
+        let out = unsafe { dev.alloc::<bf16>(n * heads * dv)? };
         let part = unsafe {
             dev.alloc::<f32>(if splits > 1 {
-                rows * splits * (d + 2)
+                rows * splits * (dv + 2)
             } else {
                 1
             })?
         };
-        let func =
-            dev.get_or_load_custom_func(&format!("attn_bf16_d{d}"), "dflash_fused", FUSED_PTX)?;
+        let (name, pairs_per_block) = attn_kernel(dk, dv).expect("checked above");
+        let func = dev.get_or_load_custom_func(name, "dflash_fused", FUSED_PTX)?;
         // One block per (KV head, key chunk, group of (row, head) pairs): kernels/fused.cu's ATTN.
-        let pairs_per_block = match d {
-            512 => 2,
-            256 => 4,
-            _ => 8,
-        };
         let groups = (n * (heads / kvh)).div_ceil(pairs_per_block);
         let cfg = LaunchConfig {
             grid_dim: (kvh as u32, splits as u32, groups as u32),
@@ -275,8 +289,14 @@ impl CustomOp3 for Attend {
             i(c.q.rot),
             c.scale,
         );
-        let (kvh_i, cap_i, len_i, rep_i, pos_i) =
-            (i(kvh), cap as i64, i(c.kv_len), i(heads / kvh), i(c.q_pos0));
+        let (kvh_i, hs_i, rs_i, len_i, rep_i, pos_i) = (
+            i(kvh),
+            head_stride as i64,
+            i(row_stride),
+            i(c.kv_len),
+            i(heads / kvh),
+            i(c.q_pos0),
+        );
         let (causal, window, chunk_i, n_i) = (
             c.vis.causal as i32,
             c.vis.window.unwrap_or(0).min(i32::MAX as usize) as i32,
@@ -295,9 +315,11 @@ impl CustomOp3 for Attend {
         b.arg(&tab);
         b.arg(&rot);
         b.arg(&scale);
-        b.arg(&kv);
+        b.arg(&kp);
+        b.arg(&vp);
+        b.arg(&hs_i);
+        b.arg(&rs_i);
         b.arg(&kvh_i);
-        b.arg(&cap_i);
         b.arg(&len_i);
         b.arg(&rep_i);
         b.arg(&pos_i);
@@ -316,10 +338,10 @@ impl CustomOp3 for Attend {
                 dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
             let cfg = LaunchConfig {
                 grid_dim: (heads as u32, n as u32, 1),
-                block_dim: (block_for(d), 1, 1),
+                block_dim: (block_for(dv), 1, 1),
                 shared_mem_bytes: 0,
             };
-            let (splits_i, d_i) = (i(splits), i(d));
+            let (splits_i, d_i) = (i(splits), i(dv));
             let mut b = func.builder();
             b.arg(&part);
             b.arg(&out);
@@ -334,11 +356,56 @@ impl CustomOp3 for Attend {
             // SAFETY: argument types match the kernel.
             unsafe { b.launch(cfg) }.w()?;
         }
+        drop((kp, vp));
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from((n, heads * d)),
+            Shape::from((n, heads * dv)),
         ))
     }
+}
+
+/// The attention kernel for key / value widths, and its (row, head) pairs per block.
+fn attn_kernel(dk: usize, dv: usize) -> Option<(&'static str, usize)> {
+    Some(match (dk, dv) {
+        (64, 64) => ("attn_bf16_d64", 8),
+        (128, 128) => ("attn_bf16_d128", 8),
+        (256, 256) => ("attn_bf16_d256", 4),
+        (512, 512) => ("attn_bf16_d512", 2),
+        (576, 512) => ("attn_bf16_k576_v512", 2),
+        _ => return None,
+    })
+}
+
+/// MLA key / value widths the latent attention kernel is built for (DeepSeek-V3 / Kimi:
+/// 512 latent + 64 rope dims).
+pub const LATENT_DIMS: (usize, usize) = (576, 512);
+
+/// Attention of ready queries (`src [n, heads * width]`, no norm, no rope: `call.q.rot` 0) over
+/// the first `call.kv_len` rows of an MLA latent cache `rows [1, cap, width]`, values the first
+/// `v_dim` dims of each row: `[n, heads * v_dim]`, or None when the kernel does not apply.
+pub fn attention_latent(
+    src: &Tensor,
+    tables: &Tensor,
+    rows: &Tensor,
+    v_dim: usize,
+    call: &AttentionCall,
+) -> candle_core::Result<Option<Tensor>> {
+    if !is_bf16_cuda(&[src, tables, rows]) || rows.rank() != 3 || src.rank() != 2 {
+        return Ok(None);
+    }
+    let (_, _, w) = rows.dims3()?;
+    if attn_kernel(w, v_dim).is_none()
+        || call.q.rot != 0
+        || call.q.norm.is_some()
+        || call.kv_len == 0
+    {
+        return Ok(None);
+    }
+    Ok(Some(src.apply_op3_no_bwd(
+        tables,
+        rows,
+        &Attend(call.clone(), Some(v_dim)),
+    )?))
 }
 
 /// Attention of the `n` query rows of `src [n, ..]` (heads at `call.q`, normed + roped + scaled
@@ -378,6 +445,6 @@ pub fn attention(
     Ok(Some(src.apply_op3_no_bwd(
         tables,
         kv,
-        &Attend(call.clone()),
+        &Attend(call.clone(), None),
     )?))
 }

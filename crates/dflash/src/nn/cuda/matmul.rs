@@ -68,8 +68,27 @@ impl CustomOp2 for RowMatmul {
         wl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let kern = self.0;
-        let (m, k) = xl.shape().dims2()?;
-        let (n, k2) = wl.shape().dims2()?;
+        // [m, k] x [n, k], or a batch of them: [b, m, k] x [b, n, k] (the skinny GEMM only)
+        let (batch, m, k) = match xl.shape().rank() {
+            3 => xl.shape().dims3()?,
+            _ => {
+                let (m, k) = xl.shape().dims2()?;
+                (1, m, k)
+            }
+        };
+        let (wb, n, k2) = match wl.shape().rank() {
+            3 => wl.shape().dims3()?,
+            _ => {
+                let (n, k) = wl.shape().dims2()?;
+                (1, n, k)
+            }
+        };
+        if wb != batch || (batch > 1 && kern != RowKernel::Mma) {
+            candle_core::bail!(
+                "{}: batch {batch} x [.., {m}, {k}] w [{wb}, {n}, {k2}]",
+                self.name()
+            );
+        }
         if k != k2 || m == 0 || m > kern.max_rows() || n == 0 || k % kern.k_multiple() != 0 {
             candle_core::bail!("{}: x [{m}, {k}] w [{n}, {k2}] not supported", self.name());
         }
@@ -100,9 +119,9 @@ impl CustomOp2 for RowMatmul {
             }
         };
         // SAFETY: every element is written by the kernel.
-        let y = unsafe { dev.alloc::<bf16>(m * n)? };
+        let y = unsafe { dev.alloc::<bf16>(batch * m * n)? };
         let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
+            grid_dim: (grid, batch as u32, 1),
             block_dim: (32 * warps, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -119,10 +138,12 @@ impl CustomOp2 for RowMatmul {
         b.arg(&k_i);
         // SAFETY: argument types match the kernel's signature; sizes checked above.
         unsafe { b.launch(cfg) }.w()?;
-        Ok((
-            CudaStorage::wrap_cuda_slice(y, dev.clone()),
-            Shape::from((m, n)),
-        ))
+        let shape = if xl.shape().rank() == 3 {
+            Shape::from((batch, m, n))
+        } else {
+            Shape::from((m, n))
+        };
+        Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), shape))
     }
 }
 
@@ -221,6 +242,29 @@ pub fn mma(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
         return Ok(None);
     }
     mma_forced(x, w)
+}
+
+/// A batch of skinny products `x [b, m, K] @ w [b, N, K]^T -> [b, m, N]` (1..=16 rows each)
+/// with the batch-invariant tensor-core kernel, when batch-invariant mode is on and it applies
+/// (CUDA, bf16, K % 32 == 0, contiguous); None otherwise. MLA's absorbed per-head products.
+pub fn mma_batched(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !batch_invariant()
+        || !x.device().is_cuda()
+        || x.dtype() != DType::BF16
+        || w.dtype() != DType::BF16
+        || x.rank() != 3
+        || w.rank() != 3
+        || !x.is_contiguous()
+        || !w.is_contiguous()
+    {
+        return Ok(None);
+    }
+    let (b, m, k) = x.dims3()?;
+    let (wb, n, k2) = w.dims3()?;
+    if b != wb || k != k2 || m == 0 || m > MMA_MAX_ROWS || k % 32 != 0 || n == 0 {
+        return Ok(None);
+    }
+    Ok(Some(x.apply_op2_no_bwd(w, &RowMatmul(RowKernel::Mma))?))
 }
 
 /// The skinny GEMM whether or not batch-invariant mode is on (tests and the probe call it).

@@ -17,13 +17,17 @@ const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 const MMA_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mma.ptx"));
 
 mod attention;
+mod delta;
 mod fused;
 mod matmul;
+mod moe;
 mod sampling;
 
 pub use attention::*;
+pub use delta::*;
 pub use fused::*;
 pub use matmul::*;
+pub use moe::*;
 pub use sampling::*;
 
 // ---------------------------------------------------------------------------------------

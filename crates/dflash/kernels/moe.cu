@@ -1,0 +1,393 @@
+// dflash MoE kernels for 1-16 rows (decode, verify, draft-sized blocks), bf16 weights, f32
+// arithmetic. Wrapped in src/nn/cuda/moe.rs; nn::moe decides when they run.
+//
+//   moe_route      router logits [n, E] f32 -> the k chosen experts and weights per row, on the
+//                  device (no host round trip per layer): softmax + top-k (renormalized or
+//                  not), top-k + softmax (gpt-oss), or sigmoid + correction bias + grouped
+//                  top-k (deepseek_v3); per-expert scales and a scaling factor.
+//   moe_gate_up    per expert: act(x W_gate^T (+b)) * (x W_up^T (+b)) for the rows routed to it
+//   moe_down       per expert: h W_down^T (+b) for the (row, slot) pairs routed to it
+//   moe_combine    out[r] = sum over the row's k slots, in slot order, of weight * expert output
+//
+// The expert GEMMs run over a grid of (expert, tile) blocks; a block whose expert no row chose
+// returns at once, so each expert the block of rows routes to (the union) is read once per
+// layer whatever the number of rows. Within a block one warp streams one weight row (16-byte
+// loads, as kernels/gemv.cu) and keeps one accumulator per pair.
+//
+// Batch invariance: a (pair, output) value is one warp's dot product over k in a fixed order
+// (lane i takes chunks i, i + 32, ..., then a fixed xor reduction), and the combine adds a
+// row's slots in slot order: no value depends on which other rows are in the call.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define MOE_MAX_PAIRS 16  // pairs of one expert in one call: at most one per row, n <= 16
+
+__device__ __forceinline__ float rb(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// Routing. One block of 256 threads per row; E <= 1024 experts (4 per thread).
+
+#define ROUTE_T 256
+#define ROUTE_PER 4
+
+// Block-wide argmax over v[ROUTE_PER] per thread (index = t + ROUTE_T * u): the largest value,
+// the lowest index among equal ones (torch.topk order); -inf everywhere gives index -1.
+__device__ void block_argmax(const float* v, int E, float* s_val, int* s_idx, float* best_v,
+                             int* best_i) {
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  float bv = -INFINITY;
+  int bi = -1;
+  // Indices grow with u, so a strict > keeps the lowest index among equal values; -inf and
+  // NaN are never chosen.
+#pragma unroll
+  for (int u = 0; u < ROUTE_PER; ++u) {
+    const int e = t + ROUTE_T * u;
+    if (e < E && v[u] > bv) {
+      bv = v[u];
+      bi = e;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  __syncthreads();
+  if (lane == 0) {
+    s_val[warp] = bv;
+    s_idx[warp] = bi;
+  }
+  __syncthreads();
+  if (t == 0) {
+    float v0 = -INFINITY;
+    int i0 = -1;
+    for (int w = 0; w < ROUTE_T / 32; ++w) {
+      const int oi = s_idx[w];
+      const float ov = s_val[w];
+      if (oi >= 0 && (i0 < 0 || ov > v0 || (ov == v0 && oi < i0))) {
+        v0 = ov;
+        i0 = oi;
+      }
+    }
+    *best_v = v0;
+    *best_i = i0;
+  }
+  __syncthreads();
+}
+
+__device__ float block_reduce(float x, float* s, bool is_max) {
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();
+  if (lane == 0) s[warp] = x;
+  __syncthreads();
+  float r = is_max ? -INFINITY : 0.f;
+  for (int w = 0; w < ROUTE_T / 32; ++w) r = is_max ? fmaxf(r, s[w]) : r + s[w];
+  return r;
+}
+
+// mode 0: softmax over all, top-k, renormalized iff renorm; 1: top-k logits, softmax over them;
+// 2: sigmoid scores, choice = score + corr, the best topk_group of n_group groups (each scored
+// by its two best choices), top-k within them; weights = scores (renormalized iff renorm).
+// Then w *= pe_scale[e] (if given) * scale. ids [n, k] i32, w [n, k] f32.
+extern "C" __global__ void __launch_bounds__(ROUTE_T)
+    moe_route(const float* __restrict__ logits, int E, int k, int mode, int renorm,
+              const float* __restrict__ corr, int n_group, int topk_group,
+              const float* __restrict__ pe_scale, float scale, int* __restrict__ ids,
+              float* __restrict__ w) {
+  __shared__ float s_val[ROUTE_T / 32];
+  __shared__ int s_idx[ROUTE_T / 32];
+  __shared__ float s_red[ROUTE_T / 32];
+  __shared__ float best_v;
+  __shared__ int best_i;
+  __shared__ float gscore[64];
+  __shared__ int gkeep[64];
+  __shared__ int chosen[32];
+  __shared__ float chosen_w[32];
+  const int row = blockIdx.x, t = threadIdx.x;
+  const float* l = logits + (size_t)row * E;
+  float x[ROUTE_PER], score[ROUTE_PER];
+#pragma unroll
+  for (int u = 0; u < ROUTE_PER; ++u) {
+    const int e = t + ROUTE_T * u;
+    x[u] = e < E ? l[e] : -INFINITY;
+  }
+  if (mode == 0) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < ROUTE_PER; ++u) m = fmaxf(m, x[u]);
+    m = block_reduce(m, s_red, true);
+    float z = 0.f;
+#pragma unroll
+    for (int u = 0; u < ROUTE_PER; ++u) {
+      const int e = t + ROUTE_T * u;
+      score[u] = e < E ? __expf(x[u] - m) : 0.f;
+      z += score[u];
+    }
+    z = block_reduce(z, s_red, false);
+#pragma unroll
+    for (int u = 0; u < ROUTE_PER; ++u) {
+      score[u] = score[u] / z;
+      x[u] = t + ROUTE_T * u < E ? score[u] : -INFINITY;  // choose by probability
+    }
+  } else if (mode == 2) {
+#pragma unroll
+    for (int u = 0; u < ROUTE_PER; ++u) {
+      const int e = t + ROUTE_T * u;
+      score[u] = e < E ? 1.f / (1.f + __expf(-x[u])) : 0.f;
+      x[u] = e < E ? score[u] + corr[e] : -INFINITY;
+    }
+    // group scores: the sum of each group's two best choices (thread g < n_group scans it)
+    const int per = E / n_group;
+    __syncthreads();
+    __shared__ float s_choice[1024];
+#pragma unroll
+    for (int u = 0; u < ROUTE_PER; ++u) {
+      const int e = t + ROUTE_T * u;
+      if (e < E) s_choice[e] = x[u];
+    }
+    __syncthreads();
+    if (t < n_group) {
+      float a = -INFINITY, b = -INFINITY;
+      for (int j = 0; j < per; ++j) {
+        const float c = s_choice[t * per + j];
+        if (c > a) {
+          b = a;
+          a = c;
+        } else if (c > b) {
+          b = c;
+        }
+      }
+      gscore[t] = per >= 2 ? a + b : a;
+      gkeep[t] = 0;
+    }
+    __syncthreads();
+    if (t == 0) {
+      for (int r = 0; r < topk_group; ++r) {
+        int bi = -1;
+        for (int g = 0; g < n_group; ++g) {
+          if (!gkeep[g] && (bi < 0 || gscore[g] > gscore[bi])) bi = g;
+        }
+        gkeep[bi] = 1;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < ROUTE_PER; ++u) {
+      const int e = t + ROUTE_T * u;
+      if (e < E && !gkeep[e / per]) x[u] = -INFINITY;
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < ROUTE_PER; ++u) score[u] = x[u];
+  }
+  // top-k, largest first, ties to the lower index
+  for (int r = 0; r < k; ++r) {
+    block_argmax(x, E, s_val, s_idx, &best_v, &best_i);
+    const int e = best_i;
+    if (t == 0) chosen[r] = e;
+#pragma unroll
+    for (int u = 0; u < ROUTE_PER; ++u) {
+      if (t + ROUTE_T * u == e) {
+        chosen_w[r] = score[u];
+        x[u] = -INFINITY;
+      }
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    float sum = 0.f;
+    if (mode == 1) {
+      const float m = chosen_w[0];
+      for (int r = 0; r < k; ++r) {
+        chosen_w[r] = __expf(chosen_w[r] - m);
+        sum += chosen_w[r];
+      }
+    } else {
+      for (int r = 0; r < k; ++r) sum += chosen_w[r];
+      if (mode == 2) sum += 1e-20f;
+    }
+    const bool div = mode == 1 || renorm;
+    for (int r = 0; r < k; ++r) {
+      const int e = chosen[r];
+      float wt = div ? chosen_w[r] / sum : chosen_w[r];
+      if (pe_scale != nullptr && e >= 0) wt *= pe_scale[e];
+      wt *= scale;
+      ids[(size_t)row * k + r] = e < 0 ? 0 : e;
+      w[(size_t)row * k + r] = e < 0 ? 0.f : wt;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Expert GEMMs. grid (E, tiles), 8 warps; the block first lists the pairs routed to its expert.
+
+#define MOE_WARPS 8
+
+// The pairs p < npairs with ids[p] == e, in increasing p, into pairs[] (returns the count).
+__device__ int expert_pairs(const int* __restrict__ ids, int npairs, int e, int* pairs) {
+  __shared__ int count;
+  if (threadIdx.x == 0) {
+    int c = 0;
+    for (int p = 0; p < npairs && c < MOE_MAX_PAIRS; ++p) {
+      if (ids[p] == e) pairs[c++] = p;
+    }
+    count = c;
+  }
+  __syncthreads();
+  return count;
+}
+
+// act modes: 0 silu(g) * u, 1 gelu_tanh(g) * u, 2 gpt-oss (clamp(u,-l,l)+1) * g' sigmoid(alpha g'),
+// g' = min(g, l); each op rounded to bf16 as the unfused candle path rounds.
+__device__ __forceinline__ float expert_act(float g, float u, int mode, float limit, float alpha) {
+  if (mode == 0) {
+    return rb(rb(g / (1.f + __expf(-g))) * u);
+  } else if (mode == 1) {
+    const float c = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return rb(rb(0.5f * g * (1.f + tanhf(c))) * u);
+  }
+  const float gl = fminf(g, limit);
+  const float ul = fminf(fmaxf(u, -limit), limit);
+  const float sig = rb(1.f / (1.f + __expf(-rb(gl * alpha))));
+  const float glu = rb(gl * sig);
+  return rb(rb(ul + 1.f) * glu);
+}
+
+// h[p, j] = act(x[p / k] . Wg[e, j] (+ bg), x[p / k] . Wu[e, j] (+ bu)) for the pairs p of
+// expert e and j in this block's tile of `units` (8 warps x units / 8 each). gate_up [E, 2I, H]
+// (gate rows, then up rows), bias [E, 2I] or null; h [npairs, I] bf16. H % 8 == 0.
+extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
+    moe_gate_up(const bf16* __restrict__ x, const int* __restrict__ ids, int npairs, int k,
+                const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter, int hidden,
+                int units, int mode, float limit, float alpha, bf16* __restrict__ h) {
+  __shared__ int pairs[MOE_MAX_PAIRS];
+  const int e = blockIdx.x;
+  const int np = expert_pairs(ids, npairs, e, pairs);
+  if (np == 0) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int kv = hidden / 8;
+  const bf16* we = gate_up + (size_t)e * 2 * inter * hidden;
+  for (int jj = warp; jj < units; jj += MOE_WARPS) {
+    const int j = blockIdx.y * units + jj;
+    if (j >= inter) break;
+    const uint4* wg = reinterpret_cast<const uint4*>(we + (size_t)j * hidden);
+    const uint4* wu = reinterpret_cast<const uint4*>(we + (size_t)(inter + j) * hidden);
+    float ag[MOE_MAX_PAIRS], au[MOE_MAX_PAIRS];
+#pragma unroll
+    for (int q = 0; q < MOE_MAX_PAIRS; ++q) ag[q] = au[q] = 0.f;
+    for (int i = lane; i < kv; i += 32) {
+      const uint4 gv = __ldcs(wg + i), uv = __ldcs(wu + i);
+      const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&gv);
+      const __nv_bfloat162* up = reinterpret_cast<const __nv_bfloat162*>(&uv);
+      float2 gf[4], uf[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        gf[t] = __bfloat1622float2(gp[t]);
+        uf[t] = __bfloat1622float2(up[t]);
+      }
+#pragma unroll
+      for (int q = 0; q < MOE_MAX_PAIRS; ++q) {
+        if (q >= np) break;
+        const int r = pairs[q] / k;
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * hidden) + i);
+        const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const float2 xf = __bfloat1622float2(xp[t]);
+          ag[q] = fmaf(gf[t].x, xf.x, ag[q]);
+          ag[q] = fmaf(gf[t].y, xf.y, ag[q]);
+          au[q] = fmaf(uf[t].x, xf.x, au[q]);
+          au[q] = fmaf(uf[t].y, xf.y, au[q]);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < MOE_MAX_PAIRS; ++q) {
+      if (q >= np) break;
+      float g = rb(warp_sum(ag[q])), u = rb(warp_sum(au[q]));
+      if (bias != nullptr) {
+        g = rb(g + __bfloat162float(bias[(size_t)e * 2 * inter + j]));
+        u = rb(u + __bfloat162float(bias[(size_t)e * 2 * inter + inter + j]));
+      }
+      if (lane == 0) h[(size_t)pairs[q] * inter + j] = __float2bfloat16(expert_act(g, u, mode, limit, alpha));
+    }
+  }
+}
+
+// y[p, c] = h[p] . Wd[e, c] (+ b[e, c]) for the pairs p of expert e and c in this block's tile
+// of `rows`; down [E, H, I], bias [E, H] or null; y [npairs, H] f32 (of the bf16-rounded value,
+// as the unfused path rounds the expert's output). I % 8 == 0.
+extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
+    moe_down(const bf16* __restrict__ h, const int* __restrict__ ids, int npairs,
+             const bf16* __restrict__ down, const bf16* __restrict__ bias, int inter, int hidden,
+             int rows, float* __restrict__ y) {
+  __shared__ int pairs[MOE_MAX_PAIRS];
+  const int e = blockIdx.x;
+  const int np = expert_pairs(ids, npairs, e, pairs);
+  if (np == 0) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int kv = inter / 8;
+  const bf16* we = down + (size_t)e * hidden * inter;
+  for (int cc = warp; cc < rows; cc += MOE_WARPS) {
+    const int c = blockIdx.y * rows + cc;
+    if (c >= hidden) break;
+    const uint4* wr = reinterpret_cast<const uint4*>(we + (size_t)c * inter);
+    float acc[MOE_MAX_PAIRS];
+#pragma unroll
+    for (int q = 0; q < MOE_MAX_PAIRS; ++q) acc[q] = 0.f;
+    for (int i = lane; i < kv; i += 32) {
+      const uint4 wv = __ldcs(wr + i);
+      const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
+      float2 wf[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) wf[t] = __bfloat1622float2(wp[t]);
+#pragma unroll
+      for (int q = 0; q < MOE_MAX_PAIRS; ++q) {
+        if (q >= np) break;
+        const uint4 hv = __ldg(reinterpret_cast<const uint4*>(h + (size_t)pairs[q] * inter) + i);
+        const __nv_bfloat162* hp = reinterpret_cast<const __nv_bfloat162*>(&hv);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const float2 hf = __bfloat1622float2(hp[t]);
+          acc[q] = fmaf(wf[t].x, hf.x, acc[q]);
+          acc[q] = fmaf(wf[t].y, hf.y, acc[q]);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < MOE_MAX_PAIRS; ++q) {
+      if (q >= np) break;
+      float v = rb(warp_sum(acc[q]));
+      if (bias != nullptr) v = rb(v + __bfloat162float(bias[(size_t)e * hidden + c]));
+      if (lane == 0) y[(size_t)pairs[q] * hidden + c] = v;
+    }
+  }
+}
+
+// out[r, c] = bf16(sum_{s < k} w[r, s] * y[r * k + s, c]), slots in order. grid (n, ceil(H / 256)).
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, int k,
+                                       int hidden, bf16* __restrict__ out) {
+  const int r = blockIdx.x;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c >= hidden) return;
+  float acc = 0.f;
+  for (int s = 0; s < k; ++s) acc = fmaf(w[(size_t)r * k + s], y[((size_t)r * k + s) * hidden + c], acc);
+  out[(size_t)r * hidden + c] = __float2bfloat16(acc);
+}

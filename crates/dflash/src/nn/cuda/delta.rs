@@ -1,0 +1,348 @@
+//! The Gated DeltaNet of decode and verify blocks on the device (`kernels/delta.cu`): conv,
+//! the row-by-row delta rule (also the rollback's replay) and the gated output norm.
+//! `nn::gated_delta` decides when they run.
+
+use super::*;
+
+const DELTA_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/delta.ptx"));
+
+/// Key and value head dim the rule kernel is built for.
+pub const DELTA_HEAD_DIM: usize = 128;
+
+/// Where a layer's pieces sit in its input projection, and its head counts.
+#[derive(Clone, Debug)]
+pub struct DeltaLayout {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub v_dim: usize,
+    /// Columns of the projection: z (output gate), b (write strength), a (decay).
+    pub z_off: usize,
+    pub b_off: usize,
+    pub a_off: usize,
+}
+
+fn f32_slice<'a>(h: &'a Held<'a>, what: &str) -> candle_core::Result<CudaView<'a, f32>> {
+    match &*h.0 {
+        Storage::Cuda(s) => {
+            let Some((o, e)) = h.1.contiguous_offsets() else {
+                candle_core::bail!("dflash delta: {what} must be contiguous");
+            };
+            Ok(s.as_cuda_slice::<f32>()?.slice(o..e))
+        }
+        _ => candle_core::bail!("dflash delta: {what} is not on the CUDA device"),
+    }
+}
+
+struct Conv {
+    w: Tensor,
+}
+
+impl CustomOp1 for Conv {
+    fn name(&self) -> &'static str {
+        "dflash-delta-conv"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, cd) = l.shape().dims2()?;
+        let (k, cd2) = self.w.dims2()?;
+        if cd2 != cd || rows < k || k == 0 {
+            candle_core::bail!(
+                "dflash-delta-conv: inputs {:?} taps {:?}",
+                l.shape(),
+                self.w.shape()
+            );
+        }
+        let n = rows - (k - 1);
+        let dev = s.device();
+        let x = view(s, l, "conv inputs")?;
+        let hw = Held::new(&self.w);
+        let w = f32_slice(&hw, "conv taps")?;
+        // SAFETY: one thread per output element.
+        let out = unsafe { dev.alloc::<bf16>(n * cd)? };
+        let func = dev.get_or_load_custom_func("delta_conv", "dflash_delta", DELTA_PTX)?;
+        let total = (n * cd) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (k_i, cd_i, n_i) = (k as i32, cd as i32, n as i32);
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&w);
+        b.arg(&k_i);
+        b.arg(&cd_i);
+        b.arg(&n_i);
+        b.arg(&out);
+        // SAFETY: argument types match the kernel; shapes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, cd)),
+        ))
+    }
+}
+
+/// `silu(conv)` of the rows after the window: `inputs [K - 1 + n, cd]` bf16 (the cached
+/// window, then the new rows), `w [K, cd]` f32 taps. None when the kernel does not apply.
+pub fn delta_conv(inputs: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !is_bf16_cuda(&[inputs])
+        || w.dtype() != DType::F32
+        || !w.is_contiguous()
+        || inputs.rank() != 2
+    {
+        return Ok(None);
+    }
+    Ok(Some(inputs.apply_op1_no_bwd(&Conv { w: w.clone() })?))
+}
+
+struct Rule {
+    proj: Tensor,
+    a_neg: Tensor,
+    dt_bias: Tensor,
+    s_in: Tensor,
+    layout: DeltaLayout,
+    /// Rows to run (the conv rows' first `rows`); with `outputs` false only the final state
+    /// is produced (a rollback's replay).
+    rows: usize,
+    outputs: bool,
+}
+
+impl CustomOp1 for Rule {
+    fn name(&self) -> &'static str {
+        "dflash-delta-rule"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let lo = &self.layout;
+        let (crows, cd) = l.shape().dims2()?;
+        let (prows, pstride) = self.proj.dims2()?;
+        let d = DELTA_HEAD_DIM;
+        let ok = self.rows <= crows
+            && self.rows <= prows
+            && cd == 2 * lo.k_heads * d + lo.v_heads * lo.v_dim
+            && lo.v_dim == d
+            && lo.v_heads % lo.k_heads == 0
+            && self.s_in.dims3()? == (lo.v_heads, d, lo.v_dim)
+            && lo.a_off + lo.v_heads <= pstride
+            && lo.b_off + lo.v_heads <= pstride;
+        if !ok {
+            candle_core::bail!(
+                "dflash-delta-rule: conv {:?} proj {:?} state {:?} rows {}",
+                l.shape(),
+                self.proj.shape(),
+                self.s_in.shape(),
+                self.rows
+            );
+        }
+        let dev = s.device();
+        let conv = view(s, l, "conv rows")?;
+        let hp = Held::new(&self.proj);
+        let proj = hp.view("projection")?;
+        let (ha, hd, hs) = (
+            Held::new(&self.a_neg),
+            Held::new(&self.dt_bias),
+            Held::new(&self.s_in),
+        );
+        let (a_neg, dt_bias, s_in) = (
+            f32_slice(&ha, "decay")?,
+            f32_slice(&hd, "dt bias")?,
+            f32_slice(&hs, "state")?,
+        );
+        let state = lo.v_heads * d * lo.v_dim;
+        let outs = if self.outputs {
+            self.rows * lo.v_heads * lo.v_dim
+        } else {
+            0
+        };
+        // One buffer: the outputs [rows, hv, dv] (if any), then the final state [hv, dk, dv].
+        // SAFETY: the kernel writes every output and every state element.
+        let buf = unsafe { dev.alloc::<f32>(outs + state)? };
+        let func = dev.get_or_load_custom_func("delta_rule", "dflash_delta", DELTA_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (lo.v_heads as u32, (lo.v_dim / 32) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let i = |x: usize| x as i32;
+        let (cd_i, ps_i, b_off, a_off, hk, hv, dv, n) = (
+            i(cd),
+            i(pstride),
+            i(lo.b_off),
+            i(lo.a_off),
+            i(lo.k_heads),
+            i(lo.v_heads),
+            i(lo.v_dim),
+            i(self.rows),
+        );
+        let o_view = buf.slice(0..outs);
+        let s_view = buf.slice(outs..outs + state);
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&conv);
+        b.arg(&cd_i);
+        b.arg(&proj);
+        b.arg(&ps_i);
+        b.arg(&b_off);
+        b.arg(&a_off);
+        b.arg(&a_neg);
+        b.arg(&dt_bias);
+        b.arg(&hk);
+        b.arg(&hv);
+        b.arg(&dv);
+        b.arg(&n);
+        b.arg(&s_in);
+        b.arg(&s_view);
+        if self.outputs {
+            b.arg(&o_view);
+        } else {
+            b.arg(&null);
+        }
+        // SAFETY: argument types match the kernel; shapes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        drop((o_view, s_view));
+        Ok((
+            CudaStorage::wrap_cuda_slice(buf, dev.clone()),
+            Shape::from(outs + state),
+        ))
+    }
+}
+
+/// The delta rule over the first `rows` rows of `conv [n, cd]` (the conv outputs) from state
+/// `s_in [hv, 128, dv]` f32, with the gates of `proj`: the outputs `[rows, hv, dv]` f32 (None
+/// when `outputs` is false) and the state after the last row. None when the kernel does not
+/// apply (not CUDA, not bf16, head dims other than 128).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule(
+    conv: &Tensor,
+    proj: &Tensor,
+    a_neg: &Tensor,
+    dt_bias: &Tensor,
+    s_in: &Tensor,
+    layout: &DeltaLayout,
+    rows: usize,
+    outputs: bool,
+) -> candle_core::Result<Option<(Option<Tensor>, Tensor)>> {
+    let d = DELTA_HEAD_DIM;
+    if !is_bf16_cuda(&[conv, proj])
+        || layout.v_dim != d
+        || s_in.dtype() != DType::F32
+        || a_neg.dtype() != DType::F32
+        || dt_bias.dtype() != DType::F32
+        || rows == 0
+    {
+        return Ok(None);
+    }
+    let op = Rule {
+        proj: proj.clone(),
+        a_neg: a_neg.contiguous()?,
+        dt_bias: dt_bias.contiguous()?,
+        s_in: s_in.contiguous()?,
+        layout: layout.clone(),
+        rows,
+        outputs,
+    };
+    let buf = conv.apply_op1_no_bwd(&op)?;
+    let (hv, dv) = (layout.v_heads, layout.v_dim);
+    let outs = if outputs { rows * hv * dv } else { 0 };
+    let state = buf.narrow(0, outs, hv * d * dv)?.reshape((hv, d, dv))?;
+    let o = outputs
+        .then(|| buf.narrow(0, 0, outs)?.reshape((rows, hv, dv)))
+        .transpose()?;
+    Ok(Some((o, state)))
+}
+
+struct Out {
+    proj: Tensor,
+    w: Tensor,
+    eps: f32,
+    z_off: usize,
+}
+
+impl CustomOp1 for Out {
+    fn name(&self) -> &'static str {
+        "dflash-delta-out"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (n, hv, dv) = l.shape().dims3()?;
+        let (pn, pstride) = self.proj.dims2()?;
+        if pn != n
+            || self.w.dims1()? != dv
+            || dv % 32 != 0
+            || dv > 1024
+            || self.z_off + hv * dv > pstride
+        {
+            candle_core::bail!(
+                "dflash-delta-out: o {:?} proj {:?}",
+                l.shape(),
+                self.proj.shape()
+            );
+        }
+        let dev = s.device();
+        let Some((o1, o2)) = l.contiguous_offsets() else {
+            candle_core::bail!("dflash-delta-out: outputs must be contiguous");
+        };
+        let o = s.as_cuda_slice::<f32>()?.slice(o1..o2);
+        let (hp, hw) = (Held::new(&self.proj), Held::new(&self.w));
+        let (proj, w) = (hp.view("projection")?, hw.view("norm weight")?);
+        // SAFETY: one thread per output element.
+        let out = unsafe { dev.alloc::<bf16>(n * hv * dv)? };
+        let func = dev.get_or_load_custom_func("delta_out", "dflash_delta", DELTA_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, hv as u32, 1),
+            block_dim: (dv as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (ps_i, z_i, hv_i, dv_i, eps) = (
+            pstride as i32,
+            self.z_off as i32,
+            hv as i32,
+            dv as i32,
+            self.eps,
+        );
+        let mut b = func.builder();
+        b.arg(&o);
+        b.arg(&proj);
+        b.arg(&ps_i);
+        b.arg(&z_i);
+        b.arg(&w);
+        b.arg(&eps);
+        b.arg(&hv_i);
+        b.arg(&dv_i);
+        b.arg(&out);
+        // SAFETY: argument types match the kernel; shapes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, hv * dv)),
+        ))
+    }
+}
+
+/// `rms_norm(o) * w * silu(z)` per value head: `o [n, hv, dv]` f32, z in `proj` at `z_off`;
+/// `[n, hv * dv]` bf16. None when the kernel does not apply.
+pub fn delta_out(
+    o: &Tensor,
+    proj: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    z_off: usize,
+) -> candle_core::Result<Option<Tensor>> {
+    if !is_bf16_cuda(&[proj, w]) || o.dtype() != DType::F32 || !o.is_contiguous() {
+        return Ok(None);
+    }
+    let op = Out {
+        proj: proj.clone(),
+        w: w.clone(),
+        eps,
+        z_off,
+    };
+    Ok(Some(o.apply_op1_no_bwd(&op)?))
+}

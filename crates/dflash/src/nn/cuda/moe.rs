@@ -1,0 +1,302 @@
+//! The MoE block on the device (`kernels/moe.cu`): routing, the union of the chosen experts'
+//! GEMMs and the weighted combine in one op, no host round trip. `nn::moe` decides when it
+//! runs.
+
+use super::*;
+
+const MOE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
+
+/// Most rows one call takes (the kernels keep one accumulator per routed row of an expert).
+pub const MOE_MAX_ROWS: usize = 16;
+/// Most experts the routing kernel handles (256 threads x 4).
+pub const MOE_MAX_EXPERTS: usize = 1024;
+
+/// How the router scores (kernels/moe.cu's `moe_route` modes).
+#[derive(Clone, Debug)]
+pub enum RouteMode {
+    Softmax {
+        renormalize: bool,
+    },
+    TopKSoftmax,
+    SigmoidGrouped {
+        /// `[E]` f32 on the device.
+        correction: Tensor,
+        n_group: usize,
+        topk_group: usize,
+        renormalize: bool,
+    },
+}
+
+/// The expert activation (kernels/moe.cu's `expert_act` modes).
+#[derive(Clone, Copy, Debug)]
+pub enum ActMode {
+    Silu,
+    GeluTanh,
+    ClampedGlu { limit: f32, alpha: f32 },
+}
+
+/// Everything one MoE launch needs besides the rows and the router logits.
+#[derive(Clone, Debug)]
+pub struct MoeCall {
+    pub mode: RouteMode,
+    pub top_k: usize,
+    /// `[E]` f32 on the device, or None.
+    pub per_expert_scale: Option<Tensor>,
+    pub scale: f32,
+    /// `[E, 2I, H]`, `[E, 2I]`, `[E, H, I]`, `[E, H]` bf16.
+    pub gate_up: Tensor,
+    pub gate_up_bias: Option<Tensor>,
+    pub down: Tensor,
+    pub down_bias: Option<Tensor>,
+    pub inter: usize,
+    pub act: ActMode,
+}
+
+struct MoeOp {
+    logits: Tensor,
+    call: MoeCall,
+}
+
+fn f32_view<'a>(h: &'a Held<'a>, what: &str) -> candle_core::Result<CudaView<'a, f32>> {
+    match &*h.0 {
+        Storage::Cuda(s) => {
+            let Some((o, e)) = h.1.contiguous_offsets() else {
+                candle_core::bail!("dflash moe: {what} must be contiguous");
+            };
+            Ok(s.as_cuda_slice::<f32>()?.slice(o..e))
+        }
+        _ => candle_core::bail!("dflash moe: {what} is not on the CUDA device"),
+    }
+}
+
+impl CustomOp1 for MoeOp {
+    fn name(&self) -> &'static str {
+        "dflash-moe"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, xs: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let c = &self.call;
+        let (n, hidden) = xl.shape().dims2()?;
+        let (e_count, two_i, h2) = c.gate_up.dims3()?;
+        let k = c.top_k;
+        let inter = c.inter;
+        let ok = two_i == 2 * inter
+            && h2 == hidden
+            && c.down.dims3()? == (e_count, hidden, inter)
+            && self.logits.dims2()? == (n, e_count)
+            && n <= MOE_MAX_ROWS
+            && e_count <= MOE_MAX_EXPERTS
+            && k >= 1
+            && k <= 16
+            && k <= e_count
+            && hidden % 8 == 0
+            && inter % 8 == 0;
+        if !ok {
+            candle_core::bail!(
+                "dflash-moe: x {:?} logits {:?} gate_up {:?} down {:?} k {k}",
+                xl.shape(),
+                self.logits.shape(),
+                c.gate_up.shape(),
+                c.down.shape()
+            );
+        }
+        let dev = xs.device();
+        let x = view(xs, xl, "rows")?;
+        let hl = Held::new(&self.logits);
+        let logits = f32_view(&hl, "router logits")?;
+        let (hgu, hd) = (Held::new(&c.gate_up), Held::new(&c.down));
+        let (gu, down) = (hgu.view("expert gate_up")?, hd.view("expert down")?);
+        let hgb = c.gate_up_bias.as_ref().map(Held::new);
+        let hdb = c.down_bias.as_ref().map(Held::new);
+        let gub = hgb
+            .as_ref()
+            .map(|h| h.view("expert gate_up bias"))
+            .transpose()?;
+        let db = hdb
+            .as_ref()
+            .map(|h| h.view("expert down bias"))
+            .transpose()?;
+        let hpe = c.per_expert_scale.as_ref().map(Held::new);
+        let pe = hpe
+            .as_ref()
+            .map(|h| f32_view(h, "per-expert scale"))
+            .transpose()?;
+        let (mode, renorm, corr_t, n_group, topk_group) = match &c.mode {
+            RouteMode::Softmax { renormalize } => (0i32, *renormalize, None, 1usize, 1usize),
+            RouteMode::TopKSoftmax => (1, false, None, 1, 1),
+            RouteMode::SigmoidGrouped {
+                correction,
+                n_group,
+                topk_group,
+                renormalize,
+            } => (2, *renormalize, Some(correction), *n_group, *topk_group),
+        };
+        if mode == 2 && (n_group == 0 || n_group > 64 || e_count % n_group != 0) {
+            candle_core::bail!("dflash-moe: {n_group} groups of {e_count} experts");
+        }
+        let hc = corr_t.map(Held::new);
+        let corr = hc
+            .as_ref()
+            .map(|h| f32_view(h, "correction bias"))
+            .transpose()?;
+        let npairs = n * k;
+        // SAFETY: moe_route writes every id and weight; moe_gate_up writes h for every pair
+        // (each pair's expert has a block for every tile), moe_down every y; combine all out.
+        let ids = unsafe { dev.alloc::<u32>(npairs)? };
+        let wts = unsafe { dev.alloc::<f32>(npairs)? };
+        let h = unsafe { dev.alloc::<bf16>(npairs * inter)? };
+        let y = unsafe { dev.alloc::<f32>(npairs * hidden)? };
+        let out = unsafe { dev.alloc::<bf16>(n * hidden)? };
+        let null = 0u64;
+        let i = |v: usize| v as i32;
+
+        // 1. routing
+        let func = dev.get_or_load_custom_func("moe_route", "dflash_moe", MOE_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (e_i, k_i, renorm_i, ng_i, tg_i, scale) = (
+            i(e_count),
+            i(k),
+            renorm as i32,
+            i(n_group),
+            i(topk_group),
+            c.scale,
+        );
+        let mut b = func.builder();
+        b.arg(&logits);
+        b.arg(&e_i);
+        b.arg(&k_i);
+        b.arg(&mode);
+        b.arg(&renorm_i);
+        match &corr {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&ng_i);
+        b.arg(&tg_i);
+        match &pe {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&scale);
+        b.arg(&ids);
+        b.arg(&wts);
+        // SAFETY: argument types match the kernel; shapes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+
+        // 2. gate/up of every chosen expert, 8 intermediate units per block
+        let (act, limit, alpha) = match c.act {
+            ActMode::Silu => (0i32, 0f32, 0f32),
+            ActMode::GeluTanh => (1, 0.0, 0.0),
+            ActMode::ClampedGlu { limit, alpha } => (2, limit, alpha),
+        };
+        const UNITS: usize = 8;
+        let func = dev.get_or_load_custom_func("moe_gate_up", "dflash_moe", MOE_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (e_count as u32, inter.div_ceil(UNITS) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (np_i, inter_i, hid_i, units_i) = (i(npairs), i(inter), i(hidden), i(UNITS));
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&ids);
+        b.arg(&np_i);
+        b.arg(&k_i);
+        b.arg(&gu);
+        match &gub {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&inter_i);
+        b.arg(&hid_i);
+        b.arg(&units_i);
+        b.arg(&act);
+        b.arg(&limit);
+        b.arg(&alpha);
+        b.arg(&h);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.w()?;
+
+        // 3. down projections, 16 output rows per block
+        const ROWS: usize = 16;
+        let func = dev.get_or_load_custom_func("moe_down", "dflash_moe", MOE_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (e_count as u32, hidden.div_ceil(ROWS) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let rows_i = i(ROWS);
+        let mut b = func.builder();
+        b.arg(&h);
+        b.arg(&ids);
+        b.arg(&np_i);
+        b.arg(&down);
+        match &db {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&inter_i);
+        b.arg(&hid_i);
+        b.arg(&rows_i);
+        b.arg(&y);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.w()?;
+
+        // 4. the weighted sum over each row's slots
+        let func = dev.get_or_load_custom_func("moe_combine", "dflash_moe", MOE_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, hidden.div_ceil(256) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = func.builder();
+        b.arg(&y);
+        b.arg(&wts);
+        b.arg(&k_i);
+        b.arg(&hid_i);
+        b.arg(&out);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.w()?;
+        drop((ids, wts, h, y));
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, hidden)),
+        ))
+    }
+}
+
+/// The routed experts' output `[n, H]` for rows `x [n, H]` with router `logits [n, E]` (f32):
+/// None when the kernels do not apply (not CUDA, not bf16, more than [`MOE_MAX_ROWS`] rows,
+/// widths not a multiple of 8, too many experts).
+pub fn moe(x: &Tensor, logits: &Tensor, call: &MoeCall) -> candle_core::Result<Option<Tensor>> {
+    let mut ts = vec![x, &call.gate_up, &call.down];
+    ts.extend(call.gate_up_bias.as_ref());
+    ts.extend(call.down_bias.as_ref());
+    if !is_bf16_cuda(&ts) || x.rank() != 2 || logits.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let (n, hidden) = x.dims2()?;
+    let e = call.gate_up.dim(0)?;
+    if n == 0
+        || n > MOE_MAX_ROWS
+        || e > MOE_MAX_EXPERTS
+        || call.top_k == 0
+        || call.top_k > 16
+        || hidden % 8 != 0
+        || call.inter % 8 != 0
+        || !logits.device().is_cuda()
+    {
+        return Ok(None);
+    }
+    let op = MoeOp {
+        logits: logits.contiguous()?,
+        call: call.clone(),
+    };
+    Ok(Some(x.apply_op1_no_bwd(&op)?))
+}
