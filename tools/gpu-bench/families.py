@@ -62,7 +62,7 @@ def gemma_types(n):
 # "moe": the config keys that give (experts, top-k), for the summary.
 FAMILIES = {
     "qwen3": dict(
-        published="Qwen3-8B", published_layers=36, layers=36,
+        published="Qwen3-8B", published_layers=36, layers=12,
         cls="Qwen3ForCausalLM", cfg_cls="Qwen3Config",
         target=lambda n: dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=n,
                               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -78,7 +78,7 @@ FAMILIES = {
         tiny_layers=4,
     ),
     "qwen3_5": dict(
-        published="Qwen3.5-9B", published_layers=32, layers=32,
+        published="Qwen3.5-9B", published_layers=32, layers=8,
         cls="Qwen3_5ForCausalLM", cfg_cls="Qwen3_5TextConfig",
         target=lambda n: dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=n,
                               num_attention_heads=16, num_key_value_heads=4, head_dim=256,
@@ -474,7 +474,8 @@ def build_one(fam, a, torch, transformers):
     from transformers import Qwen3Config
 
     small = a.tiny or a.small
-    taps = spec.get("taps") if not small else None
+    # the published draft's taps when the target keeps its published depth
+    taps = spec.get("taps") if not small and n == spec["published_layers"] else None
     taps = taps or spread_taps(n)
     dkw = dict(SMALL_DRAFT if a.small else TINY_DRAFT if a.tiny else spec["draft"])
     dkw.setdefault("rms_norm_eps", 1e-6)

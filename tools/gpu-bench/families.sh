@@ -25,7 +25,7 @@
 #   SHAPE=tiny DEV=cpu DTYPE=float32 BIN=target/release/dflash PY=/work/pyenv-sweep/bin/python \
 #     RAYON_NUM_THREADS=1 tools/gpu-bench/families.sh      # ~40 s on the 2-core box; the engine as built
 # Options (env): FAMILIES="qwen3 gpt_oss ..." (default: all 8), RES (default /tmp/families),
-# MODELS, KEEP_MODELS, CTX (128), QS (1,4,8,16), ITERS (20), FAM_TIMEOUT (engine, s, 120),
+# MODELS, KEEP_MODELS, AB_INVARIANT ("fam ...": micro again with DFLASH_BATCH_INVARIANT=0), PROFILE ("fam ..." also timed per section, DFLASH_PROFILE=gpu), CTX (128), QS (1,4,8,16), ITERS (20), FAM_TIMEOUT (engine, s, 120),
 # BUILD_TIMEOUT (s, 240), DEADLINE (s after start past which no family starts, 430; the engine
 # runs are cut to end by DEADLINE + 60 s),
 # DTYPE (bfloat16 | float32 | float16; engine dtype follows), DEV (cuda | cpu), TAU (6.5).
@@ -122,6 +122,19 @@ for fam in $FAMILIES; do
   else
     log "$fam: micro FAILED rc $rc after $((SECONDS - tr))s: $(grep -m1 -iE 'error|panick|failed' "$d/micro.err" | cut -c1-200)"
   fi
+  # AB_INVARIANT="fam ...": the same micro with the batch-invariant kernels off (their cost)
+  case " ${AB_INVARIANT:-} " in *" $fam "*)
+    DFLASH_BATCH_INVARIANT=0 timeout -k 5 60 "$BIN" bench --micro --model "$MODELS/$fam/target" --draft "$MODELS/$fam/draft" \
+      --device "$DEV" --dtype "$ours" --micro-context "$CTX" --micro-q 1,16 --micro-iters "$ITERS" --out "$d/micro-noninvariant" \
+      > "$d/micro-noninvariant.out" 2>&1
+    log "$fam: batch-invariant off: $(grep -E '^\| (verify forward|draft forward)' "$d/micro-noninvariant.out" | awk -F'|' '{sub(/^ *verify forward /,"v",$2); sub(/^ *draft forward /,"draft ",$2); sub(/ *$/,"",$2); printf "%s %.2fms  ", $2, $5/1000}')" ;;
+  esac
+  # PROFILE="fam ...": per-section GPU times (DFLASH_PROFILE=gpu) of a decode step (Q=1 verify)
+  case " ${PROFILE:-} " in *" $fam "*)
+    DFLASH_PROFILE=gpu timeout -k 5 60 "$BIN" bench --micro --model "$MODELS/$fam/target" --draft "$MODELS/$fam/draft" \
+      --device "$DEV" --dtype "$ours" --micro-context "$CTX" --micro-q 1 --micro-iters 10 --out "$d/profile" > "$d/profile.log" 2>&1
+    log "$fam: profile (Q=1, ms): $(pyrun "$here/profile_sections.py" "$d/profile.log" 8 3 | tr '\n' ' ')" ;;
+  esac
   [ "$KEEP_MODELS" = 0 ] && rm -rf "${MODELS:?}/$fam"
 done
 

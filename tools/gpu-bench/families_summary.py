@@ -104,6 +104,10 @@ def account(cfg, tensors):
             acc["embed"] += nb
         else:
             acc["other"] += nb
+            m = re.search(r"layers\.(\d+)\.", name)
+            if m:
+                acc.setdefault("layer_other", {}).setdefault(int(m.group(1)), 0)
+                acc["layer_other"][int(m.group(1))] += nb
     acc["moe_layers"] = {}
     for lay, d in layers.items():
         e = len(d["idx"]) or d["E"]
@@ -117,6 +121,22 @@ def floor_bytes(acc, k, q):
     for e, per in acc["moe_layers"].values():
         b += (union(e, k, q) if k else e) * per
     return b
+
+
+def full_depth_floor_bytes(acc, k, q, used, published):
+    """Bytes a step reads at the published depth: the head and the other non-layer weights
+    once, the dense layers' mean per dense layer, the MoE layers' mean per MoE layer (q rows'
+    union), the MoE layers' share of the depth kept (a model with a fixed number of leading
+    dense layers, deepseek's first_k_dense_replace, keeps that number)."""
+    lo = acc.get("layer_other", {})
+    moe = acc["moe_layers"]
+    fixed = acc["other"] - sum(lo.values()) + acc["head"]
+    dense = [l for l in lo if l not in moe]
+    if not moe:
+        return fixed + sum(lo.values()) / max(1, used) * published
+    n_moe_pub = published - len(dense)  # the dense layers are a fixed few
+    moe_b = sum(lo.get(l, 0) + (union(e, k, q) if k else e) * per for l, (e, per) in moe.items())
+    return fixed + sum(lo[l] for l in dense) + moe_b / len(moe) * n_moe_pub
 
 
 def first_error(err, rc):
@@ -150,7 +170,7 @@ def main(res, tau=6.5):
     lines = []
     p = lines.append
     machine, opts = None, None
-    rows, floors, notes = [], [], []
+    rows, floors, notes, full_notes = [], [], [], []
     for fam in fams:
         d = os.path.join(res, fam)
         man = load(os.path.join(d, "manifest.json")) or {}
@@ -170,7 +190,7 @@ def main(res, tau=6.5):
                 why = status
             else:
                 why = f"FAILED (rc {rc}): " + first_error(read_text(os.path.join(d, "micro.err")), rc)
-            rows.append(f"| {name} | {shape} | {why.replace('|', '/')} |" + " |" * 7)
+            rows.append(f"| {name} | {shape} | {why.replace('|', '/')} |" + " |" * 8)
             continue
         machine = machine or (micro.get("machine") or {})
         opts = opts or micro.get("options")
@@ -203,8 +223,17 @@ def main(res, tau=6.5):
             dcell = f"{draft:.2f} ({draft / step:.2f}x"
             dcell += f"; {dfloor / draft * 100:.0f}% fl)" if dfloor else ")"
         sp = tau * step / (ver[16] + draft) if step and ver.get(16) and draft else None
+        # At the published depth, each piece at the same fraction of its floor as measured.
+        lu, lp = man.get("layers"), man.get("published_layers")
+        spf = None
+        if acc and step and ver.get(16) and draft and lu and lp and lu != lp:
+            step_f = step * full_depth_floor_bytes(acc, k, 1, lu, lp) / floor_bytes(acc, k, 1)
+            ver_f = ver[16] * full_depth_floor_bytes(acc, k, 16, lu, lp) / floor_bytes(acc, k, 16)
+            spf = tau * step_f / (ver_f + draft)
+            full_notes.append(f"- {fam}: at {lp} layers, step {step_f:.2f} ms, verify(16) {ver_f:.2f} ms, "
+                              f"draft {draft:.2f} ms = {draft / step_f:.2f}x the step")
         rows.append(f"| {name} | {shape} | {fmt(step)} | {fmt(f1)} | {pct} | " + " | ".join(cells)
-                    + f" | {dcell} | {fmt(sp, '{:.2f}x')} |")
+                    + f" | {dcell} | {fmt(sp, '{:.2f}x')} | {fmt(spf if spf else sp, '{:.2f}x')} |")
         if acc:
             gb = lambda q: hb(floor_bytes(acc, k, q))
             moe = acc["moe_layers"]
@@ -245,13 +274,16 @@ def main(res, tau=6.5):
     p("")
     p(f"| family (shape, layers used/published) | widths | plain step ms | floor ms | % of floor | "
       f"verify(4) ms (x step; x union floor) | verify(8) | verify(16) | draft ms (x step; % of draft floor) "
-      f"| projected speedup at tau {tau} |")
-    p("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+      f"| projected speedup at tau {tau} | same, at the published depth |")
+    p("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines.extend(rows)
     p("")
     p(f"Projected speedup = {tau} x step / (verify(16) + draft). Dense families: floor(q) = floor(1). "
       f"`x flq` = verify(q) / its union floor (top_k experts per row, union of E(1-(1-k/E)^q) "
-      f"per MoE layer under uniform routing).")
+      f"per MoE layer under uniform routing). At the published depth: the measured step and verify(16) "
+      f"scaled by their floors at the published layer count (each piece at the fraction of its floor "
+      f"it ran at here; the draft does not change with the target's depth):")
+    lines.extend(full_notes)
     if floors:
         p("")
         p("| family | bytes read per step w/o experts (incl. head) | LM head | embedding (not counted) | experts | "

@@ -9,10 +9,13 @@
 //   moe_down       per expert: h W_down^T (+b) for the (row, slot) pairs routed to it
 //   moe_combine    out[r] = sum over the row's k slots, in slot order, of weight * expert output
 //
-// The expert GEMMs run over a grid of (expert, tile) blocks; a block whose expert no row chose
-// returns at once, so each expert the block of rows routes to (the union) is read once per
-// layer whatever the number of rows. Within a block one warp streams one weight row (16-byte
-// loads, as kernels/gemv.cu) and keeps one accumulator per pair.
+//   moe_union      the experts some row chose, ascending, each with its (row, slot) pairs
+//
+// The expert GEMMs run over a grid of (union slot, tile) blocks, as many slots as there can be
+// chosen experts (min(E, rows x k)); a slot past the union's size returns at once. So each
+// expert the rows route to (the union) is read once per layer whatever the number of rows, and
+// unchosen experts cost no blocks. Within a block one warp streams one weight row (16-byte
+// loads, 4 in flight, as kernels/gemv.cu) and keeps one accumulator per pair.
 //
 // Batch invariance: a (pair, output) value is one warp's dot product over k in a fixed order
 // (lane i takes chunks i, i + 32, ..., then a fixed xor reduction), and the combine adds a
@@ -236,20 +239,74 @@ extern "C" __global__ void __launch_bounds__(ROUTE_T)
 }
 
 // ---------------------------------------------------------------------------------------
-// Expert GEMMs. grid (E, tiles), 8 warps; the block first lists the pairs routed to its expert.
+// The union of the chosen experts, then the expert GEMMs over it.
+
+// The union of the chosen experts, one block of 256 threads: slot s < count holds expert
+// slots[s * (MOE_MAX_PAIRS + 2)], its pair count at + 1 and its pairs (ascending) at + 2 ..;
+// count at slots[nslots * (MOE_MAX_PAIRS + 2)]. Experts ascending. ids [npairs] (npairs <= 256).
+#define SLOT_W (MOE_MAX_PAIRS + 2)
+extern "C" __global__ void __launch_bounds__(256)
+    moe_union(const int* __restrict__ ids, int npairs, int E, int nslots, int* __restrict__ slots) {
+  __shared__ int slot_of[1024];
+  __shared__ int scan[256];
+  const int t = threadIdx.x;
+  for (int e = t; e < E; e += 256) slot_of[e] = 0;
+  __syncthreads();
+  const int mine = t < npairs ? ids[t] : -1;
+  if (mine >= 0) slot_of[mine] = 1;  // benign race: every writer writes 1
+  __syncthreads();
+  // slot of each used expert = number of used experts below it: thread t counts experts
+  // [4t, 4t + 4), then an inclusive scan over the threads.
+  int c = 0;
+  for (int u = 0; u < 4; ++u) c += (4 * t + u < E) ? slot_of[4 * t + u] : 0;
+  scan[t] = c;
+  __syncthreads();
+  for (int off = 1; off < 256; off <<= 1) {
+    const int v = t >= off ? scan[t - off] : 0;
+    __syncthreads();
+    scan[t] += v;
+    __syncthreads();
+  }
+  int base = t > 0 ? scan[t - 1] : 0;
+  const int count = scan[255];
+  __syncthreads();
+  for (int u = 0; u < 4; ++u) {
+    const int e = 4 * t + u;
+    if (e < E && slot_of[e]) {
+      slot_of[e] = base;
+      slots[base * SLOT_W] = e;
+      ++base;
+    } else if (e < E) {
+      slot_of[e] = -1;
+    }
+  }
+  __syncthreads();
+  // each pair's place in its expert's list: the pairs before it with the same expert
+  if (mine >= 0) {
+    int before = 0;
+    for (int q = 0; q < t; ++q) before += ids[q] == mine;
+    const int s = slot_of[mine];
+    if (before < MOE_MAX_PAIRS) slots[s * SLOT_W + 2 + before] = t;
+    int total = before;
+    for (int q = t; q < npairs; ++q) total += ids[q] == mine;
+    if (before == 0) slots[s * SLOT_W + 1] = total < MOE_MAX_PAIRS ? total : MOE_MAX_PAIRS;
+  }
+  if (t == 0) slots[nslots * SLOT_W] = count;
+}
 
 #define MOE_WARPS 8
 
-// The pairs p < npairs with ids[p] == e, in increasing p, into pairs[] (returns the count).
-__device__ int expert_pairs(const int* __restrict__ ids, int npairs, int e, int* pairs) {
+// Block x handles union slot x (nothing past the union's size): its expert and pairs.
+__device__ int expert_pairs(const int* __restrict__ slots, int nslots, int* e_out, int* pairs) {
   __shared__ int count;
+  const int b = blockIdx.x;
+  const bool live = b < slots[nslots * SLOT_W];
+  const int* sl = slots + (size_t)b * SLOT_W;
   if (threadIdx.x == 0) {
-    int c = 0;
-    for (int p = 0; p < npairs && c < MOE_MAX_PAIRS; ++p) {
-      if (ids[p] == e) pairs[c++] = p;
-    }
-    count = c;
+    *e_out = live ? sl[0] : -1;
+    count = live ? sl[1] : 0;
   }
+  if (live && threadIdx.x < MOE_MAX_PAIRS) pairs[threadIdx.x] = sl[2 + threadIdx.x];
   __syncthreads();
   return count;
 }
@@ -272,26 +329,33 @@ __device__ __forceinline__ float expert_act(float g, float u, int mode, float li
 
 // h[p, j] = act(x[p / k] . Wg[e, j] (+ bg), x[p / k] . Wu[e, j] (+ bu)) for the pairs p of
 // expert e and j in this block's tile of `units` (8 warps x units / 8 each). gate_up [E, 2I, H]
-// (gate rows, then up rows), bias [E, 2I] or null; h [npairs, I] bf16. H % 8 == 0.
-extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
-    moe_gate_up(const bf16* __restrict__ x, const int* __restrict__ ids, int npairs, int k,
-                const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter, int hidden,
-                int units, int mode, float limit, float alpha, bf16* __restrict__ h) {
+// (gate rows, then up rows), bias [E, 2I] or null; h [npairs, I] bf16. H % 8 == 0. P bounds the
+// pairs of one expert (the call's rows); a pair's sum does not depend on P.
+template <int P>
+__device__ void gate_up_impl(const bf16* __restrict__ x, const int* __restrict__ slots, int nslots, int k,
+                             const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter,
+                             int hidden, int units, int mode, float limit, float alpha,
+                             bf16* __restrict__ h) {
   __shared__ int pairs[MOE_MAX_PAIRS];
-  const int e = blockIdx.x;
-  const int np = expert_pairs(ids, npairs, e, pairs);
+  __shared__ int e_sh;
+  const int np = expert_pairs(slots, nslots, &e_sh, pairs);
   if (np == 0) return;
+  const int e = e_sh;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int kv = hidden / 8;
   const bf16* we = gate_up + (size_t)e * 2 * inter * hidden;
+  const uint4* xr[P];
+#pragma unroll
+  for (int q = 0; q < P; ++q) xr[q] = reinterpret_cast<const uint4*>(x + (size_t)(pairs[q < np ? q : 0] / k) * hidden);
   for (int jj = warp; jj < units; jj += MOE_WARPS) {
     const int j = blockIdx.y * units + jj;
     if (j >= inter) break;
     const uint4* wg = reinterpret_cast<const uint4*>(we + (size_t)j * hidden);
     const uint4* wu = reinterpret_cast<const uint4*>(we + (size_t)(inter + j) * hidden);
-    float ag[MOE_MAX_PAIRS], au[MOE_MAX_PAIRS];
+    float ag[P], au[P];
 #pragma unroll
-    for (int q = 0; q < MOE_MAX_PAIRS; ++q) ag[q] = au[q] = 0.f;
+    for (int q = 0; q < P; ++q) ag[q] = au[q] = 0.f;
+#pragma unroll 4
     for (int i = lane; i < kv; i += 32) {
       const uint4 gv = __ldcs(wg + i), uv = __ldcs(wu + i);
       const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&gv);
@@ -303,30 +367,31 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
         uf[t] = __bfloat1622float2(up[t]);
       }
 #pragma unroll
-      for (int q = 0; q < MOE_MAX_PAIRS; ++q) {
-        if (q >= np) break;
-        const int r = pairs[q] / k;
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * hidden) + i);
-        const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+      for (int q = 0; q < P; ++q) {
+        if (q < np) {
+          const uint4 xv = __ldg(xr[q] + i);
+          const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const float2 xf = __bfloat1622float2(xp[t]);
-          ag[q] = fmaf(gf[t].x, xf.x, ag[q]);
-          ag[q] = fmaf(gf[t].y, xf.y, ag[q]);
-          au[q] = fmaf(uf[t].x, xf.x, au[q]);
-          au[q] = fmaf(uf[t].y, xf.y, au[q]);
+          for (int t = 0; t < 4; ++t) {
+            const float2 xf = __bfloat1622float2(xp[t]);
+            ag[q] = fmaf(gf[t].x, xf.x, ag[q]);
+            ag[q] = fmaf(gf[t].y, xf.y, ag[q]);
+            au[q] = fmaf(uf[t].x, xf.x, au[q]);
+            au[q] = fmaf(uf[t].y, xf.y, au[q]);
+          }
         }
       }
     }
 #pragma unroll
-    for (int q = 0; q < MOE_MAX_PAIRS; ++q) {
-      if (q >= np) break;
-      float g = rb(warp_sum(ag[q])), u = rb(warp_sum(au[q]));
-      if (bias != nullptr) {
-        g = rb(g + __bfloat162float(bias[(size_t)e * 2 * inter + j]));
-        u = rb(u + __bfloat162float(bias[(size_t)e * 2 * inter + inter + j]));
+    for (int q = 0; q < P; ++q) {
+      if (q < np) {
+        float g = rb(warp_sum(ag[q])), u = rb(warp_sum(au[q]));
+        if (bias != nullptr) {
+          g = rb(g + __bfloat162float(bias[(size_t)e * 2 * inter + j]));
+          u = rb(u + __bfloat162float(bias[(size_t)e * 2 * inter + inter + j]));
+        }
+        if (lane == 0) h[(size_t)pairs[q] * inter + j] = __float2bfloat16(expert_act(g, u, mode, limit, alpha));
       }
-      if (lane == 0) h[(size_t)pairs[q] * inter + j] = __float2bfloat16(expert_act(g, u, mode, limit, alpha));
     }
   }
 }
@@ -334,24 +399,30 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
 // y[p, c] = h[p] . Wd[e, c] (+ b[e, c]) for the pairs p of expert e and c in this block's tile
 // of `rows`; down [E, H, I], bias [E, H] or null; y [npairs, H] f32 (of the bf16-rounded value,
 // as the unfused path rounds the expert's output). I % 8 == 0.
-extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
-    moe_down(const bf16* __restrict__ h, const int* __restrict__ ids, int npairs,
-             const bf16* __restrict__ down, const bf16* __restrict__ bias, int inter, int hidden,
-             int rows, float* __restrict__ y) {
+template <int P>
+__device__ void down_impl(const bf16* __restrict__ h, const int* __restrict__ slots, int nslots,
+                          const bf16* __restrict__ down,
+                          const bf16* __restrict__ bias, int inter, int hidden, int rows,
+                          float* __restrict__ y) {
   __shared__ int pairs[MOE_MAX_PAIRS];
-  const int e = blockIdx.x;
-  const int np = expert_pairs(ids, npairs, e, pairs);
+  __shared__ int e_sh;
+  const int np = expert_pairs(slots, nslots, &e_sh, pairs);
   if (np == 0) return;
+  const int e = e_sh;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int kv = inter / 8;
   const bf16* we = down + (size_t)e * hidden * inter;
+  const uint4* hr[P];
+#pragma unroll
+  for (int q = 0; q < P; ++q) hr[q] = reinterpret_cast<const uint4*>(h + (size_t)pairs[q < np ? q : 0] * inter);
   for (int cc = warp; cc < rows; cc += MOE_WARPS) {
     const int c = blockIdx.y * rows + cc;
     if (c >= hidden) break;
     const uint4* wr = reinterpret_cast<const uint4*>(we + (size_t)c * inter);
-    float acc[MOE_MAX_PAIRS];
+    float acc[P];
 #pragma unroll
-    for (int q = 0; q < MOE_MAX_PAIRS; ++q) acc[q] = 0.f;
+    for (int q = 0; q < P; ++q) acc[q] = 0.f;
+#pragma unroll 4
     for (int i = lane; i < kv; i += 32) {
       const uint4 wv = __ldcs(wr + i);
       const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
@@ -359,27 +430,46 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)
 #pragma unroll
       for (int t = 0; t < 4; ++t) wf[t] = __bfloat1622float2(wp[t]);
 #pragma unroll
-      for (int q = 0; q < MOE_MAX_PAIRS; ++q) {
-        if (q >= np) break;
-        const uint4 hv = __ldg(reinterpret_cast<const uint4*>(h + (size_t)pairs[q] * inter) + i);
-        const __nv_bfloat162* hp = reinterpret_cast<const __nv_bfloat162*>(&hv);
+      for (int q = 0; q < P; ++q) {
+        if (q < np) {
+          const uint4 hv = __ldg(hr[q] + i);
+          const __nv_bfloat162* hp = reinterpret_cast<const __nv_bfloat162*>(&hv);
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const float2 hf = __bfloat1622float2(hp[t]);
-          acc[q] = fmaf(wf[t].x, hf.x, acc[q]);
-          acc[q] = fmaf(wf[t].y, hf.y, acc[q]);
+          for (int t = 0; t < 4; ++t) {
+            const float2 hf = __bfloat1622float2(hp[t]);
+            acc[q] = fmaf(wf[t].x, hf.x, acc[q]);
+            acc[q] = fmaf(wf[t].y, hf.y, acc[q]);
+          }
         }
       }
     }
 #pragma unroll
-    for (int q = 0; q < MOE_MAX_PAIRS; ++q) {
-      if (q >= np) break;
-      float v = rb(warp_sum(acc[q]));
-      if (bias != nullptr) v = rb(v + __bfloat162float(bias[(size_t)e * hidden + c]));
-      if (lane == 0) y[(size_t)pairs[q] * hidden + c] = v;
+    for (int q = 0; q < P; ++q) {
+      if (q < np) {
+        float v = rb(warp_sum(acc[q]));
+        if (bias != nullptr) v = rb(v + __bfloat162float(bias[(size_t)e * hidden + c]));
+        if (lane == 0) y[(size_t)pairs[q] * hidden + c] = v;
+      }
     }
   }
 }
+
+#define MOE_GEMMS(P)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS) moe_gate_up_p##P(                         \
+      const bf16* x, const int* slots, int nslots, int k, const bf16* gate_up, const bf16* bias,       \
+      int inter, int hidden, int units, int mode, float limit, float alpha, bf16* h) {                  \
+    gate_up_impl<P>(x, slots, nslots, k, gate_up, bias, inter, hidden, units, mode, limit, alpha, h);   \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS) moe_down_p##P(                            \
+      const bf16* h, const int* slots, int nslots, const bf16* down, const bf16* bias, int inter,      \
+      int hidden, int rows, float* y) {                                                                 \
+    down_impl<P>(h, slots, nslots, down, bias, inter, hidden, rows, y);                                  \
+  }
+MOE_GEMMS(1)
+MOE_GEMMS(2)
+MOE_GEMMS(4)
+MOE_GEMMS(8)
+MOE_GEMMS(16)
 
 // out[r, c] = bf16(sum_{s < k} w[r, s] * y[r * k + s, c]), slots in order. grid (n, ceil(H / 256)).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, int k,

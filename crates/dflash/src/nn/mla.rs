@@ -136,7 +136,13 @@ impl LatentAttention {
                     vis: Visibility::CAUSAL,
                     sinks: None,
                 };
+                // candle's CUDA matmul wants the value rows packed (a narrowed row is not)
                 let values = rows.narrow(2, 0, s.kv_lora)?;
+                let values = if values.device().is_cuda() {
+                    values.contiguous()?
+                } else {
+                    values
+                };
                 attend(&q_full, &rows, &values, l - n, &props, masks)? // [n, heads*kv_lora]
             }
         };

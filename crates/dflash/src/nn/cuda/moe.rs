@@ -10,6 +10,8 @@ const MOE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
 pub const MOE_MAX_ROWS: usize = 16;
 /// Most experts the routing kernel handles (256 threads x 4).
 pub const MOE_MAX_EXPERTS: usize = 1024;
+/// Ints per union slot of `moe_union`: expert, pair count, up to 16 pairs.
+const SLOT_W: usize = MOE_MAX_ROWS + 2;
 
 /// How the router scores (kernels/moe.cu's `moe_route` modes).
 #[derive(Clone, Debug)]
@@ -145,6 +147,9 @@ impl CustomOp1 for MoeOp {
         // SAFETY: moe_route writes every id and weight; moe_gate_up writes h for every pair
         // (each pair's expert has a block for every tile), moe_down every y; combine all out.
         let ids = unsafe { dev.alloc::<u32>(npairs)? };
+        // the union of chosen experts: per slot (expert, pair count, pairs), then the count
+        let nslots = e_count.min(npairs);
+        let slots = unsafe { dev.alloc::<u32>(nslots * SLOT_W + 1)? };
         let wts = unsafe { dev.alloc::<f32>(npairs)? };
         let h = unsafe { dev.alloc::<bf16>(npairs * inter)? };
         let y = unsafe { dev.alloc::<f32>(npairs * hidden)? };
@@ -189,24 +194,45 @@ impl CustomOp1 for MoeOp {
         // SAFETY: argument types match the kernel; shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
 
-        // 2. gate/up of every chosen expert, 8 intermediate units per block
+        // 2. the union of the chosen experts
+        let func = dev.get_or_load_custom_func("moe_union", "dflash_moe", MOE_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (np_i, ns_i) = (i(npairs), i(nslots));
+        let mut b = func.builder();
+        b.arg(&ids);
+        b.arg(&np_i);
+        b.arg(&e_i);
+        b.arg(&ns_i);
+        b.arg(&slots);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.w()?;
+        // At most one pair of a row per expert: P accumulators cover every expert's pairs.
+        let p = n.next_power_of_two().min(16);
+        let grid_x = nslots as u32;
+
+        // 3. gate/up of every chosen expert, 8 intermediate units per block
         let (act, limit, alpha) = match c.act {
             ActMode::Silu => (0i32, 0f32, 0f32),
             ActMode::GeluTanh => (1, 0.0, 0.0),
             ActMode::ClampedGlu { limit, alpha } => (2, limit, alpha),
         };
         const UNITS: usize = 8;
-        let func = dev.get_or_load_custom_func("moe_gate_up", "dflash_moe", MOE_PTX)?;
+        let func =
+            dev.get_or_load_custom_func(&format!("moe_gate_up_p{p}"), "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
-            grid_dim: (e_count as u32, inter.div_ceil(UNITS) as u32, 1),
+            grid_dim: (grid_x, inter.div_ceil(UNITS) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (np_i, inter_i, hid_i, units_i) = (i(npairs), i(inter), i(hidden), i(UNITS));
+        let (inter_i, hid_i, units_i) = (i(inter), i(hidden), i(UNITS));
         let mut b = func.builder();
         b.arg(&x);
-        b.arg(&ids);
-        b.arg(&np_i);
+        b.arg(&slots);
+        b.arg(&ns_i);
         b.arg(&k_i);
         b.arg(&gu);
         match &gub {
@@ -223,19 +249,19 @@ impl CustomOp1 for MoeOp {
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
 
-        // 3. down projections, 16 output rows per block
+        // 4. down projections, 16 output rows per block
         const ROWS: usize = 16;
-        let func = dev.get_or_load_custom_func("moe_down", "dflash_moe", MOE_PTX)?;
+        let func = dev.get_or_load_custom_func(&format!("moe_down_p{p}"), "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
-            grid_dim: (e_count as u32, hidden.div_ceil(ROWS) as u32, 1),
+            grid_dim: (grid_x, hidden.div_ceil(ROWS) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let rows_i = i(ROWS);
         let mut b = func.builder();
         b.arg(&h);
-        b.arg(&ids);
-        b.arg(&np_i);
+        b.arg(&slots);
+        b.arg(&ns_i);
         b.arg(&down);
         match &db {
             Some(v) => b.arg(v),
@@ -248,7 +274,7 @@ impl CustomOp1 for MoeOp {
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
 
-        // 4. the weighted sum over each row's slots
+        // 5. the weighted sum over each row's slots
         let func = dev.get_or_load_custom_func("moe_combine", "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, hidden.div_ceil(256) as u32, 1),
@@ -263,7 +289,7 @@ impl CustomOp1 for MoeOp {
         b.arg(&out);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
-        drop((ids, wts, h, y));
+        drop((ids, slots, wts, h, y));
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((n, hidden)),
