@@ -45,9 +45,6 @@ pub struct BenchArgs {
     /// Adaptive block size for the DFlash runs (on/off); a given --block-size pins it.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub adaptive: String,
-    /// GGUF: keep stored quantization (no requantization at load).
-    #[arg(long)]
-    pub keep_quant: bool,
     /// Counted repeats (median and min/max are reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
@@ -72,12 +69,8 @@ pub struct BenchArgs {
     /// Generate max-tokens tokens even past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// f32 | bf16 | f16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
-    pub dtype: Option<String>,
-    /// cpu | cuda | cuda:N.
-    #[arg(long)]
-    pub device: Option<String>,
+    #[command(flatten)]
+    pub load: crate::flags::LoadFlags,
     /// Output directory (default: bench-results/<UTC time>).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -207,7 +200,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         block_size: a.block_size,
         adaptive: a.adaptive == "on",
-        keep_quant: a.keep_quant,
+        keep_quant: a.load.keep_quant,
         repeat: a.repeat,
         cooldown_s: a.cooldown,
         warmup: a.warmup,
@@ -215,16 +208,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
         top_p: a.top_p,
         top_k: a.top_k,
         seed: a.seed,
-        dtype: a.dtype.clone(),
-        device: a.device.clone(),
+        dtype: a.load.dtype.clone(),
+        device: a.load.device.clone(),
         enable_thinking: a.enable_thinking,
         ignore_eos: a.ignore_eos,
         max_context: None,
+        force_memory: a.load.force_memory,
+        memory_limit: a
+            .load
+            .memory_limit
+            .as_deref()
+            .map(dflash::memory::parse_bytes)
+            .transpose()?,
         prompt_source: format!("{source}, {} prompts", prompts.len()),
     };
     let started = now_utc();
-    let device = a.device.clone().unwrap_or_else(|| "cpu".into());
+    let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
     let dtype = a
+        .load
         .dtype
         .clone()
         .unwrap_or_else(|| if device == "cpu" { "f32" } else { "bf16" }.into());
@@ -252,17 +253,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
-    let p = Pipeline::load(&PipelineOptions {
+    let p = Pipeline::load(&a.load.apply(PipelineOptions {
         model: a.model.clone().expect("clap: --micro requires --model"),
         draft: a.draft.clone(),
-        dtype: a.dtype.clone(),
-        device: a.device.clone(),
-        max_context: None,
         no_draft: a.draft.is_none(),
-        require_draft: false,
-        keep_quant: a.keep_quant,
         ..Default::default()
-    })?;
+    })?)?;
     let o = MicroOptions {
         context: a.micro_context,
         iters: a.micro_iters,
@@ -270,7 +266,7 @@ fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
         seed: a.seed,
     };
     let res = run_micro(&p, &o)?;
-    let device = a.device.clone().unwrap_or_else(|| "cpu".into());
+    let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
     let machine = Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase());
     let md = format!(
         "Microbenchmarks: {} (draft {}), context {}, {} iterations; {}\n\n{}",

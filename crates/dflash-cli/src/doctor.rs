@@ -35,12 +35,9 @@ fn free_space(dir: &Path) -> String {
     }
 }
 
-pub fn run(
-    model: Option<String>,
-    draft: Option<String>,
-    device: Option<String>,
-    dtype: Option<String>,
-) -> Result<()> {
+pub fn run(m: crate::flags::ModelFlags) -> Result<()> {
+    let keep_quant = m.load.keep_quant;
+    let (model, draft, device, dtype) = (m.model, m.draft, m.load.device, m.load.dtype);
     println!("dflash {}", env!("CARGO_PKG_VERSION"));
     println!(
         "build features: cpu{}",
@@ -122,7 +119,7 @@ pub fn run(
                     &LoadOptions {
                         dtype: dt,
                         device: dev.clone(),
-                        keep_quant: false,
+                        keep_quant,
                     },
                 ) {
                     Err(e) => println!("  will not run: {e}"),

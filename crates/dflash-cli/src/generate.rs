@@ -4,30 +4,15 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use dflash::chat::ChatMessage;
 use dflash::engine::{Flow, GenerateRequest};
-use dflash::pipeline::{Pipeline, PipelineOptions};
+use dflash::pipeline::Pipeline;
 use dflash::sampling::SamplingParams;
 use dflash::tokenizer::TextStream;
 use std::io::Write;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// Target model: a local directory (HF layout), a .gguf file, or a hub repo id (Org/Name).
-    /// Default: the demo model, SmolLM2-135M-Instruct (GGUF, fetched on first use).
-    #[arg(long)]
-    pub model: Option<String>,
-    /// GGUF: keep quantized weights in their stored type (no requantization to a type with a
-    /// fast multi-row CPU kernel).
-    #[arg(long)]
-    pub keep_quant: bool,
-    /// DFlash draft: a local directory or a hub repo id. Without it: plain decoding.
-    #[arg(long)]
-    pub draft: Option<String>,
-    /// Do not look up a draft in the registry (plain decoding unless --draft is given).
-    #[arg(long, conflicts_with = "draft")]
-    pub no_draft: bool,
-    /// Fail instead of decoding plainly when no draft is given or registered.
-    #[arg(long)]
-    pub require_draft: bool,
+    #[command(flatten)]
+    pub m: crate::flags::ModelFlags,
     /// Verify block size (default: the draft's); 1 = plain decoding through the same engine.
     #[arg(long)]
     pub block_size: Option<usize>,
@@ -64,19 +49,6 @@ pub struct GenerateArgs {
     pub min_p: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// f32 | bf16 | f16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
-    pub dtype: Option<String>,
-    /// cpu | cuda | cuda:N.
-    #[arg(long)]
-    pub device: Option<String>,
-    /// Load even when the weights + KV cache for the context do not fit in the memory
-    /// available (RAM on the CPU, free device memory on CUDA).
-    #[arg(long)]
-    pub force_memory: bool,
-    /// Memory to plan with instead of what the machine reports, e.g. 8G or 512M.
-    #[arg(long)]
-    pub memory_limit: Option<String>,
     /// Additional stop token ids.
     #[arg(long, value_delimiter = ',')]
     pub stop_ids: Option<Vec<u32>>,
@@ -101,23 +73,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if a.trace && !a.json {
         bail!("--trace needs --json");
     }
-    let model = dflash::pipeline::resolve_model_spec(a.model.as_deref())?;
-    let p = Pipeline::load(&PipelineOptions {
-        model,
-        draft: a.draft.clone(),
-        dtype: a.dtype.clone(),
-        device: a.device.clone(),
-        max_context: None,
-        no_draft: a.no_draft,
-        require_draft: a.require_draft,
-        keep_quant: a.keep_quant,
-        force_memory: a.force_memory,
-        memory_limit: a
-            .memory_limit
-            .as_deref()
-            .map(dflash::memory::parse_bytes)
-            .transpose()?,
-    })?;
+    let p = Pipeline::load(&a.m.pipeline(None)?)?;
     for n in &p.notices {
         eprintln!("note: {n}");
     }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod doctor;
+mod flags;
 mod generate;
 mod models;
 mod serve;
@@ -23,14 +24,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// What this build can do, and why a model would not run.
     Doctor {
-        #[arg(long)]
-        model: Option<String>,
-        #[arg(long)]
-        draft: Option<String>,
-        #[arg(long)]
-        device: Option<String>,
-        #[arg(long)]
-        dtype: Option<String>,
+        #[command(flatten)]
+        m: flags::ModelFlags,
         /// CUDA builds: time one candle op on the host and the bf16 projections at the
         /// Qwen3-8B shapes (cuBLAS vs dflash's GEMV kernel) on --device (default cuda:0).
         #[arg(long)]
@@ -61,17 +56,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Command::Generate(a) => generate::run(a),
-        Command::Doctor {
-            model,
-            draft,
-            device,
-            dtype,
-            gpu_probe,
-        } => {
+        Command::Doctor { m, gpu_probe } => {
             if gpu_probe {
-                doctor::gpu_probe(device)
+                doctor::gpu_probe(m.load.device)
             } else {
-                doctor::run(model, draft, device, dtype)
+                doctor::run(m)
             }
         }
         Command::Models { json } => models::run(json),

@@ -2,18 +2,13 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use dflash::pipeline::PipelineOptions;
 use dflash_server::ServerConfig;
 use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
-    /// Target model: a local directory (HF layout) or a hub repo id (Org/Name).
-    #[arg(long)]
-    pub model: Option<String>,
-    /// DFlash draft: a local directory or a hub repo id. Without it: plain decoding.
-    #[arg(long)]
-    pub draft: Option<String>,
+    #[command(flatten)]
+    pub m: crate::flags::ModelFlags,
     /// The model id clients send and /v1/models lists (default: the --model value).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -46,25 +41,6 @@ pub struct ServeArgs {
     /// Verify block size (default: the draft's); 1 = plain decoding.
     #[arg(long)]
     pub block_size: Option<usize>,
-    /// f32 | bf16 | f16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
-    pub dtype: Option<String>,
-    /// cpu | cuda | cuda:N.
-    #[arg(long)]
-    pub device: Option<String>,
-    /// Load even when the weights + KV cache for the context do not fit in the memory
-    /// available (RAM on the CPU, free device memory on CUDA).
-    #[arg(long)]
-    pub force_memory: bool,
-    /// Memory to plan with instead of what the machine reports, e.g. 8G or 512M.
-    #[arg(long)]
-    pub memory_limit: Option<String>,
-}
-
-/// The target to serve: `--model`, or the demo default model when none is given.
-
-pub fn resolve_model_spec(model: Option<&str>) -> Result<String> {
-    Ok(dflash::pipeline::resolve_model_spec(model)?)
 }
 
 fn seconds(flag: &str, s: f64) -> Result<Duration> {
@@ -75,26 +51,10 @@ fn seconds(flag: &str, s: f64) -> Result<Duration> {
 }
 
 pub fn config(a: ServeArgs) -> Result<ServerConfig> {
-    let model = resolve_model_spec(a.model.as_deref())?;
     if a.max_tokens_default == 0 {
         bail!("--max-tokens-default must be at least 1");
     }
-    let mut c = ServerConfig::new(PipelineOptions {
-        model,
-        draft: a.draft,
-        dtype: a.dtype,
-        device: a.device,
-        max_context: a.max_context,
-        no_draft: false,
-        require_draft: false,
-        keep_quant: false,
-        force_memory: a.force_memory,
-        memory_limit: a
-            .memory_limit
-            .as_deref()
-            .map(dflash::memory::parse_bytes)
-            .transpose()?,
-    });
+    let mut c = ServerConfig::new(a.m.pipeline(a.max_context)?);
     c.served_model_name = a.served_model_name;
     c.host = a.host;
     c.port = a.port;

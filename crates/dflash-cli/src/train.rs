@@ -78,12 +78,10 @@ pub struct TrainArgs {
     /// Blocks drawn from one sequence per forward.
     #[arg(long, default_value_t = 16)]
     pub blocks_per_seq: usize,
-    /// cpu | cuda | cuda:N.
-    #[arg(long)]
-    pub device: Option<String>,
-    /// Target compute dtype (default f32 on CPU, bf16 on CUDA). The draft trains in f32.
-    #[arg(long)]
-    pub dtype: Option<String>,
+    /// How the target loads (its compute dtype: f32 on CPU, bf16 on CUDA; the draft trains in
+    /// f32).
+    #[command(flatten)]
+    pub load: crate::flags::LoadFlags,
     /// Dtype of the saved weights: bf16 | f32.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub save_dtype: String,
@@ -133,13 +131,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
         bail!("--draft-layers must be at least 1");
     }
     let model = dflash::pipeline::resolve_model_spec(a.target.as_deref())?;
-    let p = Pipeline::load(&PipelineOptions {
+    let p = Pipeline::load(&a.load.apply(PipelineOptions {
         model: model.clone(),
-        dtype: a.dtype.clone(),
-        device: a.device.clone(),
         no_draft: true,
         ..Default::default()
-    })?;
+    })?)?;
     for n in &p.notices {
         eprintln!("{n}");
     }
@@ -346,13 +342,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
 
     // 4. Held-out tau with the saved checkpoint through the normal loader.
     if !a.eval_prompts.is_empty() {
-        let mut p = Pipeline::load(&PipelineOptions {
+        let mut p = Pipeline::load(&a.load.apply(PipelineOptions {
             model,
             draft: Some(a.out.display().to_string()),
-            dtype: a.dtype.clone(),
-            device: a.device.clone(),
             ..Default::default()
-        })?;
+        })?)?;
         p.engine.max_context = p.engine.max_context.min(4096);
         let mut report = vec![];
         for spec in &a.eval_prompts {

@@ -5,6 +5,7 @@
 //! | variable | default | effect |
 //! |---|---|---|
 //! | `DFLASH_FUSED` | on | the fused CUDA kernels (`nn::fused`); `0` runs the portable candle path |
+//! | `DFLASH_FUSED_OFF` | none | some of them off, by part: `attention,norm,moe,delta,mla` (to locate a difference) |
 //! | `DFLASH_BATCH_INVARIANT` | on (CUDA) | 1-16 row products through the batch-invariant skinny GEMM, so a verify reproduces the decode steps bit for bit; `0` takes the GEMV / cuBLAS kernels (faster, near-tie flips possible) |
 //! | `DFLASH_GEMV_ROWS` | 1 | rows up to which the non-invariant path takes the GEMV kernel (0..=8) |
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
@@ -25,10 +26,49 @@ pub enum Profile {
     Gpu,
 }
 
+/// The groups of fused kernels that [`fused_part`] switches separately.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// K/V write and attention over the cache (`nn::attention`).
+    Attention,
+    /// Residual add + RMSNorm, SwiGLU.
+    Norm,
+    /// Routing and experts (`nn::moe`).
+    Moe,
+    /// Gated DeltaNet (`nn::gated_delta`).
+    Delta,
+    /// MLA latent attention and its absorbed products (`nn::mla`).
+    Mla,
+}
+
+impl Part {
+    pub const ALL: [Part; 5] = [
+        Part::Attention,
+        Part::Norm,
+        Part::Moe,
+        Part::Delta,
+        Part::Mla,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::Attention => "attention",
+            Part::Norm => "norm",
+            Part::Moe => "moe",
+            Part::Delta => "delta",
+            Part::Mla => "mla",
+        }
+    }
+    fn bit(self) -> u8 {
+        1 << (self as u8)
+    }
+}
+
 /// The settings as read from the environment.
 #[derive(Debug, Clone)]
 pub struct Switches {
     pub fused: bool,
+    /// Parts switched off by `DFLASH_FUSED_OFF` (bits of [`Part`]).
+    fused_off: u8,
     /// None: not set (the device's default applies, see [`batch_invariant`]).
     batch_invariant_env: Option<bool>,
     pub gemv_rows: usize,
@@ -46,8 +86,16 @@ impl Switches {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Self {
         let off = |k: &str| get(k).is_some_and(|v| v == "0");
         let on = |k: &str| get(k).is_some_and(|v| v == "1");
+        let fused_off = get("DFLASH_FUSED_OFF")
+            .map(|v| {
+                v.split(',')
+                    .filter_map(|n| Part::ALL.into_iter().find(|p| p.name() == n.trim()))
+                    .fold(0u8, |b, p| b | p.bit())
+            })
+            .unwrap_or(0);
         Self {
             fused: !off("DFLASH_FUSED"),
+            fused_off,
             batch_invariant_env: get("DFLASH_BATCH_INVARIANT")
                 .filter(|v| !v.is_empty())
                 .map(|v| v != "0"),
@@ -91,6 +139,26 @@ pub fn set_fused(on: bool) {
     FUSED_OVERRIDE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
 
+/// Parts switched off by [`set_fused_off`] (bits of [`Part`]); 0xff = follow the environment.
+static PARTS_OVERRIDE: AtomicU8 = AtomicU8::new(0xff);
+
+/// Whether the fused kernels of `part` run: [`fused`] and the part not in `DFLASH_FUSED_OFF`
+/// (or [`set_fused_off`]).
+pub fn fused_part(part: Part) -> bool {
+    let off = match PARTS_OVERRIDE.load(Ordering::Relaxed) {
+        0xff => get().fused_off,
+        b => b,
+    };
+    fused() && off & part.bit() == 0
+}
+
+/// Switch these parts off for the process (the rest on); tests use it to find which part of
+/// a fused path differs from the portable one.
+pub fn set_fused_off(parts: &[Part]) {
+    let b = parts.iter().fold(0u8, |b, p| b | p.bit());
+    PARTS_OVERRIDE.store(b, Ordering::Relaxed);
+}
+
 /// Batch-invariant kernels on CUDA: on unless `DFLASH_BATCH_INVARIANT=0` or
 /// [`set_batch_invariant`]`(false)`. With them a Q-row verify computes every row exactly as a
 /// one-row decode step would, so greedy DFlash equals plain greedy decoding on the GPU (the
@@ -115,6 +183,18 @@ pub fn describe() -> Vec<(&'static str, String)> {
     let b = |x: bool| if x { "on" } else { "off" }.to_string();
     vec![
         ("fused", b(fused())),
+        ("fused_off", {
+            let off: Vec<&str> = Part::ALL
+                .into_iter()
+                .filter(|&p| fused() && !fused_part(p))
+                .map(Part::name)
+                .collect();
+            if off.is_empty() {
+                "none".into()
+            } else {
+                off.join(",")
+            }
+        }),
         ("batch_invariant", b(batch_invariant())),
         ("gemv_rows", s.gemv_rows.to_string()),
         ("q8", b(s.q8)),
@@ -166,5 +246,7 @@ mod tests {
             parse(&[("DFLASH_BATCH_INVARIANT", "1")]).batch_invariant_env,
             Some(true)
         );
+        let p = parse(&[("DFLASH_FUSED_OFF", "moe, delta,bogus")]);
+        assert_eq!(p.fused_off, Part::Moe.bit() | Part::Delta.bit());
     }
 }

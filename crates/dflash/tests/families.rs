@@ -13,18 +13,11 @@ use dflash::source::ModelSource;
 
 #[test]
 fn every_family_on_small_models() {
-    let Some(root) = std::env::var_os("DFLASH_FAMILY_MODELS") else {
+    let Some(dirs) = common::family_models() else {
         eprintln!("DFLASH_FAMILY_MODELS not set; skipped");
         return;
     };
     let opts = LoadOptions::default();
-    let mut dirs: Vec<_> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("target/config.json").is_file())
-        .collect();
-    dirs.sort();
-    assert!(!dirs.is_empty(), "no family models under {root:?}");
     let only = std::env::var("FAMILY").ok();
     for dir in &dirs {
         if only.as_deref().is_some_and(|f| !dir.ends_with(f)) {

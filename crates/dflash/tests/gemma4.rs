@@ -32,38 +32,14 @@ fn tap_tol(want: &candle_core::Tensor) -> f32 {
     (2e-5 * m).max(1e-4)
 }
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/targets")
-        .join(name)
-}
-
 fn check(name: &str) {
     check_dir(name, &fixture(name), &fixture(name));
 }
 
 /// Model from `model_dir`, goldens from `golden_dir`.
 fn check_dir(name: &str, model_dir: &Path, golden_dir: &Path) {
-    let g = candle_core::safetensors::load(
-        golden_dir.join("golden.safetensors"),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(golden_dir.join("golden.json")).unwrap())
-            .unwrap();
-    let taps: Vec<usize> = meta["taps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as usize)
-        .collect();
-    let ids: Vec<u32> = g["input_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect();
+    let gold = Golden::load(golden_dir);
+    let (g, taps, ids) = (&gold.t, gold.taps.clone(), gold.ids.clone());
     let m = load(model_dir);
     assert_eq!(m.info().family, "gemma4");
     let mut c = m.new_cache(ids.len()).unwrap();
@@ -172,17 +148,8 @@ fn gemma4_multimodal_checkpoint_matches_transformers() {
 fn gemma4_bf16_runs() {
     for name in ["gemma4", "gemma4_moe"] {
         let dir = fixture(name);
-        let g = candle_core::safetensors::load(
-            dir.join("golden.safetensors"),
-            &candle_core::Device::Cpu,
-        )
-        .unwrap();
-        let ids: Vec<u32> = g["input_ids"]
-            .to_vec1::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
+        let gold = Golden::load(&dir);
+        let (g, ids) = (&gold.t, gold.ids.clone());
         let src = ModelSource::from_dir("t", &dir).unwrap();
         let opts = LoadOptions {
             dtype: candle_core::DType::BF16,
@@ -409,17 +376,8 @@ fn gemma4_cuda_matches_transformers() {
     let dev = candle_core::Device::new_cuda(0).unwrap();
     for name in ["gemma4", "gemma4_moe"] {
         let dir = fixture(name);
-        let g = candle_core::safetensors::load(
-            dir.join("golden.safetensors"),
-            &candle_core::Device::Cpu,
-        )
-        .unwrap();
-        let ids: Vec<u32> = g["input_ids"]
-            .to_vec1::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
+        let gold = Golden::load(&dir);
+        let (g, ids) = (&gold.t, gold.ids.clone());
         let src = ModelSource::from_dir("t", &dir).unwrap();
         for dt in [candle_core::DType::F32, candle_core::DType::BF16] {
             let opts = LoadOptions {

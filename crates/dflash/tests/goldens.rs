@@ -5,58 +5,21 @@
 mod common;
 use common::*;
 use dflash::archs::Logits;
-use std::path::PathBuf;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/targets")
-        .join(name)
-}
 
 fn check(name: &str) {
     let dir = fixture(name);
-    let g =
-        candle_core::safetensors::load(dir.join("golden.safetensors"), &candle_core::Device::Cpu)
-            .unwrap();
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    let taps: Vec<usize> = meta["taps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as usize)
-        .collect();
-    let ids: Vec<u32> = g["input_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect();
+    let g = Golden::load(&dir);
+    let ids = &g.ids;
     let m = load(&dir);
     let mut c = m.new_cache(ids.len()).unwrap();
-    let out = m.forward(&ids, 0, &mut c, &taps, Logits::All).unwrap();
-    let d = max_abs_diff(&out.logits.unwrap(), &g["logits"]);
+    let out = m.forward(ids, 0, &mut c, &g.taps, Logits::All).unwrap();
+    let d = max_abs_diff(&out.logits.unwrap(), &g.t["logits"]);
     assert!(d < 1e-4, "{name}: max abs logit error {d}");
-    let h = g[&format!("hidden_{}", taps[0])].dim(1).unwrap();
-    let t = out.taps.unwrap();
-    for (slot, k) in taps.iter().enumerate() {
-        let want = &g[&format!("hidden_{k}")];
-        let got = t.narrow(1, slot * h, h).unwrap();
-        let d = max_abs_diff(&got, want);
-        assert!(d < 1e-4, "{name}: tap {k} max abs error {d}");
-    }
+    g.assert_taps(name, &out.taps.unwrap(), &g.taps, 0, |_| 1e-4);
     // Incremental decoding reproduces the golden too (prefill 20, then one at a time).
     let mut c = m.new_cache(ids.len()).unwrap();
     m.forward(&ids[..20], 0, &mut c, &[], Logits::None).unwrap();
-    for (i, &t) in ids.iter().enumerate().skip(20) {
-        let l = m
-            .forward(&[t], i, &mut c, &[], Logits::Last)
-            .unwrap()
-            .logits
-            .unwrap();
-        let d = max_abs_diff(&l, &g["logits"].narrow(0, i, 1).unwrap());
-        assert!(d < 1e-4, "{name}: position {i} incremental error {d}");
-    }
+    assert_token_by_token(name, m.as_ref(), &g, &mut c, 20);
 }
 
 #[test]
@@ -130,17 +93,8 @@ fn kimi_k25_text_model_matches_transformers() {
 fn rollback_then_reforward_matches_the_golden() {
     for name in ["gpt_oss", "deepseek_v3", "kimi_k25"] {
         let dir = fixture(name);
-        let g = candle_core::safetensors::load(
-            dir.join("golden.safetensors"),
-            &candle_core::Device::Cpu,
-        )
-        .unwrap();
-        let ids: Vec<u32> = g["input_ids"]
-            .to_vec1::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
+        let g = Golden::load(&dir);
+        let ids = &g.ids;
         let m = load(&dir);
         let mut c = m.new_cache(ids.len() + 8).unwrap();
         m.forward(&ids[..25], 0, &mut c, &[], Logits::None).unwrap();
@@ -152,7 +106,7 @@ fn rollback_then_reforward_matches_the_golden() {
             .unwrap()
             .logits
             .unwrap();
-        let d = max_abs_diff(&l, &g["logits"].narrow(0, 25, ids.len() - 25).unwrap());
+        let d = max_abs_diff(&l, &g.logits(25, ids.len() - 25));
         assert!(d < 1e-4, "{name}: after rollback, max abs logit error {d}");
     }
 }
@@ -195,22 +149,15 @@ fn kimi_k25_other_tensor_layout_loads_the_same_model() {
     let dir = tempfile::tempdir().unwrap();
     candle_core::safetensors::save(&out, dir.path().join("model.safetensors")).unwrap();
     std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
-    let g =
-        candle_core::safetensors::load(src.join("golden.safetensors"), &candle_core::Device::Cpu)
-            .unwrap();
-    let ids: Vec<u32> = g["input_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect();
+    let g = Golden::load(&src);
+    let ids = &g.ids;
     let m = load(dir.path());
     let mut c = m.new_cache(ids.len()).unwrap();
     let l = m
-        .forward(&ids, 0, &mut c, &[], Logits::All)
+        .forward(ids, 0, &mut c, &[], Logits::All)
         .unwrap()
         .logits
         .unwrap();
-    let d = max_abs_diff(&l, &g["logits"]);
+    let d = max_abs_diff(&l, &g.t["logits"]);
     assert!(d < 1e-4, "max abs logit error {d}");
 }

@@ -23,23 +23,8 @@ use dflash::registry::{family_supported, resolve_draft, DRAFT_REGISTRY};
 use dflash::source::ModelSource;
 use dflash::testing::{Rng, TinyDraft, TinyHybrid};
 use serde_json::{json, Value};
-use std::path::PathBuf;
 
 const HYBRID: [&str; 3] = ["qwen3_5", "qwen3_5_moe", "qwen3_next"];
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/targets")
-        .join(name)
-}
-
-fn u32s(t: &Tensor) -> Vec<u32> {
-    t.to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect()
-}
 
 /// `max |a - b| / max(1, max |b|)`: f32 rounding differences grow with the magnitudes.
 fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -88,16 +73,8 @@ fn logits(
 
 fn check_golden(name: &str, family: &str) {
     let dir = fixture(name);
-    let g = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let meta: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    let taps: Vec<usize> = meta["taps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as usize)
-        .collect();
-    let ids = u32s(&g["input_ids"]);
+    let gold = Golden::load(&dir);
+    let (g, meta, taps, ids) = (&gold.t, &gold.meta, gold.taps.clone(), gold.ids.clone());
     let t = ids.len();
     let m = load(&dir);
     assert_eq!(m.info().family, family);

@@ -9,7 +9,7 @@ use dflash::source::weights::read_safetensors_header;
 use std::path::Path;
 
 fn fixtures() -> Vec<std::path::PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/targets");
+    let root = common::fixture("");
     let mut dirs: Vec<_> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().path())

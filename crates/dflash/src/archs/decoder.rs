@@ -44,6 +44,13 @@ pub enum Ffn {
 }
 
 impl Ffn {
+    /// Bytes a forward of `rows` rows reads (see `SparseMoe::read_bytes`).
+    pub fn read_bytes(&self, rows: usize) -> f64 {
+        match self {
+            Ffn::Dense(m) => m.weight_bytes() as f64,
+            Ffn::Moe(m) => m.read_bytes(rows),
+        }
+    }
     pub fn forward(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
         match self {
             Ffn::Dense(m) => m.forward(x),
@@ -107,6 +114,10 @@ impl Layer for DecoderLayer {
         }
         f.mark("mlp");
         Ok(())
+    }
+
+    fn read_bytes(&self, rows: usize) -> f64 {
+        (self.weight_bytes() - self.ffn.weight_bytes()) as f64 + self.ffn.read_bytes(rows)
     }
 
     fn weight_bytes(&self) -> usize {
@@ -190,13 +201,7 @@ impl DecoderSpec {
             qk_norm: self.qk_norm,
             qk_norm_add_one: self.norm_add_one,
             scale: self.attn_scale.unwrap_or((cfg.head_dim as f64).powf(-0.5)),
-            ..AttentionSpec::new(
-                cfg.hidden_size,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                cfg.rms_norm_eps,
-            )
+            ..gqa(cfg, cfg.head_dim)
         }
     }
 
@@ -230,6 +235,17 @@ impl DecoderSpec {
             params: p,
         })
     }
+}
+
+/// Plain GQA attention of `cfg`'s shape with heads of `head_dim` (families set the rest).
+pub fn gqa(cfg: &TargetConfig, head_dim: usize) -> AttentionSpec {
+    AttentionSpec::new(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        head_dim,
+        cfg.rms_norm_eps,
+    )
 }
 
 /// Embedding, final norm and (untied) LM head parameters.
@@ -351,19 +367,10 @@ pub fn load(cfg: &TargetConfig, w: &Weights, spec: DecoderSpec) -> Result<Stack<
             cfg.head_dim,
         ),
     ];
-    Ok(Stack {
-        info: target_info(cfg, w, spec.family),
-        embed,
-        embed_scale: spec.embed_scale.map(|s| super::stack::round_to(s, w.dtype)),
-        ropes,
-        layers,
-        head,
-        caches: spec.plan(cfg)?.caches,
-        vocab_limit: v,
-        piece: None,
-        prologue: None,
-    }
-    .finish_load())
+    let info = target_info(cfg, w, spec.family);
+    let mut m = Stack::new(info, embed, ropes, layers, head, spec.plan(cfg)?.caches);
+    m.embed_scale = spec.embed_scale.map(|s| super::stack::round_to(s, w.dtype));
+    Ok(m.finish_load())
 }
 
 /// The MoE settings of a Qwen MoE decoder config (`qwen3_moe`): no defaults, the sparse

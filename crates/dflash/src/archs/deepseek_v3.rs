@@ -447,21 +447,9 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
     );
     let mut info = target_info(cfg, w, "deepseek_v3");
     info.quantization = None;
-    Ok(Box::new(
-        Stack {
-            info,
-            embed,
-            embed_scale: None,
-            ropes: vec![Rope::new(&cfg.rope, rope_d)],
-            layers,
-            head,
-            caches: plan(cfg)?.caches,
-            vocab_limit: v,
-            piece: None,
-            prologue: None,
-        }
-        .finish_load(),
-    ))
+    let ropes = vec![Rope::new(&cfg.rope, rope_d)];
+    let m = Stack::new(info, embed, ropes, layers, head, plan(cfg)?.caches);
+    Ok(Box::new(m.finish_load()))
 }
 
 #[cfg(test)]

@@ -462,6 +462,13 @@ impl Layer for Gemma4Layer {
         Ok(())
     }
 
+    fn read_bytes(&self, rows: usize) -> f64 {
+        let moe = self.moe.as_ref().map_or(0.0, |m| {
+            m.moe.weight_bytes() as f64 - m.moe.read_bytes(rows)
+        });
+        self.weight_bytes() as f64 - moe
+    }
+
     fn weight_bytes(&self) -> usize {
         let norms = [
             &self.input_norm,
@@ -626,24 +633,15 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
     let mut info = target_info(cfg, w, "gemma4");
     info.num_layers = nl;
     let vocab_limit = if ple.is_some() { v.min(g.ple_vocab) } else { v };
-    Ok(Box::new(
-        Stack {
-            info,
-            embed,
-            embed_scale: Some(round_to((h as f64).sqrt(), dt)),
-            ropes: vec![
-                Rope::new(&g.rope_full, full_dim),
-                Rope::new(&g.rope_sliding, slide_dim),
-            ],
-            layers,
-            head,
-            caches: plan(cfg)?.caches,
-            vocab_limit,
-            piece: None,
-            prologue: ple.map(|p| Box::new(p) as Box<dyn Prologue>),
-        }
-        .finish_load(),
-    ))
+    let ropes = vec![
+        Rope::new(&g.rope_full, full_dim),
+        Rope::new(&g.rope_sliding, slide_dim),
+    ];
+    let mut m = Stack::new(info, embed, ropes, layers, head, plan(cfg)?.caches);
+    m.embed_scale = Some(round_to((h as f64).sqrt(), dt));
+    m.vocab_limit = vocab_limit;
+    m.prologue = ple.map(|p| Box::new(p) as Box<dyn Prologue>);
+    Ok(Box::new(m.finish_load()))
 }
 
 #[cfg(test)]

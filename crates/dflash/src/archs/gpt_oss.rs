@@ -18,7 +18,7 @@
 //! The harmony chat format needs nothing here: it comes from the checkpoint's
 //! `chat_template.jinja` like every other template.
 
-use super::decoder::{embedding_params, lm_head, target_info, DecoderLayer, Ffn, Mixer};
+use super::decoder::{embedding_params, gqa, lm_head, target_info, DecoderLayer, Ffn, Mixer};
 use super::stack::{CacheKind, Head, Plan, Stack};
 use super::TargetModel;
 #[cfg(test)]
@@ -90,13 +90,7 @@ impl GptOssConfig {
         AttentionSpec {
             bias: self.attention_bias,
             o_bias: self.attention_bias,
-            ..AttentionSpec::new(
-                cfg.hidden_size,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                cfg.rms_norm_eps,
-            )
+            ..gqa(cfg, cfg.head_dim)
         }
     }
 }
@@ -238,21 +232,9 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
     let mut info = target_info(cfg, w, "gpt_oss");
     info.quantization =
         (mxfp4_layers > 0).then(|| format!("MXFP4->{:?} x{}", w.dtype, 2 * mxfp4_layers));
-    Ok(Box::new(
-        Stack {
-            info,
-            embed,
-            embed_scale: None,
-            ropes: vec![Rope::new(&g.rope, cfg.head_dim)],
-            layers,
-            head,
-            caches: plan(cfg)?.caches,
-            vocab_limit: v,
-            piece: None,
-            prologue: None,
-        }
-        .finish_load(),
-    ))
+    let ropes = vec![Rope::new(&g.rope, cfg.head_dim)];
+    let m = Stack::new(info, embed, ropes, layers, head, plan(cfg)?.caches);
+    Ok(Box::new(m.finish_load()))
 }
 
 #[cfg(test)]

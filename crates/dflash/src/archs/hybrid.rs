@@ -18,7 +18,7 @@
 //! `model.language_model.` (the published `...ForConditionalGeneration` checkpoints, vision
 //! tower and `mtp.*` ignored) or `model.` (text-only `...ForCausalLM` checkpoints).
 
-use super::decoder::{embedding_params, lm_head, target_info, DecoderLayer, Ffn, Mixer};
+use super::decoder::{embedding_params, gqa, lm_head, target_info, DecoderLayer, Ffn, Mixer};
 use super::stack::{CacheKind, Head, Plan, Stack};
 use super::{Capabilities, TargetModel};
 use crate::config::{LayerType, RopeConfig, TargetConfig};
@@ -154,13 +154,7 @@ fn attention_spec(cfg: &TargetConfig, hc: &HybridConfig) -> AttentionSpec {
         qk_norm: true,
         qk_norm_add_one: true,
         output_gate: true,
-        ..AttentionSpec::new(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            hc.head_dim,
-            cfg.rms_norm_eps,
-        )
+        ..gqa(cfg, hc.head_dim)
     }
 }
 
@@ -270,19 +264,9 @@ pub fn load(cfg: &TargetConfig, w: &Weights, spec: HybridSpec) -> Result<Box<dyn
         None,
         &embed,
     );
-    Ok(Box::new(
-        Stack {
-            info: target_info(cfg, w, spec.family),
-            embed,
-            embed_scale: None,
-            ropes: vec![Rope::new(&hc.rope, hc.head_dim)],
-            layers,
-            head,
-            caches: plan(cfg, &spec)?.caches,
-            vocab_limit: v,
-            piece: Some(PREFILL_PIECE),
-            prologue: None,
-        }
-        .finish_load(),
-    ))
+    let info = target_info(cfg, w, spec.family);
+    let ropes = vec![Rope::new(&hc.rope, hc.head_dim)];
+    let mut m = Stack::new(info, embed, ropes, layers, head, plan(cfg, &spec)?.caches);
+    m.piece = Some(PREFILL_PIECE);
+    Ok(Box::new(m.finish_load()))
 }

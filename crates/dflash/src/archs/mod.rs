@@ -200,6 +200,13 @@ pub trait TargetModel: Send + Sync {
     /// The LM head projection alone on already-normalized hidden states:
     /// `[n, hidden] -> [n, vocab]` f32 (no softcapping: the draft applies its own).
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor>;
+
+    /// Bytes of weights a forward of `rows` rows reads (MoE: the expected union of the
+    /// experts the rows route to); the adaptive policy shapes its cost estimates with it.
+    fn verify_bytes(&self, rows: usize) -> f64 {
+        let _ = rows;
+        self.info().weight_bytes as f64
+    }
 }
 
 /// Collects the outputs of the tapped layers during one forward, in the requested order.

@@ -265,6 +265,12 @@ pub trait Layer: Send + Sync {
     fn forward(&self, r: &mut Residual, f: &Frame, cache: &mut TargetCache) -> Result<()>;
     /// Bytes of weights held (fused copies included).
     fn weight_bytes(&self) -> usize;
+    /// Bytes of weights a forward of `rows` rows reads: all of them, but for a MoE block only
+    /// the expected union of experts the rows route to.
+    fn read_bytes(&self, rows: usize) -> f64 {
+        let _ = rows;
+        self.weight_bytes() as f64
+    }
 }
 
 /// Per-forward inputs computed once from the ids and the scaled embeddings, for every layer
@@ -374,6 +380,30 @@ pub fn round_to(x: f64, dtype: DType) -> f64 {
 }
 
 impl<L: Layer> Stack<L> {
+    /// A model of `layers` over `caches`, with no embedding scale, the whole vocabulary, one
+    /// pass per forward and no prologue (set those fields after, then [`Self::finish_load`]).
+    pub fn new(
+        info: TargetInfo,
+        embed: Embedding,
+        ropes: Vec<Rope>,
+        layers: Vec<L>,
+        head: Head,
+        caches: Vec<CacheKind>,
+    ) -> Self {
+        Self {
+            vocab_limit: info.vocab_size,
+            info,
+            embed,
+            embed_scale: None,
+            ropes,
+            layers,
+            head,
+            caches,
+            piece: None,
+            prologue: None,
+        }
+    }
+
     /// Fill `info.weight_bytes` from what the model holds.
     pub fn finish_load(mut self) -> Self {
         self.info.weight_bytes = self.weight_bytes();
@@ -536,6 +566,11 @@ impl<L: Layer> TargetModel for Stack<L> {
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
         self.head.project(hidden)
+    }
+
+    fn verify_bytes(&self, rows: usize) -> f64 {
+        (self.head.weight_bytes() + self.prologue.as_ref().map_or(0, |p| p.weight_bytes())) as f64
+            + self.layers.iter().map(|l| l.read_bytes(rows)).sum::<f64>()
     }
 }
 

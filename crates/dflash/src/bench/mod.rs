@@ -113,6 +113,10 @@ pub struct BenchOptions {
     /// Generate `max_tokens` regardless of end-of-sequence tokens.
     pub ignore_eos: bool,
     pub max_context: Option<usize>,
+    /// Load even when the model does not fit the memory available.
+    pub force_memory: bool,
+    /// Memory to plan with instead of what the machine reports (bytes).
+    pub memory_limit: Option<u64>,
     /// Where the prompts came from (for the report).
     pub prompt_source: String,
 }
@@ -136,6 +140,8 @@ impl Default for BenchOptions {
             enable_thinking: false,
             ignore_eos: false,
             max_context: None,
+            force_memory: false,
+            memory_limit: None,
             prompt_source: "default".into(),
         }
     }
@@ -466,7 +472,8 @@ pub fn bench_pair(
         no_draft: false,
         require_draft: false,
         keep_quant: opts.keep_quant,
-        ..Default::default()
+        force_memory: opts.force_memory,
+        memory_limit: opts.memory_limit,
     }) {
         Ok(p) => p,
         Err(e) => return row.fail(classify(&e, load_role(&e, spec))),

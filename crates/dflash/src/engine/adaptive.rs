@@ -30,12 +30,24 @@ pub enum Reason {
 #[derive(Debug, Clone)]
 struct Ewma {
     v: Vec<Option<f64>>,
+    /// Where q sits on the cost curve (bytes a q-row verify reads: flat for dense targets,
+    /// the union of experts for MoE ones); unmeasured q are interpolated along it. None:
+    /// linear in q.
+    shape: Option<Vec<f64>>,
 }
 
 impl Ewma {
     fn new(n: usize) -> Self {
         Self {
             v: vec![None; n + 1],
+            shape: None,
+        }
+    }
+    /// The coordinate of q that costs are interpolated in.
+    fn x(&self, q: usize) -> f64 {
+        match &self.shape {
+            Some(s) => s[q],
+            None => q as f64,
         }
     }
     fn observe(&mut self, q: usize, x: f64) {
@@ -61,8 +73,14 @@ impl Ewma {
             .filter_map(|i| self.v[i].map(|x| (i, x)))
             .take(2)
             .collect();
+        let (xq, x) = (self.x(q), |i: usize| self.x(i));
         let line = |(i, a): (usize, f64), (j, b): (usize, f64)| {
-            a + (b - a) * (q as f64 - i as f64) / (j as f64 - i as f64)
+            let (xi, xj) = (x(i), x(j));
+            if (xj - xi).abs() < 1e-12 {
+                (a + b) / 2.0
+            } else {
+                a + (b - a) * (xq - xi) / (xj - xi)
+            }
         };
         match (below.as_slice(), above.as_slice()) {
             ([lo, ..], [hi, ..]) => Some(line(*lo, *hi)),
@@ -108,6 +126,23 @@ impl AdaptivePolicy {
 
     pub fn max_q(&self) -> usize {
         self.max_q
+    }
+
+    /// Interpolate unmeasured verify costs along `bytes[q]`, the bytes a q-row verify reads
+    /// (`TargetModel::verify_bytes`, q = 0..=max_q): for a MoE target a verify's cost grows
+    /// with the union of experts its rows route to (steeply at first, then flattening), which
+    /// a straight line between two measured sizes underestimates for the sizes between them
+    /// (so mid-sized blocks would look cheaper than they are).
+    /// A flat curve (a dense target: every row reads the same weights) keeps the straight
+    /// line in q.
+    pub fn with_verify_shape(mut self, bytes: Vec<f64>) -> Self {
+        let lo = bytes.iter().skip(1).copied().fold(f64::INFINITY, f64::min);
+        let hi = bytes.iter().skip(1).copied().fold(0.0, f64::max);
+        let grows = bytes.windows(2).skip(1).all(|w| w[1] >= w[0]) && hi > lo * 1.01;
+        if bytes.len() == self.max_q + 1 && bytes.iter().all(|b| b.is_finite()) && grows {
+            self.verify.shape = Some(bytes);
+        }
+        self
     }
 
     /// Conditional acceptance at depth i (1-based), with a weak prior of 0.5.
@@ -204,6 +239,41 @@ impl AdaptivePolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A MoE-like cost curve (the union of 8 of 128 experts per row, 40% of the step dense):
+    /// with a plain step and a 16-row verify measured, a 4-row verify is estimated along the
+    /// curve; the straight line between them underestimates it.
+    #[test]
+    fn verify_costs_follow_the_target_shape() {
+        let union = |q: usize| 128.0 * (1.0 - (1.0 - 8.0 / 128.0f64).powi(q as i32));
+        let bytes: Vec<f64> = (0..=16)
+            .map(|q| 0.4 + 0.6 * union(q.max(1)) / 8.0)
+            .collect();
+        let cost = |q: usize| 1e-3 * bytes[q];
+        let mut shaped = AdaptivePolicy::new(16).with_verify_shape(bytes.clone());
+        let mut linear = AdaptivePolicy::new(16);
+        for p in [&mut shaped, &mut linear] {
+            p.observe(1, 0, None, cost(1));
+            p.observe(16, 3, Some(2e-4), cost(16));
+            for _ in 0..40 {
+                // accepted 3 of 15: ~p 0.75 at the first depths
+                p.observe(16, 3, Some(2e-4), cost(16));
+            }
+        }
+        let est = |p: &AdaptivePolicy, q| p.verify.at(q).unwrap();
+        // a dense target's flat curve keeps the line
+        assert!(AdaptivePolicy::new(16)
+            .with_verify_shape(vec![5.0; 17])
+            .verify
+            .shape
+            .is_none());
+        assert!((est(&shaped, 4) - cost(4)).abs() < 1e-9, "on the curve");
+        assert!(
+            est(&linear, 4) < cost(4),
+            "the line underestimates the steep start"
+        );
+        assert!((est(&shaped, 16) - cost(16)).abs() < 1e-12);
+    }
 
     /// Simulate `n` cycles: verify cost `v(q)`, draft cost `d(q)`, and an acceptance process
     /// where each proposal is accepted with probability `acc` (deterministic pseudo-random).

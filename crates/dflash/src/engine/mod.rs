@@ -158,7 +158,10 @@ impl Engine {
                 .ok()
                 .and_then(|mut slot| slot.take())
                 .filter(|p| p.max_q() == q_max)
-                .unwrap_or_else(|| AdaptivePolicy::new(q_max))
+                .unwrap_or_else(|| {
+                    let shape = (0..=q_max).map(|q| self.target.verify_bytes(q)).collect();
+                    AdaptivePolicy::new(q_max).with_verify_shape(shape)
+                })
         });
         stats.adaptive = policy.is_some();
         stats.q_histogram = vec![0; q_max + 1];

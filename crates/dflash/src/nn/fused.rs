@@ -54,10 +54,17 @@ pub fn allowed() -> bool {
     crate::switches::fused()
 }
 
-/// Whether the fused path may run for these tensors (CUDA build, switch on, nothing tracked
-/// by autograd, on a CUDA device).
-fn usable(ts: &[&Tensor]) -> bool {
-    cfg!(feature = "cuda") && allowed() && ts.iter().all(|t| t.device().is_cuda() && !t.track_op())
+/// Whether the fused kernels of `part` may run (`DFLASH_FUSED`, `DFLASH_FUSED_OFF`).
+pub fn allowed_part(part: crate::switches::Part) -> bool {
+    crate::switches::fused_part(part)
+}
+
+/// Whether the fused path of `part` may run for these tensors (CUDA build, switches on,
+/// nothing tracked by autograd, on a CUDA device).
+fn usable(part: crate::switches::Part, ts: &[&Tensor]) -> bool {
+    cfg!(feature = "cuda")
+        && allowed_part(part)
+        && ts.iter().all(|t| t.device().is_cuda() && !t.track_op())
 }
 
 /// `(res + delta, rms_norm(res + delta) * w)`.
@@ -67,7 +74,7 @@ pub fn add_rms_norm(
     w: &Tensor,
     eps: f32,
 ) -> Result<Option<(Tensor, Tensor)>> {
-    if !usable(&[res, delta, w]) {
+    if !usable(crate::switches::Part::Norm, &[res, delta, w]) {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
@@ -83,7 +90,7 @@ pub fn add_rms_norm(
 
 /// `silu(gate) * up` of a stacked gate/up output `[n, 2I]`.
 pub fn swiglu(gu: &Tensor) -> Result<Option<Tensor>> {
-    if !usable(&[gu]) {
+    if !usable(crate::switches::Part::Norm, &[gu]) {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
@@ -107,7 +114,7 @@ pub fn kv_write(
     v: &HeadSource,
     pos0: usize,
 ) -> Result<bool> {
-    if !usable(&[kv, src, tables]) {
+    if !usable(crate::switches::Part::Attention, &[kv, src, tables]) {
         return Ok(false);
     }
     #[cfg(feature = "cuda")]
@@ -125,7 +132,8 @@ pub fn kv_write(
 pub fn attention_supports(head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
-        allowed() && super::cuda::ATTN_HEAD_DIMS.contains(&head_dim)
+        allowed_part(crate::switches::Part::Attention)
+            && super::cuda::ATTN_HEAD_DIMS.contains(&head_dim)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -142,7 +150,7 @@ pub fn attention(
     kv: &Tensor,
     call: &AttentionCall,
 ) -> Result<Option<Tensor>> {
-    if !usable(&[src, tables, kv]) {
+    if !usable(crate::switches::Part::Attention, &[src, tables, kv]) {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]

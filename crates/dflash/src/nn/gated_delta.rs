@@ -294,7 +294,7 @@ impl GatedDeltaNet {
         use super::recurrent_cache::ReplayChunk;
         let s = &self.spec;
         let n = x.dim(0)?;
-        let ok = super::fused::allowed()
+        let ok = super::fused::allowed_part(crate::switches::Part::Delta)
             && x.device().is_cuda()
             && x.dtype() == DType::BF16
             && !x.track_op()

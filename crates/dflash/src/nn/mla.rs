@@ -170,7 +170,10 @@ impl LatentAttention {
         l: usize,
     ) -> Result<Option<Tensor>> {
         let s = self.shape;
-        let (Some(tables), true) = (&t.packed, super::fused::allowed()) else {
+        let (Some(tables), true) = (
+            &t.packed,
+            super::fused::allowed_part(crate::switches::Part::Mla),
+        ) else {
             return Ok(None);
         };
         if (s.kv_lora + s.rope, s.kv_lora) != super::cuda::LATENT_DIMS || q_full.track_op() {
@@ -223,7 +226,7 @@ impl LatentAttention {
 /// mode through the batched skinny GEMM (a row's bits do not depend on the other rows).
 fn per_head(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if super::fused::allowed() && !x.track_op() {
+    if super::fused::allowed_part(crate::switches::Part::Mla) && !x.track_op() {
         if let Some(y) = super::cuda::mma_batched(&x.contiguous()?, w)? {
             return Ok(y);
         }

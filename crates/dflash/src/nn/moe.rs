@@ -522,6 +522,16 @@ impl SparseMoe {
             + self.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
     }
 
+    /// Bytes a forward of `rows` rows reads: everything but the routed experts, and of those
+    /// the expected union under uniform routing, `E (1 - (1 - k/E)^rows)`.
+    pub fn read_bytes(&self, rows: usize) -> f64 {
+        let e = self.experts.count() as f64;
+        let k = self.router.top_k as f64;
+        let union = e * (1.0 - (1.0 - k / e).powi(rows.max(1) as i32));
+        let per = self.experts.weight_bytes() as f64 / e;
+        (self.weight_bytes() - self.experts.weight_bytes()) as f64 + union * per
+    }
+
     /// `x [n, hidden] -> [n, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_routed(x, x)
@@ -551,7 +561,7 @@ impl SparseMoe {
     #[cfg(feature = "cuda")]
     fn forward_device(&self, router_x: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
         use super::cuda::{ActMode, MoeCall, RouteMode};
-        if !super::fused::allowed()
+        if !super::fused::allowed_part(crate::switches::Part::Moe)
             || !x.device().is_cuda()
             || x.track_op()
             || x.dim(0)? > super::cuda::MOE_MAX_ROWS

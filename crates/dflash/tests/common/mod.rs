@@ -180,3 +180,114 @@ pub fn assert_greedy_dflash_equals_plain(
     }
     n
 }
+
+/// A target fixture under `tests/fixtures/targets/<name>` (by the scripts in tools/goldens).
+pub fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/targets")
+        .join(name)
+}
+
+/// What a fixture's `golden.safetensors` and `golden.json` hold.
+pub struct Golden {
+    /// The recorded tensors (`input_ids`, `logits`, `hidden_<k>`, ...).
+    pub t: std::collections::HashMap<String, Tensor>,
+    pub meta: serde_json::Value,
+    /// The tapped layers (`meta.taps`).
+    pub taps: Vec<usize>,
+    /// `input_ids` as token ids.
+    pub ids: Vec<u32>,
+}
+
+impl Golden {
+    pub fn load(dir: &Path) -> Self {
+        let t = candle_core::safetensors::load(
+            dir.join("golden.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+                .unwrap();
+        let taps = meta["taps"]
+            .as_array()
+            .map(|a| a.iter().map(|x| x.as_u64().unwrap() as usize).collect())
+            .unwrap_or_default();
+        let ids = u32s(&t["input_ids"]);
+        Self { t, meta, taps, ids }
+    }
+
+    /// The recorded logits of positions `start .. start + n`.
+    pub fn logits(&self, start: usize, n: usize) -> Tensor {
+        self.t["logits"].narrow(0, start, n).unwrap()
+    }
+
+    /// Width of one tapped hidden state.
+    pub fn hidden(&self) -> usize {
+        self.t[&format!("hidden_{}", self.taps[0])].dim(1).unwrap()
+    }
+
+    /// A forward's taps `[n, taps * hidden]` (in `order`) against the recorded hidden states of
+    /// rows `start ..`, each within `tol(want)`.
+    pub fn assert_taps(
+        &self,
+        what: &str,
+        got: &Tensor,
+        order: &[usize],
+        start: usize,
+        tol: impl Fn(&Tensor) -> f32,
+    ) {
+        let (h, n) = (self.hidden(), got.dim(0).unwrap());
+        for k in &self.taps {
+            let slot = order.iter().position(|x| x == k).unwrap();
+            let want = self.t[&format!("hidden_{k}")].narrow(0, start, n).unwrap();
+            let d = max_abs_diff(&got.narrow(1, slot * h, h).unwrap(), &want);
+            assert!(d < tol(&want), "{what}: tap {k} max abs error {d}");
+        }
+    }
+}
+
+/// `[n]` i64 (or u32) ids as u32.
+pub fn u32s(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(candle_core::DType::I64)
+        .unwrap()
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect()
+}
+
+/// Token-by-token decoding of `ids[from..]` on cache `c` (holding `ids[..from]`): every
+/// position's logits within 1e-4 of the golden's.
+pub fn assert_token_by_token(
+    what: &str,
+    m: &dyn TargetModel,
+    g: &Golden,
+    c: &mut dflash::archs::TargetCache,
+    from: usize,
+) {
+    for (i, &t) in g.ids.iter().enumerate().skip(from) {
+        let l = m
+            .forward(&[t], i, c, &[], Logits::Last)
+            .unwrap()
+            .logits
+            .unwrap();
+        let d = max_abs_diff(&l, &g.logits(i, 1));
+        assert!(d < 1e-4, "{what}: position {i} incremental error {d}");
+    }
+}
+
+/// The small family models under `DFLASH_FAMILY_MODELS` (`families.py build --small`: one
+/// directory per family with `target/` and `draft/`), sorted; None when it is not set.
+pub fn family_models() -> Option<Vec<std::path::PathBuf>> {
+    let root = std::env::var_os("DFLASH_FAMILY_MODELS")?;
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("target/config.json").is_file())
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "no family models under {root:?}");
+    Some(dirs)
+}
