@@ -29,6 +29,10 @@ for c in qwen3_b16 llama3_b8 qwen3_tied_swa_b4; do
   python3 make_dflash_goldens.py --out "$FX" --only "$c" >"$OUTDIR/$c.log" 2>&1 &
   pids+=($!)
 done
+for c in d2_qwen3_b16_k3 d2_llama3_b8_k2 d2_tied_swa_noncausal_b8_k4 d2_qwen3_causal_swa_b16_k2; do
+  python3 make_dflash2_goldens.py --out "$FX" --only "$c" >"$OUTDIR/$c.log" 2>&1 &
+  pids+=($!)
+done
 rc=0
 wait $p0 || rc=1
 for p in "${pids[@]}"; do wait "$p" || rc=1; done

@@ -4,9 +4,7 @@ use anyhow::Result;
 use dflash::archs::footprint::{estimate, host_memory, human_bytes, Footprint};
 use dflash::archs::FAMILIES;
 use dflash::config::TargetConfig;
-use dflash::registry::{
-    family_supported, published_target_config, DraftEntry, DraftFormat, DRAFT_REGISTRY,
-};
+use dflash::registry::{family_supported, published_target_config, DraftEntry, DRAFT_REGISTRY};
 
 /// The memory a row's published target checkpoint needs (None: shapes not recorded).
 fn footprint(e: &DraftEntry) -> Option<Footprint> {
@@ -23,7 +21,7 @@ pub fn run(json: bool) -> Result<()> {
                 serde_json::json!({
                     "target": e.target, "draft": e.draft, "family": e.family,
                     "block_size": e.block_size,
-                    "format": match e.format { DraftFormat::ZLab => "z-lab", DraftFormat::Speculators => "speculators" },
+                    "format": e.format.name(), "arch": e.arch.name(),
                     "supported": family_supported(e.family), "note": e.note,
                     "memory": footprint(e).map(|f| serde_json::json!({
                         "params": f.params, "checkpoint_bytes": f.stored_bytes,
@@ -39,7 +37,7 @@ pub fn run(json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<22} {:<46} {:<12} {:<6} {:<12} supported",
+        "{:<22} {:<46} {:<12} {:<6} {:<20} supported",
         "target", "draft", "family", "block", "format"
     );
     for e in DRAFT_REGISTRY {
@@ -53,15 +51,12 @@ pub fn run(json: bool) -> Result<()> {
             format!("no: target family `{}` is not in this build", e.family)
         };
         println!(
-            "{:<22} {:<46} {:<12} {:<6} {:<12} {}",
+            "{:<22} {:<46} {:<12} {:<6} {:<20} {}",
             e.target,
             e.draft,
             e.family,
             e.block_size.map_or("config".into(), |b| b.to_string()),
-            match e.format {
-                DraftFormat::ZLab => "z-lab",
-                DraftFormat::Speculators => "speculators",
-            },
+            format!("{} {}", e.format.name(), e.arch.name()),
             supported
         );
     }

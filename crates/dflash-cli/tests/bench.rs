@@ -365,3 +365,68 @@ fn bench_matrix_reports_failures_and_benchmarks_good_rows() {
         assert!(l.contains(s), "{l}");
     }
 }
+
+/// DFlash and DFlash2 drafts of one target in one table: both rows run, each says its draft's
+/// architecture, and both are lossless at T = 0.
+#[test]
+fn bench_table_holds_dflash_and_dflash2_drafts_of_one_target() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, draft) = write_pair(tmp.path());
+    let t = {
+        let mut t = TinyTarget::qwen3(11);
+        t.dominant = vec![(3, 4.0), (7, 3.0)];
+        t
+    };
+    let d2 = tmp.path().join("draft2");
+    TinyDraft::for_target(&t, 1, vec![1, 3], 4, 12)
+        .dflash2(2, 8, 8, 4)
+        .write(&d2, t.vocab)
+        .unwrap();
+    let matrix = tmp.path().join("matrix.json");
+    let rows = serde_json::json!([
+        {"name": "dflash", "model": target, "draft": draft},
+        {"name": "dflash2", "model": target, "draft": d2},
+    ]);
+    std::fs::write(&matrix, rows.to_string()).unwrap();
+    let prompts = tmp.path().join("p.jsonl");
+    std::fs::write(&prompts, "{\"prompt_ids\": [5, 17, 42, 9]}\n").unwrap();
+    let out = tmp.path().join("out");
+    let (rc, stdout, stderr) = dflash(
+        &[
+            "bench",
+            "--matrix",
+            matrix.to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--repeat",
+            "1",
+            "--cooldown",
+            "0",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--quiet",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    assert_eq!(rc, 0, "{stderr}");
+    let summary = read(&out.join("summary.json"));
+    for (name, arch) in [("dflash", "DFlash"), ("dflash2", "DFlash2")] {
+        let row = summary["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .unwrap();
+        assert_eq!(row["status"], "ok", "{row}");
+        assert_eq!(row["draft_arch"], arch);
+        assert_eq!(row["greedy_mismatches"], 0);
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .unwrap_or_else(|| panic!("no {name} row in\n{stdout}"));
+        assert!(line.contains(&format!("({arch}) | ok |")), "{line}");
+    }
+}

@@ -279,16 +279,31 @@ fn errors_are_one_line_and_exit_non_zero() {
 }
 
 #[test]
-fn models_lists_sixteen_rows_and_names_missing_families() {
+fn models_lists_the_seed_rows_and_dflash2_rows_and_names_missing_families() {
     let (rc, out, _) = dflash(&["models", "--json"]);
     assert_eq!(rc, 0);
     let rows: Vec<Value> = serde_json::from_str(&out).unwrap();
-    assert_eq!(rows.len(), 16);
+    assert_eq!(rows.len(), 17);
+    assert_eq!(rows.iter().filter(|r| r["arch"] == "DFlash").count(), 16);
     let qwen3_8b = rows.iter().find(|r| r["target"] == "Qwen3-8B").unwrap();
     assert_eq!(qwen3_8b["supported"], true);
     assert_eq!(qwen3_8b["draft"], "z-lab/Qwen3-8B-DFlash-b16");
+    let d2 = rows.iter().find(|r| r["arch"] == "DFlash2").unwrap();
+    assert_eq!(
+        (
+            d2["draft"].as_str(),
+            d2["block_size"].as_u64(),
+            d2["format"].as_str()
+        ),
+        (Some("z-lab/Qwen3.8-27B-DFlash2"), Some(8), Some("z-lab"))
+    );
     let (rc, table, _) = dflash(&["models"]);
     assert_eq!(rc, 0);
+    let line = table
+        .lines()
+        .find(|l| l.starts_with("Qwen3.8-27B"))
+        .unwrap();
+    assert!(line.contains("z-lab DFlash2"), "{line}");
     for r in &rows {
         let line = table
             .lines()

@@ -132,7 +132,7 @@ extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_s
 // Attention of query rows (q at columns q_off + head * q_hs of src [n, src_stride], normed with
 // qw when given, roped with cs, times scale) over keys 0 .. kv_len of the cache kv [2, kvh,
 // cap, D]. Query row i sits at position q_pos0 + i; a key j is visible iff (!causal || j <=
-// pos) && (window == 0 || j + window > pos). Head h reads KV head h / rep. sinks [heads]
+// pos) && (window == 0 || (j + window > pos && j < pos + window)). Head h reads KV head h / rep. sinks [heads]
 // (bf16, or null): a logit per head that joins each softmax (gpt-oss). gate_off >= 0: the
 // output is multiplied by sigmoid of the gate at column q_off + head * q_hs + gate_off of the
 // row (hybrid Qwen attention), rounded as the unfused bf16 ops round.
@@ -237,7 +237,7 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
     const int p = grp * P + pp;
     const int pos = q_pos0 + (p < pairs ? p / rep : 0);
     lo[pp] = window > 0 ? pos - window + 1 : 0;
-    hi[pp] = p >= pairs ? 0 : causal ? min(kv_len, pos + 1) : kv_len;
+    hi[pp] = p >= pairs ? 0 : causal ? min(kv_len, pos + 1) : window > 0 ? min(kv_len, pos + window) : kv_len;
     m[pp] = -INFINITY;
     l[pp] = 0.f;
 #pragma unroll

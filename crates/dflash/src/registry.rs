@@ -16,6 +16,33 @@ pub enum DraftFormat {
     Speculators,
 }
 
+/// Which draft architecture a row's checkpoint is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftArch {
+    /// `DFlashDraftModel`.
+    DFlash,
+    /// `DFlash2DraftModel`: convolutional layers and a candidate selector.
+    DFlash2,
+}
+
+impl DraftArch {
+    pub fn name(self) -> &'static str {
+        match self {
+            DraftArch::DFlash => "DFlash",
+            DraftArch::DFlash2 => "DFlash2",
+        }
+    }
+}
+
+impl DraftFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            DraftFormat::ZLab => "z-lab",
+            DraftFormat::Speculators => "speculators",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct DraftEntry {
     /// Target name as published (the registry key, compared case-insensitively).
@@ -27,6 +54,7 @@ pub struct DraftEntry {
     /// Expected block size (the draft's config is authoritative).
     pub block_size: Option<usize>,
     pub format: DraftFormat,
+    pub arch: DraftArch,
     pub note: &'static str,
 }
 
@@ -38,6 +66,7 @@ macro_rules! row {
             family: $f,
             block_size: $b,
             format: DraftFormat::ZLab,
+            arch: DraftArch::DFlash,
             note: "",
         }
     };
@@ -48,12 +77,24 @@ macro_rules! row {
             family: $f,
             block_size: $b,
             format: $fmt,
+            arch: DraftArch::DFlash,
+            note: $n,
+        }
+    };
+    ($t:expr, $d:expr, $f:expr, $b:expr, $fmt:expr, $arch:expr, $n:expr) => {
+        DraftEntry {
+            target: $t,
+            draft: $d,
+            family: $f,
+            block_size: $b,
+            format: $fmt,
+            arch: $arch,
             note: $n,
         }
     };
 }
 
-/// The 16 target/draft pairs of the seed's registry.
+/// The 16 target/draft pairs of the seed's registry, then the published DFlash2 drafts.
 pub const DRAFT_REGISTRY: &[DraftEntry] = &[
     row!("Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", "qwen3_5", Some(16)),
     row!("Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", "qwen3_5", Some(16)),
@@ -138,7 +179,24 @@ pub const DRAFT_REGISTRY: &[DraftEntry] = &[
         DraftFormat::Speculators,
         "speculators format (narrow draft vocab, d2t/t2d)"
     ),
+    // DFlash2 (z-lab, 2026-10): config.json as quoted in public tests: block 8, 5 sliding
+    // (2048, non-causal) layers over taps [5,19,33,47,61] of 64, kernel 2, group 16, rank 256,
+    // top-16. The target's own config was not seen: its shapes (5120 wide, 64 layers, 16
+    // attention layers with 4 KV heads of 256, vocab 248320) match Qwen3.5-27B, whose family is
+    // assumed.
+    row!(
+        "Qwen3.8-27B",
+        "z-lab/Qwen3.8-27B-DFlash2",
+        "qwen3_5",
+        Some(8),
+        DraftFormat::ZLab,
+        DraftArch::DFlash2,
+        "target architecture assumed Qwen3.5's (shapes match; config not seen)"
+    ),
 ];
+
+/// Rows of the seed's registry (the first 16 of [`DRAFT_REGISTRY`]).
+pub const SEED_ROWS: usize = 16;
 
 /// The published target `config.json` of a registry row, reduced to the fields that size it
 /// (for `dflash models`' memory figures; see [`crate::archs::footprint`]). None for rows whose
@@ -250,6 +308,10 @@ pub fn published_target_config(target: &str) -> Option<serde_json::Value> {
         // Qwen/Qwen3.6-27B's card gives the same shape as Qwen3.5-27B, and its
         // model.safetensors.index.json total_size is 55.56 GB.
         "Qwen3.6-27B" => qwen3_5(5120, 17408, 64, 24, 48, false),
+        // Qwen/Qwen3.8-27B: not seen; public notes give 27.8 B params, 64 text layers, 16
+        // attention layers with 4 KV heads of 256, and its DFlash2 draft says 5120 wide with
+        // vocab 248320: Qwen3.5-27B's shape (assumed, with its family).
+        "Qwen3.8-27B" => qwen3_5(5120, 17408, 64, 24, 48, false),
         // Qwen/Qwen3.6-35B-A3B: same topology as Qwen3.5-35B-A3B (its model card; THUDM/slime
         // scripts/models/qwen36-35B-A3B.sh sources the 3.5 script)
         "Qwen3.6-35B-A3B" => qwen3_5_moe(2048, 40, 16, 32, 512),
@@ -354,15 +416,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sixteen_rows_with_unique_keys() {
-        assert_eq!(DRAFT_REGISTRY.len(), 16);
+    fn sixteen_seed_rows_then_dflash2_rows_with_unique_keys() {
+        assert_eq!(DRAFT_REGISTRY.len(), SEED_ROWS + 1);
+        assert!(DRAFT_REGISTRY[..SEED_ROWS]
+            .iter()
+            .all(|e| e.arch == DraftArch::DFlash));
+        assert!(DRAFT_REGISTRY[SEED_ROWS..]
+            .iter()
+            .all(|e| e.arch == DraftArch::DFlash2 && e.block_size.is_some()));
         let mut keys: Vec<String> = DRAFT_REGISTRY
             .iter()
             .map(|e| e.target.to_lowercase())
             .collect();
         keys.sort();
         keys.dedup();
-        assert_eq!(keys.len(), 16);
+        assert_eq!(keys.len(), DRAFT_REGISTRY.len());
     }
 
     #[test]
@@ -377,6 +445,11 @@ mod tests {
                 Some("z-lab/Qwen3.5-122B-A10B-DFlash"),
             ),
             ("Qwen/Qwen3.6-27B", Some("z-lab/Qwen3.6-27B-DFlash")),
+            ("Qwen/Qwen3.8-27B", Some("z-lab/Qwen3.8-27B-DFlash2")),
+            (
+                "mlx-community/Qwen3.8-27B-4bit",
+                Some("z-lab/Qwen3.8-27B-DFlash2"),
+            ),
             ("Qwen/Qwen3.6-35B-A3B", Some("z-lab/Qwen3.6-35B-A3B-DFlash")),
             ("Qwen/Qwen3-4B", Some("z-lab/Qwen3-4B-DFlash-b16")),
             ("Qwen/Qwen3-8B", Some("z-lab/Qwen3-8B-DFlash-b16")),

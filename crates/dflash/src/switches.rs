@@ -39,15 +39,18 @@ pub enum Part {
     Delta,
     /// MLA latent attention and its absorbed products (`nn::mla`).
     Mla,
+    /// DFlash2 draft convolutions and the selector's top-k (`nn::dyn_conv`, `draft::dflash2`).
+    Dflash2,
 }
 
 impl Part {
-    pub const ALL: [Part; 5] = [
+    pub const ALL: [Part; 6] = [
         Part::Attention,
         Part::Norm,
         Part::Moe,
         Part::Delta,
         Part::Mla,
+        Part::Dflash2,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -56,6 +59,7 @@ impl Part {
             Part::Moe => "moe",
             Part::Delta => "delta",
             Part::Mla => "mla",
+            Part::Dflash2 => "dflash2",
         }
     }
     fn bit(self) -> u8 {

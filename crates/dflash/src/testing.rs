@@ -339,6 +339,10 @@ pub struct TinyDraft {
     pub seed: u64,
     /// Zero the final norm: the draft then always proposes token 0.
     pub zero_final_norm: bool,
+    /// Write a `DFlash2DraftModel` (convolutions + candidate selector) with these keys.
+    pub dflash2: Option<crate::config::draft::Dflash2Config>,
+    /// `is_causal` in the config (None: absent).
+    pub is_causal: Option<bool>,
 }
 
 impl TinyDraft {
@@ -365,7 +369,21 @@ impl TinyDraft {
             sliding_window: 8,
             seed,
             zero_final_norm: false,
+            dflash2: None,
+            is_causal: None,
         }
+    }
+
+    /// This draft as a DFlash2 draft: kernel `k`, channel groups of `group`, codebooks of
+    /// `rank`, `top_k` candidates per row.
+    pub fn dflash2(mut self, k: usize, group: usize, rank: usize, top_k: usize) -> Self {
+        self.dflash2 = Some(crate::config::draft::Dflash2Config {
+            conv_kernel_size: k,
+            conv_group_size: group,
+            selector_rank: rank,
+            selector_top_k: top_k,
+        });
+        self
     }
 
     pub fn config(&self, vocab: usize) -> Value {
@@ -392,6 +410,17 @@ impl TinyDraft {
             c["layer_types"] = json!(lt);
             c["sliding_window"] = json!(self.sliding_window);
             c["use_sliding_window"] = json!(true);
+        }
+        if let Some(ic) = self.is_causal {
+            c["is_causal"] = json!(ic);
+        }
+        if let Some(d) = &self.dflash2 {
+            c["architectures"] = json!(["DFlash2DraftModel"]);
+            let dc = c["dflash_config"].as_object_mut().expect("dflash_config");
+            dc.insert("conv_kernel_size".into(), json!(d.conv_kernel_size));
+            dc.insert("conv_group_size".into(), json!(d.conv_group_size));
+            dc.insert("selector_rank".into(), json!(d.selector_rank));
+            dc.insert("selector_top_k".into(), json!(d.selector_top_k));
         }
         c
     }
@@ -444,6 +473,28 @@ impl TinyDraft {
             f.normal(&format!("{p}.mlp.gate_proj.weight"), &[i, h], 0.1)?;
             f.normal(&format!("{p}.mlp.up_proj.weight"), &[i, h], 0.1)?;
             f.normal(&format!("{p}.mlp.down_proj.weight"), &[h, i], 0.1)?;
+            if let Some(d2) = &self.dflash2 {
+                let (kk, g) = (d2.conv_kernel_size, h / d2.conv_group_size);
+                for conv in ["attention_conv", "mlp_conv"] {
+                    f.normal(&format!("{p}.{conv}.base_kernel"), &[2, kk, h], 0.5)?;
+                    f.normal(
+                        &format!("{p}.{conv}.kernel_projection.weight"),
+                        &[2 * kk * g, h],
+                        0.1,
+                    )?;
+                }
+            }
+        }
+        if let Some(d2) = &self.dflash2 {
+            // Codebooks large enough that the walk overrules the argmax on some rows.
+            let r = d2.selector_rank;
+            f.normal("candidate_selector.predecessor_codebook", &[vocab, r], 0.6)?;
+            f.normal(
+                "candidate_selector.successor_codebook.weight",
+                &[vocab, r],
+                0.6,
+            )?;
+            f.normal("candidate_selector.hidden_projection.weight", &[r, h], 0.3)?;
         }
         f.save(&dir.join("model.safetensors"))?;
         write_json(&dir.join("config.json"), &self.config(vocab))

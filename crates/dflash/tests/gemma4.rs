@@ -326,6 +326,8 @@ fn gemma4_greedy_dflash_is_lossless() {
                 sliding_window: 8,
                 seed: 300 + di as u64,
                 zero_final_norm: false,
+                dflash2: None,
+                is_causal: None,
             };
             let ddir = dir.path().join(format!("d{di}"));
             d.write(&ddir, 256).unwrap();

@@ -604,6 +604,18 @@ fn rows() -> Vec<Row> {
             taps: vec![1, 16, 31, 46, 61],
             tiny: tiny("qwen3_5", 604, 6, 1, 2, 6, false),
         },
+        // The DFlash2 row (its target's shapes assumed Qwen3.5-27B's: see the registry).
+        Row {
+            target: "Qwen/Qwen3.8-27B",
+            config: wrap(
+                "qwen3_5",
+                qwen35_text(5120, 64, 24, 4, 48, json!({"intermediate_size": 17408})),
+                false,
+            ),
+            layers: 64,
+            taps: vec![5, 19, 33, 47, 61],
+            tiny: tiny("qwen3_5", 609, 6, 1, 2, 6, false),
+        },
         Row {
             target: "Qwen/Qwen3.5-35B-A3B",
             config: wrap(
@@ -667,7 +679,7 @@ fn hybrid_registry_rows_are_supported_and_lossless() {
         .iter()
         .filter(|e| HYBRID.contains(&e.family))
         .collect();
-    assert_eq!(hybrid_rows.len(), 8);
+    assert_eq!(hybrid_rows.len(), 9);
     for e in &hybrid_rows {
         assert!(family_supported(e.family), "{}", e.target);
         assert!(
@@ -704,6 +716,19 @@ fn hybrid_registry_rows_are_supported_and_lossless() {
         if entry.family == "qwen3_next" {
             draft["dflash_config"]["mask_token_id"] = 151669.into();
         }
+        let dflash2 = entry.arch == dflash::registry::DraftArch::DFlash2;
+        if dflash2 {
+            // z-lab/Qwen3.8-27B-DFlash2's config.json as quoted publicly (the fields read).
+            draft = json!({"architectures": ["DFlash2DraftModel"], "attention_bias": false, "is_causal": false,
+                "dflash_config": {"block_size": 8, "conv_group_size": 16, "conv_kernel_size": 2,
+                    "mask_token_id": 248070, "selector_rank": 256, "selector_top_k": 16,
+                    "target_layer_ids": [5, 19, 33, 47, 61]},
+                "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 17408,
+                "layer_types": (vec!["sliding_attention"; 5]), "num_attention_heads": 32, "num_hidden_layers": 5,
+                "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "model_type": "qwen3",
+                "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"}, "sliding_window": 2048,
+                "tie_word_embeddings": false, "use_sliding_window": true, "vocab_size": 248320});
+        }
         let d = DraftConfig::from_value("draft.json", draft).unwrap();
         assert_eq!(
             d.validate_against(&cfg, r.target).unwrap(),
@@ -712,12 +737,19 @@ fn hybrid_registry_rows_are_supported_and_lossless() {
             r.target
         );
         assert_eq!(Some(d.block_size), entry.block_size);
+        assert_eq!(d.dflash2.is_some(), dflash2, "{}", r.target);
 
         // the tiny model with the row's ratios decodes losslessly
         let t = &r.tiny;
         let mut dr = TinyDraft::for_target(&t.as_tiny_target(), 2, vec![0, 3, 6], 16, 9);
         dr.heads = t.heads;
         dr.kv_heads = t.kv_heads;
+        if dflash2 {
+            dr = dr.dflash2(2, 16, 16, 16);
+            dr.block_size = 8;
+            dr.layer_types = Some(vec!["sliding_attention"; 2]);
+            dr.is_causal = Some(false);
+        }
         let (_dir, e) = engine_for(t, &dr);
         assert_eq!(e.target.info().family, entry.family);
         let mut seen = Seen::default();

@@ -75,12 +75,20 @@ fn pairs() -> Vec<(TinyTarget, TinyDraft)> {
     v
 }
 
-#[test]
-fn greedy_dflash_equals_greedy_plain_decoding() {
+/// What [`greedy_invariant`] saw.
+struct Seen {
+    generations: usize,
+    accepted_somewhere: usize,
+    lengths: std::collections::BTreeSet<usize>,
+}
+
+/// Greedy DFlash == greedy plain decoding for every pair: 12 prompts each (lengths 1..40,
+/// budgets 1..40, a stop token every third), blocks 2..16 and the adaptive policy.
+fn greedy_invariant(pairs: Vec<(TinyTarget, TinyDraft)>) -> Seen {
     let mut generations = 0;
     let mut accepted_somewhere = 0;
     let mut lengths = std::collections::BTreeSet::new();
-    for (pi, (t, d)) in pairs().into_iter().enumerate() {
+    for (pi, (t, d)) in pairs.into_iter().enumerate() {
         let (_dir, e) = build(&t, &d);
         let mut rng = Rng::new(pi as u64);
         for case in 0..12 {
@@ -141,6 +149,20 @@ fn greedy_dflash_equals_greedy_plain_decoding() {
             generations += 1;
         }
     }
+    Seen {
+        generations,
+        accepted_somewhere,
+        lengths,
+    }
+}
+
+#[test]
+fn greedy_dflash_equals_greedy_plain_decoding() {
+    let Seen {
+        generations,
+        accepted_somewhere,
+        lengths,
+    } = greedy_invariant(pairs());
     assert!(generations >= 200, "{generations}");
     // the invariant must have been exercised with real acceptance, not only rejections
     assert!(
@@ -150,6 +172,90 @@ fn greedy_dflash_equals_greedy_plain_decoding() {
     // (deterministic: 55 of 384 with these seeds; the bound guards against a silent change)
     assert!(
         accepted_somewhere >= 40,
+        "only {accepted_somewhere} of {generations} generations accepted a draft token"
+    );
+}
+
+/// The same pairs with DFlash2 drafts: kernels 2..4, channel groups from 1 to the whole width,
+/// top-1 to top-16 candidates, one draft with non-causal sliding layers (`is_causal: false`,
+/// the published DFlash2 layout).
+fn dflash2_pairs() -> Vec<(TinyTarget, TinyDraft)> {
+    pairs()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (t, d))| {
+            let h = d.hidden;
+            let mut d = match i {
+                0 => d.dflash2(2, 16, 8, 4),
+                1 => d.dflash2(4, 1, 4, 16),
+                2 => d.dflash2(3, h, 16, 8),
+                _ => d.dflash2(2, 8, 8, 1),
+            };
+            if i == 1 {
+                d.is_causal = Some(false);
+            }
+            (t, d)
+        })
+        .collect()
+}
+
+#[test]
+fn greedy_dflash2_equals_greedy_plain_decoding() {
+    // The selector is exercised: on these drafts its walk differs from the argmax on some rows.
+    let mut overruled = 0;
+    for (t, d) in dflash2_pairs() {
+        let (_dir, e) = build(&t, &d);
+        let draft = e.draft.as_ref().unwrap();
+        assert!(draft.selector().is_some());
+        for seed in 0..4 {
+            let prompt = ids(50 + seed, 9, t.vocab - 1);
+            let mut tc = e.target.new_cache(64).unwrap();
+            let pre = e
+                .target
+                .forward(
+                    &prompt,
+                    0,
+                    &mut tc,
+                    &draft.taps,
+                    dflash::archs::Logits::Last,
+                )
+                .unwrap();
+            let mut block = vec![draft.mask_token_id(); draft.block_size()];
+            block[0] = prompt[0];
+            let mut dc = draft.new_cache(64).unwrap();
+            let rows = draft
+                .forward_rows(
+                    e.target.as_ref(),
+                    &pre.taps.unwrap(),
+                    &block,
+                    prompt.len(),
+                    &mut dc,
+                )
+                .unwrap();
+            let (path, logits) = draft
+                .propose_from_rows(e.target.as_ref(), &rows, block[0])
+                .unwrap();
+            let argmax = dflash::sampling::argmax_rows(&logits).unwrap();
+            overruled += path.iter().zip(&argmax).filter(|(a, b)| a != b).count();
+        }
+    }
+    assert!(overruled > 0, "the selector never overruled the argmax");
+    let Seen {
+        generations,
+        accepted_somewhere,
+        lengths,
+    } = greedy_invariant(dflash2_pairs());
+    eprintln!(
+        "dflash2: {generations} generations, {accepted_somewhere} accepted a draft token, \
+         acceptance lengths {lengths:?}, {overruled} selector rows overruled the argmax"
+    );
+    assert!(generations >= 100, "{generations}");
+    assert!(
+        lengths.contains(&1) && lengths.len() >= 6,
+        "acceptance lengths seen: {lengths:?}"
+    );
+    assert!(
+        accepted_somewhere >= 20,
         "only {accepted_somewhere} of {generations} generations accepted a draft token"
     );
 }
@@ -227,9 +333,23 @@ const DOM: f64 = 1.5;
 
 #[test]
 fn sampling_is_reproducible_and_matches_the_target_distribution() {
+    sampling_matches_the_target(false);
+}
+
+/// At T > 0 a DFlash2 draft's proposal is its selector's greedy walk, verified by
+/// sample-and-compare like every proposal: the output is distributed as the target's.
+#[test]
+fn dflash2_sampling_matches_the_target_distribution() {
+    sampling_matches_the_target(true);
+}
+
+fn sampling_matches_the_target(dflash2: bool) {
     let mut t = TinyTarget::qwen3(31);
     t.dominant = vec![(3, DOM), (5, DOM)];
-    let d = TinyDraft::for_target(&t, 1, vec![2], 8, 5);
+    let mut d = TinyDraft::for_target(&t, 1, vec![2], 8, 5);
+    if dflash2 {
+        d = d.dflash2(3, 8, 8, 4);
+    }
     let (_dir, e) = build(&t, &d);
     let prompt = ids(3, 6, t.vocab);
     let params = |seed| SamplingParams {

@@ -1,6 +1,7 @@
 //! Parity with the authors' reference DFlash implementation (PyPI `dflash`, run by
-//! tools/goldens/make_dflash_goldens.py at temperature 0 in f32): every verify cycle's block
-//! (last token + draft proposals), its acceptance, the output, and the draft's logits.
+//! tools/goldens/make_dflash_goldens.py and make_dflash2_goldens.py at temperature 0 in f32):
+//! every verify cycle's block (last token + draft proposals: the argmax for DFlash, the
+//! candidate selector's walk for DFlash2), its acceptance, the output, and the draft's logits.
 
 mod common;
 use common::*;
@@ -20,8 +21,13 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn check(case: &str) {
+    check_in("dflash", case)
+}
+
+fn check_in(kind: &str, case: &str) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/dflash")
+        .join("tests/fixtures")
+        .join(kind)
         .join(case);
     let trace: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json")).unwrap()).unwrap();
@@ -54,11 +60,29 @@ fn check(case: &str) {
     let mut block = vec![draft.mask_token_id(); q];
     block[0] = first;
     let mut dc = draft.new_cache(prompt.len() + 64).unwrap();
-    let dl = draft
-        .forward(target.as_ref(), &taps, &block, prompt.len(), &mut dc)
+    let rows = draft
+        .forward_rows(target.as_ref(), &taps, &block, prompt.len(), &mut dc)
+        .unwrap();
+    let (proposal, dl) = draft
+        .propose_from_rows(target.as_ref(), &rows, first)
         .unwrap();
     let d = max_abs_diff(&dl, &g["draft_logits_step0"]);
     assert!(d < 1e-4, "{case}: draft logits step 0 differ by {d}");
+    if let Some(want) = g.get("draft_rows_step0") {
+        let d = max_abs_diff(&rows, want);
+        assert!(d < 1e-4, "{case}: draft rows step 0 differ by {d}");
+        assert!(
+            draft.selector().is_some(),
+            "{case}: a DFlash2 draft has a selector"
+        );
+        assert_eq!(
+            proposal,
+            ids(&trace["steps"][0]["selector_path"]),
+            "{case}: selector path of the first draft call"
+        );
+        // The selector is exercised: its path differs from the argmax somewhere in the trace.
+        assert!(trace["selector_rows_overruling_argmax"].as_u64().unwrap() > 0);
+    }
     assert_eq!(
         dc.len(),
         prompt.len(),
@@ -152,4 +176,24 @@ fn llama3_target_block8_matches_reference() {
 #[test]
 fn tied_target_sliding_draft_block4_matches_reference() {
     check("qwen3_tied_swa_b4");
+}
+
+#[test]
+fn dflash2_qwen3_block16_kernel3_matches_reference() {
+    check_in("dflash2", "d2_qwen3_b16_k3");
+}
+
+#[test]
+fn dflash2_llama3_block8_kernel2_top_level_keys_matches_reference() {
+    check_in("dflash2", "d2_llama3_b8_k2");
+}
+
+#[test]
+fn dflash2_tied_noncausal_sliding_block8_kernel4_matches_reference() {
+    check_in("dflash2", "d2_tied_swa_noncausal_b8_k4");
+}
+
+#[test]
+fn dflash2_causal_sliding_block16_single_group_matches_reference() {
+    check_in("dflash2", "d2_qwen3_causal_swa_b16_k2");
 }

@@ -269,6 +269,10 @@ pub struct RowResult {
     pub name: String,
     pub model: String,
     pub draft: Option<String>,
+    /// The draft's architecture as loaded ("DFlash", "DFlash2"), so DFlash and DFlash2 drafts
+    /// of one target read apart in one table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_arch: Option<String>,
     pub status: Status,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<Failure>,
@@ -317,6 +321,7 @@ impl RowResult {
             name: spec.label(),
             model: spec.model.clone(),
             draft: spec.draft.clone(),
+            draft_arch: None,
             status: Status::Ok,
             failure: None,
             block_size: None,
@@ -481,6 +486,7 @@ pub fn bench_pair(
     let mut row = RowResult {
         load_s: Some(t0.elapsed().as_secs_f64()),
         quantization: p.engine.target.info().quantization.clone(),
+        draft_arch: p.engine.draft.as_ref().map(|d| d.arch_name().to_string()),
         ..row
     };
     match encode_prompts(&p, prompts, opts) {

@@ -200,7 +200,11 @@ pub fn markdown(s: &Summary) -> String {
         out += &format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             cell(&r.name),
-            cell(r.draft.as_deref().unwrap_or("-")),
+            cell(&match (r.draft.as_deref(), r.draft_arch.as_deref()) {
+                (Some(d), Some(a)) => format!("{d} ({a})"),
+                (Some(d), None) => d.to_string(),
+                (None, _) => "-".into(),
+            }),
             cell(&status),
             tok_s(r.baseline_tok_s),
             tok_s(r.dflash_tok_s),

@@ -40,7 +40,32 @@ pub struct DraftConfig {
     pub output_multiplier: f64,
     /// `cap * tanh(logits / cap)` on the draft logits when set.
     pub final_logit_softcapping: Option<f64>,
+    /// `is_causal` (top level): when set, every draft layer's block rows are causal (true) or
+    /// not (false); unset, only sliding layers are causal (the reference's rule).
+    pub is_causal: Option<bool>,
+    /// `DFlash2DraftModel`: the convolutions and the candidate selector.
+    pub dflash2: Option<Dflash2Config>,
 }
+
+/// The keys `DFlash2DraftModel` adds (read from `dflash_config`, else the top level, as the
+/// reference does). Every one sizes a module the checkpoint was trained with: none has a
+/// default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dflash2Config {
+    /// Taps of each grouped dynamic causal convolution (offsets 0..K over the block rows).
+    pub conv_kernel_size: usize,
+    /// Channels sharing one dynamic kernel value; divides hidden_size.
+    pub conv_group_size: usize,
+    /// Width of the selector's predecessor/successor codebooks.
+    pub selector_rank: usize,
+    /// Candidates per block row (the top-k of its logits).
+    pub selector_top_k: usize,
+}
+
+/// Bounds on the DFlash2 keys (a typo that would allocate absurd modules is an error).
+const MAX_CONV_KERNEL: usize = 64;
+const MAX_SELECTOR_RANK: usize = 8192;
+pub const MAX_SELECTOR_TOP_K: usize = 256;
 
 /// Default taps for `n` draft layers over `l` target layers: n == 1 -> [l / 2], else
 /// round(1 + i * (l - 4) / (n - 1)) for i in 0..n, rounding half to even.
@@ -118,16 +143,19 @@ impl DraftConfig {
             .opt_usize("num_target_layers")?
             .map(|n| f.bounded("num_target_layers", n, super::limits::MAX_LAYERS))
             .transpose()?;
-        if f.opt_str_list("architectures")?
-            .unwrap_or_default()
+        let archs = f.opt_str_list("architectures")?.unwrap_or_default();
+        if let Some(a) = archs
             .iter()
-            .any(|a| a == "DFlash2DraftModel")
+            .find(|a| !matches!(a.as_str(), "DFlashDraftModel" | "DFlash2DraftModel"))
         {
             return Err(f.err(
                 "architectures",
-                "DFlash2DraftModel (convolutional draft with a candidate selector) is not supported; supported: DFlashDraftModel",
+                format!(
+                    "`{a}` is not a DFlash draft; supported: DFlashDraftModel, DFlash2DraftModel"
+                ),
             ));
         }
+        let is_dflash2 = archs.iter().any(|a| a == "DFlash2DraftModel");
         // Every DFlash value: dflash_config first, then the top level.
         let num = |key: &str| -> Result<Option<f64>> {
             match dc.as_ref().map(|d| d.opt_f64(key)).transpose()?.flatten() {
@@ -139,6 +167,50 @@ impl DraftConfig {
         let output_multiplier = num("output_multiplier")?.unwrap_or(1.0);
         let final_logit_softcapping = num("final_logit_softcapping")?.filter(|c| *c > 0.0);
         let layers = TargetConfig::from_value(file, v.clone())?;
+        let dflash2 = if is_dflash2 {
+            let key = |name: &str, max: usize| -> Result<usize> {
+                let v = match dc
+                    .as_ref()
+                    .map(|d| d.opt_usize(name))
+                    .transpose()?
+                    .flatten()
+                {
+                    Some(x) => Some(x),
+                    None => f.opt_usize(name)?,
+                };
+                let v = v.ok_or_else(|| {
+                    f.err(
+                        &format!("dflash_config.{name}"),
+                        "missing: a DFlash2DraftModel config must give it (looked in dflash_config and at the top level)",
+                    )
+                })?;
+                if v == 0 || v > max {
+                    return Err(f.err(
+                        &format!("dflash_config.{name}"),
+                        format!("{v} is out of range 1..={max}"),
+                    ));
+                }
+                Ok(v)
+            };
+            let d = Dflash2Config {
+                conv_kernel_size: key("conv_kernel_size", MAX_CONV_KERNEL)?,
+                conv_group_size: key("conv_group_size", layers.hidden_size.max(1))?,
+                selector_rank: key("selector_rank", MAX_SELECTOR_RANK)?,
+                selector_top_k: key("selector_top_k", MAX_SELECTOR_TOP_K.min(layers.vocab_size))?,
+            };
+            if layers.hidden_size % d.conv_group_size != 0 {
+                return Err(f.err(
+                    "dflash_config.conv_group_size",
+                    format!(
+                        "{} does not divide hidden_size {}",
+                        d.conv_group_size, layers.hidden_size
+                    ),
+                ));
+            }
+            Some(d)
+        } else {
+            None
+        };
         Ok(DraftConfig {
             file: file.to_string(),
             format: DraftFormat::ZLab,
@@ -152,12 +224,20 @@ impl DraftConfig {
             input_embedding_scale,
             output_multiplier,
             final_logit_softcapping,
+            is_causal: f.opt_bool("is_causal")?,
+            dflash2,
         })
     }
 
     /// The speculators layout (spec section 5).
     fn from_speculators(file: &str, f: &Fields) -> Result<Self> {
         if let Some(t) = f.opt_str("speculators_model_type")? {
+            if t == "dflash2" {
+                return Err(f.err(
+                    "speculators_model_type",
+                    "speculators-format DFlash2 checkpoints are not supported yet; the z-lab format (architectures: [\"DFlash2DraftModel\"]) is",
+                ));
+            }
             if t != "dflash" {
                 return Err(f.err(
                     "speculators_model_type",
@@ -243,6 +323,8 @@ impl DraftConfig {
             input_embedding_scale: f.opt_f64("input_embedding_scale")?.unwrap_or(1.0),
             output_multiplier: f.opt_f64("output_multiplier")?.unwrap_or(1.0),
             final_logit_softcapping: f.opt_f64("final_logit_softcapping")?.filter(|c| *c > 0.0),
+            is_causal: f.opt_bool("is_causal")?,
+            dflash2: None,
         })
     }
 
@@ -283,6 +365,12 @@ impl DraftConfig {
             return Err(mm(format!(
                 "tap layer {t} >= target num_hidden_layers {}",
                 target.num_hidden_layers
+            )));
+        }
+        if self.dflash2.is_some() && self.layers.vocab_size != target.vocab_size {
+            return Err(mm(format!(
+                "DFlash2 draft vocab_size {} != target vocab_size {} (the selector's codebooks are indexed by target token ids)",
+                self.layers.vocab_size, target.vocab_size
             )));
         }
         if self.mask_token_id as usize >= target.vocab_size {

@@ -205,3 +205,80 @@ fn draft_validation_names_both_values() {
         "{e}"
     );
 }
+
+#[test]
+fn dflash2_keys_from_either_place_with_clear_errors() {
+    let mut v = base();
+    v["architectures"] = json!(["DFlash2DraftModel"]);
+    v["block_size"] = 8.into();
+    v["is_causal"] = false.into();
+    v["dflash_config"] = json!({"mask_token_id": 5, "conv_kernel_size": 2, "conv_group_size": 16,
+                               "selector_rank": 32, "selector_top_k": 16});
+    let d = DraftConfig::from_value("d.json", v.clone()).unwrap();
+    let want = super::draft::Dflash2Config {
+        conv_kernel_size: 2,
+        conv_group_size: 16,
+        selector_rank: 32,
+        selector_top_k: 16,
+    };
+    assert_eq!(d.dflash2, Some(want));
+    assert_eq!(d.is_causal, Some(false));
+    // The top level when dflash_config lacks them (dflash_config wins when both do).
+    let mut top = v.clone();
+    top["dflash_config"] = json!({"mask_token_id": 5, "selector_top_k": 16});
+    top["conv_kernel_size"] = 2.into();
+    top["conv_group_size"] = 16.into();
+    top["selector_rank"] = 32.into();
+    top["selector_top_k"] = 99.into();
+    assert_eq!(
+        DraftConfig::from_value("d.json", top).unwrap().dflash2,
+        Some(want)
+    );
+    // A DFlashDraftModel ignores them; no is_causal key leaves the reference's default.
+    let mut v1 = base();
+    v1["block_size"] = 8.into();
+    v1["dflash_config"] = json!({"mask_token_id": 5});
+    let d1 = DraftConfig::from_value("d.json", v1).unwrap();
+    assert_eq!((d1.dflash2, d1.is_causal), (None, None));
+    let err = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut x = v.clone();
+        edit(&mut x);
+        DraftConfig::from_value("d.json", x)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = err(&|x| {
+        x["dflash_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("selector_rank");
+    });
+    assert!(
+        e.contains("d.json") && e.contains("dflash_config.selector_rank") && e.contains("missing"),
+        "{e}"
+    );
+    let e = err(&|x| x["dflash_config"]["conv_group_size"] = 24.into());
+    assert!(
+        e.contains("conv_group_size") && e.contains("does not divide hidden_size 64"),
+        "{e}"
+    );
+    let e = err(&|x| x["dflash_config"]["conv_kernel_size"] = 0.into());
+    assert!(
+        e.contains("conv_kernel_size") && e.contains("out of range"),
+        "{e}"
+    );
+    let e = err(&|x| x["dflash_config"]["selector_top_k"] = 101.into());
+    assert!(e.contains("selector_top_k") && e.contains("1..=100"), "{e}");
+    let e = err(&|x| x["architectures"] = json!(["EagleDraftModel"]));
+    assert!(
+        e.contains("EagleDraftModel") && e.contains("DFlash2DraftModel"),
+        "{e}"
+    );
+    // The selector's codebooks are indexed by target ids: the vocabularies must agree.
+    let d = DraftConfig::from_value("d.json", v.clone()).unwrap();
+    let mut t = base();
+    t["vocab_size"] = 120.into();
+    let t = TargetConfig::from_value("t.json", t).unwrap();
+    let e = d.validate_against(&t, "T").unwrap_err().to_string();
+    assert!(e.contains("vocab_size 100") && e.contains("120"), "{e}");
+}

@@ -10,6 +10,8 @@
 //! attend to all cached context plus the whole block (full layers: non-causal; sliding
 //! layers: causal + window). The draft borrows the target's embedding and LM head.
 
+pub mod dflash2;
+
 use crate::archs::TargetModel;
 use crate::config::draft::DraftConfig;
 use crate::config::LayerType;
@@ -20,13 +22,44 @@ use crate::nn::{
 use crate::source::Weights;
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
+pub use dflash2::{DynConv, Selector};
 
 struct DraftLayer {
     input_norm: RmsNorm,
     attn: Attention,
     post_attn_norm: RmsNorm,
     mlp: GatedMlp,
-    kind: LayerType,
+    /// Which block rows see which keys (the layer type and `is_causal`).
+    vis: Visibility,
+    /// DFlash2: the convolutions around attention and the MLP.
+    attn_conv: Option<DynConv>,
+    mlp_conv: Option<DynConv>,
+}
+
+impl DraftLayer {
+    /// The attention sublayer's input (convolved for DFlash2) and the kernel its output needs.
+    fn pre_attn(&self, x: Tensor, block: usize) -> Result<(Tensor, Option<Tensor>)> {
+        match &self.attn_conv {
+            Some(c) => c.prepare(&x, block).map(|(x, d)| (x, Some(d))),
+            None => Ok((x, None)),
+        }
+    }
+    fn post_attn(&self, y: Tensor, d: Option<Tensor>, block: usize) -> Result<Tensor> {
+        match (&self.attn_conv, d) {
+            (Some(c), Some(d)) => c.finish(&y, &d, block),
+            _ => Ok(y),
+        }
+    }
+    /// The MLP on its normed input, between the DFlash2 convolutions.
+    fn mlp(&self, x: &Tensor, block: usize) -> Result<Tensor> {
+        match &self.mlp_conv {
+            Some(c) => {
+                let (xc, d) = c.prepare(x, block)?;
+                c.finish(&self.mlp.forward(&xc)?, &d, block)
+            }
+            None => self.mlp.forward(x),
+        }
+    }
 }
 
 pub struct DraftModel {
@@ -49,6 +82,8 @@ pub struct DraftModel {
     /// Every layer's k/v rows stacked (CUDA only, see `fuse`): the new context rows'
     /// keys and values for all layers in one matmul, written per layer by the fused kernel.
     ctx_kv: Option<Linear>,
+    /// DFlash2: the candidate selector that turns the logits into the proposal.
+    selector: Option<Selector>,
 }
 
 /// The draft's per-sequence state: projected context K/V per layer. Block rows are never
@@ -128,10 +163,18 @@ impl DraftModel {
                 ),
             ));
         }
+        let d2 = cfg.dflash2;
+        let conv = |p: String| -> Result<Option<DynConv>> {
+            d2.map(|d| DynConv::load(w, &p, h, d.conv_kernel_size, d.conv_group_size))
+                .transpose()
+        };
         let mut layers = Vec::new();
         for i in 0..c.num_hidden_layers {
             let p = format!("layers.{i}");
             layers.push(DraftLayer {
+                vis: layer_visibility(&cfg, c.layer_types[i]),
+                attn_conv: conv(format!("{p}.attention_conv"))?,
+                mlp_conv: conv(format!("{p}.mlp_conv"))?,
                 input_norm: RmsNorm::load(
                     w,
                     &format!("{p}.input_layernorm.weight"),
@@ -155,7 +198,6 @@ impl DraftModel {
                     c.mlp_bias,
                     act,
                 )?,
-                kind: c.layer_types[i],
             });
         }
         // Speculators checkpoints: optional own embedding, narrow head and vocab maps.
@@ -191,7 +233,26 @@ impl DraftModel {
             }
             None => (None, None),
         };
+        let selector = match d2 {
+            Some(d) => {
+                if head.is_some() {
+                    return Err(Error::weights(
+                        cfg.file.clone(),
+                        "a DFlash2 draft with its own lm_head is not supported (the selector's codebooks index target ids)",
+                    ));
+                }
+                Some(Selector::load(
+                    w,
+                    h,
+                    c.vocab_size,
+                    d.selector_rank,
+                    d.selector_top_k,
+                )?)
+            }
+            None => None,
+        };
         let model = Self {
+            selector,
             head,
             d2t,
             embed,
@@ -218,6 +279,15 @@ impl DraftModel {
             ));
         }
         Ok(model)
+    }
+
+    /// "DFlash2" for a draft with convolutions and a selector, else "DFlash".
+    pub fn arch_name(&self) -> &'static str {
+        if self.selector.is_some() {
+            "DFlash2"
+        } else {
+            "DFlash"
+        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -253,8 +323,8 @@ impl DraftModel {
         start: usize,
         cache: &mut DraftCache,
     ) -> Result<Vec<u32>> {
-        let logits = self.forward(target, ctx_in, block, start, cache)?;
-        let ids = crate::sampling::argmax_rows(&logits)?;
+        let rows = self.forward_rows(target, ctx_in, block, start, cache)?;
+        let (ids, _) = self.propose_from_rows(target, &rows, block[0])?;
         Ok(match &self.d2t {
             Some(d2t) => ids
                 .iter()
@@ -270,6 +340,40 @@ impl DraftModel {
     /// `ctx_in [S, K*H]` are the taps of the target positions `cache.len() .. start` (they
     /// are appended to the cache); `block` holds Q ids at positions `start .. start + Q`.
     pub fn forward(
+        &self,
+        target: &dyn TargetModel,
+        ctx_in: &Tensor,
+        block: &[u32],
+        start: usize,
+        cache: &mut DraftCache,
+    ) -> Result<Tensor> {
+        let rows = self.forward_rows(target, ctx_in, block, start, cache)?;
+        self.logits(target, &rows, None)
+    }
+
+    /// The proposal for block rows 1..Q from the draft's output rows: the selector's walk
+    /// (DFlash2) or each row's argmax, with the logits it came from.
+    pub fn propose_from_rows(
+        &self,
+        target: &dyn TargetModel,
+        rows: &Tensor,
+        anchor: u32,
+    ) -> Result<(Vec<u32>, Tensor)> {
+        let logits = self.logits(target, rows, None)?;
+        let ids = match &self.selector {
+            Some(s) => s.walk(rows, &logits, anchor)?,
+            None => crate::sampling::argmax_rows(&logits)?,
+        };
+        Ok((ids, logits))
+    }
+
+    /// The selector (DFlash2 drafts).
+    pub fn selector(&self) -> Option<&Selector> {
+        self.selector.as_ref()
+    }
+
+    /// The draft's final-normed output for block rows 1..Q: `[Q-1, H]` (see [`Self::forward`]).
+    pub fn forward_rows(
         &self,
         target: &dyn TargetModel,
         ctx_in: &Tensor,
@@ -298,9 +402,9 @@ impl DraftModel {
         let t_ctx = self.rope.tables(ctx_start, s, dev, self.dtype)?;
         let t_blk = self.rope.tables(start, q, dev, self.dtype)?;
         // The block sees the whole context and the whole block (no causal mask) except in
-        // sliding layers (causal + window); masks only if a portable attention asks.
+        // sliding layers (causal + window) or where `is_causal` says otherwise; masks only if
+        // a portable attention asks.
         let masks = Masks::new(q, start, self.dtype, dev);
-        let window = self.cfg.layers.sliding_window;
         let ctx_kv = match (&self.ctx_kv, s > 0) {
             (Some(l), true) => Some(l.forward(&ctx)?),
             _ => None,
@@ -323,24 +427,20 @@ impl DraftModel {
             }
             prof.mark("norm+ctx kv");
             // The block's K/V go into the cache only for this call, then are dropped.
-            let vis = match (layer.kind, window) {
-                (LayerType::Sliding, Some(w)) => Visibility::sliding(w),
-                (LayerType::Sliding, None) => Visibility::CAUSAL,
-                (LayerType::Full | LayerType::Linear, _) => Visibility::FULL,
-            };
             let site = Site {
                 rope: &self.rope,
                 tables: &t_blk,
-                vis,
+                vis: layer.vis,
                 masks: &masks,
             };
-            let attn_out = a.forward(&x, &site, kv)?;
+            let (xa, dk) = layer.pre_attn(x, q)?;
+            let attn_out = layer.post_attn(a.forward(&xa, &site, kv)?, dk, q)?;
             kv.truncate(start);
             prof.mark("attention");
             // Residual updates fused with the next norm: post-attention norm, then the
             // MLP's residual with the next layer's input norm (the final norm after the last).
             let (h1, xm) = layer.post_attn_norm.add_forward(&h, &attn_out)?;
-            let m = layer.mlp.forward(&xm)?;
+            let m = layer.mlp(&xm, q)?;
             let next_norm = match self.layers.get(i + 1) {
                 Some(nl) => &nl.input_norm,
                 None => &self.norm,
@@ -348,12 +448,9 @@ impl DraftModel {
             (h, x) = next_norm.add_forward(&h1, &m)?;
             prof.mark("mlp");
         }
-        // `x` is the final norm of every row; rows 1.. are the predictions.
-        let out = x.narrow(0, 1, q - 1)?;
-        let logits = self.logits(target, &out, None)?;
-        prof.mark("head");
         prof.finish();
-        Ok(logits)
+        // `x` is the final norm of every row; rows 1.. are the predictions.
+        Ok(x.narrow(0, 1, q - 1)?)
     }
 
     /// The block's input rows: the embeddings of `ids` (the draft's own table, else the
@@ -371,11 +468,14 @@ impl DraftModel {
         })
     }
 
-    /// Residual update of one layer after attention (`attn` already through o_proj):
-    /// `h + attn`, then the MLP.
-    fn finish_layer(layer: &DraftLayer, h: &Tensor, attn: &Tensor) -> Result<Tensor> {
-        let (h, x) = layer.post_attn_norm.add_forward(h, attn)?;
-        Ok((&h + layer.mlp.forward(&x)?)?)
+    /// [`Self::logits`] for callers outside the module (training).
+    pub fn logits_with(
+        &self,
+        target: &dyn TargetModel,
+        rows: &Tensor,
+        head_t: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.logits(target, rows, head_t)
     }
 
     /// LM head on normalized rows, then the draft's output multiplier and softcapping.
@@ -408,9 +508,10 @@ impl DraftModel {
     /// `block_ids[b*q .. (b+1)*q]` (`[token at anchor, MASK x (q-1)]`) at positions
     /// `anchors[b] .. anchors[b] + q`. Block `b` sees the context rows strictly before its
     /// anchor (inference: the cache holds positions `< start`) and its own block, never
-    /// another block: one attention with a block-sparse additive mask (sliding layers add
-    /// the causal window, as at inference). Returns logits for rows 1..q of every block,
-    /// `[blocks * (q-1), vocab]` f32, block-major. `head_t` as in [`Self::logits`].
+    /// another block: one attention with a block-sparse additive mask (each layer's
+    /// visibility as at inference; DFlash2 convolutions stay inside each block). Returns
+    /// logits for rows 1..q of every block, `[blocks * (q-1), vocab]` f32, block-major.
+    /// `head_t` as in [`Self::logits`].
     pub fn forward_blocks(
         &self,
         target: &dyn TargetModel,
@@ -418,6 +519,18 @@ impl DraftModel {
         anchors: &[usize],
         block_ids: &[u32],
         head_t: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let rows = self.forward_blocks_rows(target, ctx_in, anchors, block_ids)?;
+        self.logits(target, &rows, head_t)
+    }
+
+    /// [`Self::forward_blocks`] up to the final norm: `[blocks * (q-1), H]`.
+    pub fn forward_blocks_rows(
+        &self,
+        target: &dyn TargetModel,
+        ctx_in: &Tensor,
+        anchors: &[usize],
+        block_ids: &[u32],
     ) -> Result<Tensor> {
         let nb = anchors.len();
         if nb == 0 || block_ids.len() % nb != 0 {
@@ -455,23 +568,20 @@ impl DraftModel {
         } else {
             None
         };
-        let window = self.cfg.layers.sliding_window;
-        let mask_for = |sliding: bool| -> Result<Tensor> {
+        let mask_for = |vis: Visibility| -> Result<Tensor> {
             let l = s + n;
             let mut m = vec![f32::NEG_INFINITY; n * l];
             for (b, &a) in anchors.iter().enumerate() {
                 for i in 0..q {
                     let qp = a + i;
                     let row = &mut m[(b * q + i) * l..(b * q + i + 1) * l];
-                    let seen = |kp: usize| !sliding || window.is_none_or(|w| kp + w > qp);
                     for (p, x) in row.iter_mut().enumerate().take(a) {
-                        if seen(p) {
+                        if vis.sees(qp, p) {
                             *x = 0.0;
                         }
                     }
                     for j in 0..q {
-                        let kp = a + j;
-                        if !sliding || (kp <= qp && seen(kp)) {
+                        if vis.sees(qp, a + j) {
                             row[s + b * q + j] = 0.0;
                         }
                     }
@@ -479,14 +589,15 @@ impl DraftModel {
             }
             Ok(Tensor::from_vec(m, (n, l), dev)?.to_dtype(self.dtype)?)
         };
-        let mask_full = mask_for(false)?;
-        let mask_sliding = if self.layers.iter().any(|l| l.kind == LayerType::Sliding) {
-            Some(mask_for(true)?)
-        } else {
-            None
-        };
+        let mut masks: Vec<(Visibility, Tensor)> = Vec::new();
+        for layer in &self.layers {
+            if !masks.iter().any(|(v, _)| *v == layer.vis) {
+                masks.push((layer.vis, mask_for(layer.vis)?));
+            }
+        }
         for layer in &self.layers {
             let x = layer.input_norm.forward(&h)?;
+            let (x, dk) = layer.pre_attn(x, q)?;
             let a = &layer.attn;
             let (qb, kb, vb) = a.queries_keys_values(&x, &self.rope, &t_blk)?;
             let (k, v) = match &ctx {
@@ -496,21 +607,37 @@ impl DraftModel {
                 }
                 None => (kb, vb),
             };
-            let mask = match layer.kind {
-                // (Linear layers are refused at load.)
-                LayerType::Full | LayerType::Linear => &mask_full,
-                LayerType::Sliding => mask_sliding.as_ref().unwrap_or(&mask_full),
-            };
+            let mask = &masks
+                .iter()
+                .find(|(v, _)| *v == layer.vis)
+                .expect("a mask per visibility")
+                .1;
             let o = sdpa(&qb, &k, &v, Some(mask), a.spec.scale)?;
-            h = Self::finish_layer(layer, &h, &a.o_proj.forward(&o)?)?;
+            let attn = layer.post_attn(a.o_proj.forward(&o)?, dk, q)?;
+            let (h1, xm) = layer.post_attn_norm.add_forward(&h, &attn)?;
+            h = (&h1 + layer.mlp(&xm, q)?)?;
         }
         // Rows 1..q of every block.
         let rows = h
             .reshape((nb, q, h.dim(1)?))?
             .narrow(1, 1, q - 1)?
             .reshape((nb * (q - 1), h.dim(1)?))?;
-        let out = self.norm.forward(&rows)?;
-        self.logits(target, &out, head_t)
+        self.norm.forward(&rows)
+    }
+}
+
+/// Which keys a draft layer's block rows see (the reference's rule): causal where `is_causal`
+/// says so, else only in sliding layers; a sliding layer's window when the config gives one
+/// (both sides of a non-causal row).
+pub fn layer_visibility(cfg: &DraftConfig, kind: LayerType) -> Visibility {
+    let sliding = kind == LayerType::Sliding;
+    Visibility {
+        causal: cfg.is_causal.unwrap_or(sliding),
+        window: if sliding {
+            cfg.layers.sliding_window
+        } else {
+            None
+        },
     }
 }
 

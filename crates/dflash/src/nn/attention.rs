@@ -52,6 +52,18 @@ impl Visibility {
             window: Some(window),
         }
     }
+    /// Whether the query at position `q` sees the key at position `k`: a causal layer hides
+    /// later keys; a window hides keys `window` or more positions away (before the query, and
+    /// after it too when the layer is not causal).
+    pub fn sees(&self, q: usize, k: usize) -> bool {
+        if self.causal && k > q {
+            return false;
+        }
+        match self.window {
+            Some(w) => k + w > q && k < q + w,
+            None => true,
+        }
+    }
 }
 
 /// Shapes and options of one attention layer.
@@ -760,13 +772,13 @@ pub fn attention_mask(
     dtype: DType,
     device: &Device,
 ) -> Result<Option<Tensor>> {
+    let vis = Visibility { causal, window };
     let mut any = false;
     let mut m = vec![0f32; n * k_len];
     for i in 0..n {
         let qp = q_start + i;
         for kp in 0..k_len {
-            let hidden = (causal && kp > qp) || window.is_some_and(|w| kp + w <= qp);
-            if hidden {
+            if !vis.sees(qp, kp) {
                 m[i * k_len + kp] = f32::NEG_INFINITY;
                 any = true;
             }

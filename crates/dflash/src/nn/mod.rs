@@ -9,6 +9,7 @@
 pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dyn_conv;
 pub mod embedding;
 pub mod fused;
 pub mod gated_delta;
@@ -27,6 +28,7 @@ pub use attention::{
     attend, attention_mask, sdpa, sdpa_with_sinks, Attention, AttentionSpec, Masks, Props, Site,
     Visibility,
 };
+pub use dyn_conv::dyn_conv;
 pub use embedding::Embedding;
 pub use gated_delta::{ChunkMasks, GatedDeltaNet, GatedDeltaSpec, InProjLayout};
 pub use kv_cache::KvCache;

@@ -171,7 +171,8 @@ impl Weights {
         matches!(self.backend, Backend::Gguf(_))
     }
 
-    fn file_desc(&self) -> String {
+    /// The files these weights come from, for messages.
+    pub fn file_desc(&self) -> String {
         match &self.backend {
             Backend::Gguf(g) => g.file.file_desc(),
             Backend::Memory(_) => "(in-memory tensors)".to_string(),

@@ -12,11 +12,19 @@
 //! strictly before its anchor and its own block; loss = cross-entropy at block rows 1..B-1
 //! against the target's tokens, weighted by `exp(-(k-1)/gamma)`; AdamW, linear warm-up then
 //! cosine decay, global grad-norm clipping; target embedding and LM head frozen.
+//!
+//! DFlash2 (`--arch dflash2`): the same draft plus the convolutions (initialized as the
+//! identity: base kernel 1 at offset 0, 0 elsewhere, dynamic kernels near 0, so training
+//! starts from a DFlash draft) and the candidate selector, trained jointly: the selector's loss
+//! is the cross-entropy of its walk scores over each row's top-k candidates (of the detached
+//! draft logits) with the target's token as the label where it is a candidate, teacher-forced
+//! (the predecessor is the target's previous token), weighted like the draft's loss and added
+//! with weight `selector_loss_alpha`.
 
 pub mod data;
 
 use crate::archs::{Logits, TargetModel};
-use crate::config::draft::{default_taps, DraftConfig};
+use crate::config::draft::{default_taps, Dflash2Config, DraftConfig};
 use crate::config::TargetConfig;
 use crate::draft::DraftModel;
 use crate::source::Weights;
@@ -58,6 +66,10 @@ pub struct TrainOptions {
     pub blocks_per_seq: usize,
     /// Dtype of the trainable weights and the draft compute.
     pub dtype: DType,
+    /// Train a DFlash2 draft with these convolution and selector sizes.
+    pub dflash2: Option<Dflash2Config>,
+    /// Weight of the selector's loss (DFlash2).
+    pub selector_loss_alpha: f64,
 }
 
 impl Default for TrainOptions {
@@ -79,6 +91,8 @@ impl Default for TrainOptions {
             batch_blocks: 64,
             blocks_per_seq: 16,
             dtype: DType::F32,
+            dflash2: None,
+            selector_loss_alpha: 1.0,
         }
     }
 }
@@ -115,7 +129,7 @@ pub fn draft_config_json(target: &TargetConfig, opts: &TrainOptions, taps: &[usi
         DType::F16 => "float16",
         _ => "float32",
     };
-    json!({
+    let mut v = json!({
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": opts.block_size,
@@ -140,7 +154,26 @@ pub fn draft_config_json(target: &TargetConfig, opts: &TrainOptions, taps: &[usi
         "hidden_act": "silu",
         "torch_dtype": dtype,
         "trained_by": "dflash train",
-    })
+    });
+    if let Some(d) = &opts.dflash2 {
+        v["architectures"] = json!(["DFlash2DraftModel"]);
+        let dc = &mut v["dflash_config"];
+        dc["conv_kernel_size"] = json!(d.conv_kernel_size);
+        dc["conv_group_size"] = json!(d.conv_group_size);
+        dc["selector_rank"] = json!(d.selector_rank);
+        dc["selector_top_k"] = json!(d.selector_top_k);
+    }
+    v
+}
+
+/// How a trainable tensor starts.
+#[derive(Clone, Copy)]
+enum Init {
+    /// N(0, 0.02).
+    Normal,
+    Ones,
+    /// A convolution's base kernel `[2, K, H]`: 1 at offset 0, 0 at the others (the identity).
+    IdentityKernel,
 }
 
 /// One training sequence after the target pass: its taps and the target's token at every
@@ -265,10 +298,10 @@ impl Trainer {
             c.num_key_value_heads * d,
             c.intermediate_size,
         );
-        let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![
-            ("fc.weight".into(), vec![h, k * h], false),
-            ("hidden_norm.weight".into(), vec![h], true),
-            ("norm.weight".into(), vec![h], true),
+        let mut shapes: Vec<(String, Vec<usize>, Init)> = vec![
+            ("fc.weight".into(), vec![h, k * h], Init::Normal),
+            ("hidden_norm.weight".into(), vec![h], Init::Ones),
+            ("norm.weight".into(), vec![h], Init::Ones),
         ];
         for l in 0..c.num_hidden_layers {
             let p = format!("layers.{l}");
@@ -285,7 +318,33 @@ impl Trainer {
                 ("mlp.up_proj", vec![i, h], false),
                 ("mlp.down_proj", vec![h, i], false),
             ] {
-                shapes.push((format!("{p}.{n}.weight"), s, norm));
+                let init = if norm { Init::Ones } else { Init::Normal };
+                shapes.push((format!("{p}.{n}.weight"), s, init));
+            }
+            if let Some(d2) = &dcfg.dflash2 {
+                let (kk, g) = (d2.conv_kernel_size, h / d2.conv_group_size);
+                for conv in ["attention_conv", "mlp_conv"] {
+                    shapes.push((
+                        format!("{p}.{conv}.base_kernel"),
+                        vec![2, kk, h],
+                        Init::IdentityKernel,
+                    ));
+                    shapes.push((
+                        format!("{p}.{conv}.kernel_projection.weight"),
+                        vec![2 * kk * g, h],
+                        Init::Normal,
+                    ));
+                }
+            }
+        }
+        if let Some(d2) = &dcfg.dflash2 {
+            let (v, r) = (c.vocab_size, d2.selector_rank);
+            for (n, s) in [
+                ("candidate_selector.predecessor_codebook.weight", vec![v, r]),
+                ("candidate_selector.successor_codebook.weight", vec![v, r]),
+                ("candidate_selector.hidden_projection.weight", vec![r, h]),
+            ] {
+                shapes.push((n.into(), s, Init::Normal));
             }
         }
         // The frozen LM head, dense: head(I) = W^T. (A quantized head has no backward in
@@ -308,14 +367,18 @@ impl Trainer {
         };
         let mut rng = Rng::new(opts.seed);
         let mut vars = Vec::new();
-        for (name, shape, norm) in shapes {
+        for (name, shape, init) in shapes {
             let n: usize = shape.iter().product();
-            let v: Vec<f32> = if name == "norm.weight" {
-                vec![out_norm; n]
-            } else if norm {
-                vec![1.0; n]
-            } else {
-                (0..n).map(|_| (rng.normal() * 0.02) as f32).collect()
+            let v: Vec<f32> = match init {
+                _ if name == "norm.weight" => vec![out_norm; n],
+                Init::Ones => vec![1.0; n],
+                Init::Normal => (0..n).map(|_| (rng.normal() * 0.02) as f32).collect(),
+                Init::IdentityKernel => {
+                    let (kk, hh) = (shape[1], shape[2]);
+                    (0..n)
+                        .map(|i| if (i / hh) % kk == 0 { 1.0 } else { 0.0 })
+                        .collect()
+                }
             };
             let t = Tensor::from_vec(v, shape, &device)?.to_dtype(opts.dtype)?;
             vars.push((name, Var::from_tensor(&t)?));
@@ -406,9 +469,10 @@ impl Trainer {
                 }
             }
         }
-        let logits =
-            self.draft
-                .forward_blocks(target, &ex.taps, anchors, &block_ids, Some(&self.head_t))?;
+        let rows = self
+            .draft
+            .forward_blocks_rows(target, &ex.taps, anchors, &block_ids)?;
+        let logits = self.draft.logits_with(target, &rows, Some(&self.head_t))?;
         let m = labels.len();
         let wsum: f64 = weights.iter().map(|&w| w as f64).sum();
         let count = weights.iter().filter(|&&w| w > 0.0).count();
@@ -423,10 +487,49 @@ impl Trainer {
             }
         }
         let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let lab = Tensor::from_vec(labels, (m, 1), &self.device)?;
+        let lab = Tensor::from_vec(labels.clone(), (m, 1), &self.device)?;
         let picked = lp.gather(&lab, 1)?.squeeze(1)?;
-        let w = Tensor::from_vec(weights, m, &self.device)?;
-        let nll = (picked * w)?.sum_all()?.neg()?;
+        let w = Tensor::from_vec(weights.clone(), m, &self.device)?;
+        let mut nll = (picked * w)?.sum_all()?.neg()?;
+        if let Some(sel) = self.draft.selector() {
+            // The predecessor of row k is the token before it: the anchor's for row 1.
+            let prev: Vec<u32> = anchors
+                .iter()
+                .enumerate()
+                .flat_map(|(b, &a)| {
+                    let labels = &labels;
+                    (1..q).map(move |k| {
+                        if k == 1 {
+                            ex.ids[a]
+                        } else {
+                            labels[b * (q - 1) + k - 2]
+                        }
+                    })
+                })
+                .collect();
+            let (cand, pos) =
+                crate::draft::dflash2::label_candidates(&logits.detach(), sel.top_k, &labels)?;
+            let scores = sel.train_scores(&rows, &logits, &cand, &prev)?;
+            // Rows whose label is a candidate, with the draft's weights.
+            let (mut idx, mut at, mut sw) = (Vec::new(), Vec::new(), Vec::new());
+            for r in 0..m {
+                if let (Some(j), true) = (pos[r], weights[r] > 0.0) {
+                    idx.push(r as u32);
+                    at.push(j as u32);
+                    sw.push(weights[r] * self.opts.selector_loss_alpha as f32);
+                }
+            }
+            if !idx.is_empty() {
+                let n_sel = idx.len();
+                let rows_t = Tensor::from_vec(idx, n_sel, &self.device)?;
+                let lps =
+                    candle_nn::ops::log_softmax(&scores.index_select(&rows_t, 0)?, D::Minus1)?;
+                let at = Tensor::from_vec(at, (n_sel, 1), &self.device)?;
+                let sw = Tensor::from_vec(sw, n_sel, &self.device)?;
+                let sel_nll = (lps.gather(&at, 1)?.squeeze(1)? * sw)?.sum_all()?.neg()?;
+                nll = (nll + sel_nll)?;
+            }
+        }
         Ok((nll, wsum, count, hit, tot))
     }
 
