@@ -27,6 +27,25 @@ pub struct TrainArgs {
     /// Output directory (config.json + model.safetensors, sequences.jsonl, train_log.jsonl).
     #[arg(long)]
     pub out: PathBuf,
+    /// Draft architecture: dflash (DFlashDraftModel) | dflash2 (DFlash2DraftModel:
+    /// convolutions around attention and the MLP, and a candidate selector).
+    #[arg(long, default_value = "dflash", value_parser = ["dflash", "dflash2"])]
+    pub arch: String,
+    /// dflash2: taps of each convolution over the block rows.
+    #[arg(long, default_value_t = 2)]
+    pub conv_kernel: usize,
+    /// dflash2: channels sharing one dynamic kernel value (divides the hidden size).
+    #[arg(long, default_value_t = 16)]
+    pub conv_group: usize,
+    /// dflash2: width of the selector's codebooks (two [vocab, rank] tables).
+    #[arg(long, default_value_t = 256)]
+    pub selector_rank: usize,
+    /// dflash2: candidates per block row.
+    #[arg(long, default_value_t = 16)]
+    pub selector_top_k: usize,
+    /// dflash2: weight of the selector's loss.
+    #[arg(long, default_value_t = 1.0)]
+    pub selector_loss_alpha: f64,
     #[arg(long, default_value_t = 1)]
     pub draft_layers: usize,
     #[arg(long, default_value_t = 16)]
@@ -242,12 +261,20 @@ pub fn run(a: TrainArgs) -> Result<()> {
         seed: a.seed,
         batch_blocks: a.batch_blocks,
         blocks_per_seq: a.blocks_per_seq,
+        dflash2: (a.arch == "dflash2").then_some(dflash::config::draft::Dflash2Config {
+            conv_kernel_size: a.conv_kernel,
+            conv_group_size: a.conv_group,
+            selector_rank: a.selector_rank,
+            selector_top_k: a.selector_top_k,
+        }),
+        selector_loss_alpha: a.selector_loss_alpha,
         ..Default::default()
     };
     let target = &*p.engine.target;
     let mut trainer = Trainer::new(target, &p.target_config, opts.clone())?;
     eprintln!(
-        "draft: {} layers, {} params, taps {:?}, block {}, mask token {mask_token_id}, gamma {:.2}, data {}",
+        "draft: {} {} layers, {} params, taps {:?}, block {}, mask token {mask_token_id}, gamma {:.2}, data {}",
+        trainer.draft().arch_name(),
         a.draft_layers,
         trainer.num_params(),
         trainer.taps,

@@ -124,4 +124,71 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     ]);
     assert_ne!(rc, 0);
     assert!(err.contains("tap layer 9"), "{err}");
+
+    // --arch dflash2 on the same sequences: a DFlash2 checkpoint that generate loads.
+    let d2 = dir.path().join("dflash2");
+    let (rc, _, err) = dflash(&[
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--sequences",
+        out.join("sequences.jsonl").to_str().unwrap(),
+        "--out",
+        d2.to_str().unwrap(),
+        "--arch",
+        "dflash2",
+        "--conv-kernel",
+        "3",
+        "--conv-group",
+        "8",
+        "--selector-rank",
+        "8",
+        "--selector-top-k",
+        "4",
+        "--block-size",
+        "4",
+        "--steps",
+        "10",
+        "--batch-blocks",
+        "8",
+        "--blocks-per-seq",
+        "4",
+        "--warmup",
+        "2",
+        "--mask-token",
+        "127",
+        "--intermediate-size",
+        "64",
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(err.contains("draft: DFlash2 1 layers"), "{err}");
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(d2.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "DFlash2DraftModel");
+    assert_eq!(cfg["dflash_config"]["conv_kernel_size"], 3);
+    assert_eq!(cfg["dflash_config"]["selector_top_k"], 4);
+    let with2 = gen(Some(d2.to_str().unwrap()));
+    assert_eq!(with2["stats"]["mode"], "dflash");
+    assert_eq!(with2["output_ids"], gen(None)["output_ids"]);
+    // A group that does not divide the hidden size is a one-line error naming the key.
+    let (rc, _, err) = dflash(&[
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--sequences",
+        out.join("sequences.jsonl").to_str().unwrap(),
+        "--out",
+        dir.path().join("bad").to_str().unwrap(),
+        "--arch",
+        "dflash2",
+        "--conv-group",
+        "7",
+        "--steps",
+        "1",
+    ]);
+    assert_ne!(rc, 0);
+    assert!(
+        err.contains("conv_group_size") && err.contains("does not divide"),
+        "{err}"
+    );
 }

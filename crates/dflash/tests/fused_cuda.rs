@@ -4,7 +4,8 @@
 //! the cache) for decode (1 row), verify (16 rows) and draft (non-causal) shapes, head dims
 //! 64/128/256/512, partial RoPE, sliding windows, sinks, output gates, value norms, shared KV,
 //! contexts long enough to split the keys over several blocks; the MoE block of every family;
-//! and whole models of every family (`DFLASH_FAMILY_MODELS`).
+//! the DFlash2 convolution and selector top-k; and whole models of every family
+//! (`DFLASH_FAMILY_MODELS`).
 //!
 //! Built only with `--features cuda`; on a machine without a GPU every test says so and
 //! returns. Run on the H200 by `tools/gpu-bench/run.sh` (the test binary is carried along).
@@ -421,6 +422,23 @@ fn attention_layer_matches_candle() {
             (900, 16, full),
             (200, 1, sliding),
             (200, 16, sliding),
+            // DFlash2 drafts: a non-causal sliding window (both sides), narrower than the block
+            (
+                200,
+                16,
+                Visibility {
+                    causal: false,
+                    window: Some(48),
+                },
+            ),
+            (
+                200,
+                16,
+                Visibility {
+                    causal: false,
+                    window: Some(5),
+                },
+            ),
         ] {
             cases.push(Case::new(head_dim, 8, 2, prefix, n, vis));
         }
@@ -845,4 +863,130 @@ fn check_family(dir: &std::path::Path, name: &str, opts: &dflash::archs::LoadOpt
     let n = common::assert_greedy_dflash_equals_plain(&engine, vocab.min(1000), &[2, 8, 16], name);
     eprintln!("ok {name}: fused vs portable row error median {ea:.3e}, worst {eb:.3e}; verify == decode; greedy DFlash == plain");
     n
+}
+
+/// DFlash2 (`kernels/dflash2.cu`): the grouped dynamic causal convolution against the
+/// portable path (bf16, a column slice of the projection as the dynamic kernel, blocks shorter
+/// than the kernel), and the per-row top-k against the host's (same ids in the same order).
+#[test]
+fn dflash2_kernels_match_the_portable_path() {
+    let Some(dev) = gpu() else { return };
+    for &(n, h, k, group, block) in &[
+        (15, 4096, 2, 16, 15),
+        (16, 5120, 3, 16, 8),
+        (6, 256, 4, 4, 3),
+        (2, 512, 4, 512, 2),
+    ] {
+        let g = h / group;
+        let x = randn(&[n, h], 1.0, &dev);
+        let proj = randn(&[n, 2 * k * g], 0.5, &dev);
+        let base = randn(&[k, h], 0.5, &dev);
+        for half in 0..2 {
+            let d = proj.narrow(1, half * k * g, k * g).unwrap();
+            let fused = dflash::nn::dyn_conv(&x, &d, &base, group, block).unwrap();
+            let want = dflash::nn::dyn_conv::portable(
+                &x.to_dtype(DType::F32).unwrap(),
+                &d.to_dtype(DType::F32).unwrap(),
+                &base.to_dtype(DType::F32).unwrap(),
+                group,
+                block,
+            )
+            .unwrap();
+            let e = rel_err(&fused, &want);
+            assert!(
+                e < 1e-2,
+                "dyn_conv n{n} h{h} k{k} group {group}: rel err {e}"
+            );
+        }
+    }
+    for &(n, v, k) in &[
+        (15, 151_936, 16),
+        (7, 248_320, 32),
+        (3, 1000, 1),
+        (2, 40, 32),
+    ] {
+        let logits = (Tensor::randn(0f32, 3f32, (n, v), &dev).unwrap())
+            .to_dtype(DType::F32)
+            .unwrap();
+        let (vals, ids) = dflash::draft::dflash2::top_k(&logits, k).unwrap();
+        let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
+        let vals: Vec<Vec<f32>> = vals.to_vec2().unwrap();
+        let host: Vec<Vec<f32>> = logits.to_device(&Device::Cpu).unwrap().to_vec2().unwrap();
+        for r in 0..n {
+            let (hv, hi) = dflash::draft::dflash2::top_k_row(&host[r], k);
+            assert_eq!(ids[r], hi, "top_k n{n} v{v} k{k} row {r}");
+            assert_eq!(vals[r], hv);
+        }
+    }
+}
+
+/// A DFlash2 draft on the device (bf16, fused kernels: convolutions, top-k, attention with a
+/// non-causal window): its proposals equal the portable path's on the same rows, and greedy
+/// DFlash2 == plain decoding.
+#[test]
+fn dflash2_draft_on_the_device_is_lossless() {
+    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::draft::load_draft;
+    use dflash::engine::Engine;
+    use dflash::source::ModelSource;
+    use dflash::testing::{TinyDraft, TinyTarget};
+    let Some(dev) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = TinyTarget::qwen3(61);
+    t.dominant = vec![(3, 4.0), (7, 3.0)];
+    t.write(&dir.path().join("t")).unwrap();
+    let mut d = TinyDraft::for_target(&t, 2, vec![0, 2], 8, 62).dflash2(2, 16, 16, 16);
+    d.layer_types = Some(vec!["sliding_attention", "full_attention"]);
+    d.sliding_window = 6;
+    d.is_causal = Some(false);
+    d.write(&dir.path().join("d"), t.vocab).unwrap();
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let (cfg, target) = load_target(
+        &ModelSource::from_dir("t", &dir.path().join("t")).unwrap(),
+        &opts,
+    )
+    .unwrap();
+    let draft = load_draft(
+        &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+        &cfg,
+        "t",
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(draft.arch_name(), "DFlash2");
+    // Proposals, fused vs portable, from the same taps.
+    let prompt = common::ids(3, 20, t.vocab - 1);
+    let mut tc = target.new_cache(64).unwrap();
+    let taps = target
+        .forward(&prompt, 0, &mut tc, &draft.taps, Logits::Last)
+        .unwrap()
+        .taps
+        .unwrap();
+    let mut block = vec![draft.mask_token_id(); 8];
+    block[0] = prompt[19];
+    let propose = |fused: bool| {
+        dflash::switches::set_fused(fused);
+        let mut dc = draft.new_cache(64).unwrap();
+        let rows = draft
+            .forward_rows(target.as_ref(), &taps, &block, 20, &mut dc)
+            .unwrap();
+        let r = draft
+            .propose_from_rows(target.as_ref(), &rows, block[0])
+            .unwrap();
+        dflash::switches::set_fused(true);
+        (r.0, r.1)
+    };
+    let (pf, lf) = propose(true);
+    let (pp, lp) = propose(false);
+    let e = rel_err(&lf, &lp);
+    assert!(e < 5e-2, "draft logits fused vs portable: rel err {e}");
+    let same = pf.iter().zip(&pp).filter(|(a, b)| a == b).count();
+    assert!(same >= pf.len() - 1, "proposals {pf:?} vs {pp:?}");
+    let engine = Engine::new(target, Some(draft));
+    let n = common::assert_greedy_dflash_equals_plain(&engine, t.vocab - 1, &[2, 4, 8], "dflash2");
+    eprintln!("dflash2 on the device: {n} generations, greedy DFlash2 == plain");
 }

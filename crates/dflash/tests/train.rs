@@ -68,8 +68,16 @@ fn training_forward_equals_inference_forward() {
     t.write(&dir.path().join("t")).unwrap();
     let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
     let (cfg, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
-    for (i, sliding) in [false, true].into_iter().enumerate() {
+    // (sliding layers, DFlash2 convolutions): the convolutions must stay inside each block.
+    for (i, (sliding, dflash2)) in [(false, false), (true, false), (false, true), (true, true)]
+        .into_iter()
+        .enumerate()
+    {
         let mut d = TinyDraft::for_target(&t, 3, vec![0, 2, 3], 6, 40 + i as u64);
+        if dflash2 {
+            d = d.dflash2(3, 8, 8, 4);
+            d.is_causal = Some(i == 2);
+        }
         if sliding {
             d.layer_types = Some(vec![
                 "sliding_attention",
@@ -105,7 +113,7 @@ fn training_forward_equals_inference_forward() {
             let diff = max_abs_diff(&tb, l);
             assert!(
                 diff < 1e-4,
-                "sliding={sliding} block {b}: max |diff| {diff}"
+                "sliding={sliding} dflash2={dflash2} block {b}: max |diff| {diff}"
             );
         }
     }
@@ -163,6 +171,22 @@ fn tau_with(model: &Path, dd: &Path, prompts: &[data::Record], q: usize) -> (f64
 
 #[test]
 fn training_lowers_loss_and_raises_tau() {
+    train_and_check(None);
+}
+
+/// `--arch dflash2`: the convolutions and the selector train with the draft; the checkpoint
+/// loads as a DFlash2 draft and decodes losslessly with a higher tau.
+#[test]
+fn dflash2_training_lowers_loss_and_raises_tau() {
+    train_and_check(Some(dflash::config::draft::Dflash2Config {
+        conv_kernel_size: 2,
+        conv_group_size: 8,
+        selector_rank: 16,
+        selector_top_k: 8,
+    }));
+}
+
+fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
     let dir = tempfile::tempdir().unwrap();
     let td = dir.path().join("t");
     let t = learnable_target(&td);
@@ -200,6 +224,7 @@ fn training_lowers_loss_and_raises_tau() {
         batch_blocks: 32,
         blocks_per_seq: 8,
         seed: 3,
+        dflash2,
         ..Default::default()
     };
     let target = &*p.engine.target;
@@ -233,6 +258,14 @@ fn training_lowers_loss_and_raises_tau() {
         &LoadOptions::default(),
     )
     .unwrap();
+    assert_eq!(
+        loaded.arch_name(),
+        if dflash2.is_some() {
+            "DFlash2"
+        } else {
+            "DFlash"
+        }
+    );
     let e = &ex[3];
     let anchors = [e.response_start, e.response_start + 5];
     let mut block_ids = vec![];

@@ -208,16 +208,17 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
             let start = dc.len() + 1;
             block[0] = ids(1)[0];
             let t = Instant::now();
-            let logits = d.forward(target, &row, &block, start, &mut dc)?;
-            let _props: Vec<u32> = argmax_rows(&logits)?;
+            // The whole proposal: the argmax, or a DFlash2 draft's selector walk.
+            let _props: Vec<u32> = d.propose(target, &row, &block, start, &mut dc)?;
             let dt = t.elapsed().as_secs_f64() * 1e6;
             if i >= WARMUP {
                 us.push(dt);
             }
         }
         out.push(summarize(format!("draft forward Q={q}"), Some(q), us));
+        // (The selector's walk reads its scores on the host: no host-ahead timing for DFlash2.)
         #[cfg(feature = "cuda")]
-        if dev.is_cuda() {
+        if dev.is_cuda() && d.selector().is_none() {
             host_ahead_rows(&mut out, &dev, &format!("draft Q={q}"), q, n, || {
                 let start = dc.len() + 1;
                 block[0] = ids(1)[0];

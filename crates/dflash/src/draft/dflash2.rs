@@ -167,50 +167,55 @@ impl Selector {
         Ok(s.path())
     }
 
-    /// Everything the walk needs, computed with one download: the candidates and their unary
-    /// scores, the first row's pair scores against the anchor, and for every later row the
-    /// pair scores from each candidate of the row before (`[n-1, k, k]`).
+    /// Everything the walk needs, computed on the logits' device with one download at the
+    /// end: the candidates and their unary scores, the first row's pair scores against the
+    /// anchor, and for every later row the pair scores from each candidate of the row before
+    /// (`[n-1, k, k]`).
     pub fn scores(&self, hidden: &Tensor, logits: &Tensor, anchor: u32) -> Result<WalkScores> {
         let n = hidden.dim(0)?;
         let k = self.top_k;
         let dev = hidden.device().clone();
         let (unary, cand) = top_k(logits, k)?;
-        let cand_t = Tensor::from_slice(&cand, n * k, &dev)?;
+        let cand_flat = cand.flatten_all()?;
         // W[p, j, r] = succ[cand[p, j], r] * hp[p, r]
         let hp = self.proj.forward(hidden)?.to_dtype(DType::F32)?;
         let rank = hp.dim(1)?;
         let succ = self
             .succ
-            .index_select(&cand_t, 0)?
+            .index_select(&cand_flat, 0)?
             .to_dtype(DType::F32)?
             .reshape((n, k, rank))?;
         let w = succ.broadcast_mul(&hp.reshape((n, 1, rank))?)?;
         // Predecessors: the anchor for row 0, every candidate of row p - 1 for row p.
-        let mut prev_ids = Vec::with_capacity(1 + (n - 1) * k);
-        prev_ids.push(anchor);
-        prev_ids.extend_from_slice(&cand[..(n - 1) * k]);
-        let prev_t = Tensor::from_slice(&prev_ids, prev_ids.len(), &dev)?;
-        let pred = self.pred.index_select(&prev_t, 0)?.to_dtype(DType::F32)?;
+        let anchor_t = Tensor::from_slice(&[anchor], 1, &dev)?;
+        let prev = if n > 1 {
+            Tensor::cat(&[&anchor_t, &cand_flat.narrow(0, 0, (n - 1) * k)?], 0)?
+        } else {
+            anchor_t
+        };
+        let pred = self.pred.index_select(&prev, 0)?.to_dtype(DType::F32)?;
         let first = w
             .get(0)?
             .matmul(&pred.narrow(0, 0, 1)?.t()?)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        let trans = if n > 1 {
+            .flatten_all()?;
+        let mut parts = vec![unary.flatten_all()?, cand_flat.to_dtype(DType::F32)?, first];
+        if n > 1 {
             let p = pred.narrow(0, 1, (n - 1) * k)?.reshape((n - 1, k, rank))?;
-            p.matmul(&w.narrow(0, 1, n - 1)?.transpose(1, 2)?.contiguous()?)?
-                .flatten_all()?
-                .to_vec1::<f32>()?
-        } else {
-            Vec::new()
-        };
+            let wt = w.narrow(0, 1, n - 1)?.transpose(1, 2)?.contiguous()?;
+            parts.push(p.matmul(&wt)?.flatten_all()?);
+        }
+        // One download (ids below 2^24 are exact in f32).
+        let all = Tensor::cat(&parts, 0)?.to_vec1::<f32>()?;
+        let (u, rest) = all.split_at(n * k);
+        let (c, rest) = rest.split_at(n * k);
+        let (f, t) = rest.split_at(k);
         Ok(WalkScores {
             n,
             k,
-            unary,
-            cand,
-            first,
-            trans,
+            unary: u.to_vec(),
+            cand: c.iter().map(|&x| x as u32).collect(),
+            first: f.to_vec(),
+            trans: t.to_vec(),
         })
     }
 }
@@ -255,6 +260,7 @@ pub fn label_candidates(
     labels: &[u32],
 ) -> Result<(Vec<u32>, Vec<Option<usize>>)> {
     let (_, cand) = top_k(logits, k)?;
+    let cand: Vec<u32> = cand.flatten_all()?.to_vec1()?;
     let pos = labels
         .iter()
         .enumerate()
@@ -320,8 +326,9 @@ impl WalkScores {
 }
 
 /// Per row of `logits [n, V]` (f32) its `k` largest values and their ids, largest first (equal
-/// values: the lower id first). The CUDA kernel where it runs, else on the host.
-pub fn top_k(logits: &Tensor, k: usize) -> Result<(Vec<f32>, Vec<u32>)> {
+/// values: the lower id first): `[n, k]` f32 and u32 tensors on the logits' device. The CUDA
+/// kernel where it runs (k <= 32), else on the host.
+pub fn top_k(logits: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
     let (n, v) = logits.dims2()?;
     if k == 0 || k > v {
         return Err(Error::input(format!("top_k: k {k} for {v} columns")));
@@ -343,7 +350,11 @@ pub fn top_k(logits: &Tensor, k: usize) -> Result<(Vec<f32>, Vec<u32>)> {
         vals.extend(rv);
         ids.extend(ri);
     }
-    Ok((vals, ids))
+    let dev = logits.device();
+    Ok((
+        Tensor::from_vec(vals, (n, k), dev)?,
+        Tensor::from_vec(ids, (n, k), dev)?,
+    ))
 }
 
 /// [`top_k`] of one host row. NaN sorts below everything.

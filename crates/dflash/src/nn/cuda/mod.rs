@@ -18,6 +18,7 @@ const MMA_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mma.ptx"));
 
 mod attention;
 mod delta;
+pub mod dflash2;
 mod fused;
 mod matmul;
 mod moe;

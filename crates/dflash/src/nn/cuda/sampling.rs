@@ -4,7 +4,7 @@ use super::*;
 
 /// Whether the row kernels below take `logits`: CUDA, f32, `[rows, vocab]`, non-empty, a
 /// vocabulary an i32 index covers.
-fn logit_rows_apply(logits: &Tensor) -> candle_core::Result<bool> {
+pub(super) fn logit_rows_apply(logits: &Tensor) -> candle_core::Result<bool> {
     Ok(logits.device().is_cuda()
         && logits.dtype() == DType::F32
         && logits.rank() == 2
@@ -13,7 +13,7 @@ fn logit_rows_apply(logits: &Tensor) -> candle_core::Result<bool> {
 }
 
 /// `(rows, vocab, view)` of a contiguous f32 `[rows, vocab]` op input.
-fn logit_rows<'a>(
+pub(super) fn logit_rows<'a>(
     s: &'a CudaStorage,
     l: &Layout,
     what: &str,
