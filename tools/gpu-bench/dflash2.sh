@@ -2,14 +2,19 @@
 # Issue 22 on one H200 call: the DFlash2 CUDA tests (fused_cuda: kernels vs portable, a DFlash2
 # draft on the device greedy == plain), then the draft step of a DFlash and a DFlash2 draft of
 # the same width (Qwen3-8B shape, random weights, 5 layers, published DFlash2 sizes) side by
-# side in one run. From the repo root on the GPU machine (binaries in .device/, see device.sh):
+# side in one run. Prepare the binaries as for issue20.sh (.device/dflash.xz and
+# .device/fused_cuda.xz, carry [".device", "tools/goldens/wheels"]); run from the repo root:
 #   tools/gpu-bench/dflash2.sh
 #   SHAPE=tiny DEV=cpu DTYPE=float32 BIN=target/release/dflash PY=/work/pyenv-sweep/bin/python \
 #     tools/gpu-bench/dflash2.sh          # CPU smoke test of the pipeline
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-BIN=${BIN:-$root/.device/dflash}
+mkdir -p /tmp/stash
+for b in dflash fused_cuda; do
+  [ -f "$root/.device/$b.xz" ] && xz -dc "$root/.device/$b.xz" > /tmp/stash/$b && chmod +x /tmp/stash/$b
+done
+BIN=${BIN:-/tmp/stash/dflash}
 PY=${PY:-python3}
 RES=${RES:-${OUT:-/tmp}/gpu-bench}
 MODELS=${MODELS:-/root/gpu-bench-models}
@@ -19,9 +24,9 @@ DTYPE=${DTYPE:-bfloat16}
 case $DTYPE in bfloat16) ours=bf16 ;; *) ours=f32 ;; esac
 mkdir -p "$RES" "$MODELS"
 [ "$DEV" = cpu ] || export LD_LIBRARY_PATH=$($PY -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))'):/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
-if [ -x "$root/.device/fused_cuda" ]; then
+if [ -x /tmp/stash/fused_cuda ]; then
   echo "== fused_cuda: dflash2 + attention" >&2
-  "$root/.device/fused_cuda" --test-threads 1 dflash2 attention_layer 2>&1 | tail -n 20 | tee "$RES/fused_dflash2.txt" >&2 || true
+  /tmp/stash/fused_cuda --test-threads 1 dflash2 attention_layer 2>&1 | tail -n 20 | tee "$RES/fused_dflash2.txt" >&2 || true
 fi
 refdir=$(mktemp -d)
 (cd "$refdir" && $PY -m zipfile -e "$root"/tools/goldens/wheels/dflash-*.whl .)

@@ -13,6 +13,22 @@ fn footprint(e: &DraftEntry) -> Option<Footprint> {
     estimate(&cfg).ok().flatten()
 }
 
+/// GPUs a row is sized against: one H200 and a 24 GB desktop card (bytes).
+const GPUS: [(&str, u64); 2] = [("H200", 141_000_000_000), ("24 GB", 24_000_000_000)];
+/// Context the GPU fit reserves cache for.
+const FIT_CONTEXT: u64 = 8192;
+
+/// Weight bytes at ~4.5 bits a weight (GGUF Q4_K_M / MLX 4-bit with group scales).
+fn q4_bytes(f: &Footprint) -> u64 {
+    f.params * 9 / 16
+}
+
+/// Whether weights of `bytes` plus the cache of [`FIT_CONTEXT`] tokens fit `gpu` bytes
+/// (5% kept for activations and the runtime).
+fn fits(f: &Footprint, bytes: u64, gpu: u64) -> bool {
+    bytes + f.cache_fixed_bytes_bf16 + f.cache_bytes_per_token_bf16 * FIT_CONTEXT < gpu / 100 * 95
+}
+
 pub fn run(json: bool) -> Result<()> {
     if json {
         let rows: Vec<serde_json::Value> = DRAFT_REGISTRY
@@ -29,6 +45,13 @@ pub fn run(json: bool) -> Result<()> {
                         "loaded_bytes_f32": 2 * f.loaded_bytes_bf16,
                         "cache_bytes_per_token_bf16": f.cache_bytes_per_token_bf16,
                         "fits_in_ram_bf16": host_memory().map(|(total, _)| f.loaded_bytes_bf16 < total),
+                        "q4_bytes": q4_bytes(&f),
+                        "gpu_fit": GPUS.iter().map(|(name, b)| serde_json::json!({
+                            "gpu": name, "context": FIT_CONTEXT,
+                            "bf16": fits(&f, f.loaded_bytes_bf16, *b),
+                            "as_published": f.stored_bytes.map(|s| fits(&f, s, *b)),
+                            "q4": fits(&f, q4_bytes(&f), *b),
+                        })).collect::<Vec<_>>(),
                     })),
                 })
             })
@@ -103,6 +126,25 @@ pub fn run(json: bool) -> Result<()> {
             human_bytes(f.cache_bytes_per_token_bf16 * 1000),
             fits
         );
+    }
+    println!(
+        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / ~4.5 bits a weight (Q4_K_M, MLX 4-bit).\nOn CUDA today GGUF matrices stay as stored; MLX, MXFP4 and int4 are dequantized to bf16 (issue 21)."
+    );
+    let yn = |b: bool| if b { "yes" } else { "no" };
+    for e in DRAFT_REGISTRY {
+        let Some(f) = footprint(e) else { continue };
+        let cells: Vec<String> = GPUS
+            .iter()
+            .map(|(name, b)| {
+                format!(
+                    "{name}: {} / {} / {}",
+                    yn(fits(&f, f.loaded_bytes_bf16, *b)),
+                    f.stored_bytes.map_or("?", |s| yn(fits(&f, s, *b))),
+                    yn(fits(&f, q4_bytes(&f), *b))
+                )
+            })
+            .collect();
+        println!("  {:<22} {}", e.target, cells.join("   "));
     }
     println!("\nfamily capabilities (taps, KV truncate, recurrent rollback, sliding window, shared KV, MoE, GGUF):");
     for f in FAMILIES {

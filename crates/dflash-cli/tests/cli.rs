@@ -288,6 +288,21 @@ fn models_lists_the_seed_rows_and_dflash2_rows_and_names_missing_families() {
     let qwen3_8b = rows.iter().find(|r| r["target"] == "Qwen3-8B").unwrap();
     assert_eq!(qwen3_8b["supported"], true);
     assert_eq!(qwen3_8b["draft"], "z-lab/Qwen3-8B-DFlash-b16");
+    // GPU fit per row: one H200 and a 24 GB card, at bf16 / as published / ~4.5 bits.
+    let fit = |target: &str, gpu: usize, what: &str| {
+        let r = rows.iter().find(|r| r["target"] == target).unwrap();
+        r["memory"]["gpu_fit"][gpu][what].clone()
+    };
+    assert_eq!(fit("Qwen3-8B", 0, "bf16"), true);
+    assert_eq!(fit("gpt-oss-120b", 0, "bf16"), false);
+    assert_eq!(
+        fit("gpt-oss-120b", 0, "as_published"),
+        true,
+        "MXFP4 as published fits an H200"
+    );
+    assert_eq!(fit("Qwen3.5-27B", 1, "bf16"), false);
+    assert_eq!(fit("Qwen3.5-27B", 1, "q4"), true);
+    assert_eq!(fit("Kimi-K2.5", 0, "q4"), false);
     let d2 = rows.iter().find(|r| r["arch"] == "DFlash2").unwrap();
     assert_eq!(
         (

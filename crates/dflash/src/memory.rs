@@ -8,8 +8,8 @@
 //! before its weights are read instead of being killed by the OS half-way.
 
 use crate::config::TargetConfig;
-use crate::source::gguf::GgufFile;
-use crate::source::weights::{cpu_target, read_safetensors_header};
+use crate::nn::quant::cpu_target;
+use crate::source::weights::read_safetensors_header;
 use crate::source::ModelSource;
 use crate::{Error, Result};
 use candle_core::quantized::GgmlDType;
@@ -184,8 +184,7 @@ pub fn weight_bytes(
 ) -> Result<u64> {
     let el = dtype.size_in_bytes() as u64;
     let mut total = 0u64;
-    if let Some(p) = &src.gguf {
-        let g = GgufFile::open(p)?;
+    if let Some(g) = src.gguf_file()? {
         for t in g.content.tensor_infos.values() {
             let n = t.shape.elem_count() as u64;
             let dt = t.ggml_dtype;

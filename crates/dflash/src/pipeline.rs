@@ -3,11 +3,11 @@
 
 use crate::archs::{load_target, LoadOptions};
 use crate::chat::{ChatMessage, ChatTemplate};
-use crate::config::{read_json, TargetConfig};
+use crate::config::TargetConfig;
 use crate::draft::load_draft;
 use crate::engine::Engine;
 use crate::source::ModelSource;
-use crate::tokenizer::{stop_token_ids_from_dir, Tokenizer};
+use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use candle_core::{DType, Device};
 
@@ -238,48 +238,10 @@ impl Pipeline {
             Some(d) => Some(load_draft(d, &target_config, &opts.model, &lo)?),
             None => None,
         };
-        let (tokenizer, template, mut stop_ids) = match &src.gguf {
-            // GGUF: tokenizer, chat template and end-of-generation ids from the metadata.
-            Some(path) => {
-                let g = crate::source::gguf::GgufFile::open(path)?;
-                (
-                    Some(g.tokenizer()?),
-                    g.chat_template()?,
-                    g.stop_token_ids()?,
-                )
-            }
-            None => {
-                let tokenizer = src
-                    .tokenizer
-                    .as_ref()
-                    .map(Tokenizer::from_file)
-                    .transpose()?;
-                let template = match &src.tokenizer_config {
-                    Some(p) => match ChatTemplate::from_tokenizer_config(p) {
-                        Ok(t) => Some(t),
-                        Err(e) => {
-                            notices.push(format!("no usable chat template: {e}"));
-                            None
-                        }
-                    },
-                    None => None,
-                };
-                let stop_ids = match &tokenizer {
-                    Some(t) => stop_token_ids_from_dir(t, &src.dir)?,
-                    None => {
-                        let mut ids = target_config.eos_token_ids.clone();
-                        if let Some(g) = &src.generation_config {
-                            let v = read_json(g)?;
-                            let name = g.display().to_string();
-                            let f = crate::config::Fields::new(&name, &v)?;
-                            ids.extend(f.opt_id_list("eos_token_id")?);
-                        }
-                        ids
-                    }
-                };
-                (tokenizer, template, stop_ids)
-            }
-        };
+        let assets = src.chat_assets(&target_config)?;
+        notices.extend(assets.notices);
+        let (tokenizer, template, mut stop_ids) =
+            (assets.tokenizer, assets.template, assets.stop_ids);
         if let Some(q) = &target.info().quantization {
             notices.push(format!("weights: {q}"));
         }

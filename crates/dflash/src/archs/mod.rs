@@ -305,7 +305,7 @@ pub struct LoadOptions {
     pub dtype: DType,
     pub device: Device,
     /// GGUF: keep quantized matrices in their stored type instead of requantizing types
-    /// without a fast multi-row CPU kernel (see [`crate::source::weights::requant_target`]).
+    /// without a fast multi-row CPU kernel (see [`crate::nn::quant::requant_target`]).
     pub keep_quant: bool,
 }
 
@@ -483,18 +483,9 @@ pub fn load_target(
     src: &ModelSource,
     opts: &LoadOptions,
 ) -> Result<(TargetConfig, Box<dyn TargetModel>)> {
-    if let Some(path) = &src.gguf {
-        let file = crate::source::gguf::GgufFile::open(path)?;
-        let cfg = file.target_config()?;
-        let fam = family_for(&cfg)?;
-        let w = Weights::open_gguf(file, opts.dtype, &opts.device, opts.keep_quant)?;
-        let model = (fam.load)(&cfg, &w)?;
-        return Ok((cfg, model));
-    }
-    let cfg = TargetConfig::from_file(&src.config)?;
+    let cfg = src.target_config()?;
     let fam = family_for(&cfg)?;
-    let mlx = crate::source::mlx::MlxQuant::from_config(&cfg.file, &cfg.raw)?;
-    let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?.with_mlx_quant(mlx);
+    let w = src.weights(opts.dtype, &opts.device, opts.keep_quant)?;
     let model = (fam.load)(&cfg, &w)?;
     Ok((cfg, model))
 }

@@ -650,11 +650,9 @@ pub fn load_draft(
 ) -> Result<DraftModel> {
     let cfg = DraftConfig::from_file(&src.config)?;
     let taps = cfg.validate_against(target, target_name)?;
-    let mlx = crate::source::mlx::MlxQuant::from_config(
-        &cfg.file,
-        &crate::config::read_json(&src.config)?,
-    )?;
-    let w = Weights::open(&src.weight_files, opts.dtype, &opts.device)?.with_mlx_quant(mlx);
+    // Drafts stay at the compute dtype (a quantized draft drops acceptance in other engines);
+    // an MLX-quantized draft checkpoint is dequantized at load.
+    let w = src.weights(opts.dtype, &opts.device, false)?;
     let mut d = DraftModel::load(cfg, taps, &w)?;
     // Inference only: stacked gate/up weights (one matmul). Not in `DraftModel::load`, which
     // the trainer builds on trainable Vars: a stacked copy would not follow their updates.

@@ -21,6 +21,7 @@ pub mod mlp;
 pub mod moe;
 pub mod norm;
 pub mod q8;
+pub mod quant;
 pub mod recurrent_cache;
 pub mod rope;
 

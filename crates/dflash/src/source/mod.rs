@@ -1,5 +1,10 @@
-//! Model sources: where a model's files are (a local directory in Hugging Face layout, or a
-//! hub repo id resolved through the HF cache) and memory-mapped weight loading.
+//! Model sources: where a model's files are (a local directory in Hugging Face layout, a GGUF
+//! file, or a hub repo id resolved through the HF cache) and memory-mapped weight loading.
+//!
+//! [`ModelSource`] is the one door to a checkpoint: its config ([`ModelSource::target_config`]),
+//! weights ([`ModelSource::weights`]), tokenizer / chat template / stop ids
+//! ([`ModelSource::chat_assets`]) and stored tensor sizes all come from it, and a GGUF file is
+//! parsed once per source however many of them are asked for.
 //!
 //! Second step of the data flow: config -> **sources/loading** -> archs -> draft -> engine.
 
@@ -17,6 +22,30 @@ pub use weights::Weights;
 
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+/// A GGUF file parsed on first use and shared by every consumer of its source.
+#[derive(Clone, Default)]
+pub struct GgufCell(OnceLock<Arc<gguf::GgufFile>>);
+
+impl std::fmt::Debug for GgufCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "GgufCell(parsed)"
+        } else {
+            "GgufCell(unparsed)"
+        })
+    }
+}
+
+/// What a model brings for chat: tokenizer, chat template, end-of-generation ids, and notes
+/// on what was missing (for the user).
+pub struct ChatAssets {
+    pub tokenizer: Option<crate::tokenizer::Tokenizer>,
+    pub template: Option<crate::chat::ChatTemplate>,
+    pub stop_ids: Vec<u32>,
+    pub notices: Vec<String>,
+}
 
 /// The files of one model, found on disk.
 #[derive(Debug, Clone)]
@@ -33,6 +62,8 @@ pub struct ModelSource {
     /// A single-file GGUF model (then `config` and `weight_files` name that file too, and
     /// the tokenizer, chat template and stop ids come from its metadata).
     pub gguf: Option<PathBuf>,
+    /// The GGUF file, parsed once.
+    gguf_file: GgufCell,
 }
 
 impl ModelSource {
@@ -65,10 +96,90 @@ impl ModelSource {
 
     /// The target config: `config.json`, or the GGUF metadata mapped onto it.
     pub fn target_config(&self) -> Result<crate::config::TargetConfig> {
-        match &self.gguf {
-            Some(p) => gguf::GgufFile::open(p)?.target_config(),
+        match self.gguf_file()? {
+            Some(g) => g.target_config(),
             None => crate::config::TargetConfig::from_file(&self.config),
         }
+    }
+
+    /// The parsed GGUF file of a GGUF source (parsed on the first call, then shared).
+    pub fn gguf_file(&self) -> Result<Option<Arc<gguf::GgufFile>>> {
+        let Some(p) = &self.gguf else {
+            return Ok(None);
+        };
+        if let Some(g) = self.gguf_file.0.get() {
+            return Ok(Some(g.clone()));
+        }
+        let g = Arc::new(gguf::GgufFile::open(p)?);
+        Ok(Some(self.gguf_file.0.get_or_init(|| g).clone()))
+    }
+
+    /// The weights, memory-mapped: a GGUF file's tensors (`keep_quant`: quantized matrices as
+    /// stored), or the safetensors files with their MLX quantization (from `config.json`).
+    pub fn weights(
+        &self,
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+        keep_quant: bool,
+    ) -> Result<Weights> {
+        if let Some(g) = self.gguf_file()? {
+            return Weights::open_gguf(g, dtype, device, keep_quant);
+        }
+        let cfg = crate::config::read_json(&self.config)?;
+        let mlx = mlx::MlxQuant::from_config(&self.config.display().to_string(), &cfg)?;
+        Ok(Weights::open(&self.weight_files, dtype, device)?.with_mlx_quant(mlx))
+    }
+
+    /// Tokenizer, chat template and stop ids: from a GGUF file's metadata, else from
+    /// `tokenizer.json`, `tokenizer_config.json` and `generation_config.json` (the config's
+    /// `eos_token_id`s when there is no tokenizer). A template that does not parse is a notice,
+    /// not an error (raw prompts still work).
+    pub fn chat_assets(&self, cfg: &crate::config::TargetConfig) -> Result<ChatAssets> {
+        use crate::chat::ChatTemplate;
+        use crate::tokenizer::{stop_token_ids_from_dir, Tokenizer};
+        if let Some(g) = self.gguf_file()? {
+            return Ok(ChatAssets {
+                tokenizer: Some(g.tokenizer()?),
+                template: g.chat_template()?,
+                stop_ids: g.stop_token_ids()?,
+                notices: vec![],
+            });
+        }
+        let mut notices = vec![];
+        let tokenizer = self
+            .tokenizer
+            .as_ref()
+            .map(Tokenizer::from_file)
+            .transpose()?;
+        let template = match &self.tokenizer_config {
+            Some(p) => match ChatTemplate::from_tokenizer_config(p) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    notices.push(format!("no usable chat template: {e}"));
+                    None
+                }
+            },
+            None => None,
+        };
+        let stop_ids = match &tokenizer {
+            Some(t) => stop_token_ids_from_dir(t, &self.dir)?,
+            None => {
+                let mut ids = cfg.eos_token_ids.clone();
+                if let Some(g) = &self.generation_config {
+                    let v = crate::config::read_json(g)?;
+                    let name = g.display().to_string();
+                    let f = crate::config::Fields::new(&name, &v)?;
+                    ids.extend(f.opt_id_list("eos_token_id")?);
+                }
+                ids
+            }
+        };
+        Ok(ChatAssets {
+            tokenizer,
+            template,
+            stop_ids,
+            notices,
+        })
     }
 
     /// A local directory in Hugging Face layout.
@@ -91,6 +202,7 @@ impl ModelSource {
             tokenizer_config: opt("tokenizer_config.json"),
             generation_config: opt("generation_config.json"),
             gguf: None,
+            gguf_file: GgufCell::default(),
         })
     }
 
@@ -105,6 +217,7 @@ impl ModelSource {
             tokenizer_config: None,
             generation_config: None,
             gguf: Some(path.to_path_buf()),
+            gguf_file: GgufCell::default(),
         }
     }
 }

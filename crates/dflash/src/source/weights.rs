@@ -2,8 +2,8 @@
 //!
 //! Family loaders ask for HF tensor names (`model.layers.{i}.self_attn.q_proj.weight`); a
 //! GGUF source maps them to llama.cpp names, un-permutes llama Q/K rows, and hands out
-//! quantized matrices as [`Linear::Quant`] (requantized at load to a type with a fast CPU
-//! kernel unless `keep_quant`). Every tensor is checked for presence and shape. Names that
+//! quantized matrices as [`Linear::Quant`], placed by the policy in [`crate::nn::quant`]
+//! (requantized at load to a type with a fast CPU kernel unless `keep_quant`). Every tensor is checked for presence and shape. Names that
 //! were read are recorded so a loader can list the tensors a checkpoint carries that the
 //! model did not use, and a GGUF load keeps a report of what it did to each tensor type.
 //! MLX affine-quantized safetensors (packed `uint32` + `scales` + `biases`) are dequantized
@@ -13,7 +13,7 @@ use super::gguf::{gguf_name, unpermute_qk, GgufFile};
 use super::mlx::{AffineParams, MlxQuant};
 use crate::nn::{Embedding, Linear};
 use crate::{Error, Result};
-use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{safetensors::MmapedSafetensors, DType, Device, Shape, Tensor};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -31,7 +31,7 @@ enum Backend {
 }
 
 struct GgufSource {
-    file: GgufFile,
+    file: std::sync::Arc<GgufFile>,
     /// llama-converted files: Q/K rows permuted for interleaved RoPE (heads, kv_heads).
     qk_permuted: Option<(usize, usize)>,
     keep_quant: bool,
@@ -48,38 +48,6 @@ pub struct Weights {
     mlx: Option<MlxQuant>,
     /// MLX-quantized tensors dequantized so far, per (bits, group size).
     mlx_report: RefCell<BTreeMap<AffineParams, usize>>,
-}
-
-/// The quantized type a CPU matmul weight of type `dt` is converted to at load, or None to
-/// keep it. candle's CPU kernels process many rows at once (verify blocks) only for Q8_0,
-/// Q4K and Q6K; the other types fall back to per-row dot products (a 16-row product then
-/// costs 15-20x one row). Q8_0 was chosen over Q4K by `examples/qmatmul_bench.rs`: as fast
-/// for 1 and 16 rows, always applicable (Q4K needs rows that are multiples of 256), and
-/// near-lossless on 4/5-bit sources (Q4K would re-round them).
-///
-/// Q6K goes to Q8_0 too, for exactness rather than speed: candle multiplies one row by a Q6K
-/// matrix with its compact-weight GEMV and several rows with its repacked tile kernel, which
-/// round differently, so a verify's logits would differ from the decode steps' (0.64-0.70 on
-/// Gemma-3-270M Q4_K_M, docs/perf.md) and greedy DFlash could drift from plain decoding. Q8_0
-/// and Q4K take the same kernel for one row and for many. Q6K tensors are a small share of
-/// the usual K-quant mixes (9.7 of 247 MB in Gemma-3-270M Q4_K_M); `--keep-quant` keeps them.
-pub fn requant_target(dt: GgmlDType) -> Option<GgmlDType> {
-    use GgmlDType::*;
-    match dt {
-        F32 | F16 | BF16 | Q8_0 | Q4K => None,
-        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_1 | Q2K | Q3K | Q5K | Q6K | Q8K => Some(Q8_0),
-    }
-}
-
-/// What a stored GGUF matrix of width `cols` becomes on the CPU: [`requant_target`], except
-/// the Q4_0 / Q4_1 matrices that dflash's own int8 product multiplies as stored
-/// ([`crate::nn::q8::keeps_q4`]): 0.75 bytes a weight instead of Q8_0's 1.125.
-pub fn cpu_target(dt: GgmlDType, cols: usize) -> Option<GgmlDType> {
-    if crate::nn::q8::keeps_q4(dt, cols) {
-        None
-    } else {
-        requant_target(dt)
-    }
 }
 
 impl Weights {
@@ -116,7 +84,7 @@ impl Weights {
 
     /// A GGUF file. `keep_quant` keeps every quantized matrix in its stored type.
     pub fn open_gguf(
-        file: GgufFile,
+        file: std::sync::Arc<GgufFile>,
         dtype: DType,
         device: &Device,
         keep_quant: bool,
@@ -379,42 +347,15 @@ impl Weights {
         })
     }
 
-    /// A quantized matmul weight on the device, requantized per [`cpu_target`] unless
-    /// `keep_quant`; None for float types (the caller loads those dense).
+    /// A quantized matmul weight placed by [`crate::nn::quant::place`] (the policy: which
+    /// stored types are requantized for which device); None for float types (the caller loads
+    /// those dense).
     fn matmul_weight(&self, q: Arc<QTensor>) -> Result<Option<QMatMul>> {
         let Backend::Gguf(g) = &self.backend else {
             return Ok(None);
         };
-        let dt = q.dtype();
-        if matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
-            *g.report.borrow_mut().entry(format!("{dt:?}")).or_default() += 1;
-            return Ok(None);
-        }
-        let target = if g.keep_quant || !self.device.is_cpu() {
-            None
-        } else {
-            cpu_target(dt, q.shape().dims().last().copied().unwrap_or(0))
-        };
-        let q = match target {
-            Some(t) => {
-                *g.report
-                    .borrow_mut()
-                    .entry(format!("{dt:?}->{t:?}"))
-                    .or_default() += 1;
-                Arc::new(QTensor::quantize(&q.dequantize(&Device::Cpu)?, t)?)
-            }
-            None => {
-                *g.report.borrow_mut().entry(format!("{dt:?}")).or_default() += 1;
-                q
-            }
-        };
-        let q = if self.device.is_cpu() {
-            q
-        } else {
-            let storage = QStorage::from_data(q.data()?, &self.device, q.dtype())?;
-            Arc::new(QTensor::new(storage, q.shape().clone())?)
-        };
-        Ok(Some(QMatMul::from_arc(q)?))
+        let mut note = |k: String| *g.report.borrow_mut().entry(k).or_default() += 1;
+        crate::nn::quant::place(q, &self.device, g.keep_quant, &mut note)
     }
 
     /// The token embedding table `[vocab, hidden]`. Quantized GGUF tables stay quantized
