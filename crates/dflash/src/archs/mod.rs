@@ -175,6 +175,15 @@ impl TargetCache {
 }
 
 /// The interface every target family implements. The engine calls nothing else.
+/// One sequence's part of a batched forward ([`TargetModel::forward_batch`]).
+pub struct BatchItem<'a> {
+    pub tokens: &'a [u32],
+    /// Position of the first token (must equal `cache.len()`).
+    pub start: usize,
+    pub cache: &'a mut TargetCache,
+    pub logits: Logits,
+}
+
 pub trait TargetModel: Send + Sync {
     fn info(&self) -> &TargetInfo;
 
@@ -200,6 +209,17 @@ pub trait TargetModel: Send + Sync {
     /// The LM head projection alone on already-normalized hidden states:
     /// `[n, hidden] -> [n, vocab]` f32 (no softcapping: the draft applies its own).
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor>;
+
+    /// Several sequences in one forward: each item's tokens at its positions, over its own
+    /// cache, with the same taps; outputs in item order, each as [`Self::forward`] gives it
+    /// alone. The default runs the items one after another; families that batch run every
+    /// layer's weights once over all items' rows.
+    fn forward_batch(&self, items: &mut [BatchItem], taps: &[usize]) -> Result<Vec<ForwardOutput>> {
+        items
+            .iter_mut()
+            .map(|it| self.forward(it.tokens, it.start, it.cache, taps, it.logits))
+            .collect()
+    }
 
     /// Bytes of weights a forward of `rows` rows reads (MoE: the expected union of the
     /// experts the rows route to); the adaptive policy shapes its cost estimates with it.

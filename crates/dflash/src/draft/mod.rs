@@ -86,6 +86,16 @@ pub struct DraftModel {
     selector: Option<Selector>,
 }
 
+/// One sequence's part of a batched draft call ([`DraftModel::propose_batch`]).
+pub struct DraftItem<'a> {
+    /// New context rows (taps of the positions `cache.len() .. start`).
+    pub ctx: Tensor,
+    /// `[last token, MASK x (q-1)]`.
+    pub block: &'a [u32],
+    pub start: usize,
+    pub cache: &'a mut DraftCache,
+}
+
 /// The draft's per-sequence state: projected context K/V per layer. Block rows are never
 /// kept, so a rejection needs no draft rollback.
 pub struct DraftCache {
@@ -332,6 +342,18 @@ impl DraftModel {
                 .collect(),
             None => ids,
         })
+    }
+
+    /// Proposals for several sequences (each item as [`Self::propose`] alone), in item order.
+    pub fn propose_batch(
+        &self,
+        target: &dyn TargetModel,
+        items: &mut [DraftItem],
+    ) -> Result<Vec<Vec<u32>>> {
+        items
+            .iter_mut()
+            .map(|it| self.propose(target, &it.ctx, it.block, it.start, it.cache))
+            .collect()
     }
 
     /// Draft logits for block rows 1..Q: `[Q-1, draft vocab]` f32 (the target's vocab unless

@@ -11,16 +11,18 @@
 //! With no draft or a block size of 1, the same loop is plain autoregressive decoding.
 
 pub mod adaptive;
+mod sequence;
 
-use crate::archs::{Logits, TargetCache, TargetModel};
-use crate::draft::{DraftCache, DraftModel};
+pub use sequence::{Batch, Sequence};
+
+use crate::archs::{Logits, TargetModel};
+use crate::draft::DraftModel;
 use crate::sampling::{argmax, Sampler, SamplingParams};
 use crate::stats::GenerationStats;
 use crate::{Error, Result};
-use adaptive::{AdaptivePolicy, Reason};
+use adaptive::AdaptivePolicy;
 use candle_core::Tensor;
 use serde::Serialize;
-use std::time::Instant;
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -116,183 +118,50 @@ impl Engine {
         req: &GenerateRequest,
         on_tokens: &mut dyn FnMut(&[u32]) -> Flow,
     ) -> Result<GenerateOutput> {
-        req.sampling.validate()?;
-        let p = req.prompt_ids.len();
-        if p == 0 {
-            return Err(Error::input("empty prompt: nothing to condition on"));
+        let mut s = Sequence::start(self, req.clone(), Box::new(on_tokens))?;
+        while !s.is_done() {
+            s.cycle()?;
         }
-        if p >= self.max_context {
-            return Err(Error::input(format!(
-                "context overflow: the prompt has {p} tokens, the context size is {}; shorten the prompt",
-                self.max_context
-            )));
-        }
-        let q_max = self.block_size(req);
-        if q_max > 64 {
-            return Err(Error::input(format!(
-                "block size {q_max} is larger than 64"
-            )));
-        }
-        let draft = self.draft.as_ref().filter(|_| q_max > 1);
-        let taps: &[usize] = draft.map_or(&[], |d| &d.taps);
-        let capacity = p
-            .saturating_add(req.max_tokens)
-            .saturating_add(q_max)
-            .min(self.max_context);
-        let target = self.target.as_ref();
-        let mut tcache: TargetCache = target.new_cache(capacity)?;
-        let mut dcache: Option<DraftCache> = draft.map(|d| d.new_cache(capacity)).transpose()?;
-        let mut sampler = Sampler::new(req.sampling.clone());
-        let mut stats = GenerationStats {
-            mode: if draft.is_some() { "dflash" } else { "plain" }.into(),
-            block_size: q_max,
-            prompt_tokens: p,
-            ..Default::default()
-        };
-        let mut steps = req.trace.then(Vec::new);
-        // The estimates of earlier generations (same block size), else a fresh policy. The
-        // slot is emptied while a generation runs, so concurrent ones start fresh.
-        let mut policy = (draft.is_some() && req.adaptive && req.block_size.is_none()).then(|| {
-            self.policy
-                .lock()
-                .ok()
-                .and_then(|mut slot| slot.take())
-                .filter(|p| p.max_q() == q_max)
-                .unwrap_or_else(|| {
-                    let shape = (0..=q_max).map(|q| self.target.verify_bytes(q)).collect();
-                    AdaptivePolicy::new(q_max).with_verify_shape(shape)
-                })
-        });
-        stats.adaptive = policy.is_some();
-        stats.q_histogram = vec![0; q_max + 1];
-        let mut out: Vec<u32> = Vec::new();
+        Ok(s.finish())
+    }
 
-        // Prefill.
-        let t0 = Instant::now();
-        let pre = target.forward(&req.prompt_ids, 0, &mut tcache, taps, Logits::Last)?;
-        let first = self.choose(&pre.logits.expect("prefill logits"), &mut sampler)?[0];
-        let prefill_s = t0.elapsed().as_secs_f64();
-        stats.ttft_ms = prefill_s * 1e3;
-        stats.prefill_tok_s = p as f64 / prefill_s;
-        // Taps of committed positions not yet given to the draft (concatenated at its next call).
-        let mut ctx_rows: Vec<Tensor> = pre.taps.into_iter().collect();
-        let mut start = p;
-        let mut last = first;
-        let mut draft_tokens = 0usize;
-        let (_, mut finish) = self.commit(&[first], req, &mut out, on_tokens);
-
-        let decode_t0 = Instant::now();
-        let mut excluded_s = 0.0; // the first draft call (draft prefill) is not decode time
-        let mut first_draft = true;
-        while finish.is_none() {
-            let room = capacity.saturating_sub(start);
-            if room == 0 {
-                finish = Some("context");
-                break;
-            }
-            // Near the end the block shrinks to the tokens left + 1 rows (as the reference
-            // does: the last row's proposal can still be accepted; commits are capped).
-            let limit = q_max.min(req.max_tokens - out.len() + 1).min(room);
-            let (q, reason) = match policy.as_mut() {
-                Some(p) => p.choose(limit),
-                None => (limit, Reason::Model),
-            };
-            stats.q_histogram[q] += 1;
-            if policy.is_some() {
-                *stats
-                    .q_reasons
-                    .entry(format!("{reason:?}").to_lowercase())
-                    .or_default() += 1;
-            }
-            let mut draft_s = None;
-            let mut block = vec![last];
-            if let (Some(d), Some(dc), true) = (draft, dcache.as_mut(), q > 1) {
-                let td = Instant::now();
-                block.resize(q, d.mask_token_id());
-                let ctx = match ctx_rows.len() {
-                    1 => ctx_rows.pop().expect("one"),
-                    _ => Tensor::cat(&std::mem::take(&mut ctx_rows), 0)?,
-                };
-                let props = d.propose(target, &ctx, &block, start, dc)?;
-                block[1..].copy_from_slice(&props);
-                let dt = td.elapsed().as_secs_f64();
-                if first_draft {
-                    excluded_s = dt;
-                    first_draft = false;
-                } else {
-                    stats.draft_ms += dt * 1e3;
-                    draft_s = Some(dt);
-                }
-            }
-            let tv = Instant::now();
-            let fw = target.forward(&block, start, &mut tcache, taps, Logits::All)?;
-            let logits = fw.logits.expect("verify logits");
-            // Target choices row by row; stop sampling at the first mismatch.
-            let post = self.choose_until_mismatch(&logits, &block, &mut sampler)?;
-            let a = post.len() - 1;
-            let verify_s = tv.elapsed().as_secs_f64();
-            stats.verify_ms += verify_s * 1e3;
-            if let Some(p) = policy.as_mut() {
-                p.observe(q, a, draft_s, verify_s);
-            }
-            let tr = Instant::now();
-            tcache.truncate(start + a + 1)?;
-            if a + 1 < q && tcache.has_recurrent() {
-                // the rebuild runs on the device: wait for it so that the time is its own
-                target.info().device.synchronize()?;
-            }
-            stats.rollback_ms += tr.elapsed().as_secs_f64() * 1e3;
-            if let Some(t) = fw.taps {
-                // Taps of the committed rows 0..=a become the draft's next context rows (a
-                // single-token step without a draft call keeps accumulating them).
-                ctx_rows.push(t.narrow(0, 0, a + 1)?);
-            }
-            if let Some(s) = steps.as_mut() {
-                s.push(StepTrace {
-                    start,
-                    block_ids: block.clone(),
-                    accepted: a,
-                });
-            }
-            let mut commit: Vec<u32> = block[1..=a].to_vec();
-            commit.push(post[a]);
-            start += a + 1;
-            last = post[a];
-            let (pushed, f) = self.commit(&commit, req, &mut out, on_tokens);
-            // Tokens committed this cycle: a + 1, less any cut by a stop token or max tokens.
-            stats.acceptance_lengths.push(pushed);
-            // Tokens cut after a stop were never committed: they do not count as drafted.
-            draft_tokens += pushed.min(a);
-            finish = f;
-        }
-        if let (Some(p), Ok(mut slot)) = (policy.take(), self.policy.lock()) {
-            *slot = Some(p);
-        }
-        let decode_s = (decode_t0.elapsed().as_secs_f64() - excluded_s).max(1e-9);
-        stats.generated_tokens = out.len();
-        stats.decode_ms = decode_s * 1e3;
-        stats.decode_tok_s = out.len().saturating_sub(1) as f64 / decode_s;
-        stats.finish_reason = finish.unwrap_or("length").into();
-        if draft.is_some() {
-            let plain = stats.q_histogram.get(1).copied().unwrap_or(0);
-            let total: usize = stats.q_histogram.iter().sum();
-            if total > 0 && plain * 2 > total {
-                stats.fallback_reason = Some(format!(
-                    "adaptive policy ran {plain} of {total} cycles as plain decoding (speculation measured slower)"
-                ));
+    /// Generate for several requests together: every cycle, one draft call and one target
+    /// verify serve all sequences still running (each with its own block size, positions,
+    /// acceptance, rollback and stop); a sequence leaves the batch when it finishes.
+    /// `on_tokens(i, ids)` receives request `i`'s newly committed ids. Each request's output
+    /// is what it gets alone (its sampler, policy and caches are its own). A request that
+    /// fails (bad input) fails alone: its slot holds the error.
+    pub fn generate_batch(
+        &self,
+        reqs: &[GenerateRequest],
+        on_tokens: &mut dyn FnMut(usize, &[u32]) -> Flow,
+    ) -> Vec<Result<GenerateOutput>> {
+        let cb = std::cell::RefCell::new(on_tokens);
+        let mut results: Vec<Option<Result<GenerateOutput>>> =
+            (0..reqs.len()).map(|_| None).collect();
+        let mut batch = Batch::new(self);
+        for (i, r) in reqs.iter().enumerate() {
+            let cb = &cb;
+            let f: Box<dyn FnMut(&[u32]) -> Flow + '_> =
+                Box::new(move |ids: &[u32]| (cb.borrow_mut())(i, ids));
+            match Sequence::start(self, r.clone(), f) {
+                Ok(s) => batch.push(i, s),
+                Err(e) => results[i] = Some(Err(e)),
             }
         }
-        stats.finish(draft_tokens);
-        Ok(GenerateOutput {
-            output_ids: out,
-            stats,
-            steps,
-        })
+        while !batch.is_empty() {
+            for (i, r) in batch.step() {
+                results[i] = Some(r);
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::input("request was never run"))))
+            .collect()
     }
 
     /// Append committed ids, honouring stop tokens (cut after the first) and max tokens.
     fn commit(
-        &self,
         ids: &[u32],
         req: &GenerateRequest,
         out: &mut Vec<u32>,
@@ -322,7 +191,7 @@ impl Engine {
     }
 
     /// Target choice for every row of `logits [rows, vocab]`.
-    fn choose(&self, logits: &Tensor, sampler: &mut Sampler) -> Result<Vec<u32>> {
+    fn choose(logits: &Tensor, sampler: &mut Sampler) -> Result<Vec<u32>> {
         if let Some(ids) = crate::sampling::choose_rows_at_once(logits, sampler)? {
             sampler.skip(ids.len());
             return Ok(ids);
@@ -334,7 +203,6 @@ impl Engine {
     /// Target choices `post[0..=a]` where `a` is the number of accepted draft tokens:
     /// `block[i] == post[i-1]` for i in 1..=a, and `post[a]` is the bonus token.
     fn choose_until_mismatch(
-        &self,
         logits: &Tensor,
         block: &[u32],
         sampler: &mut Sampler,

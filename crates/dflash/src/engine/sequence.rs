@@ -1,0 +1,485 @@
+//! One generation's decode state ([`Sequence`]) and the steps of a cycle over it, and a set of
+//! sequences decoded together ([`Batch`]).
+//!
+//! A cycle: **plan** (this cycle's block size: the adaptive policy, the tokens left, the room
+//! in the cache) -> **propose** (the draft fills the block after the last committed token) ->
+//! **verify** (the target's logits for every block row) -> **accept** (the target's choices up
+//! to the first mismatch, the bonus token) -> **rollback** (the target cache cut to the
+//! committed rows; the hybrids rebuild their recurrent state) -> **commit** (stop tokens, max
+//! tokens, the caller's callback). [`Sequence::cycle`] runs them for one sequence;
+//! [`Batch::step`] runs each step for every sequence of the batch, with one draft call and
+//! one target verify for all of them.
+
+use super::adaptive::{AdaptivePolicy, Reason};
+use super::{Engine, Flow, GenerateOutput, GenerateRequest, StepTrace};
+use crate::archs::{BatchItem, ForwardOutput, Logits, TargetCache};
+use crate::draft::{DraftCache, DraftModel};
+use crate::sampling::Sampler;
+use crate::stats::GenerationStats;
+use crate::{Error, Result};
+use candle_core::Tensor;
+use std::time::Instant;
+
+/// The decode state of one request.
+pub struct Sequence<'e> {
+    engine: &'e Engine,
+    pub req: GenerateRequest,
+    on_tokens: Box<dyn FnMut(&[u32]) -> Flow + 'e>,
+    draft: Option<&'e DraftModel>,
+    q_max: usize,
+    capacity: usize,
+    tcache: TargetCache,
+    dcache: Option<DraftCache>,
+    sampler: Sampler,
+    stats: GenerationStats,
+    steps: Option<Vec<StepTrace>>,
+    policy: Option<AdaptivePolicy>,
+    out: Vec<u32>,
+    /// Taps of committed positions not yet given to the draft (concatenated at its next call).
+    ctx_rows: Vec<Tensor>,
+    /// Position of the last committed token (the next block's row 0).
+    start: usize,
+    last: u32,
+    draft_tokens: usize,
+    finish: Option<&'static str>,
+    decode_t0: Instant,
+    /// The first draft call (draft prefill) is not decode time.
+    excluded_s: f64,
+    first_draft: bool,
+    /// The cycle in flight: its block (row 0 + proposals) and the draft's time.
+    block: Vec<u32>,
+    draft_s: Option<f64>,
+}
+
+impl<'e> Sequence<'e> {
+    /// Check the request, make the caches, prefill the prompt and commit the first token.
+    pub fn start(
+        engine: &'e Engine,
+        req: GenerateRequest,
+        mut on_tokens: Box<dyn FnMut(&[u32]) -> Flow + 'e>,
+    ) -> Result<Self> {
+        req.sampling.validate()?;
+        let p = req.prompt_ids.len();
+        if p == 0 {
+            return Err(Error::input("empty prompt: nothing to condition on"));
+        }
+        if p >= engine.max_context {
+            return Err(Error::input(format!(
+                "context overflow: the prompt has {p} tokens, the context size is {}; shorten the prompt",
+                engine.max_context
+            )));
+        }
+        let q_max = engine.block_size(&req);
+        if q_max > 64 {
+            return Err(Error::input(format!(
+                "block size {q_max} is larger than 64"
+            )));
+        }
+        let draft = engine.draft.as_ref().filter(|_| q_max > 1);
+        let capacity = p
+            .saturating_add(req.max_tokens)
+            .saturating_add(q_max)
+            .min(engine.max_context);
+        let target = engine.target.as_ref();
+        let mut tcache = target.new_cache(capacity)?;
+        let dcache = draft.map(|d| d.new_cache(capacity)).transpose()?;
+        let mut sampler = Sampler::new(req.sampling.clone());
+        let mut stats = GenerationStats {
+            mode: if draft.is_some() { "dflash" } else { "plain" }.into(),
+            block_size: q_max,
+            prompt_tokens: p,
+            ..Default::default()
+        };
+        let steps = req.trace.then(Vec::new);
+        // The estimates of earlier generations (same block size), else a fresh policy. The
+        // slot is emptied while a generation runs, so concurrent ones start fresh.
+        let policy = (draft.is_some() && req.adaptive && req.block_size.is_none()).then(|| {
+            engine
+                .policy
+                .lock()
+                .ok()
+                .and_then(|mut slot| slot.take())
+                .filter(|p| p.max_q() == q_max)
+                .unwrap_or_else(|| {
+                    let shape = (0..=q_max).map(|q| target.verify_bytes(q)).collect();
+                    AdaptivePolicy::new(q_max).with_verify_shape(shape)
+                })
+        });
+        stats.adaptive = policy.is_some();
+        stats.q_histogram = vec![0; q_max + 1];
+
+        // Prefill.
+        let taps: &[usize] = draft.map_or(&[], |d| &d.taps);
+        let t0 = Instant::now();
+        let pre = target.forward(&req.prompt_ids, 0, &mut tcache, taps, Logits::Last)?;
+        let first = Engine::choose(&pre.logits.expect("prefill logits"), &mut sampler)?[0];
+        let prefill_s = t0.elapsed().as_secs_f64();
+        stats.ttft_ms = prefill_s * 1e3;
+        stats.prefill_tok_s = p as f64 / prefill_s;
+        let mut out = Vec::new();
+        let (_, finish) = Engine::commit(&[first], &req, &mut out, &mut *on_tokens);
+        Ok(Self {
+            engine,
+            req,
+            on_tokens,
+            draft,
+            q_max,
+            capacity,
+            tcache,
+            dcache,
+            sampler,
+            stats,
+            steps,
+            policy,
+            out,
+            ctx_rows: pre.taps.into_iter().collect(),
+            start: p,
+            last: first,
+            draft_tokens: 0,
+            finish,
+            decode_t0: Instant::now(),
+            excluded_s: 0.0,
+            first_draft: true,
+            block: vec![first],
+            draft_s: None,
+        })
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// Tokens generated so far.
+    pub fn generated(&self) -> usize {
+        self.out.len()
+    }
+
+    /// The taps the target returns for this sequence's draft.
+    fn taps(&self) -> &'e [usize] {
+        self.draft.map_or(&[], |d| &d.taps)
+    }
+
+    /// Plan: this cycle's block size, or the end of the generation when the cache is full.
+    /// Returns whether the sequence runs a cycle.
+    pub fn plan(&mut self) -> bool {
+        if self.finish.is_some() {
+            return false;
+        }
+        let room = self.capacity.saturating_sub(self.start);
+        if room == 0 {
+            self.finish = Some("context");
+            return false;
+        }
+        // Near the end the block shrinks to the tokens left + 1 rows (as the reference
+        // does: the last row's proposal can still be accepted; commits are capped).
+        let limit = self
+            .q_max
+            .min(self.req.max_tokens - self.out.len() + 1)
+            .min(room);
+        let (q, reason) = match self.policy.as_mut() {
+            Some(p) => p.choose(limit),
+            None => (limit, Reason::Model),
+        };
+        self.stats.q_histogram[q] += 1;
+        if self.policy.is_some() {
+            *self
+                .stats
+                .q_reasons
+                .entry(format!("{reason:?}").to_lowercase())
+                .or_default() += 1;
+        }
+        self.block = vec![self.last];
+        self.block
+            .resize(q, self.draft.map_or(0, |d| d.mask_token_id()));
+        self.draft_s = None;
+        true
+    }
+
+    /// Whether this cycle asks the draft for proposals.
+    pub fn wants_draft(&self) -> bool {
+        self.draft.is_some() && self.block.len() > 1
+    }
+
+    /// Propose: the draft fills the block (batch 1).
+    pub fn propose(&mut self) -> Result<()> {
+        let (Some(d), true) = (self.draft, self.wants_draft()) else {
+            return Ok(());
+        };
+        let td = Instant::now();
+        let ctx = self.take_context()?;
+        let dc = self.dcache.as_mut().expect("a draft has a cache");
+        let props = d.propose(
+            self.engine.target.as_ref(),
+            &ctx,
+            &self.block,
+            self.start,
+            dc,
+        )?;
+        self.set_proposal(&props, td.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    /// The draft's pending context rows, as one tensor.
+    fn take_context(&mut self) -> Result<Tensor> {
+        Ok(match self.ctx_rows.len() {
+            1 => self.ctx_rows.pop().expect("one"),
+            _ => Tensor::cat(&std::mem::take(&mut self.ctx_rows), 0)?,
+        })
+    }
+
+    /// The draft's proposals for block rows 1.., and the time the draft call took.
+    fn set_proposal(&mut self, props: &[u32], dt: f64) {
+        self.block[1..].copy_from_slice(props);
+        if self.first_draft {
+            self.excluded_s = dt;
+            self.first_draft = false;
+        } else {
+            self.stats.draft_ms += dt * 1e3;
+            self.draft_s = Some(dt);
+        }
+    }
+
+    /// Verify (batch 1): the target's logits for every block row.
+    pub fn verify(&mut self) -> Result<(ForwardOutput, f64)> {
+        let tv = Instant::now();
+        let taps = self.taps();
+        let fw = self.engine.target.forward(
+            &self.block,
+            self.start,
+            &mut self.tcache,
+            taps,
+            Logits::All,
+        )?;
+        Ok((fw, tv.elapsed().as_secs_f64()))
+    }
+
+    /// Accept, roll back and commit: the target's choices row by row up to the first
+    /// mismatch (the last one is the bonus token), the cache cut to the committed rows, the
+    /// committed rows' taps kept for the draft, the tokens handed to the callback.
+    pub fn accept(&mut self, fw: ForwardOutput, verify_s: f64) -> Result<()> {
+        let logits = fw.logits.expect("verify logits");
+        let post = Engine::choose_until_mismatch(&logits, &self.block, &mut self.sampler)?;
+        let a = post.len() - 1;
+        let q = self.block.len();
+        self.stats.verify_ms += verify_s * 1e3;
+        if let Some(p) = self.policy.as_mut() {
+            p.observe(q, a, self.draft_s, verify_s);
+        }
+        // Rollback.
+        let tr = Instant::now();
+        self.tcache.truncate(self.start + a + 1)?;
+        if a + 1 < q && self.tcache.has_recurrent() {
+            // the rebuild runs on the device: wait for it so that the time is its own
+            self.engine.target.info().device.synchronize()?;
+        }
+        self.stats.rollback_ms += tr.elapsed().as_secs_f64() * 1e3;
+        if let Some(t) = fw.taps {
+            // Taps of the committed rows 0..=a become the draft's next context rows (a
+            // single-token step without a draft call keeps accumulating them).
+            self.ctx_rows.push(t.narrow(0, 0, a + 1)?);
+        }
+        if let Some(s) = self.steps.as_mut() {
+            s.push(StepTrace {
+                start: self.start,
+                block_ids: self.block.clone(),
+                accepted: a,
+            });
+        }
+        // Commit.
+        let mut commit: Vec<u32> = self.block[1..=a].to_vec();
+        commit.push(post[a]);
+        self.start += a + 1;
+        self.last = post[a];
+        let (pushed, f) = Engine::commit(&commit, &self.req, &mut self.out, &mut *self.on_tokens);
+        // Tokens committed this cycle: a + 1, less any cut by a stop token or max tokens.
+        self.stats.acceptance_lengths.push(pushed);
+        // Tokens cut after a stop were never committed: they do not count as drafted.
+        self.draft_tokens += pushed.min(a);
+        self.finish = f;
+        Ok(())
+    }
+
+    /// One whole cycle for this sequence alone.
+    pub fn cycle(&mut self) -> Result<()> {
+        if !self.plan() {
+            return Ok(());
+        }
+        self.propose()?;
+        let (fw, verify_s) = self.verify()?;
+        self.accept(fw, verify_s)
+    }
+
+    /// End the generation: its output and statistics (the adaptive estimates go back to the
+    /// engine for the next generation).
+    pub fn finish(mut self) -> GenerateOutput {
+        if let (Some(p), Ok(mut slot)) = (self.policy.take(), self.engine.policy.lock()) {
+            *slot = Some(p);
+        }
+        let mut stats = self.stats;
+        let decode_s = (self.decode_t0.elapsed().as_secs_f64() - self.excluded_s).max(1e-9);
+        stats.generated_tokens = self.out.len();
+        stats.decode_ms = decode_s * 1e3;
+        stats.decode_tok_s = self.out.len().saturating_sub(1) as f64 / decode_s;
+        stats.finish_reason = self.finish.unwrap_or("length").into();
+        if self.draft.is_some() {
+            let plain = stats.q_histogram.get(1).copied().unwrap_or(0);
+            let total: usize = stats.q_histogram.iter().sum();
+            if total > 0 && plain * 2 > total {
+                stats.fallback_reason = Some(format!(
+                    "adaptive policy ran {plain} of {total} cycles as plain decoding (speculation measured slower)"
+                ));
+            }
+        }
+        stats.finish(self.draft_tokens);
+        GenerateOutput {
+            output_ids: self.out,
+            stats,
+            steps: self.steps,
+        }
+    }
+}
+
+/// Sequences decoded together: each cycle runs every step for all of them, the draft once
+/// for all sequences that propose and the target once for all blocks.
+pub struct Batch<'e> {
+    engine: &'e Engine,
+    seqs: Vec<(usize, Sequence<'e>)>,
+}
+
+impl<'e> Batch<'e> {
+    pub fn new(engine: &'e Engine) -> Self {
+        Self {
+            engine,
+            seqs: Vec::new(),
+        }
+    }
+
+    /// Add a started sequence under the caller's id (it joins at the next step).
+    pub fn push(&mut self, id: usize, s: Sequence<'e>) {
+        self.seqs.push((id, s));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// One cycle for every sequence; returns the ones that ended (and leave the batch), with
+    /// their outputs or errors.
+    pub fn step(&mut self) -> Vec<(usize, Result<GenerateOutput>)> {
+        let mut failed: Vec<(usize, Error)> = Vec::new();
+        // Plan.
+        let active: Vec<bool> = self.seqs.iter_mut().map(|(_, s)| s.plan()).collect();
+        // Propose: one draft call for every sequence that asks.
+        if let Some(d) = self.engine.draft.as_ref() {
+            let target = self.engine.target.as_ref();
+            let mut idx = Vec::new();
+            let mut items = Vec::new();
+            let td = Instant::now();
+            for (k, (_, s)) in self.seqs.iter_mut().enumerate() {
+                if !active[k] || !s.wants_draft() {
+                    continue;
+                }
+                match s.take_context() {
+                    Ok(ctx) => {
+                        idx.push(k);
+                        let Sequence {
+                            block,
+                            start,
+                            dcache,
+                            ..
+                        } = s;
+                        items.push(crate::draft::DraftItem {
+                            ctx,
+                            block: block.as_slice(),
+                            start: *start,
+                            cache: dcache.as_mut().expect("a draft has a cache"),
+                        });
+                    }
+                    Err(e) => failed.push((k, e)),
+                }
+            }
+            if !items.is_empty() {
+                let r = d.propose_batch(target, &mut items);
+                drop(items);
+                let dt = td.elapsed().as_secs_f64();
+                match r {
+                    Ok(props) => {
+                        for (k, p) in idx.iter().zip(props) {
+                            self.seqs[*k].1.set_proposal(&p, dt);
+                        }
+                    }
+                    Err(e) => {
+                        let msg = e.to_string();
+                        failed.extend(idx.iter().map(|&k| (k, Error::input(msg.clone()))));
+                    }
+                }
+            }
+        }
+        // Verify: one target forward for every block.
+        let taps: &[usize] = self.engine.draft.as_ref().map_or(&[], |d| &d.taps);
+        let mut idx = Vec::new();
+        let mut items = Vec::new();
+        for (k, (_, s)) in self.seqs.iter_mut().enumerate() {
+            if !active[k] || failed.iter().any(|(f, _)| *f == k) {
+                continue;
+            }
+            idx.push(k);
+            let Sequence {
+                block,
+                start,
+                tcache,
+                ..
+            } = s;
+            items.push(BatchItem {
+                tokens: block.as_slice(),
+                start: *start,
+                cache: tcache,
+                logits: Logits::All,
+            });
+        }
+        if !items.is_empty() {
+            let tv = Instant::now();
+            let r = self.engine.target.forward_batch(&mut items, taps);
+            drop(items);
+            let verify_s = tv.elapsed().as_secs_f64();
+            match r {
+                Ok(outs) => {
+                    for (k, fw) in idx.iter().zip(outs) {
+                        if let Err(e) = self.seqs[*k].1.accept(fw, verify_s) {
+                            failed.push((*k, e));
+                        }
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    failed.extend(idx.iter().map(|&k| (k, Error::input(msg.clone()))));
+                }
+            }
+        }
+        // Leave: finished and failed sequences.
+        let mut ended = Vec::new();
+        let mut k = 0;
+        let mut i = 0;
+        while i < self.seqs.len() {
+            let fail = failed.iter().position(|(f, _)| *f == k);
+            if fail.is_some() || self.seqs[i].1.is_done() {
+                let (id, s) = self.seqs.remove(i);
+                match fail {
+                    Some(j) => {
+                        let (_, e) = failed.swap_remove(j);
+                        ended.push((id, Err(e)));
+                    }
+                    None => ended.push((id, Ok(s.finish()))),
+                }
+            } else {
+                i += 1;
+            }
+            k += 1;
+        }
+        ended
+    }
+}

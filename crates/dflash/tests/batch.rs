@@ -1,0 +1,192 @@
+//! Batched decoding (`Engine::generate_batch`, issue 23): every request's output under a batch
+//! equals its output alone — greedy and sampled, fixed and adaptive block sizes, stop tokens,
+//! max tokens, DFlash, DFlash2 and plain decoding, dense and hybrid (recurrent rollback per
+//! sequence) targets; a bad request fails alone; cancelling one request leaves the others.
+
+mod common;
+use common::*;
+use dflash::archs::LoadOptions;
+use dflash::draft::load_draft;
+use dflash::engine::{Engine, Flow, GenerateOutput, GenerateRequest};
+use dflash::sampling::SamplingParams;
+use dflash::source::ModelSource;
+use dflash::testing::hybrid::TinyHybrid;
+use dflash::testing::{TinyDraft, TinyTarget};
+use std::path::Path;
+
+fn engine(dir: &Path, draft: bool) -> Engine {
+    let lo = LoadOptions::default();
+    let (cfg, target) =
+        dflash::archs::load_target(&ModelSource::from_dir("t", &dir.join("t")).unwrap(), &lo)
+            .unwrap();
+    let d = draft.then(|| {
+        load_draft(
+            &ModelSource::from_dir("d", &dir.join("d")).unwrap(),
+            &cfg,
+            "t",
+            &lo,
+        )
+        .unwrap()
+    });
+    Engine::new(target, d)
+}
+
+/// Eight requests that differ in everything a batch must keep apart.
+fn requests(vocab: usize) -> Vec<GenerateRequest> {
+    (0..8u64)
+        .map(|i| {
+            let plen = 1 + (i as usize * 7) % 23;
+            let mut r =
+                GenerateRequest::new(ids(300 + i, plen, vocab - 1), 6 + (i as usize * 5) % 29);
+            r.block_size = match i % 4 {
+                0 => None, // the draft's, adaptive
+                1 => Some(2),
+                2 => Some(5),
+                _ => Some(16),
+            };
+            r.adaptive = i % 4 == 0;
+            if i % 3 == 1 {
+                r.sampling = SamplingParams {
+                    temperature: 0.8,
+                    top_k: 0,
+                    top_p: 0.95,
+                    min_p: 0.0,
+                    seed: 40 + i,
+                };
+            }
+            r
+        })
+        .collect()
+}
+
+fn alone(e: &Engine, reqs: &[GenerateRequest]) -> Vec<GenerateOutput> {
+    reqs.iter()
+        .map(|r| e.generate(r, &mut |_| Flow::Continue).unwrap())
+        .collect()
+}
+
+/// Outputs equal; with a pinned block size the cycles are the same too.
+fn assert_same(what: &str, reqs: &[GenerateRequest], a: &[GenerateOutput], b: &[GenerateOutput]) {
+    for (i, ((r, x), y)) in reqs.iter().zip(a).zip(b).enumerate() {
+        assert_eq!(x.output_ids, y.output_ids, "{what}: request {i}");
+        assert_eq!(
+            x.stats.finish_reason, y.stats.finish_reason,
+            "{what}: request {i}"
+        );
+        if r.block_size.is_some() {
+            assert_eq!(
+                x.stats.acceptance_lengths, y.stats.acceptance_lengths,
+                "{what}: request {i} cycles"
+            );
+        }
+    }
+}
+
+fn check(what: &str, e: &Engine, vocab: usize) -> usize {
+    let mut reqs = requests(vocab);
+    // a stop token inside one request's output
+    let first = alone(e, &reqs[..1]);
+    if first[0].output_ids.len() > 4 {
+        reqs[0].stop_ids = vec![first[0].output_ids[3]];
+    }
+    let solo = alone(e, &reqs);
+    let mut seen: Vec<Vec<u32>> = vec![vec![]; reqs.len()];
+    let batched: Vec<GenerateOutput> = e
+        .generate_batch(&reqs, &mut |i, ids| {
+            seen[i].extend_from_slice(ids);
+            Flow::Continue
+        })
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    assert_same(what, &reqs, &solo, &batched);
+    for (i, b) in batched.iter().enumerate() {
+        assert_eq!(
+            seen[i], b.output_ids,
+            "{what}: request {i}'s callback saw its own tokens"
+        );
+    }
+    reqs.len()
+}
+
+#[test]
+fn batched_outputs_equal_outputs_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = TinyTarget::qwen3(71);
+    t.dominant = vec![(3, 4.0), (7, 3.0)];
+    t.write(&dir.path().join("t")).unwrap();
+    let mut n = 0;
+    for (k, dflash2) in [false, true].into_iter().enumerate() {
+        let mut d = TinyDraft::for_target(&t, 2, vec![0, 2], 16, 72 + k as u64);
+        if dflash2 {
+            d = d.dflash2(2, 16, 8, 4);
+        }
+        d.write(&dir.path().join("d"), t.vocab).unwrap();
+        let e = engine(dir.path(), true);
+        n += check(if dflash2 { "dflash2" } else { "dflash" }, &e, t.vocab);
+    }
+    let plain = engine(dir.path(), false);
+    n += check("plain", &plain, t.vocab);
+    assert_eq!(n, 24);
+}
+
+#[test]
+fn batched_hybrid_sequences_roll_back_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = TinyHybrid::new("qwen3_5", 81);
+    t.dominant = vec![(3, 3.0), (7, 2.5)];
+    t.write(&dir.path().join("t")).unwrap();
+    let d = TinyDraft::for_target(&t.as_tiny_target(), 2, vec![0, 2], 16, 82);
+    d.write(&dir.path().join("d"), t.vocab).unwrap();
+    let e = engine(dir.path(), true);
+    check("qwen3_5", &e, t.vocab);
+}
+
+#[test]
+fn a_bad_request_fails_alone_and_a_cancelled_one_leaves_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = TinyTarget::qwen3(91);
+    t.write(&dir.path().join("t")).unwrap();
+    TinyDraft::for_target(&t, 1, vec![1], 4, 92)
+        .write(&dir.path().join("d"), t.vocab)
+        .unwrap();
+    let e = engine(dir.path(), true);
+    let mut reqs = vec![
+        GenerateRequest::new(ids(1, 5, t.vocab), 12),
+        GenerateRequest::new(vec![], 12), // empty prompt
+        GenerateRequest::new(ids(2, 7, t.vocab), 12),
+        GenerateRequest::new(vec![1, t.vocab as u32 + 5, 2], 12), // id outside the vocabulary
+        GenerateRequest::new(ids(3, 9, t.vocab), 12),
+    ];
+    reqs[4].block_size = Some(3);
+    let solo: Vec<_> = [0, 2, 4]
+        .iter()
+        .map(|&i| e.generate(&reqs[i], &mut |_| Flow::Continue).unwrap())
+        .collect();
+    let mut cancel_after = 0;
+    let out = e.generate_batch(&reqs, &mut |i, ids| {
+        if i == 2 {
+            cancel_after += ids.len();
+            if cancel_after >= 3 {
+                return Flow::Stop;
+            }
+        }
+        Flow::Continue
+    });
+    assert_eq!(out.len(), 5);
+    let err = |i: usize| {
+        out[i]
+            .as_ref()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    assert!(err(1).contains("empty prompt"), "{}", err(1));
+    assert!(!err(3).is_empty() && !err(3).contains('\n'), "{}", err(3));
+    assert_eq!(out[0].as_ref().unwrap().output_ids, solo[0].output_ids);
+    assert_eq!(out[4].as_ref().unwrap().output_ids, solo[2].output_ids);
+    let c = out[2].as_ref().unwrap();
+    assert_eq!(c.stats.finish_reason, "cancelled");
+    assert_eq!(c.output_ids[..], solo[1].output_ids[..c.output_ids.len()]);
+    assert!(c.output_ids.len() >= 3 && c.output_ids.len() < 12);
+}
