@@ -26,9 +26,13 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from DFLASH_API_KEY).
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Requests that may wait for the engine besides the running one; more get 503.
+    /// Requests that may wait for the engine besides the running ones; more get 503.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    /// Generations decoded together (one draft call and one verify per cycle for all of
+    /// them); 1 = one at a time.
+    #[arg(long, default_value_t = 8)]
+    pub max_num_seqs: usize,
     /// Seconds a request may take, queue wait included.
     #[arg(long, default_value_t = 600.0)]
     pub request_timeout: f64,
@@ -65,6 +69,10 @@ pub fn config(a: ServeArgs) -> Result<ServerConfig> {
         .or_else(|| std::env::var("DFLASH_API_KEY").ok())
         .filter(|k| !k.is_empty());
     c.max_queue = a.max_queue;
+    if a.max_num_seqs == 0 {
+        anyhow::bail!("--max-num-seqs must be at least 1");
+    }
+    c.max_num_seqs = a.max_num_seqs;
     c.request_timeout = seconds("--request-timeout", a.request_timeout)?;
     c.max_body_bytes = a.max_body_bytes;
     c.shutdown_grace = Duration::from_secs_f64(a.shutdown_grace.max(0.0));

@@ -577,7 +577,7 @@ fn docs_serve_examples_work() {
 #[test]
 fn full_queue_is_503_with_retry_after() {
     let m = model();
-    let s = Server::start(&m, false, &["--max-queue", "1"]);
+    let s = Server::start(&m, false, &["--max-queue", "1", "--max-num-seqs", "1"]);
     let running = open_stream(&s, 60_000);
     // The second waits in the queue: its headers come back once it is queued.
     let body = json!({"prompt": "a", "max_tokens": 5, "stream": true}).to_string();
@@ -1155,4 +1155,66 @@ fn startup_errors_are_one_line() {
     let e = run(&["--model", m.target.to_str().unwrap(), "--port", &port]);
     assert!(e.contains(&format!("binding 127.0.0.1:{port}")), "{e}");
     assert!(!e.contains("panicked"), "{e}");
+}
+
+/// Concurrent requests are decoded together (`--max-num-seqs`): each one's text equals what
+/// it gets alone (greedy), with the draft and without, for completions and streamed chats,
+/// and the running gauge saw more than one generation at once.
+#[test]
+fn concurrent_requests_get_their_outputs_alone() {
+    let m = model();
+    for draft in [true, false] {
+        let s = Server::start(&m, draft, &["--max-num-seqs", "4"]);
+        let bodies: Vec<Value> = (0..6)
+            .map(|i| {
+                json!({"prompt": format!("a b {} c", "d ".repeat(i)), "max_tokens": 24 + 3 * i,
+                       "temperature": 0})
+            })
+            .collect();
+        let alone: Vec<Value> = bodies
+            .iter()
+            .map(|b| post_json(&s, "/v1/completions", b.clone()).1)
+            .collect();
+        let peak = Arc::new(Mutex::new(0u64));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watcher = {
+            let (addr, peak, stop) = (s.addr.clone(), peak.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    if let Ok(mut r) = agent().get(format!("http://{addr}/metrics")).call() {
+                        let t = r.body_mut().read_to_string().unwrap();
+                        if let Some(n) = t
+                            .lines()
+                            .find_map(|l| l.strip_prefix("dflash_requests_running "))
+                        {
+                            let n: u64 = n.trim().parse().unwrap();
+                            let mut p = peak.lock().unwrap();
+                            *p = (*p).max(n);
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        };
+        let together: Vec<Value> = std::thread::scope(|sc| {
+            let hs: Vec<_> = bodies
+                .iter()
+                .map(|b| sc.spawn(|| post_json(&s, "/v1/completions", b.clone()).1))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        watcher.join().unwrap();
+        for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+            assert_eq!(
+                a["choices"][0]["text"], t["choices"][0]["text"],
+                "draft={draft} request {i}"
+            );
+            assert_eq!(a["usage"], t["usage"], "draft={draft} request {i}");
+        }
+        assert!(
+            *peak.lock().unwrap() >= 2,
+            "draft={draft}: never more than one running"
+        );
+    }
 }

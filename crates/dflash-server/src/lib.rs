@@ -53,8 +53,11 @@ pub struct ServerConfig {
     pub block_size: Option<usize>,
     /// Bearer token required on /v1/* when set.
     pub api_key: Option<String>,
-    /// Requests that may wait for the engine besides the one running; more get 503.
+    /// Requests that may wait for the engine besides the ones running; more get 503.
     pub max_queue: usize,
+    /// Generations decoded together (one draft call and one verify per cycle for all); the
+    /// rest wait in the queue.
+    pub max_num_seqs: usize,
     /// Queue wait + generation; a generation past it stops (finish_reason "length",
     /// `dflash.timed_out`), a request still queued gets 504.
     pub request_timeout: Duration,
@@ -75,6 +78,7 @@ impl ServerConfig {
             block_size: None,
             api_key: None,
             max_queue: 64,
+            max_num_seqs: 8,
             request_timeout: Duration::from_secs(600),
             max_body_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
@@ -147,9 +151,10 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
     let control = Arc::new(Control::default());
     let thread = {
         let (m, c, t) = (metrics.clone(), control.clone(), tokenizer.clone());
+        let max_seqs = cfg.max_num_seqs;
         std::thread::Builder::new()
             .name("dflash-engine".into())
-            .spawn(move || worker::run(engine, t, rx, m, c))?
+            .spawn(move || worker::run(engine, t, rx, m, c, max_seqs))?
     };
     let app = Arc::new(App {
         cfg,

@@ -60,8 +60,9 @@ impl Metrics {
     pub fn rejected_full(&self) {
         self.rejected_full.fetch_add(1, Ordering::SeqCst);
     }
-    pub fn set_running(&self, r: bool) {
-        self.running.store(r as i64, Ordering::SeqCst);
+    /// Generations in the engine's batch.
+    pub fn set_running(&self, n: usize) {
+        self.running.store(n as i64, Ordering::SeqCst);
     }
     pub fn finished(&self, label: &str, stats: Option<&GenerationStats>) {
         let mut g = self.gen.lock().unwrap();

@@ -1,13 +1,16 @@
-//! The engine thread: one generation at a time, fed by a bounded queue. Candle work never
-//! runs on the async runtime. Detokenization and stop strings are done here too, so that a
-//! stop string stops the engine at once.
+//! The engine thread: up to `--max-num-seqs` generations decoded together, fed by a bounded
+//! queue (queued requests join the batch between cycles). Candle work never runs on the async
+//! runtime. Detokenization and stop strings are done here too, so that a stop string stops
+//! its generation at once.
 
 use crate::api::{ApiError, Finish};
 use crate::metrics::Metrics;
 use axum::http::StatusCode;
-use dflash::engine::{Engine, Flow, GenerateRequest};
+use dflash::engine::{Batch, Engine, Flow, GenerateRequest, Sequence};
 use dflash::tokenizer::{TextStream, Tokenizer};
+use std::cell::RefCell;
 use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -97,45 +100,135 @@ impl StopMatcher {
     }
 }
 
-/// Runs jobs until the queue's senders are gone.
+/// Runs jobs until the queue's senders are gone: up to `max_seqs` generations at once, decoded
+/// together (`dflash::engine::Batch`: one draft call and one verify per cycle for all of
+/// them); queued jobs join between cycles.
 pub fn run(
     engine: Engine,
     tokenizer: Tokenizer,
     jobs: std::sync::mpsc::Receiver<Job>,
     metrics: Arc<Metrics>,
     control: Arc<Control>,
+    max_seqs: usize,
 ) {
-    while let Ok(job) = jobs.recv() {
-        metrics.dequeued();
-        if job.events.is_closed() {
-            metrics.finished("cancelled", None);
+    let max_seqs = max_seqs.max(1);
+    let mut batch = Batch::new(&engine);
+    let mut running: Vec<(usize, Rc<RefCell<Running>>)> = Vec::new();
+    let mut next_id = 0usize;
+    let mut open = true;
+    while open || !batch.is_empty() {
+        // Admit: wait for work when idle, else take what is queued (up to the limit).
+        while open && batch.len() < max_seqs {
+            let job = if batch.is_empty() {
+                match jobs.recv() {
+                    Ok(j) => j,
+                    Err(_) => {
+                        open = false;
+                        break;
+                    }
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(j) => j,
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            };
+            metrics.dequeued();
+            if job.events.is_closed() {
+                metrics.finished("cancelled", None);
+                continue;
+            }
+            if control.draining.load(Ordering::SeqCst) {
+                let _ = job.events.send(Event::Error(shutting_down()));
+                metrics.error("server_shutting_down");
+                continue;
+            }
+            if Instant::now() >= job.deadline {
+                let _ = job.events.send(Event::Error(timeout_error()));
+                metrics.error("timeout_error");
+                continue;
+            }
+            let state = Rc::new(RefCell::new(Running::new(&tokenizer, job)));
+            let req = state.borrow().req.clone();
+            let cb = {
+                let state = state.clone();
+                let control = control.clone();
+                Box::new(move |ids: &[u32]| state.borrow_mut().on_tokens(ids, &control))
+                    as Box<dyn FnMut(&[u32]) -> Flow>
+            };
+            let events = state.borrow().events.clone();
+            let started =
+                std::panic::catch_unwind(AssertUnwindSafe(|| Sequence::new(&engine, req, cb)));
+            match started {
+                Ok(Ok(seq)) => {
+                    batch.push(next_id, seq);
+                    running.push((next_id, state));
+                    next_id += 1;
+                }
+                Ok(Err(e)) => send_engine_error(&events, &metrics, e),
+                Err(_) => send_panic(&events, &metrics),
+            }
+        }
+        metrics.set_running(batch.len());
+        if batch.is_empty() {
             continue;
         }
-        if control.draining.load(Ordering::SeqCst) {
-            let _ = job.events.send(Event::Error(shutting_down()));
-            metrics.error("server_shutting_down");
-            continue;
+        let ended = match std::panic::catch_unwind(AssertUnwindSafe(|| batch.step())) {
+            Ok(e) => e,
+            Err(_) => {
+                // A panic inside a shared step: every running generation ends with the error.
+                for (_, st) in running.drain(..) {
+                    send_panic(&st.borrow().events, &metrics);
+                }
+                batch = Batch::new(&engine);
+                metrics.set_running(0);
+                continue;
+            }
+        };
+        for (id, result) in ended {
+            let Some(k) = running.iter().position(|(i, _)| *i == id) else {
+                continue;
+            };
+            let (_, st) = running.swap_remove(k);
+            let st = Rc::try_unwrap(st)
+                .ok()
+                .map(RefCell::into_inner)
+                .expect("the sequence (and its callback) ended");
+            match result {
+                Ok(out) => st.done(out, &metrics),
+                Err(e) => send_engine_error(&st.events.clone(), &metrics, e),
+            }
         }
-        if Instant::now() >= job.deadline {
-            let _ = job.events.send(Event::Error(timeout_error()));
-            metrics.error("timeout_error");
-            continue;
-        }
-        metrics.set_running(true);
-        let events = job.events.clone();
-        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            run_job(&engine, &tokenizer, job, &metrics, &control)
-        }));
-        if r.is_err() {
-            let _ = events.send(Event::Error(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "the engine panicked on this request; see the server log",
-            )));
-            metrics.error("server_error");
-        }
-        metrics.set_running(false);
+        metrics.set_running(batch.len());
     }
+}
+
+fn send_panic(events: &UnboundedSender<Event>, metrics: &Metrics) {
+    let _ = events.send(Event::Error(ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "the engine panicked on this request; see the server log",
+    )));
+    metrics.error("server_error");
+}
+
+fn send_engine_error(events: &UnboundedSender<Event>, metrics: &Metrics, e: dflash::Error) {
+    let err = match e {
+        dflash::Error::Input(m) => {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", m)
+        }
+        e => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            e.to_string(),
+        ),
+    };
+    metrics.error(err.kind);
+    let _ = events.send(Event::Error(err));
 }
 
 pub fn shutting_down() -> ApiError {
@@ -157,112 +250,122 @@ pub fn timeout_error() -> ApiError {
     .with_code("timeout")
 }
 
-fn run_job(engine: &Engine, tok: &Tokenizer, job: Job, metrics: &Metrics, control: &Control) {
-    let Job {
-        req,
-        stop_strings,
-        deadline,
-        events,
-    } = job;
-    let mut stream = TextStream::with_prompt(tok, &req.prompt_ids, true);
-    let mut matcher = StopMatcher::new(stop_strings);
-    let mut stopped_by: Option<String> = None;
-    let mut cancelled = false;
-    let mut timed_out = false;
-    let mut decode_err: Option<String> = None;
-    let send = |text: String| {
-        if !text.is_empty() {
-            let _ = events.send(Event::Text(text));
+/// One running request: its text stream, stop strings and what ended it.
+struct Running {
+    req: GenerateRequest,
+    deadline: Instant,
+    events: UnboundedSender<Event>,
+    stream: TextStream,
+    matcher: StopMatcher,
+    stopped_by: Option<String>,
+    cancelled: bool,
+    timed_out: bool,
+    decode_err: Option<String>,
+}
+
+impl Running {
+    fn new(tok: &Tokenizer, job: Job) -> Self {
+        let Job {
+            req,
+            stop_strings,
+            deadline,
+            events,
+        } = job;
+        Self {
+            stream: TextStream::with_prompt(tok, &req.prompt_ids, true),
+            matcher: StopMatcher::new(stop_strings),
+            req,
+            deadline,
+            events,
+            stopped_by: None,
+            cancelled: false,
+            timed_out: false,
+            decode_err: None,
         }
-    };
-    let result = engine.generate(&req, &mut |ids| {
+    }
+
+    fn send(&self, text: String) {
+        if !text.is_empty() {
+            let _ = self.events.send(Event::Text(text));
+        }
+    }
+
+    /// Newly committed ids: text out, stop strings, cancellation and the deadline.
+    fn on_tokens(&mut self, ids: &[u32], control: &Control) -> Flow {
         let mut text = String::new();
         for &id in ids {
-            if req.stop_ids.contains(&id) {
+            if self.req.stop_ids.contains(&id) {
                 continue; // a stop token ends the text and is not part of it
             }
-            match stream.push(id) {
+            match self.stream.push(id) {
                 Ok(t) => text.push_str(&t),
                 Err(e) => {
-                    decode_err = Some(e.to_string());
+                    self.decode_err = Some(e.to_string());
                     return Flow::Stop;
                 }
             }
         }
-        let (out, hit) = matcher.push(&text);
-        send(out);
+        let (out, hit) = self.matcher.push(&text);
+        self.send(out);
         if hit.is_some() {
-            stopped_by = hit;
+            self.stopped_by = hit;
             return Flow::Stop;
         }
-        if events.is_closed() || control.cancel_running.load(Ordering::SeqCst) {
-            cancelled = true;
+        if self.events.is_closed() || control.cancel_running.load(Ordering::SeqCst) {
+            self.cancelled = true;
             return Flow::Stop;
         }
-        if Instant::now() >= deadline {
-            timed_out = true;
+        if Instant::now() >= self.deadline {
+            self.timed_out = true;
             return Flow::Stop;
         }
         Flow::Continue
-    });
-    let out = match result {
-        Ok(o) => o,
-        Err(e) => {
-            let err = match e {
-                dflash::Error::Input(m) => {
-                    ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", m)
-                }
-                e => ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "server_error",
-                    e.to_string(),
-                ),
-            };
-            metrics.error(err.kind);
-            let _ = events.send(Event::Error(err));
+    }
+
+    /// The generation ended: the held-back text, then the finish event.
+    fn done(mut self, out: dflash::engine::GenerateOutput, metrics: &Metrics) {
+        if let Some(m) = self.decode_err.take() {
+            metrics.error("server_error");
+            let _ = self.events.send(Event::Error(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                format!("decoding the generated tokens: {m}"),
+            )));
             return;
         }
-    };
-    if let Some(m) = decode_err {
-        metrics.error("server_error");
-        let _ = events.send(Event::Error(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            format!("decoding the generated tokens: {m}"),
-        )));
-        return;
-    }
-    if stopped_by.is_none() && !cancelled {
-        if let Ok(t) = stream.flush() {
-            let (o, hit) = matcher.push(&t);
-            send(o);
-            stopped_by = hit;
+        if self.stopped_by.is_none() && !self.cancelled {
+            if let Ok(t) = self.stream.flush() {
+                let (o, hit) = self.matcher.push(&t);
+                self.send(o);
+                self.stopped_by = hit;
+            }
+            if self.stopped_by.is_none() {
+                let rest = self.matcher.finish();
+                self.send(rest);
+            }
         }
-        if stopped_by.is_none() {
-            send(matcher.finish());
-        }
+        let finish_reason = if self.stopped_by.is_some() || out.stats.finish_reason == "stop" {
+            "stop"
+        } else {
+            "length"
+        };
+        let label = if self.cancelled {
+            "cancelled"
+        } else if self.timed_out {
+            "timeout"
+        } else {
+            finish_reason
+        };
+        metrics.finished(label, Some(&out.stats));
+        let _ = self.events.send(Event::Done(Finish {
+            finish_reason,
+            prompt_tokens: self.req.prompt_ids.len(),
+            completion_tokens: out.output_ids.len(),
+            stats: out.stats,
+            timed_out: self.timed_out,
+            stopped_by: self.stopped_by,
+        }));
     }
-    let finish_reason = if stopped_by.is_some() || out.stats.finish_reason == "stop" {
-        "stop"
-    } else {
-        "length"
-    };
-    let label = if cancelled {
-        "cancelled"
-    } else if timed_out {
-        "timeout"
-    } else {
-        finish_reason
-    };
-    metrics.finished(label, Some(&out.stats));
-    let _ = events.send(Event::Done(Finish {
-        finish_reason,
-        prompt_tokens: req.prompt_ids.len(),
-        completion_tokens: out.output_ids.len(),
-        stats: out.stats,
-        timed_out,
-        stopped_by,
-    }));
 }
 
 #[cfg(test)]

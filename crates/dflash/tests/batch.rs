@@ -4,6 +4,7 @@
 //! sequence) targets; a bad request fails alone; cancelling one request leaves the others.
 
 mod common;
+use candle_core::Tensor;
 use common::*;
 use dflash::archs::LoadOptions;
 use dflash::draft::load_draft;
@@ -89,6 +90,10 @@ fn check(what: &str, e: &Engine, vocab: usize) -> usize {
     if first[0].output_ids.len() > 4 {
         reqs[0].stop_ids = vec![first[0].output_ids[3]];
     }
+    // a prompt longer than a prefill chunk: it prefills over several batch steps while the
+    // others decode
+    let long = dflash::engine::PREFILL_CHUNK + 300;
+    reqs[5].prompt_ids = ids(999, long, vocab - 1);
     let solo = alone(e, &reqs);
     let mut seen: Vec<Vec<u32>> = vec![vec![]; reqs.len()];
     let batched: Vec<GenerateOutput> = e
@@ -189,4 +194,221 @@ fn a_bad_request_fails_alone_and_a_cancelled_one_leaves_the_others() {
     assert_eq!(c.stats.finish_reason, "cancelled");
     assert_eq!(c.output_ids[..], solo[1].output_ids[..c.output_ids.len()]);
     assert!(c.output_ids.len() >= 3 && c.output_ids.len() < 12);
+}
+
+/// `TargetModel::forward_batch` == each item's `forward` alone, on every target fixture
+/// (dense, sliding, yarn, tied, MoE, sinks, MLA, hybrids, gemma4 with PLE and shared KV):
+/// a batched prefill of three prompts, then a batched step of three blocks of different
+/// lengths over the caches it left; logits and taps, f32.
+#[test]
+fn forward_batch_equals_forward_alone_for_every_family() {
+    use dflash::archs::{BatchItem, Logits};
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/targets");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    names.sort();
+    let mut worst = 0f32;
+    for name in &names {
+        let m = load(&dir.join(name));
+        let info = m.info();
+        let vocab = info.vocab_size.min(250);
+        let taps: Vec<usize> = vec![0, info.num_layers - 1];
+        let prompts: Vec<Vec<u32>> = [5usize, 1, 9]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| ids(10 + i as u64, n, vocab))
+            .collect();
+        let blocks: Vec<Vec<u32>> = [4usize, 1, 7]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| ids(20 + i as u64, n, vocab))
+            .collect();
+        // alone
+        let mut solo = vec![];
+        for (p, b) in prompts.iter().zip(&blocks) {
+            let mut c = m.new_cache(64).unwrap();
+            let a = m.forward(p, 0, &mut c, &taps, Logits::Last).unwrap();
+            let v = m.forward(b, p.len(), &mut c, &taps, Logits::All).unwrap();
+            solo.push((a, v));
+        }
+        // together
+        let mut caches: Vec<_> = (0..3).map(|_| m.new_cache(64).unwrap()).collect();
+        let mut items: Vec<BatchItem> = caches
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(c, p)| BatchItem {
+                tokens: p,
+                start: 0,
+                cache: c,
+                logits: Logits::Last,
+            })
+            .collect();
+        let pre: Vec<_> = m
+            .forward_batch(&mut items, &taps)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        drop(items);
+        let mut items: Vec<BatchItem> = caches
+            .iter_mut()
+            .zip(&blocks)
+            .zip(&prompts)
+            .map(|((c, b), p)| BatchItem {
+                tokens: b,
+                start: p.len(),
+                cache: c,
+                logits: Logits::All,
+            })
+            .collect();
+        let ver: Vec<_> = m
+            .forward_batch(&mut items, &taps)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        drop(items);
+        for (k, ((a, v), (pa, pv))) in solo.iter().zip(pre.iter().zip(&ver)).enumerate() {
+            for (what, x, y) in [
+                ("prefill logits", &a.logits, &pa.logits),
+                ("prefill taps", &a.taps, &pa.taps),
+                ("verify logits", &v.logits, &pv.logits),
+                ("verify taps", &v.taps, &pv.taps),
+            ] {
+                let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+                assert_eq!(x.dims(), y.dims(), "{name} item {k} {what}");
+                let d = max_abs_diff(x, y);
+                worst = worst.max(d);
+                assert!(
+                    d < 1e-4,
+                    "{name} item {k} {what}: batched vs alone differ by {d}"
+                );
+            }
+        }
+        assert_eq!(
+            caches.iter().map(|c| c.len()).collect::<Vec<_>>(),
+            vec![9, 2, 16],
+            "{name}"
+        );
+    }
+    eprintln!(
+        "{} families: batched vs alone max |diff| {worst:e}",
+        names.len()
+    );
+}
+
+/// `DraftModel::propose_batch` (one pass for every sequence) == each `propose` alone, for a
+/// DFlash and a DFlash2 draft with sliding layers, over two calls per sequence (the second
+/// reads the cached context rows and adds new ones), blocks of different sizes.
+#[test]
+fn draft_batch_equals_draft_alone() {
+    use dflash::archs::Logits;
+    use dflash::draft::DraftItem;
+    let dir = tempfile::tempdir().unwrap();
+    let t = TinyTarget::qwen3(101);
+    t.write(&dir.path().join("t")).unwrap();
+    for dflash2 in [false, true] {
+        let mut d = TinyDraft::for_target(&t, 3, vec![0, 2], 16, 102);
+        d.layer_types = Some(vec![
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ]);
+        d.sliding_window = 5;
+        if dflash2 {
+            d = d.dflash2(3, 8, 8, 4);
+        }
+        d.write(&dir.path().join("d"), t.vocab).unwrap();
+        let e = engine(dir.path(), true);
+        let draft = e.draft.as_ref().unwrap();
+        let target = e.target.as_ref();
+        let seqs: Vec<Vec<u32>> = [12usize, 3, 20]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| ids(50 + i as u64, n, t.vocab - 1))
+            .collect();
+        let taps: Vec<Tensor> = seqs
+            .iter()
+            .map(|s| {
+                let mut c = target.new_cache(64).unwrap();
+                target
+                    .forward(s, 0, &mut c, &draft.taps, Logits::None)
+                    .unwrap()
+                    .taps
+                    .unwrap()
+            })
+            .collect();
+        // call 1: context 0..cut, block at cut; call 2: context cut..len-1, block at len-1
+        let cuts = [7usize, 1, 15];
+        let qs = [[4usize, 16], [2, 5], [16, 3]];
+        let block = |s: &[u32], at: usize, q: usize| {
+            let mut b = vec![s[at]];
+            b.resize(q, draft.mask_token_id());
+            b
+        };
+        let mut alone = vec![];
+        for (k, s) in seqs.iter().enumerate() {
+            let mut c = draft.new_cache(64).unwrap();
+            let b1 = block(s, cuts[k], qs[k][0]);
+            let p1 = draft
+                .propose(
+                    target,
+                    &taps[k].narrow(0, 0, cuts[k]).unwrap(),
+                    &b1,
+                    cuts[k],
+                    &mut c,
+                )
+                .unwrap();
+            let n = s.len() - 1;
+            let b2 = block(s, n, qs[k][1]);
+            let p2 = draft
+                .propose(
+                    target,
+                    &taps[k].narrow(0, cuts[k], n - cuts[k]).unwrap(),
+                    &b2,
+                    n,
+                    &mut c,
+                )
+                .unwrap();
+            alone.push((p1, p2));
+        }
+        let mut caches: Vec<_> = (0..3).map(|_| draft.new_cache(64).unwrap()).collect();
+        let b1: Vec<Vec<u32>> = (0..3).map(|k| block(&seqs[k], cuts[k], qs[k][0])).collect();
+        let mut items: Vec<DraftItem> = caches
+            .iter_mut()
+            .enumerate()
+            .map(|(k, c)| DraftItem {
+                ctx: taps[k].narrow(0, 0, cuts[k]).unwrap(),
+                block: &b1[k],
+                start: cuts[k],
+                cache: c,
+            })
+            .collect();
+        let p1 = draft.propose_batch(target, &mut items).unwrap();
+        drop(items);
+        let b2: Vec<Vec<u32>> = (0..3)
+            .map(|k| block(&seqs[k], seqs[k].len() - 1, qs[k][1]))
+            .collect();
+        let mut items: Vec<DraftItem> = caches
+            .iter_mut()
+            .enumerate()
+            .map(|(k, c)| {
+                let n = seqs[k].len() - 1;
+                DraftItem {
+                    ctx: taps[k].narrow(0, cuts[k], n - cuts[k]).unwrap(),
+                    block: &b2[k],
+                    start: n,
+                    cache: c,
+                }
+            })
+            .collect();
+        let p2 = draft.propose_batch(target, &mut items).unwrap();
+        drop(items);
+        for k in 0..3 {
+            assert_eq!(p1[k], alone[k].0, "dflash2={dflash2} seq {k} call 1");
+            assert_eq!(p2[k], alone[k].1, "dflash2={dflash2} seq {k} call 2");
+        }
+    }
 }

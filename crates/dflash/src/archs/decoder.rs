@@ -22,6 +22,7 @@ use crate::nn::{
 };
 use crate::source::Weights;
 use crate::{Error, Result};
+use candle_core::Tensor;
 
 /// How a layer mixes tokens.
 pub enum Mixer {
@@ -79,10 +80,39 @@ pub struct DecoderLayer {
     pub family: &'static str,
 }
 
-impl Layer for DecoderLayer {
-    fn forward(&self, r: &mut Residual, f: &Frame, cache: &mut TargetCache) -> Result<()> {
-        let x = r.norm(&self.input_norm)?;
-        let a = match &self.mixer {
+impl DecoderLayer {
+    /// The mixer over several sequences' rows (`x` back to back, frame by frame): attention
+    /// with its projections over all rows and each sequence over its own cache; the latent and
+    /// recurrent mixers one sequence at a time.
+    fn mix_batch(
+        &self,
+        x: &Tensor,
+        frames: &[Frame],
+        caches: &mut [&mut TargetCache],
+    ) -> Result<Tensor> {
+        if let Mixer::Attention { attn, rope, vis } = &self.mixer {
+            let mut sites = Vec::with_capacity(frames.len());
+            for f in frames {
+                sites.push(f.site(*rope, *vis)?);
+            }
+            let mut kvs = Vec::with_capacity(caches.len());
+            for c in caches.iter_mut() {
+                kvs.push(kv_slot(c, self.slot, self.family)?);
+            }
+            return attn.forward_segments(x, &sites, &mut kvs);
+        }
+        let mut parts = Vec::with_capacity(frames.len());
+        let mut off = 0;
+        for (f, c) in frames.iter().zip(caches.iter_mut()) {
+            parts.push(self.mix(&x.narrow(0, off, f.n)?, f, c)?);
+            off += f.n;
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// The mixer of one sequence.
+    fn mix(&self, x: &Tensor, f: &Frame, cache: &mut TargetCache) -> Result<Tensor> {
+        Ok(match &self.mixer {
             Mixer::Attention { attn, rope, vis } => {
                 let kv = kv_slot(cache, self.slot, self.family)?;
                 attn.forward(&x, &f.site(*rope, *vis)?, kv)?
@@ -94,11 +124,14 @@ impl Layer for DecoderLayer {
                 _ => return Err(wrong_cache(self.family, self.slot, "latent")),
             },
             Mixer::Delta(d) => match cache.layers.get_mut(self.slot) {
-                Some(LayerCache::Recurrent(rc)) => d.forward(&x, rc, f.chunk_masks()?)?,
+                Some(LayerCache::Recurrent(rc)) => d.forward(x, rc, f.chunk_masks()?)?,
                 _ => return Err(wrong_cache(self.family, self.slot, "recurrent")),
             },
-        };
-        f.mark("attention");
+        })
+    }
+
+    /// After the mixer: the residual add, the feed-forward (over all rows of the pass).
+    fn finish_layer(&self, r: &mut Residual, a: Tensor) -> Result<()> {
         match &self.sandwich {
             None => {
                 r.add(a)?;
@@ -112,8 +145,29 @@ impl Layer for DecoderLayer {
                 r.add(post_ff.forward(&m)?)?;
             }
         }
+        Ok(())
+    }
+}
+
+impl Layer for DecoderLayer {
+    fn forward(&self, r: &mut Residual, f: &Frame, cache: &mut TargetCache) -> Result<()> {
+        let x = r.norm(&self.input_norm)?;
+        let a = self.mix(&x, f, cache)?;
+        f.mark("attention");
+        self.finish_layer(r, a)?;
         f.mark("mlp");
         Ok(())
+    }
+
+    fn forward_batch(
+        &self,
+        r: &mut Residual,
+        frames: &[Frame],
+        caches: &mut [&mut TargetCache],
+    ) -> Result<()> {
+        let x = r.norm(&self.input_norm)?;
+        let a = self.mix_batch(&x, frames, caches)?;
+        self.finish_layer(r, a)
     }
 
     fn read_bytes(&self, rows: usize) -> f64 {

@@ -214,11 +214,19 @@ pub trait TargetModel: Send + Sync {
     /// cache, with the same taps; outputs in item order, each as [`Self::forward`] gives it
     /// alone. The default runs the items one after another; families that batch run every
     /// layer's weights once over all items' rows.
-    fn forward_batch(&self, items: &mut [BatchItem], taps: &[usize]) -> Result<Vec<ForwardOutput>> {
-        items
+    ///
+    /// The outer error is a failure of the shared pass (every item's cache is back at its
+    /// start); an item's own bad input (a token outside the vocabulary, a cache overflow) is
+    /// its inner error and the others still run.
+    fn forward_batch(
+        &self,
+        items: &mut [BatchItem],
+        taps: &[usize],
+    ) -> Result<Vec<Result<ForwardOutput>>> {
+        Ok(items
             .iter_mut()
             .map(|it| self.forward(it.tokens, it.start, it.cache, taps, it.logits))
-            .collect()
+            .collect())
     }
 
     /// Bytes of weights a forward of `rows` rows reads (MoE: the expected union of the
@@ -281,6 +289,28 @@ pub fn checked_forward(
     vocab_limit: usize,
     run: impl FnOnce(&mut TargetCache) -> Result<ForwardOutput>,
 ) -> Result<ForwardOutput> {
+    check_forward(tokens, start, cache, taps, layers, vocab_limit)?;
+    match run(cache) {
+        Ok(out) => {
+            cache.advance(tokens.len());
+            Ok(out)
+        }
+        Err(e) => {
+            cache.truncate(start).ok();
+            Err(e)
+        }
+    }
+}
+
+/// The input checks of [`checked_forward`].
+pub fn check_forward(
+    tokens: &[u32],
+    start: usize,
+    cache: &TargetCache,
+    taps: &[usize],
+    layers: usize,
+    vocab_limit: usize,
+) -> Result<()> {
     if tokens.is_empty() {
         return Err(Error::input("forward: no tokens"));
     }
@@ -307,16 +337,7 @@ pub fn checked_forward(
             cache.capacity()
         )));
     }
-    match run(cache) {
-        Ok(out) => {
-            cache.advance(tokens.len());
-            Ok(out)
-        }
-        Err(e) => {
-            cache.truncate(start).ok();
-            Err(e)
-        }
-    }
+    Ok(())
 }
 
 /// Options for loading a target.

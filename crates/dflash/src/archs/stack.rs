@@ -25,8 +25,8 @@
 //!   the caches from.
 
 use super::{
-    checked_forward, ForwardOutput, LayerCache, Logits, TapRecorder, TargetCache, TargetInfo,
-    TargetModel,
+    check_forward, checked_forward, BatchItem, ForwardOutput, LayerCache, Logits, TapRecorder,
+    TargetCache, TargetInfo, TargetModel,
 };
 pub use crate::nn::Params;
 use crate::nn::{
@@ -183,6 +183,12 @@ impl<'t> Residual<'t> {
         Ok(&self.h)
     }
 
+    /// Replace the (settled) stream.
+    pub fn replace(&mut self, h: Tensor) {
+        debug_assert!(self.pending.is_none());
+        self.h = h;
+    }
+
     /// Multiply the stream by `s` (broadcast; gemma4's `layer_scalar`).
     pub fn scale(&mut self, s: &Tensor) -> Result<()> {
         let h = self.settle()?.broadcast_mul(s)?;
@@ -263,6 +269,27 @@ impl Head {
 /// sections on the frame.
 pub trait Layer: Send + Sync {
     fn forward(&self, r: &mut Residual, f: &Frame, cache: &mut TargetCache) -> Result<()>;
+    /// Several sequences in one pass: `r` holds their rows back to back (frame k's rows after
+    /// frame k-1's), `caches[k]` is frame k's cache. The default runs each sequence alone;
+    /// a layer that batches runs its weights once over all rows.
+    fn forward_batch(
+        &self,
+        r: &mut Residual,
+        frames: &[Frame],
+        caches: &mut [&mut TargetCache],
+    ) -> Result<()> {
+        let h = r.settle()?.clone();
+        let mut parts = Vec::with_capacity(frames.len());
+        let mut off = 0;
+        for (f, c) in frames.iter().zip(caches.iter_mut()) {
+            let mut sub = Residual::new(h.narrow(0, off, f.n)?, &[]);
+            self.forward(&mut sub, f, c)?;
+            parts.push(sub.settle()?.clone());
+            off += f.n;
+        }
+        r.replace(Tensor::cat(&parts, 0)?);
+        Ok(())
+    }
     /// Bytes of weights held (fused copies included).
     fn weight_bytes(&self) -> usize;
     /// Bytes of weights a forward of `rows` rows reads: all of them, but for a MoE block only
@@ -455,6 +482,86 @@ impl<L: Layer> Stack<L> {
         })
     }
 
+    /// Checked items in one pass: their rows back to back through every layer (each layer's
+    /// weights read once), each sequence's attention over its own cache; the LM head once for
+    /// the rows every item asks logits for. The caches are advanced by the caller.
+    fn forward_together(
+        &self,
+        items: &mut [&mut BatchItem],
+        taps: &[usize],
+    ) -> Result<Vec<ForwardOutput>> {
+        let mut frames = items
+            .iter()
+            .map(|it| {
+                Frame::new(
+                    it.tokens,
+                    it.start,
+                    &self.ropes,
+                    self.info.dtype,
+                    &self.info.device,
+                    "target",
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ids = Tensor::cat(&frames.iter().map(|f| &f.ids).collect::<Vec<_>>(), 0)?;
+        let mut h = self.embed.forward(&ids)?;
+        if let Some(s) = self.embed_scale {
+            h = (h * s)?;
+        }
+        let mut rows = Vec::with_capacity(frames.len());
+        let mut off = 0;
+        for f in &frames {
+            rows.push((off, f.n));
+            off += f.n;
+        }
+        if let Some(p) = &self.prologue {
+            for (f, &(off, n)) in frames.iter_mut().zip(&rows) {
+                f.extra = Some(p.inputs(f, &h.narrow(0, off, n)?)?);
+            }
+        }
+        let mut caches: Vec<&mut TargetCache> = items.iter_mut().map(|it| &mut *it.cache).collect();
+        let mut r = Residual::new(h, taps);
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.forward_batch(&mut r, &frames, &mut caches)?;
+            r.end_layer(i);
+        }
+        let (h, taps_out) = r.finish()?;
+        // The head once, over the rows asked for.
+        let mut picked = Vec::new();
+        let mut counts = Vec::with_capacity(items.len());
+        for (it, &(off, n)) in items.iter().zip(&rows) {
+            match it.logits.rows(&h.narrow(0, off, n)?)? {
+                Some(x) => {
+                    counts.push(x.dim(0)?);
+                    picked.push(x);
+                }
+                None => counts.push(0),
+            }
+        }
+        let logits = match picked.len() {
+            0 => None,
+            _ => Some(self.head.logits(&Tensor::cat(&picked, 0)?)?),
+        };
+        let mut at = 0;
+        let mut outs = Vec::with_capacity(items.len());
+        for (&(off, n), &c) in rows.iter().zip(&counts) {
+            let l = match &logits {
+                Some(l) if c > 0 => Some(l.narrow(0, at, c)?),
+                _ => None,
+            };
+            at += c;
+            let t = taps_out.as_ref().map(|t| t.narrow(0, off, n)).transpose()?;
+            outs.push(ForwardOutput { logits: l, taps: t });
+        }
+        if let Some(f) = frames.first() {
+            f.mark("head");
+        }
+        for f in frames {
+            f.finish();
+        }
+        Ok(outs)
+    }
+
     /// A long input runs through the whole stack in pieces of `self.piece` rows. The forward
     /// stays one step for the cache: a failing piece restores the recurrent layers to the
     /// forward's start (KV layers are cropped by `checked_forward`), and after success the
@@ -558,6 +665,76 @@ impl<L: Layer> TargetModel for Stack<L> {
             self.vocab_limit,
             |c| self.forward_pieces(tokens, start, c, taps, logits),
         )
+    }
+
+    fn forward_batch(
+        &self,
+        items: &mut [BatchItem],
+        taps: &[usize],
+    ) -> Result<Vec<Result<ForwardOutput>>> {
+        let mut out: Vec<Option<Result<ForwardOutput>>> = (0..items.len()).map(|_| None).collect();
+        let mut ok = Vec::new();
+        for (k, it) in items.iter().enumerate() {
+            let checked = if it.cache.layers.len() != self.caches.len() {
+                Err(crate::Error::input(format!(
+                    "{}: the cache has {} slots, this model needs {} (it was made by another model)",
+                    self.info.family,
+                    it.cache.layers.len(),
+                    self.caches.len()
+                )))
+            } else {
+                check_forward(
+                    it.tokens,
+                    it.start,
+                    it.cache,
+                    taps,
+                    self.layers.len(),
+                    self.vocab_limit,
+                )
+            };
+            match checked {
+                Ok(()) => ok.push(k),
+                Err(e) => out[k] = Some(Err(e)),
+            }
+        }
+        // One sequence, or inputs the stack runs in pieces (long prefills of the hybrids):
+        // each alone.
+        let alone = ok.len() <= 1
+            || self
+                .piece
+                .is_some_and(|p| ok.iter().any(|&k| items[k].tokens.len() > p));
+        if alone {
+            for &k in &ok {
+                let it = &mut items[k];
+                out[k] = Some(self.forward(it.tokens, it.start, it.cache, taps, it.logits));
+            }
+        } else {
+            let mut sel: Vec<&mut BatchItem> = items
+                .iter_mut()
+                .enumerate()
+                .filter(|(k, _)| ok.contains(k))
+                .map(|(_, it)| it)
+                .collect();
+            let starts: Vec<usize> = sel.iter().map(|it| it.start).collect();
+            match self.forward_together(&mut sel, taps) {
+                Ok(outs) => {
+                    for ((it, &k), o) in sel.iter_mut().zip(&ok).zip(outs) {
+                        it.cache.advance(it.tokens.len());
+                        out[k] = Some(Ok(o));
+                    }
+                }
+                Err(e) => {
+                    for (it, s) in sel.iter_mut().zip(starts) {
+                        it.cache.truncate(s).ok();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| o.expect("every item answered"))
+            .collect())
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {

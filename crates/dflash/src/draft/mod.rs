@@ -344,16 +344,181 @@ impl DraftModel {
         })
     }
 
-    /// Proposals for several sequences (each item as [`Self::propose`] alone), in item order.
+    /// Proposals for several sequences (each item as [`Self::propose`] alone), in item order:
+    /// on the CPU one pass for all of them ([`Self::forward_rows_batch`]) and the LM head once
+    /// over every item's rows; elsewhere one call per item.
     pub fn propose_batch(
         &self,
         target: &dyn TargetModel,
         items: &mut [DraftItem],
     ) -> Result<Vec<Vec<u32>>> {
-        items
-            .iter_mut()
-            .map(|it| self.propose(target, &it.ctx, it.block, it.start, it.cache))
-            .collect()
+        if items.len() < 2 || !self.device.is_cpu() {
+            return items
+                .iter_mut()
+                .map(|it| self.propose(target, &it.ctx, it.block, it.start, it.cache))
+                .collect();
+        }
+        let rows = self.forward_rows_batch(target, items)?;
+        let all = Tensor::cat(&rows, 0)?;
+        let logits = self.logits(target, &all, None)?;
+        let mut out = Vec::with_capacity(items.len());
+        let mut off = 0;
+        for (it, r) in items.iter().zip(&rows) {
+            let n = r.dim(0)?;
+            let l = logits.narrow(0, off, n)?;
+            off += n;
+            let ids = match &self.selector {
+                Some(s) => s.walk(r, &l, it.block[0])?,
+                None => crate::sampling::argmax_rows(&l)?,
+            };
+            out.push(match &self.d2t {
+                Some(d2t) => ids
+                    .iter()
+                    .map(|&i| (i as i64 + d2t[i as usize]) as u32)
+                    .collect(),
+                None => ids,
+            });
+        }
+        Ok(out)
+    }
+
+    /// [`Self::forward_rows`] for several sequences in one pass: their new context rows
+    /// through `fc` at once, their blocks' rows back to back through every layer (the weights
+    /// read once), each block attending over its own context cache; the DFlash2 convolutions
+    /// within each block. Returns each item's final-normed rows 1..Q.
+    pub fn forward_rows_batch(
+        &self,
+        target: &dyn TargetModel,
+        items: &mut [DraftItem],
+    ) -> Result<Vec<Tensor>> {
+        let dev = &self.device;
+        let mut ctx_lens = Vec::with_capacity(items.len());
+        for it in items.iter() {
+            let s = it.ctx.dim(0)?;
+            let ctx_start = it.cache.len();
+            if ctx_start + s != it.start {
+                return Err(Error::input(format!(
+                    "draft: context rows cover positions {ctx_start}..{} but the block starts at {}",
+                    ctx_start + s,
+                    it.start
+                )));
+            }
+            if it.block.len() < 2 {
+                return Err(Error::input("draft: a block needs at least 2 positions"));
+            }
+            ctx_lens.push(s);
+        }
+        let qs: Vec<usize> = items.iter().map(|it| it.block.len()).collect();
+        let starts: Vec<usize> = items.iter().map(|it| it.start).collect();
+        // Context rows of every item through fc + hidden_norm at once.
+        let with_ctx: Vec<&Tensor> = items
+            .iter()
+            .filter(|it| it.ctx.dim(0).unwrap_or(0) > 0)
+            .map(|it| &it.ctx)
+            .collect();
+        let ctx_all = match with_ctx.len() {
+            0 => None,
+            _ => {
+                let c = Tensor::cat(&with_ctx, 0)?.to_dtype(self.dtype)?;
+                Some(self.hidden_norm.forward(&self.fc.forward(&c)?)?)
+            }
+        };
+        let mut ctx = Vec::with_capacity(items.len());
+        let mut off = 0;
+        for &s in &ctx_lens {
+            ctx.push(match (&ctx_all, s) {
+                (Some(c), s) if s > 0 => Some(c.narrow(0, off, s)?),
+                _ => None,
+            });
+            off += s;
+        }
+        let t_ctx = items
+            .iter()
+            .zip(&ctx_lens)
+            .map(|(it, &s)| self.rope.tables(it.cache.len(), s, dev, self.dtype))
+            .collect::<Result<Vec<_>>>()?;
+        let t_blk = items
+            .iter()
+            .map(|it| self.rope.tables(it.start, it.block.len(), dev, self.dtype))
+            .collect::<Result<Vec<_>>>()?;
+        let masks: Vec<Masks> = items
+            .iter()
+            .map(|it| Masks::new(it.block.len(), it.start, self.dtype, dev))
+            .collect();
+        let ids: Vec<u32> = items
+            .iter()
+            .flat_map(|it| it.block.iter().copied())
+            .collect();
+        let mut h = self.embed_block(target, &ids)?;
+        let mut x = match self.layers.first() {
+            Some(l) => l.input_norm.forward(&h)?,
+            None => h.clone(),
+        };
+        // Per-block pieces of a row-concatenated tensor, each through `f`, back together.
+        let per_block =
+            |t: &Tensor, f: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>| -> Result<Tensor> {
+                let mut parts = Vec::with_capacity(qs.len());
+                let mut off = 0;
+                for (k, &q) in qs.iter().enumerate() {
+                    parts.push(f(k, &t.narrow(0, off, q)?)?);
+                    off += q;
+                }
+                Ok(Tensor::cat(&parts, 0)?)
+            };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let a = &layer.attn;
+            for (k, it) in items.iter_mut().enumerate() {
+                if let Some(c) = &ctx[k] {
+                    a.append_keys_values(c, &self.rope, &t_ctx[k], &mut it.cache.layers[i])?;
+                }
+            }
+            let (xa, dks) = match &layer.attn_conv {
+                None => (x, None),
+                Some(conv) => {
+                    let mut dks = Vec::with_capacity(qs.len());
+                    let xa = per_block(&x, &mut |_, xb| {
+                        let (xc, d) = conv.prepare(xb, xb.dim(0)?)?;
+                        dks.push(d);
+                        Ok(xc)
+                    })?;
+                    (xa, Some(dks))
+                }
+            };
+            let sites: Vec<Site> = (0..items.len())
+                .map(|k| Site {
+                    rope: &self.rope,
+                    tables: &t_blk[k],
+                    vis: layer.vis,
+                    masks: &masks[k],
+                })
+                .collect();
+            let mut kvs: Vec<&mut KvCache> =
+                items.iter_mut().map(|it| &mut it.cache.layers[i]).collect();
+            let mut attn_out = a.forward_segments(&xa, &sites, &mut kvs)?;
+            for (kv, &start) in kvs.into_iter().zip(&starts) {
+                kv.truncate(start);
+            }
+            if let (Some(conv), Some(dks)) = (&layer.attn_conv, &dks) {
+                attn_out = per_block(&attn_out, &mut |k, yb| conv.finish(yb, &dks[k], yb.dim(0)?))?;
+            }
+            let (h1, xm) = layer.post_attn_norm.add_forward(&h, &attn_out)?;
+            let m = match &layer.mlp_conv {
+                None => layer.mlp.forward(&xm)?,
+                Some(_) => per_block(&xm, &mut |_, xb| layer.mlp(xb, xb.dim(0)?))?,
+            };
+            let next_norm = match self.layers.get(i + 1) {
+                Some(nl) => &nl.input_norm,
+                None => &self.norm,
+            };
+            (h, x) = next_norm.add_forward(&h1, &m)?;
+        }
+        let mut rows = Vec::with_capacity(qs.len());
+        let mut off = 0;
+        for &q in &qs {
+            rows.push(x.narrow(0, off + 1, q - 1)?);
+            off += q;
+        }
+        Ok(rows)
     }
 
     /// Draft logits for block rows 1..Q: `[Q-1, draft vocab]` f32 (the target's vocab unless

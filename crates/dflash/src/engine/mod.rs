@@ -13,7 +13,7 @@
 pub mod adaptive;
 mod sequence;
 
-pub use sequence::{Batch, Sequence};
+pub use sequence::{Batch, Sequence, PREFILL_CHUNK};
 
 use crate::archs::{Logits, TargetModel};
 use crate::draft::DraftModel;
@@ -144,7 +144,7 @@ impl Engine {
             let cb = &cb;
             let f: Box<dyn FnMut(&[u32]) -> Flow + '_> =
                 Box::new(move |ids: &[u32]| (cb.borrow_mut())(i, ids));
-            match Sequence::start(self, r.clone(), f) {
+            match Sequence::new(self, r.clone(), f) {
                 Ok(s) => batch.push(i, s),
                 Err(e) => results[i] = Some(Err(e)),
             }

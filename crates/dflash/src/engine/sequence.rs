@@ -49,14 +49,42 @@ pub struct Sequence<'e> {
     /// The cycle in flight: its block (row 0 + proposals) and the draft's time.
     block: Vec<u32>,
     draft_s: Option<f64>,
+    /// Prompt tokens already through the target (the prefill runs in chunks in a batch).
+    prefilled: usize,
+    created: Instant,
+    /// Time spent in prefill forwards (for prefill tok/s).
+    prefill_s: f64,
 }
+
+/// Prompt tokens a sequence prefills per batch step, so that a long prompt does not stall the
+/// other sequences' decoding for its whole length.
+pub const PREFILL_CHUNK: usize = 512;
 
 impl<'e> Sequence<'e> {
     /// Check the request, make the caches, prefill the prompt and commit the first token.
     pub fn start(
         engine: &'e Engine,
         req: GenerateRequest,
-        mut on_tokens: Box<dyn FnMut(&[u32]) -> Flow + 'e>,
+        on_tokens: Box<dyn FnMut(&[u32]) -> Flow + 'e>,
+    ) -> Result<Self> {
+        let mut s = Self::new(engine, req, on_tokens)?;
+        let p = s.req.prompt_ids.len();
+        let t0 = Instant::now();
+        let taps = s.taps();
+        let pre = engine
+            .target
+            .forward(&s.req.prompt_ids, 0, &mut s.tcache, taps, Logits::Last)?;
+        s.prefilled = p;
+        s.after_prefill(pre, t0.elapsed().as_secs_f64())?;
+        Ok(s)
+    }
+
+    /// Check the request and make the caches; the prompt is prefilled later
+    /// ([`Self::start`] alone, or chunk by chunk in a [`Batch`]).
+    pub fn new(
+        engine: &'e Engine,
+        req: GenerateRequest,
+        on_tokens: Box<dyn FnMut(&[u32]) -> Flow + 'e>,
     ) -> Result<Self> {
         req.sampling.validate()?;
         let p = req.prompt_ids.len();
@@ -80,10 +108,20 @@ impl<'e> Sequence<'e> {
             .saturating_add(req.max_tokens)
             .saturating_add(q_max)
             .min(engine.max_context);
+        if let Some(&bad) = req
+            .prompt_ids
+            .iter()
+            .find(|&&t| t as usize >= engine.target.info().vocab_size)
+        {
+            return Err(Error::input(format!(
+                "token id {bad} out of range: vocab size is {}",
+                engine.target.info().vocab_size
+            )));
+        }
         let target = engine.target.as_ref();
-        let mut tcache = target.new_cache(capacity)?;
+        let tcache = target.new_cache(capacity)?;
         let dcache = draft.map(|d| d.new_cache(capacity)).transpose()?;
-        let mut sampler = Sampler::new(req.sampling.clone());
+        let sampler = Sampler::new(req.sampling.clone());
         let mut stats = GenerationStats {
             mode: if draft.is_some() { "dflash" } else { "plain" }.into(),
             block_size: q_max,
@@ -108,16 +146,6 @@ impl<'e> Sequence<'e> {
         stats.adaptive = policy.is_some();
         stats.q_histogram = vec![0; q_max + 1];
 
-        // Prefill.
-        let taps: &[usize] = draft.map_or(&[], |d| &d.taps);
-        let t0 = Instant::now();
-        let pre = target.forward(&req.prompt_ids, 0, &mut tcache, taps, Logits::Last)?;
-        let first = Engine::choose(&pre.logits.expect("prefill logits"), &mut sampler)?[0];
-        let prefill_s = t0.elapsed().as_secs_f64();
-        stats.ttft_ms = prefill_s * 1e3;
-        stats.prefill_tok_s = p as f64 / prefill_s;
-        let mut out = Vec::new();
-        let (_, finish) = Engine::commit(&[first], &req, &mut out, &mut *on_tokens);
         Ok(Self {
             engine,
             req,
@@ -131,18 +159,64 @@ impl<'e> Sequence<'e> {
             stats,
             steps,
             policy,
-            out,
-            ctx_rows: pre.taps.into_iter().collect(),
+            out: Vec::new(),
+            ctx_rows: Vec::new(),
             start: p,
-            last: first,
+            last: 0,
             draft_tokens: 0,
-            finish,
+            finish: None,
             decode_t0: Instant::now(),
             excluded_s: 0.0,
             first_draft: true,
-            block: vec![first],
+            block: Vec::new(),
             draft_s: None,
+            prefilled: 0,
+            created: Instant::now(),
+            prefill_s: 0.0,
         })
+    }
+
+    /// Whether prompt tokens are still to go through the target.
+    pub fn prefilling(&self) -> bool {
+        self.prefilled < self.req.prompt_ids.len()
+    }
+
+    /// The next prefill chunk: its tokens, start position and whether it is the last one.
+    fn prefill_chunk(&self) -> (&[u32], usize, bool) {
+        let p = self.req.prompt_ids.len();
+        let end = (self.prefilled + PREFILL_CHUNK).min(p);
+        (
+            &self.req.prompt_ids[self.prefilled..end],
+            self.prefilled,
+            end == p,
+        )
+    }
+
+    /// A prefill chunk went through: its taps are the draft's context; after the last one,
+    /// the first token is chosen and committed.
+    fn after_prefill_chunk(&mut self, fw: ForwardOutput, n: usize, secs: f64) -> Result<()> {
+        self.prefilled += n;
+        self.prefill_s += secs;
+        if self.prefilling() {
+            self.ctx_rows.extend(fw.taps);
+            return Ok(());
+        }
+        self.after_prefill(fw, 0.0)
+    }
+
+    fn after_prefill(&mut self, pre: ForwardOutput, secs: f64) -> Result<()> {
+        self.prefill_s += secs;
+        let first = Engine::choose(&pre.logits.expect("prefill logits"), &mut self.sampler)?[0];
+        self.ctx_rows.extend(pre.taps);
+        let p = self.req.prompt_ids.len();
+        self.stats.ttft_ms = self.created.elapsed().as_secs_f64() * 1e3;
+        self.stats.prefill_tok_s = p as f64 / self.prefill_s.max(1e-9);
+        self.last = first;
+        self.block = vec![first];
+        let (_, finish) = Engine::commit(&[first], &self.req, &mut self.out, &mut *self.on_tokens);
+        self.finish = finish;
+        self.decode_t0 = Instant::now();
+        Ok(())
     }
 
     pub fn is_done(&self) -> bool {
@@ -162,7 +236,7 @@ impl<'e> Sequence<'e> {
     /// Plan: this cycle's block size, or the end of the generation when the cache is full.
     /// Returns whether the sequence runs a cycle.
     pub fn plan(&mut self) -> bool {
-        if self.finish.is_some() {
+        if self.finish.is_some() || self.prefilling() {
             return false;
         }
         let room = self.capacity.saturating_sub(self.start);
@@ -419,8 +493,50 @@ impl<'e> Batch<'e> {
                 }
             }
         }
-        // Verify: one target forward for every block.
+        // Prefill: one target forward for the next prompt chunk of every sequence still
+        // prefilling (apart from the verify below, so that the adaptive policies see the
+        // verify's cost alone).
         let taps: &[usize] = self.engine.draft.as_ref().map_or(&[], |d| &d.taps);
+        let mut idx = Vec::new();
+        let mut lens = Vec::new();
+        let mut items = Vec::new();
+        for (k, (_, s)) in self.seqs.iter_mut().enumerate() {
+            if !s.prefilling() || s.finish.is_some() || failed.iter().any(|(f, _)| *f == k) {
+                continue;
+            }
+            let (tokens, start, last) = s.prefill_chunk();
+            let n = tokens.len();
+            idx.push(k);
+            lens.push(n);
+            let Sequence { req, tcache, .. } = s;
+            items.push(BatchItem {
+                tokens: &req.prompt_ids[start..start + n],
+                start,
+                cache: tcache,
+                logits: if last { Logits::Last } else { Logits::None },
+            });
+        }
+        if !items.is_empty() {
+            let tp = Instant::now();
+            let r = self.engine.target.forward_batch(&mut items, taps);
+            drop(items);
+            let secs = tp.elapsed().as_secs_f64();
+            match r {
+                Ok(outs) => {
+                    for ((k, fw), n) in idx.iter().zip(outs).zip(&lens) {
+                        let s = &mut self.seqs[*k].1;
+                        if let Err(e) = fw.and_then(|fw| s.after_prefill_chunk(fw, *n, secs)) {
+                            failed.push((*k, e));
+                        }
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    failed.extend(idx.iter().map(|&k| (k, Error::input(msg.clone()))));
+                }
+            }
+        }
+        // Verify: one target forward for every block.
         let mut idx = Vec::new();
         let mut items = Vec::new();
         for (k, (_, s)) in self.seqs.iter_mut().enumerate() {
@@ -449,7 +565,7 @@ impl<'e> Batch<'e> {
             match r {
                 Ok(outs) => {
                     for (k, fw) in idx.iter().zip(outs) {
-                        if let Err(e) = self.seqs[*k].1.accept(fw, verify_s) {
+                        if let Err(e) = fw.and_then(|fw| self.seqs[*k].1.accept(fw, verify_s)) {
                             failed.push((*k, e));
                         }
                     }

@@ -558,6 +558,72 @@ impl Attention {
         self.o_proj.forward(&o)
     }
 
+    /// Several sequences at once: `x` holds their rows back to back (segment k's rows after
+    /// segment k-1's), `sites[k]` and `caches[k]` are segment k's. The projections run once
+    /// over all rows (the weights are read once); each segment's keys and values go to its own
+    /// cache and its queries attend over it, exactly as [`Self::forward`] alone. Where the fused
+    /// kernels run (CUDA) each segment takes [`Self::forward`] (batching them is the next
+    /// step for the GPU).
+    pub fn forward_segments(
+        &self,
+        x: &Tensor,
+        sites: &[Site],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor> {
+        let lens: Vec<usize> = sites.iter().map(|s| s.tables.len()).collect();
+        let total: usize = lens.iter().sum();
+        if total != x.dim(0)? || caches.len() != sites.len() {
+            return Err(crate::Error::input(format!(
+                "attention: {} rows for segments of {lens:?} rows",
+                x.dim(0)?
+            )));
+        }
+        if !x.device().is_cpu() || self.spec.shared_kv {
+            let mut parts = Vec::with_capacity(sites.len());
+            let mut off = 0;
+            for ((site, cache), n) in sites.iter().zip(caches.iter_mut()).zip(&lens) {
+                parts.push(self.forward(&x.narrow(0, off, *n)?, site, cache)?);
+                off += n;
+            }
+            return Ok(Tensor::cat(&parts, 0)?);
+        }
+        let (q_all, kv_all) = self.project(x)?;
+        let mut outs = Vec::with_capacity(sites.len());
+        let mut gates = Vec::with_capacity(sites.len());
+        let mut off = 0;
+        for ((at, cache), &n) in sites.iter().zip(caches.iter_mut()).zip(&lens) {
+            let (q, gate) = self.split_gate(q_all.narrow(0, off, n)?)?;
+            let q = self.finish_queries(q, at.rope, at.tables)?;
+            let (k, v) = match &kv_all {
+                Some((k, v)) => {
+                    let (k, v) = self.finish_keys_values(
+                        k.narrow(0, off, n)?,
+                        v.narrow(0, off, n)?,
+                        at.rope,
+                        at.tables,
+                    )?;
+                    cache.append(&k, &v)?
+                }
+                None => cache.view()?,
+            };
+            let q_start = k.dim(1)? - n;
+            let props = Props {
+                scale: self.spec.scale,
+                vis: at.vis,
+                sinks: self.sinks.as_ref(),
+            };
+            outs.push(attend(&q, &k, &v, q_start, &props, at.masks)?);
+            gates.push(gate);
+            off += n;
+        }
+        let o = Tensor::cat(&outs, 0)?;
+        let o = match gates.into_iter().collect::<Option<Vec<Tensor>>>() {
+            Some(g) if !g.is_empty() => (o * candle_nn::ops::sigmoid(&Tensor::cat(&g, 0)?)?)?,
+            _ => o,
+        };
+        self.o_proj.forward(&o)
+    }
+
     /// [`Self::forward`] through the fused kernels: one projection, one K/V write, one
     /// attention launch (two with split keys), sinks and the output gate inside it. None when
     /// they do not apply (nothing changed).

@@ -32,6 +32,15 @@ pub struct RopeTables {
 }
 
 impl RopeTables {
+    /// Positions (rows) the tables cover.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// The `(cos, sin)` tensors in the compute dtype.
     pub fn cos_sin(&self) -> Result<&(Tensor, Tensor)> {
         if let Some(cs) = self.cos_sin.get() {
