@@ -33,6 +33,10 @@ pub struct ServeArgs {
     /// them); 1 = one at a time.
     #[arg(long, default_value_t = 8)]
     pub max_num_seqs: usize,
+    /// MiB of finished requests' caches kept for later prompts that start the same way (a
+    /// shared system prompt, the earlier turns of a chat); 0 = off.
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_cache_mb: usize,
     /// Seconds a request may take, queue wait included.
     #[arg(long, default_value_t = 600.0)]
     pub request_timeout: f64,
@@ -73,6 +77,7 @@ pub fn config(a: ServeArgs) -> Result<ServerConfig> {
         anyhow::bail!("--max-num-seqs must be at least 1");
     }
     c.max_num_seqs = a.max_num_seqs;
+    c.prefix_cache_bytes = a.prefix_cache_mb << 20;
     c.request_timeout = seconds("--request-timeout", a.request_timeout)?;
     c.max_body_bytes = a.max_body_bytes;
     c.shutdown_grace = Duration::from_secs_f64(a.shutdown_grace.max(0.0));

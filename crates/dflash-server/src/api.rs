@@ -696,6 +696,7 @@ pub fn dflash_ext(f: &Finish) -> Value {
         "decode_tok_s": s.decode_tok_s,
         "prefill_tok_s": s.prefill_tok_s,
         "ttft_ms": s.ttft_ms,
+        "cached_prompt_tokens": s.cached_prompt_tokens,
         "cycles": s.cycles,
         "engine_finish_reason": s.finish_reason,
     });

@@ -58,6 +58,8 @@ pub struct ServerConfig {
     /// Generations decoded together (one draft call and one verify per cycle for all); the
     /// rest wait in the queue.
     pub max_num_seqs: usize,
+    /// Bytes of finished requests' caches kept for prompts that share a prefix (0 = off).
+    pub prefix_cache_bytes: usize,
     /// Queue wait + generation; a generation past it stops (finish_reason "length",
     /// `dflash.timed_out`), a request still queued gets 504.
     pub request_timeout: Duration,
@@ -79,6 +81,7 @@ impl ServerConfig {
             api_key: None,
             max_queue: 64,
             max_num_seqs: 8,
+            prefix_cache_bytes: 1 << 30,
             request_timeout: Duration::from_secs(600),
             max_body_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
@@ -127,6 +130,8 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
             "model {model_name} has no tokenizer.json: the server needs one to read and write text"
         )
     })?;
+    let mut engine = engine;
+    engine.enable_prefix_cache(cfg.prefix_cache_bytes);
     let vocab_size = engine.target.info().vocab_size;
     let max_context = engine.max_context;
     let block_size = match (&engine.draft, cfg.block_size) {

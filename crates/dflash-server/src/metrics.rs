@@ -12,6 +12,9 @@ struct Gen {
     finished: BTreeMap<String, u64>,
     prompt_tokens: u64,
     generated_tokens: u64,
+    /// Generations that started from the prefix cache, and the prompt tokens it gave them.
+    prefix_hits: u64,
+    prefix_tokens: u64,
     last_decode_tok_s: f64,
     last_tau: f64,
     last_acceptance_ratio: f64,
@@ -70,6 +73,10 @@ impl Metrics {
         if let Some(s) = stats {
             g.prompt_tokens += s.prompt_tokens as u64;
             g.generated_tokens += s.generated_tokens as u64;
+            if s.cached_prompt_tokens > 0 {
+                g.prefix_hits += 1;
+                g.prefix_tokens += s.cached_prompt_tokens as u64;
+            }
             g.last_decode_tok_s = s.decode_tok_s;
             g.last_tau = s.tau;
             g.last_acceptance_ratio = s.acceptance_ratio;
@@ -117,6 +124,24 @@ impl Metrics {
             "dflash_queue_rejections_total {}",
             self.rejected_full.load(Ordering::SeqCst)
         );
+        {
+            let g = self.gen.lock().unwrap();
+            for (name, help, v) in [
+                (
+                    "dflash_prefix_cache_hits_total",
+                    "Generations that started from a cached prefix.",
+                    g.prefix_hits,
+                ),
+                (
+                    "dflash_prefix_cache_tokens_total",
+                    "Prompt tokens restored from the prefix cache instead of prefilled.",
+                    g.prefix_tokens,
+                ),
+            ] {
+                family(&mut o, name, "counter", help);
+                let _ = writeln!(o, "{name} {v}");
+            }
+        }
         family(
             &mut o,
             "dflash_queue_depth",

@@ -10,6 +10,8 @@ pub struct GenerationStats {
     pub fallback_reason: Option<String>,
     pub block_size: usize,
     pub prompt_tokens: usize,
+    /// Prompt tokens restored from the prefix cache (not prefilled).
+    pub cached_prompt_tokens: usize,
     pub generated_tokens: usize,
     /// Time to the first generated token (prefill + first sample), ms.
     pub ttft_ms: f64,

@@ -152,6 +152,45 @@ impl TargetCache {
         self.len = len;
         Ok(())
     }
+    /// Longest prefix of this cache another sequence can start from, given it shares `m`
+    /// positions: `m` when every layer can cut there (attention and latent rows can; a
+    /// recurrent state exists only after all positions), else 0.
+    pub fn reusable(&self, m: usize) -> usize {
+        let m = m.min(self.len);
+        if self.has_recurrent() && m != self.len {
+            0
+        } else {
+            m
+        }
+    }
+
+    /// A new cache of `capacity` positions starting with a copy of this one's first `len`
+    /// positions (see [`Self::reusable`]).
+    pub fn fork(&self, len: usize, capacity: usize) -> Result<Self> {
+        if self.reusable(len) != len || len > capacity {
+            return Err(Error::input(format!(
+                "cannot fork {len} of {} cached positions (capacity {capacity})",
+                self.len
+            )));
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    LayerCache::Kv(kv) => LayerCache::Kv(kv.fork(len, capacity)?),
+                    LayerCache::Latent(c) => LayerCache::Latent(c.fork(len, capacity)?),
+                    LayerCache::Recurrent(r) => LayerCache::Recurrent(r.fork()?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            len,
+            capacity,
+        })
+    }
+
     /// Whether some layer keeps recurrent state (its rollback does work on the device).
     pub fn has_recurrent(&self) -> bool {
         self.layers

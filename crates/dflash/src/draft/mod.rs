@@ -103,6 +103,21 @@ pub struct DraftCache {
 }
 
 impl DraftCache {
+    /// A new cache of `capacity` positions with a copy of this one's first `len` context rows.
+    pub fn fork(&self, len: usize, capacity: usize) -> Result<Self> {
+        Ok(Self {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| l.fork(len, capacity))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.bytes()).sum()
+    }
+
     /// Context positions held.
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, |l| l.len())

@@ -11,6 +11,7 @@
 //! With no draft or a block size of 1, the same loop is plain autoregressive decoding.
 
 pub mod adaptive;
+pub mod prefix;
 mod sequence;
 
 pub use sequence::{Batch, Sequence, PREFILL_CHUNK};
@@ -90,6 +91,8 @@ pub struct Engine {
     /// The adaptive policy's cost and acceptance estimates, kept across generations (costs
     /// are a property of the machine and model; decayed acceptance follows the prompt).
     policy: std::sync::Mutex<Option<AdaptivePolicy>>,
+    /// Finished sequences' caches for prompts that start the same way (off unless enabled).
+    prefix: Option<std::sync::Mutex<prefix::PrefixCache>>,
 }
 
 impl Engine {
@@ -100,7 +103,20 @@ impl Engine {
             draft,
             max_context,
             policy: std::sync::Mutex::new(None),
+            prefix: None,
         }
+    }
+
+    /// Keep finished sequences' caches (up to `bytes`) for later prompts that share a prefix.
+    pub fn enable_prefix_cache(&mut self, bytes: usize) {
+        self.prefix = (bytes > 0).then(|| std::sync::Mutex::new(prefix::PrefixCache::new(bytes)));
+    }
+
+    /// The prefix cache's counters (None when it is off).
+    pub fn prefix_stats(&self) -> Option<prefix::PrefixStats> {
+        self.prefix
+            .as_ref()
+            .and_then(|p| p.lock().ok().map(|p| p.stats))
     }
 
     /// The block size a request will run with.

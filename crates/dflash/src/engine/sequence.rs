@@ -71,9 +71,14 @@ impl<'e> Sequence<'e> {
         let p = s.req.prompt_ids.len();
         let t0 = Instant::now();
         let taps = s.taps();
-        let pre = engine
-            .target
-            .forward(&s.req.prompt_ids, 0, &mut s.tcache, taps, Logits::Last)?;
+        let at = s.prefilled;
+        let pre = engine.target.forward(
+            &s.req.prompt_ids[at..],
+            at,
+            &mut s.tcache,
+            taps,
+            Logits::Last,
+        )?;
         s.prefilled = p;
         s.after_prefill(pre, t0.elapsed().as_secs_f64())?;
         Ok(s)
@@ -119,13 +124,28 @@ impl<'e> Sequence<'e> {
             )));
         }
         let target = engine.target.as_ref();
-        let tcache = target.new_cache(capacity)?;
-        let dcache = draft.map(|d| d.new_cache(capacity)).transpose()?;
+        let hit = match &engine.prefix {
+            Some(pc) => pc
+                .lock()
+                .map_err(|_| Error::input("prefix cache lock poisoned"))?
+                .lookup(&req.prompt_ids, capacity, draft.is_some())?,
+            None => None,
+        };
+        let (tcache, dcache, prefilled, ctx_rows) = match hit {
+            Some(h) => (h.tcache, h.dcache, h.len, h.pending.into_iter().collect()),
+            None => (
+                target.new_cache(capacity)?,
+                draft.map(|d| d.new_cache(capacity)).transpose()?,
+                0,
+                Vec::new(),
+            ),
+        };
         let sampler = Sampler::new(req.sampling.clone());
         let mut stats = GenerationStats {
             mode: if draft.is_some() { "dflash" } else { "plain" }.into(),
             block_size: q_max,
             prompt_tokens: p,
+            cached_prompt_tokens: prefilled,
             ..Default::default()
         };
         let steps = req.trace.then(Vec::new);
@@ -160,7 +180,7 @@ impl<'e> Sequence<'e> {
             steps,
             policy,
             out: Vec::new(),
-            ctx_rows: Vec::new(),
+            ctx_rows,
             start: p,
             last: 0,
             draft_tokens: 0,
@@ -170,7 +190,7 @@ impl<'e> Sequence<'e> {
             first_draft: true,
             block: Vec::new(),
             draft_s: None,
-            prefilled: 0,
+            prefilled,
             created: Instant::now(),
             prefill_s: 0.0,
         })
@@ -388,6 +408,22 @@ impl<'e> Sequence<'e> {
     pub fn finish(mut self) -> GenerateOutput {
         if let (Some(p), Ok(mut slot)) = (self.policy.take(), self.engine.policy.lock()) {
             *slot = Some(p);
+        }
+        // Keep the caches for later prompts that start the same way (a failure to keep them
+        // only costs a later prefill).
+        if let (Some(pc), false) = (&self.engine.prefix, self.prefilling()) {
+            let mut ids = self.req.prompt_ids.clone();
+            ids.extend_from_slice(&self.out);
+            let pending = match self.ctx_rows.len() {
+                0 => None,
+                1 => self.ctx_rows.pop(),
+                _ => Tensor::cat(&self.ctx_rows, 0).ok(),
+            };
+            if let Ok(mut pc) = pc.lock() {
+                if let Err(e) = pc.insert(&ids, &self.tcache, self.dcache.as_ref(), pending) {
+                    tracing::debug!("prefix cache: not kept: {e}");
+                }
+            }
         }
         let mut stats = self.stats;
         let decode_s = (self.decode_t0.elapsed().as_secs_f64() - self.excluded_s).max(1e-9);

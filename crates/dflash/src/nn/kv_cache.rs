@@ -57,6 +57,23 @@ impl KvCache {
         })
     }
 
+    /// A new cache of `capacity` positions holding a copy of this one's first `len` rows
+    /// (a prefix another sequence starts from).
+    pub fn fork(&self, len: usize, capacity: usize) -> Result<Self> {
+        if len > self.len || len > capacity {
+            return Err(Error::input(format!(
+                "kv cache fork: {len} rows of {} (capacity {capacity})",
+                self.len
+            )));
+        }
+        let (kvh, kd, vd) = (self.k.dim(0)?, self.k.dim(2)?, self.v.dim(2)?);
+        let mut c = Self::with_dims(kvh, kd, vd, capacity, self.k.dtype(), self.k.device())?;
+        if len > 0 {
+            c.append(&self.k.narrow(1, 0, len)?, &self.v.narrow(1, 0, len)?)?;
+        }
+        Ok(c)
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

@@ -24,6 +24,26 @@ impl LatentCache {
         })
     }
 
+    /// A new cache of `capacity` positions holding a copy of this one's first `len` rows.
+    pub fn fork(&self, len: usize, capacity: usize) -> Result<Self> {
+        if len > self.len || len > capacity {
+            return Err(Error::input(format!(
+                "latent cache fork: {len} rows of {} (capacity {capacity})",
+                self.len
+            )));
+        }
+        let mut c = Self::new(
+            self.rows.dim(2)?,
+            capacity,
+            self.rows.dtype(),
+            self.rows.device(),
+        )?;
+        if len > 0 {
+            c.append(&self.rows.get(0)?.narrow(0, 0, len)?)?;
+        }
+        Ok(c)
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

@@ -179,6 +179,17 @@ impl RecurrentCache {
         })
     }
 
+    /// A copy of the state after all positions consumed (its own tensors), with nothing to
+    /// roll back: where another sequence continues from this one's end.
+    pub fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            len: self.len,
+            conv: self.conv.copy()?,
+            state: self.state.copy()?,
+            undo: None,
+        })
+    }
+
     /// Positions consumed.
     pub fn len(&self) -> usize {
         self.len
