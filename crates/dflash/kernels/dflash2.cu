@@ -3,8 +3,9 @@
 //
 //   dyn_conv     the grouped dynamic causal convolution over each block's rows (one launch
 //                instead of ~6 candle ops per kernel offset)
-//   top_k_rows   the k largest logits of each row and their ids (the selector's candidates),
-//                so the logits never leave the device
+//   top_k_part   the k largest logits of each row and their ids (the selector's candidates),
+//                in two stages (row parts over the whole GPU, then a merge), so the logits
+//                never leave the device
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -38,40 +39,54 @@ __device__ __forceinline__ bool tk_before(float av, unsigned ai, float bv, unsig
   return av > bv || (av == bv && ai < bi);
 }
 
-// out [n, 2K] f32: per row its K largest logits (largest first; equal values: lower id first;
-// NaN counts as -inf), then their ids as floats (exact below 2^24). logits [n, V] f32, K <=
-// TK_MAX <= V. grid (n), block TK_THREADS: each thread keeps the K best of its strided slice,
-// then K rounds of a block-wide argmax over the threads' list heads.
+#define TK_PAD 0xffffffu  // the id of an empty slot: above every vocab id (< 2^24)
+
+// One stage of the per-row top-K (largest value first; equal values: lower id first; NaN
+// counts as -inf). Row r's candidates j < len have value vals[r * row_stride + j] and id j
+// (has_ids == 0: the logits) or ids[r * row_stride + j] (floats, exact below 2^24: an
+// earlier stage's output). grid (n, parts): part p takes the candidates
+// [p * chunk, (p + 1) * chunk); each thread keeps the K best of its strided slice, then K
+// rounds of a block-wide argmax over the threads' list heads. out holds the values of every
+// (row, part) then their ids: out[(r * parts + p) * K + t] and out[n * parts * K + (r * parts
+// + p) * K + t]. Stage one splits each row over many parts (the GPU fills up); stage two
+// merges the parts' lists (parts = 1).
 extern "C" __global__ void __launch_bounds__(TK_THREADS)
-    top_k_rows(const float* __restrict__ logits, int V, int K, float* __restrict__ out) {
-  const int row = blockIdx.x, tid = threadIdx.x;
-  const float* x = logits + (size_t)row * V;
+    top_k_part(const float* __restrict__ vals, const float* __restrict__ ids, int has_ids,
+               int len, long long row_stride, int chunk, int K, float* __restrict__ out) {
+  const int row = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const int n = gridDim.x;
+  const float* x = vals + (size_t)row * row_stride;
+  const float* xi = ids + (size_t)row * row_stride;
+  const int j0 = part * chunk;
+  const int j1 = min(len, j0 + chunk);
   float lv[TK_MAX];
   unsigned li[TK_MAX];
   for (int t = 0; t < TK_MAX; ++t) {
     lv[t] = -INFINITY;
-    li[t] = 0xffffffffu;
+    li[t] = TK_PAD;
   }
-  for (int j = tid; j < V; j += TK_THREADS) {
+  for (int j = j0 + tid; j < j1; j += TK_THREADS) {
     float v = x[j];
     if (v != v) v = -INFINITY;
-    if (!tk_before(v, (unsigned)j, lv[K - 1], li[K - 1])) continue;
+    const unsigned id = has_ids ? (unsigned)xi[j] : (unsigned)j;
+    if (!tk_before(v, id, lv[K - 1], li[K - 1])) continue;
     int p = K - 1;
-    while (p > 0 && tk_before(v, (unsigned)j, lv[p - 1], li[p - 1])) {
+    while (p > 0 && tk_before(v, id, lv[p - 1], li[p - 1])) {
       lv[p] = lv[p - 1];
       li[p] = li[p - 1];
       --p;
     }
     lv[p] = v;
-    li[p] = (unsigned)j;
+    li[p] = id;
   }
   __shared__ float sv[TK_THREADS];
   __shared__ unsigned si[TK_THREADS];
   __shared__ int sw[TK_THREADS];
   int head = 0;
+  const size_t base = ((size_t)row * parts + part) * K;
   for (int r = 0; r < K; ++r) {
     sv[tid] = head < K ? lv[head] : -INFINITY;
-    si[tid] = head < K ? li[head] : 0xffffffffu;
+    si[tid] = head < K ? li[head] : TK_PAD;
     sw[tid] = tid;
     __syncthreads();
     for (int s = TK_THREADS / 2; s > 0; s >>= 1) {
@@ -83,8 +98,8 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
       __syncthreads();
     }
     if (tid == 0) {
-      out[(size_t)row * 2 * K + r] = sv[0];
-      out[(size_t)row * 2 * K + K + r] = (float)si[0];
+      out[base + r] = sv[0];
+      out[(size_t)n * parts * K + base + r] = (float)si[0];
     }
     if (tid == sw[0]) ++head;
     __syncthreads();

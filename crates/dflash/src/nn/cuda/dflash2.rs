@@ -128,25 +128,60 @@ impl CustomOp1 for TopK {
             candle_core::bail!("{}: k {k} for {vocab} columns", self.name());
         }
         let dev = s.device();
-        // SAFETY: the kernel writes every output element.
-        let out = unsafe { dev.alloc::<f32>(rows * 2 * k)? };
-        let func = dev.get_or_load_custom_func("top_k_rows", "dflash_dflash2", DFLASH2_PTX)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let func = dev.get_or_load_custom_func("top_k_part", "dflash_dflash2", DFLASH2_PTX)?;
+        // Stage one: each row in parts of ~4096 logits (32 per thread), so a verify-sized
+        // block fills the GPU instead of one block per row; stage two merges the parts.
+        let parts = vocab.div_ceil(4096).clamp(1, 64);
+        let chunk = vocab.div_ceil(parts);
+        let stage = |src: &CudaView<f32>,
+                     has_ids: bool,
+                     ids_off: usize,
+                     len: usize,
+                     stride: usize,
+                     chunk: usize,
+                     parts: usize|
+         -> candle_core::Result<
+            candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+        > {
+            // SAFETY: the kernel writes every output element.
+            let out = unsafe { dev.alloc::<f32>(rows * parts * 2 * k)? };
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, parts as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let ids = src.slice(ids_off..);
+            let (h_i, len_i, stride_i, chunk_i, k_i) = (
+                has_ids as i32,
+                len as i32,
+                stride as i64,
+                chunk as i32,
+                k as i32,
+            );
+            let mut b = func.builder();
+            b.arg(src);
+            b.arg(&ids);
+            b.arg(&h_i);
+            b.arg(&len_i);
+            b.arg(&stride_i);
+            b.arg(&chunk_i);
+            b.arg(&k_i);
+            b.arg(&out);
+            // SAFETY: argument types match the kernel; sizes checked above.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(out)
         };
-        let (v_i, k_i) = (vocab as i32, k as i32);
-        let mut b = func.builder();
-        b.arg(&x);
-        b.arg(&v_i);
-        b.arg(&k_i);
-        b.arg(&out);
-        // SAFETY: argument types match the kernel; sizes checked above.
-        unsafe { b.launch(cfg) }.w()?;
+        let one = stage(&x, false, 0, vocab, vocab, chunk, parts)?;
+        let out = if parts == 1 {
+            one
+        } else {
+            let v = one.slice(0..);
+            let m = parts * k;
+            stage(&v, true, rows * m, m, m, m, 1)?
+        };
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from((rows, 2 * k)),
+            Shape::from((2, rows, k)),
         ))
     }
 }
@@ -163,8 +198,9 @@ pub fn top_k(logits: &Tensor, k: usize) -> crate::Result<Option<(Tensor, Tensor)
     {
         return Ok(None);
     }
+    // [2, n, k]: the values, then the ids (as f32, exact below 2^24)
     let out = logits.apply_op1_no_bwd(&TopK { k })?;
-    let vals = out.narrow(1, 0, k)?.contiguous()?;
-    let ids = out.narrow(1, k, k)?.to_dtype(DType::U32)?;
+    let vals = out.get(0)?;
+    let ids = out.get(1)?.to_dtype(DType::U32)?;
     Ok(Some((vals, ids)))
 }
