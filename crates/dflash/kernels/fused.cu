@@ -107,16 +107,14 @@ __device__ __forceinline__ float load_norm_rope(const bf16* __restrict__ src, co
 // src [n, src_stride]: keys at column k_off + h * k_hs (normed with kw when given, roped with
 // cs [n, rot]), values at v_off + h * v_hs (with v_unit: a scale-less RMSNorm, rounded to bf16
 // as the unfused norm's output is). grid (kvh, n), block: d rounded up to a warp.
-extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_stride, int k_off, int k_hs,
-                                         int v_off, int v_hs, int v_unit, const bf16* __restrict__ kw,
-                                         float eps, const bf16* __restrict__ cs, int rot,
-                                         bf16* __restrict__ kv, int kvh, long long cap, int pos0, int d) {
-  __shared__ float scratch[32];
-  extern __shared__ float xs[];
-  const int h = blockIdx.x, i = blockIdx.y, e = threadIdx.x;
-  const bf16* row = src + (size_t)i * src_stride;
-  float k = load_norm_rope(row + k_off + h * k_hs, kw, eps, cs + (size_t)i * rot, rot, d, xs, scratch);
-  const size_t dst = ((size_t)h * cap + pos0 + i) * d;
+__device__ __forceinline__ void kv_write_row(const bf16* __restrict__ row, int k_off, int k_hs, int v_off,
+                                             int v_hs, int v_unit, const bf16* __restrict__ kw, float eps,
+                                             const bf16* __restrict__ cs_row, int rot, bf16* __restrict__ kv,
+                                             int kvh, long long cap, int pos, int d, float* xs,
+                                             float* scratch) {
+  const int h = blockIdx.x, e = threadIdx.x;
+  float k = load_norm_rope(row + k_off + h * k_hs, kw, eps, cs_row, rot, d, xs, scratch);
+  const size_t dst = ((size_t)h * cap + pos) * d;
   const bf16* vr = row + v_off + h * v_hs;
   float v = e < d ? __bfloat162float(vr[e]) : 0.f;
   if (v_unit) {
@@ -127,6 +125,41 @@ extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_s
     kv[dst + e] = __float2bfloat16(k);
     kv[(size_t)kvh * cap * d + dst + e] = __float2bfloat16(v);
   }
+}
+
+extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_stride, int k_off, int k_hs,
+                                         int v_off, int v_hs, int v_unit, const bf16* __restrict__ kw,
+                                         float eps, const bf16* __restrict__ cs, int rot,
+                                         bf16* __restrict__ kv, int kvh, long long cap, int pos0, int d) {
+  __shared__ float scratch[32];
+  extern __shared__ float xs[];
+  const int i = blockIdx.y;
+  kv_write_row(src + (size_t)i * src_stride, k_off, k_hs, v_off, v_hs, v_unit, kw, eps, cs + (size_t)i * rot,
+               rot, kv, kvh, cap, pos0 + i, d, xs, scratch);
+}
+
+// Several sequences' rows at once (batched decoding): row i of src / cs belongs to segment
+// seg = meta[SEG_META * nseg + i], whose cache and first position are in its SEG_META entries
+// (see SEG_* below); otherwise as kv_write_bf16. grid (kvh, total rows).
+#define SEG_META 6
+#define SEG_PTR 0
+#define SEG_CAP 1
+#define SEG_POS0 2
+#define SEG_ROW0 3
+#define SEG_N 4
+#define SEG_GRP0 5
+extern "C" __global__ void kv_write_seg_bf16(const bf16* __restrict__ src, int src_stride, int k_off, int k_hs,
+                                             int v_off, int v_hs, int v_unit, const bf16* __restrict__ kw,
+                                             float eps, const bf16* __restrict__ cs, int rot,
+                                             const long long* __restrict__ meta, int nseg, int kvh, int d) {
+  __shared__ float scratch[32];
+  extern __shared__ float xs[];
+  const int i = blockIdx.y;
+  const long long* m = meta + SEG_META * meta[SEG_META * nseg + i];
+  bf16* kv = reinterpret_cast<bf16*>(m[SEG_PTR]);
+  const int pos = (int)(m[SEG_POS0] + i - m[SEG_ROW0]);
+  kv_write_row(src + (size_t)i * src_stride, k_off, k_hs, v_off, v_hs, v_unit, kw, eps, cs + (size_t)i * rot,
+               rot, kv, kvh, m[SEG_CAP], pos, d, xs, scratch);
 }
 
 // Attention of query rows (q at columns q_off + head * q_hs of src [n, src_stride], normed with
@@ -179,7 +212,8 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
                                 const bf16* __restrict__ vp, long long head_stride, int row_stride,
                                 int kvh, int kv_len, int rep, int q_pos0, int causal, int window,
                                 int chunk, int n, const bf16* __restrict__ sinks, int gate_off,
-                                bf16* __restrict__ out, float* __restrict__ part) {
+                                bf16* __restrict__ out, float* __restrict__ part, int grp, int part_n,
+                                int part_row0) {
   constexpr int D = DK;
   constexpr int E = DK / 32;   // key dims per lane
   constexpr int EV = DV / 32;  // value dims per lane
@@ -187,7 +221,7 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
   __shared__ float qs[P][D];
   __shared__ float wm[NW][P], wl[NW][P];
   __shared__ float wacc[NW][P][DV];
-  const int g = blockIdx.x, s = blockIdx.y, grp = blockIdx.z;
+  const int g = blockIdx.x, s = blockIdx.y;
   const int splits = gridDim.y, heads = kvh * rep, pairs = n * rep;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
@@ -326,7 +360,7 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
       L += wl[w][pp] * f;
       a += wacc[w][pp][e] * f;
     }
-    const size_t pidx = ((size_t)h * n + i) * splits + s;
+    const size_t pidx = ((size_t)h * part_n + part_row0 + i) * splits + s;
     if (splits == 1) {
       const bf16* grow = gate_off >= 0 ? src + (size_t)i * src_stride + q_off + h * q_hs + gate_off : nullptr;
       out[(size_t)i * heads * DV + (size_t)h * DV + e] =
@@ -353,7 +387,21 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
       const bf16* sinks, int gate_off, bf16* out, float* part) {                                          \
     attn_rows_block<DK, DV, P>(src, src_stride, q_off, q_hs, qw, eps, cs, rot, scale, kp, vp,            \
                                head_stride, row_stride, kvh, kv_len, rep, q_pos0, causal, window, chunk,  \
-                               n, sinks, gate_off, out, part);                                            \
+                               n, sinks, gate_off, out, part, blockIdx.z, n, 0);                          \
+  }                                                                                                       \
+  extern "C" __global__ void __launch_bounds__(128) NAME##_seg(                                           \
+      const bf16* src, int src_stride, int q_off, int q_hs, const bf16* qw, float eps, const bf16* cs,    \
+      int rot, float scale, const long long* meta, int nseg, int total, int kvh, int rep, int causal,     \
+      int window, int chunk, const bf16* sinks, int gate_off, bf16* out, float* part) {                   \
+    const long long* m = meta + SEG_META * meta[SEG_META * nseg + total + blockIdx.z];                    \
+    const bf16* kp = reinterpret_cast<const bf16*>(m[SEG_PTR]);                                           \
+    const long long cap = m[SEG_CAP];                                                                     \
+    const int pos0 = (int)m[SEG_POS0], row0 = (int)m[SEG_ROW0], n = (int)m[SEG_N];                        \
+    attn_rows_block<DK, DV, P>(src + (size_t)row0 * src_stride, src_stride, q_off, q_hs, qw, eps,        \
+                               cs + (size_t)row0 * rot, rot, scale, kp, kp + kvh * cap * DK, cap * DK,    \
+                               DK, kvh, pos0 + n, rep, pos0, causal, window, chunk, n, sinks, gate_off,   \
+                               out + (size_t)row0 * kvh * rep * DV, part, blockIdx.z - (int)m[SEG_GRP0],  \
+                               total, row0);                                                              \
   }
 ATTN(attn_bf16_d64, 64, 64, 8)
 ATTN(attn_bf16_d128, 128, 128, 8)

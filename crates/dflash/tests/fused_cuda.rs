@@ -908,14 +908,28 @@ fn dflash2_kernels_match_the_portable_path() {
         let logits = (Tensor::randn(0f32, 3f32, (n, v), &dev).unwrap())
             .to_dtype(DType::F32)
             .unwrap();
-        let (vals, ids) = dflash::draft::dflash2::top_k(&logits, k).unwrap();
+        check_top_k(&logits, k, &format!("n{n} v{v} k{k}"));
+    }
+    // ties across the kernel's row parts: few distinct values, and all equal
+    let few = (Tensor::randn(0f32, 1f32, (4, 50_000), &dev).unwrap() * 2.0)
+        .unwrap()
+        .round()
+        .unwrap();
+    check_top_k(&few, 16, "rounded");
+    check_top_k(&few.zeros_like().unwrap(), 32, "all equal");
+}
+
+fn check_top_k(logits: &Tensor, k: usize, what: &str) {
+    let n = logits.dim(0).unwrap();
+    {
+        let (vals, ids) = dflash::draft::dflash2::top_k(logits, k).unwrap();
         let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
         let vals: Vec<Vec<f32>> = vals.to_vec2().unwrap();
         let host: Vec<Vec<f32>> = logits.to_device(&Device::Cpu).unwrap().to_vec2().unwrap();
         for r in 0..n {
             let (hv, hi) = dflash::draft::dflash2::top_k_row(&host[r], k);
-            assert_eq!(ids[r], hi, "top_k n{n} v{v} k{k} row {r}");
-            assert_eq!(vals[r], hv);
+            assert_eq!(ids[r], hi, "top_k {what} row {r}");
+            assert_eq!(vals[r], hv, "top_k {what} row {r}");
         }
     }
 }
@@ -989,4 +1003,191 @@ fn dflash2_draft_on_the_device_is_lossless() {
     let engine = Engine::new(target, Some(draft));
     let n = common::assert_greedy_dflash_equals_plain(&engine, t.vocab - 1, &[2, 4, 8], "dflash2");
     eprintln!("dflash2 on the device: {n} generations, greedy DFlash2 == plain");
+}
+
+/// `TargetModel::forward_batch` on the device (the fused attention with one q/k/v projection
+/// for every sequence's rows, each segment's K/V write and attention over its own cache) ==
+/// each item's `forward` alone, to bf16 rounding, on every target fixture: a batched prefill of
+/// three prompts, then a batched step of three blocks of different lengths.
+#[test]
+fn forward_batch_on_the_device_matches_alone() {
+    use dflash::archs::{load_target, BatchItem, LoadOptions, Logits};
+    use dflash::source::ModelSource;
+    let Some(dev) = gpu() else { return };
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/targets");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    names.sort();
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let mut worst = (0f32, String::new());
+    for name in &names {
+        let (_, m) = load_target(
+            &ModelSource::from_dir(name, &dir.join(name)).unwrap(),
+            &opts,
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let info = m.info();
+        let vocab = info.vocab_size.min(250);
+        let taps: Vec<usize> = vec![0, info.num_layers - 1];
+        let prompts: Vec<Vec<u32>> = [5usize, 1, 9]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| common::ids(10 + i as u64, n, vocab))
+            .collect();
+        let blocks: Vec<Vec<u32>> = [4usize, 1, 7]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| common::ids(20 + i as u64, n, vocab))
+            .collect();
+        let mut solo = vec![];
+        for (p, b) in prompts.iter().zip(&blocks) {
+            let mut c = m.new_cache(64).unwrap();
+            let a = m.forward(p, 0, &mut c, &taps, Logits::Last).unwrap();
+            let v = m.forward(b, p.len(), &mut c, &taps, Logits::All).unwrap();
+            solo.push((a, v));
+        }
+        let mut caches: Vec<_> = (0..3).map(|_| m.new_cache(64).unwrap()).collect();
+        let mut run = |blocks: &[Vec<u32>], starts: &[usize], lg: Logits| {
+            let mut items: Vec<BatchItem> = caches
+                .iter_mut()
+                .zip(blocks)
+                .zip(starts)
+                .map(|((c, b), &s)| BatchItem {
+                    tokens: b,
+                    start: s,
+                    cache: c,
+                    logits: lg,
+                })
+                .collect();
+            m.forward_batch(&mut items, &taps)
+                .unwrap()
+                .into_iter()
+                .map(|r| r.unwrap())
+                .collect::<Vec<_>>()
+        };
+        let pre = run(&prompts, &[0, 0, 0], Logits::Last);
+        let starts: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        let ver = run(&blocks, &starts, Logits::All);
+        for (k, ((a, v), (pa, pv))) in solo.iter().zip(pre.iter().zip(&ver)).enumerate() {
+            for (what, x, y) in [
+                ("prefill logits", &a.logits, &pa.logits),
+                ("verify logits", &v.logits, &pv.logits),
+                ("verify taps", &v.taps, &pv.taps),
+            ] {
+                let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+                assert_eq!(x.dims(), y.dims(), "{name} item {k} {what}");
+                let e = rel_err(x, y);
+                if e > worst.0 {
+                    worst = (e, format!("{name} item {k} {what}"));
+                }
+                assert!(
+                    e < 3e-2,
+                    "{name} item {k} {what}: batched vs alone rel err {e}"
+                );
+            }
+        }
+    }
+    eprintln!(
+        "{} families on the device: batched vs alone worst rel err {:e} ({})",
+        names.len(),
+        worst.0,
+        worst.1
+    );
+}
+
+/// The batched attention (one K/V write and one attention launch for several sequences, each
+/// over its own cache) == each sequence's layer alone, bit for bit where the projections are
+/// batch-invariant (at most 16 rows in all), across head dims, GQA, windows, sinks, gates and
+/// caches of different lengths (one and several key chunks); and the caches hold the same rows.
+#[test]
+fn batched_attention_equals_each_sequence_alone() {
+    let Some(dev) = gpu() else { return };
+    let causal = Visibility::CAUSAL;
+    let mut cases = vec![
+        Case::new(128, 32, 8, 0, 1, causal),
+        Case::new(64, 8, 2, 0, 1, Visibility::sliding(40)),
+        Case::new(256, 8, 4, 0, 1, causal),
+    ];
+    let mut c = Case::new(64, 16, 4, 0, 1, causal);
+    c.sinks = true;
+    cases.push(c);
+    let mut c = Case::new(128, 16, 2, 0, 1, causal);
+    c.gate = true;
+    cases.push(c);
+    let mut c = Case::new(128, 8, 8, 0, 1, Visibility::FULL);
+    c.partial = 0.25;
+    cases.push(c);
+    // (prefix, rows) per sequence: decode steps and verify blocks, 1..3 key chunks of 64
+    let shapes = [(5usize, 1usize), (70, 4), (130, 3), (0, 2)];
+    for c in &cases {
+        let (a, rope) = attention_layer(c, &dev);
+        let cap = 160;
+        let mut alone = vec![];
+        let mut caches = vec![];
+        let mut xs = vec![];
+        let mut tabs = vec![];
+        for (k, &(prefix, n)) in shapes.iter().enumerate() {
+            let mut c1 = KvCache::new(c.kv_heads, c.head_dim, cap, DType::BF16, &dev).unwrap();
+            if prefix > 0 {
+                let ctx = randn(&[prefix, 256], 1.0, &dev);
+                let t = rope.tables(0, prefix, &dev, DType::BF16).unwrap();
+                a.append_keys_values(&ctx, &rope, &t, &mut c1).unwrap();
+            }
+            let c2 = c1.fork(prefix, cap).unwrap();
+            let x = randn(&[n, 256], 1.0 + k as f64 * 0.1, &dev);
+            let t = rope.tables(prefix, n, &dev, DType::BF16).unwrap();
+            let masks = Masks::new(n, prefix, DType::BF16, &dev);
+            let site = Site {
+                rope: &rope,
+                tables: &t,
+                vis: c.vis,
+                masks: &masks,
+            };
+            alone.push(a.forward(&x, &site, &mut c1).unwrap());
+            caches.push((c1, c2));
+            xs.push(x);
+            tabs.push((t, prefix, n));
+        }
+        let masks: Vec<Masks> = tabs
+            .iter()
+            .map(|(_, p, n)| Masks::new(*n, *p, DType::BF16, &dev))
+            .collect();
+        let sites: Vec<Site> = tabs
+            .iter()
+            .zip(&masks)
+            .map(|((t, _, _), m)| Site {
+                rope: &rope,
+                tables: t,
+                vis: c.vis,
+                masks: m,
+            })
+            .collect();
+        let x = Tensor::cat(&xs, 0).unwrap();
+        let mut batch: Vec<&mut KvCache> = caches.iter_mut().map(|(_, c2)| c2).collect();
+        let got = a.forward_segments(&x, &sites, &mut batch).unwrap();
+        let want = Tensor::cat(&alone, 0).unwrap();
+        let label = format!(
+            "d {} heads {}/{} {:?} sinks {} gate {} partial {}",
+            c.head_dim, c.heads, c.kv_heads, c.vis, c.sinks, c.gate, c.partial
+        );
+        let (g, w): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (
+            got.to_dtype(DType::F32).unwrap().to_vec2().unwrap(),
+            want.to_dtype(DType::F32).unwrap().to_vec2().unwrap(),
+        );
+        assert_eq!(g, w, "{label}: batched vs alone");
+        for (k, (c1, c2)) in caches.iter().enumerate() {
+            assert_eq!(c1.len(), c2.len(), "{label} seq {k}");
+            let (k1, v1) = c1.view().unwrap();
+            let (k2, v2) = c2.view().unwrap();
+            assert_eq!(rel_err(&k1, &k2), 0.0, "{label} seq {k} keys");
+            assert_eq!(rel_err(&v1, &v2), 0.0, "{label} seq {k} values");
+        }
+        eprintln!("ok {label}: batched == alone");
+    }
 }

@@ -167,7 +167,14 @@ impl Layer for DecoderLayer {
     ) -> Result<()> {
         let x = r.norm(&self.input_norm)?;
         let a = self.mix_batch(&x, frames, caches)?;
-        self.finish_layer(r, a)
+        if let Some(f) = frames.first() {
+            f.mark("attention");
+        }
+        self.finish_layer(r, a)?;
+        if let Some(f) = frames.first() {
+            f.mark("mlp");
+        }
+        Ok(())
     }
 
     fn read_bytes(&self, rows: usize) -> f64 {

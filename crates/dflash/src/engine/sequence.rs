@@ -481,8 +481,11 @@ impl<'e> Batch<'e> {
     /// their outputs or errors.
     pub fn step(&mut self) -> Vec<(usize, Result<GenerateOutput>)> {
         let mut failed: Vec<(usize, Error)> = Vec::new();
+        let mut prof =
+            crate::stats::SectionTimer::start("batch step", &self.engine.target.info().device);
         // Plan.
         let active: Vec<bool> = self.seqs.iter_mut().map(|(_, s)| s.plan()).collect();
+        prof.mark("plan");
         // Propose: one draft call for every sequence that asks.
         if let Some(d) = self.engine.draft.as_ref() {
             let target = self.engine.target.as_ref();
@@ -529,6 +532,7 @@ impl<'e> Batch<'e> {
                 }
             }
         }
+        prof.mark("propose");
         // Prefill: one target forward for the next prompt chunk of every sequence still
         // prefilling (apart from the verify below, so that the adaptive policies see the
         // verify's cost alone).
@@ -572,6 +576,7 @@ impl<'e> Batch<'e> {
                 }
             }
         }
+        prof.mark("prefill");
         // Verify: one target forward for every block.
         let mut idx = Vec::new();
         let mut items = Vec::new();
@@ -597,6 +602,7 @@ impl<'e> Batch<'e> {
             let tv = Instant::now();
             let r = self.engine.target.forward_batch(&mut items, taps);
             drop(items);
+            prof.mark("verify forward");
             let verify_s = tv.elapsed().as_secs_f64();
             match r {
                 Ok(outs) => {
@@ -612,6 +618,8 @@ impl<'e> Batch<'e> {
                 }
             }
         }
+        prof.mark("accept");
+        prof.finish();
         // Leave: finished and failed sequences.
         let mut ended = Vec::new();
         let mut k = 0;

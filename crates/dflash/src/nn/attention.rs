@@ -578,6 +578,9 @@ impl Attention {
                 x.dim(0)?
             )));
         }
+        if let Some(o) = self.forward_segments_fused(x, sites, caches, &lens)? {
+            return Ok(o);
+        }
         if !x.device().is_cpu() || self.spec.shared_kv {
             let mut parts = Vec::with_capacity(sites.len());
             let mut off = 0;
@@ -628,9 +631,6 @@ impl Attention {
     /// attention launch (two with split keys), sinks and the output gate inside it. None when
     /// they do not apply (nothing changed).
     fn forward_fused(&self, x: &Tensor, at: &Site, cache: &mut KvCache) -> Result<Option<Tensor>> {
-        let Some(packed) = &at.tables.packed else {
-            return Ok(None);
-        };
         if !self.fusable(cache, at.tables) {
             return Ok(None);
         }
@@ -638,7 +638,143 @@ impl Attention {
             Some(f) => f.forward(x)?,
             None => self.q_proj.forward(x)?,
         };
-        let n = x.dim(0)?;
+        match self.attend_fused(&y, at, cache)? {
+            Some(o) => Ok(Some(self.o_proj.forward(&o)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// [`Self::forward_segments`] through the fused kernels: the q/k/v projection once over
+    /// every segment's rows, then each segment's K/V write and attention over its own cache,
+    /// then `o_proj` once. None when the fused kernels do not apply to every segment.
+    fn forward_segments_fused(
+        &self,
+        x: &Tensor,
+        sites: &[Site],
+        caches: &mut [&mut KvCache],
+        lens: &[usize],
+    ) -> Result<Option<Tensor>> {
+        if x.device().is_cpu()
+            || sites.len() < 2
+            || !sites
+                .iter()
+                .zip(caches.iter())
+                .all(|(at, c)| at.tables.packed.is_some() && self.fusable(c, at.tables))
+        {
+            return Ok(None);
+        }
+        let y = match &self.qkv {
+            Some(f) => f.forward(x)?,
+            None => self.q_proj.forward(x)?,
+        };
+        if !self.spec.shared_kv {
+            if let Some(o) = self.attend_fused_one_launch(&y, sites, caches, lens)? {
+                return Ok(Some(self.o_proj.forward(&o)?));
+            }
+        }
+        let mut outs = Vec::with_capacity(sites.len());
+        let mut off = 0;
+        for ((at, cache), &n) in sites.iter().zip(caches.iter_mut()).zip(lens) {
+            match self.attend_fused(&y.narrow(0, off, n)?, at, cache)? {
+                Some(o) => outs.push(o),
+                None => {
+                    return Err(crate::Error::input(
+                        "fused attention declined one segment of a batch it was set up for; run with DFLASH_FUSED=0 and report this",
+                    ))
+                }
+            }
+            off += n;
+        }
+        Ok(Some(self.o_proj.forward(&Tensor::cat(&outs, 0)?)?))
+    }
+
+    /// Every segment's K/V write in one launch and their attention in one more (each segment's
+    /// rows over its own cache): the attention output before `o_proj`, or None (nothing
+    /// written) when the batched kernels do not apply.
+    fn attend_fused_one_launch(
+        &self,
+        y: &Tensor,
+        sites: &[Site],
+        caches: &mut [&mut KvCache],
+        lens: &[usize],
+    ) -> Result<Option<Tensor>> {
+        let at = &sites[0];
+        if sites.iter().any(|s| s.vis != at.vis) {
+            return Ok(None);
+        }
+        let Some(tables) = sites
+            .iter()
+            .map(|s| s.tables.packed.as_ref())
+            .collect::<Option<Vec<&Tensor>>>()
+        else {
+            return Ok(None);
+        };
+        for (c, &n) in caches.iter().zip(lens) {
+            c.check_room(n)?;
+        }
+        let tables = Tensor::cat(&tables, 0)?;
+        let joints: Vec<Tensor> = caches
+            .iter()
+            .map(|c| c.joint().cloned())
+            .collect::<Option<_>>()
+            .ok_or_else(|| crate::Error::input("attention: a batched cache has no joint buffer"))?;
+        let segs: Vec<fused::Segment> = joints
+            .iter()
+            .zip(caches.iter())
+            .zip(lens)
+            .map(|((kv, c), &n)| fused::Segment {
+                kv,
+                pos0: c.len(),
+                n,
+            })
+            .collect();
+        let (kc, vc) = self.kv_columns();
+        let k = self.head_source(kc, &self.k_norm, at.rope);
+        let v = self.value_source(vc);
+        if !fused::kv_write_segments(y, &tables, &k, &v, &segs)? {
+            return Ok(None);
+        }
+        let pos0: Vec<usize> = segs.iter().map(|s| s.pos0).collect();
+        for (c, &n) in caches.iter_mut().zip(lens) {
+            c.append_in_place(n, |_, _| Ok(true))?;
+        }
+        let mut q = self.head_source(0, &self.q_norm, at.rope);
+        let gate = self.spec.output_gate.then(|| {
+            q.head_stride = 2 * self.spec.head_dim;
+            self.spec.head_dim
+        });
+        let call = fused::AttentionCall {
+            q,
+            heads: self.spec.heads,
+            scale: self.spec.scale as f32,
+            kv_len: 0,
+            q_pos0: 0,
+            vis: at.vis,
+            sinks: self.sinks.clone(),
+            gate_offset: gate,
+        };
+        match fused::attention_segments(y, &tables, &segs, &call)? {
+            Some(o) => Ok(Some(o)),
+            None => {
+                // The kernel checks what `fusable` and the write checked: a bug, not an input.
+                for (c, p) in caches.iter_mut().zip(pos0) {
+                    c.truncate(p);
+                }
+                Err(crate::Error::input(format!(
+                    "batched fused attention declined a layer it was set up for (heads {}, head_dim {}); run with DFLASH_FUSED=0 and report this",
+                    self.spec.heads, self.spec.head_dim
+                )))
+            }
+        }
+    }
+
+    /// The fused K/V write and attention of rows already projected by the stacked q/k/v (or
+    /// q-only, KV-shared) weights: `y [n, ...]`; the attention output before `o_proj`.
+    fn attend_fused(&self, y: &Tensor, at: &Site, cache: &mut KvCache) -> Result<Option<Tensor>> {
+        let Some(packed) = &at.tables.packed else {
+            return Ok(None);
+        };
+        let n = y.dim(0)?;
         let pos0 = if self.spec.shared_kv {
             // The owner appended this forward's rows already.
             cache.len().checked_sub(n).ok_or_else(|| {
@@ -647,7 +783,7 @@ impl Attention {
         } else {
             let (kc, vc) = self.kv_columns();
             let pos0 = cache.len();
-            if !self.write_kv_fused(&y, kc, vc, at.rope, at.tables, cache)? {
+            if !self.write_kv_fused(y, kc, vc, at.rope, at.tables, cache)? {
                 return Ok(None);
             }
             pos0
@@ -659,7 +795,7 @@ impl Attention {
         });
         let joint = cache.joint().expect("fusable checked the joint buffer");
         let o = fused::attention(
-            &y,
+            y,
             packed,
             joint,
             &fused::AttentionCall {
@@ -674,7 +810,7 @@ impl Attention {
             },
         )?;
         match o {
-            Some(o) => Ok(Some(self.o_proj.forward(&o)?)),
+            Some(o) => Ok(Some(o)),
             None => {
                 // The kernel declined after the K/V write (it checks the same conditions as
                 // `fusable`, so this is a bug, not an input): undo the write and say so.
@@ -710,6 +846,9 @@ pub fn attend(
     p: &Props,
     masks: &Masks,
 ) -> Result<Tensor> {
+    if let Some(o) = super::cpu_attention::attend(q, k, v, q_start, p)? {
+        return Ok(o);
+    }
     let n = q.dim(1)?;
     if q.device().is_cpu() && p.vis.causal && n > 1 && n <= ROW_WISE_MAX {
         return attend_rows(q, k, v, q_start, p);

@@ -163,3 +163,80 @@ pub fn attention(
         Ok(None)
     }
 }
+
+/// One sequence of a batched K/V write / attention (see [`kv_write_segments`]).
+pub struct Segment<'a> {
+    /// Its joint cache `[2, kv_heads, cap, d]`.
+    pub kv: &'a Tensor,
+    /// Position of its first row (the cache length before the write).
+    pub pos0: usize,
+    pub n: usize,
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_segments(segs: &[Segment]) -> Vec<super::cuda::Segment> {
+    segs.iter()
+        .map(|s| super::cuda::Segment {
+            kv: s.kv.clone(),
+            pos0: s.pos0,
+            n: s.n,
+        })
+        .collect()
+}
+
+/// [`kv_write`] for several sequences in one launch: `src` and `tables` hold the segments'
+/// rows back to back; each segment's rows go to its own cache. False when nothing was written.
+pub fn kv_write_segments(
+    src: &Tensor,
+    tables: &Tensor,
+    k: &HeadSource,
+    v: &HeadSource,
+    segs: &[Segment],
+) -> Result<bool> {
+    if !usable(crate::switches::Part::Attention, &[src, tables]) {
+        return Ok(false);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        Ok(super::cuda::kv_write_segments(
+            src,
+            tables,
+            k,
+            v,
+            &cuda_segments(segs),
+        )?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (k, v, segs);
+        Ok(false)
+    }
+}
+
+/// [`attention`] for several sequences in one launch: each segment's query rows over its own
+/// cache (`pos0 + n` rows, already written); `call.kv_len` / `call.q_pos0` are per segment
+/// and ignored. None when the kernel does not apply.
+pub fn attention_segments(
+    src: &Tensor,
+    tables: &Tensor,
+    segs: &[Segment],
+    call: &AttentionCall,
+) -> Result<Option<Tensor>> {
+    if !usable(crate::switches::Part::Attention, &[src, tables]) {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        Ok(super::cuda::attention_segments(
+            src,
+            tables,
+            &cuda_segments(segs),
+            call,
+        )?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (segs, call);
+        Ok(None)
+    }
+}

@@ -121,7 +121,8 @@ impl KvCache {
         Ok(true)
     }
 
-    fn check_room(&self, n: usize) -> Result<()> {
+    /// An error when `n` more rows do not fit.
+    pub fn check_room(&self, n: usize) -> Result<()> {
         if self.len + n > self.capacity {
             return Err(Error::input(format!(
                 "context overflow: {} cached + {n} new positions exceed the KV cache capacity {}; raise the context size or shorten the prompt",

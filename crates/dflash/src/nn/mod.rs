@@ -7,6 +7,7 @@
 //! so a family's sizing is the sum of its layers'.
 
 pub mod attention;
+pub mod cpu_attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dyn_conv;

@@ -448,3 +448,397 @@ pub fn attention(
         &Attend(call.clone(), None),
     )?))
 }
+
+/// One sequence of a batched K/V write or attention: its joint cache `[2, kv_heads, cap, d]`,
+/// the position of its first row (the cache length before the write), and its row count. Its
+/// rows follow the previous segment's in the batched `src` and `tables`.
+#[derive(Clone)]
+pub struct Segment {
+    pub kv: Tensor,
+    pub pos0: usize,
+    pub n: usize,
+}
+
+/// Number of i64 per segment in the metadata table (`SEG_META` in kernels/fused.cu).
+const SEG_META: usize = 6;
+
+/// The metadata table of a batched launch (kernels/fused.cu, `SEG_*`): per segment its cache
+/// pointer, capacity, first position, first row, rows and first attention block; then the
+/// segment of every row; then the segment of every attention block (`groups` per segment
+/// from its rows). Checks every cache against `kvh` and `d`. Also returns the total rows and
+/// attention blocks.
+fn seg_table(
+    segs: &[Segment],
+    kvh: usize,
+    d: usize,
+    stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
+    groups: impl Fn(usize) -> usize,
+) -> candle_core::Result<(Vec<i64>, usize, usize)> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let mut head = Vec::with_capacity(SEG_META * segs.len());
+    let mut row_seg = Vec::new();
+    let mut blk_seg = Vec::new();
+    let (mut row0, mut grp0) = (0usize, 0usize);
+    for (i, s) in segs.iter().enumerate() {
+        let (two, h, cap, dd) = s.kv.dims4()?;
+        if two != 2 || h != kvh || dd != d || s.pos0 + s.n > cap || !s.kv.is_contiguous() {
+            candle_core::bail!(
+                "dflash batched attention: segment {i} cache {:?} at {} + {} rows (want [2, {kvh}, cap, {d}])",
+                s.kv.shape(),
+                s.pos0,
+                s.n
+            );
+        }
+        let (st, l) = s.kv.storage_and_layout();
+        let ptr = match &*st {
+            Storage::Cuda(c) => {
+                // One stream: the launch that reads this pointer is ordered after every write
+                // already queued, so the guard's event is not needed.
+                let (p, _guard) = c.as_cuda_slice::<bf16>()?.device_ptr(stream);
+                p + (l.start_offset() * std::mem::size_of::<bf16>()) as u64
+            }
+            _ => candle_core::bail!(
+                "dflash batched attention: segment {i} cache is not on the device"
+            ),
+        };
+        let g = groups(s.n);
+        head.extend_from_slice(&[
+            ptr as i64,
+            cap as i64,
+            s.pos0 as i64,
+            row0 as i64,
+            s.n as i64,
+            grp0 as i64,
+        ]);
+        row_seg.extend(std::iter::repeat_n(i as i64, s.n));
+        blk_seg.extend(std::iter::repeat_n(i as i64, g));
+        row0 += s.n;
+        grp0 += g;
+    }
+    head.extend(row_seg);
+    head.extend(blk_seg);
+    Ok((head, row0, grp0))
+}
+
+struct KvWriteSegs {
+    k: HeadSource,
+    v: HeadSource,
+    segs: Vec<Segment>,
+    tables: Tensor,
+}
+
+impl InplaceOp1 for KvWriteSegs {
+    fn name(&self) -> &'static str {
+        "dflash-kv-write-segments"
+    }
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        no_cpu(self.name()).map(|_: (CpuStorage, Shape)| ())
+    }
+    /// `ss`: the batched projection (read, not written: the caches are).
+    fn cuda_fwd(&self, ss: &mut CudaStorage, sl: &Layout) -> candle_core::Result<()> {
+        let (n, stride) = sl.shape().dims2()?;
+        let (_, kvh, _, d) = self.segs[0].kv.dims4()?;
+        let (tab_rows, rot_cols) = self.tables.dims2()?;
+        let last = |h: &HeadSource| h.offset + (kvh - 1) * h.head_stride + d;
+        if tab_rows != n
+            || self.k.rot != rot_cols
+            || last(&self.k) > stride
+            || last(&self.v) > stride
+        {
+            candle_core::bail!(
+                "dflash-kv-write-segments: src {:?} tables {:?}",
+                sl.shape(),
+                self.tables.shape()
+            );
+        }
+        let dev = ss.device().clone();
+        let stream = dev.cuda_stream();
+        let (meta, total, _) = seg_table(&self.segs, kvh, d, &stream, |_| 0)?;
+        if total != n {
+            candle_core::bail!("dflash-kv-write-segments: segments of {total} rows for {n}");
+        }
+        let meta = dev.clone_htod(&meta)?;
+        let src = {
+            let Some((o, e)) = sl.contiguous_offsets() else {
+                candle_core::bail!("dflash-kv-write-segments: projection must be contiguous");
+            };
+            ss.as_cuda_slice::<bf16>()?.slice(o..e)
+        };
+        let ht = Held::new(&self.tables);
+        let tab = ht.view("rope tables")?;
+        let held = self.k.norm.as_ref().map(Held::new);
+        let kw = opt_view(&held, "head norm weight")?;
+        let func = dev.get_or_load_custom_func("kv_write_seg_bf16", "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (kvh as u32, n as u32, 1),
+            block_dim: (block_for(d), 1, 1),
+            shared_mem_bytes: (d * 4) as u32,
+        };
+        let i = |x: usize| x as i32;
+        let (stride_i, k_off, k_hs, v_off, v_hs, v_unit) = (
+            i(stride),
+            i(self.k.offset),
+            i(self.k.head_stride),
+            i(self.v.offset),
+            i(self.v.head_stride),
+            self.v.unit_norm as i32,
+        );
+        let (eps, rot, nseg, kvh_i, d_i) =
+            (self.k.eps, i(self.k.rot), i(self.segs.len()), i(kvh), i(d));
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&src);
+        b.arg(&stride_i);
+        b.arg(&k_off);
+        b.arg(&k_hs);
+        b.arg(&v_off);
+        b.arg(&v_hs);
+        b.arg(&v_unit);
+        push_opt(&mut b, &kw, &null);
+        b.arg(&eps);
+        b.arg(&tab);
+        b.arg(&rot);
+        b.arg(&meta);
+        b.arg(&nseg);
+        b.arg(&kvh_i);
+        b.arg(&d_i);
+        // SAFETY: argument types match the kernel; every segment's rows fit its cache
+        // (seg_table checked), shapes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+/// [`kv_write`] for several sequences in one launch: `src [N, ..]` and `tables [N, rot]` hold
+/// the segments' rows back to back; segment s's rows go to its cache at `pos0 ..`. False
+/// (nothing written) when the kernel does not apply.
+pub fn kv_write_segments(
+    src: &Tensor,
+    tables: &Tensor,
+    k: &HeadSource,
+    v: &HeadSource,
+    segs: &[Segment],
+) -> candle_core::Result<bool> {
+    let mut ts = vec![src, tables];
+    ts.extend(segs.iter().map(|s| &s.kv));
+    if let Some(w) = &k.norm {
+        ts.push(w);
+    }
+    if segs.is_empty() || !is_bf16_cuda(&ts) || src.rank() != 2 || v.norm.is_some() {
+        return Ok(false);
+    }
+    let (_, _, _, head_dim) = segs[0].kv.dims4()?;
+    if head_dim > 1024 || k.rot > head_dim || k.rot % 2 != 0 {
+        return Ok(false);
+    }
+    src.inplace_op1(&KvWriteSegs {
+        k: k.clone(),
+        v: v.clone(),
+        segs: segs.to_vec(),
+        tables: tables.clone(),
+    })?;
+    Ok(true)
+}
+
+struct AttendSegs {
+    call: AttentionCall,
+    segs: Vec<Segment>,
+}
+
+impl CustomOp2 for AttendSegs {
+    fn name(&self) -> &'static str {
+        "dflash-attention-segments"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        ss: &CudaStorage,
+        sl: &Layout,
+        cs: &CudaStorage,
+        cl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let c = &self.call;
+        let (n, stride) = sl.shape().dims2()?;
+        let (_, kvh, _, d) = self.segs[0].kv.dims4()?;
+        let (tab_rows, rot_cols) = cl.shape().dims2()?;
+        let heads = c.heads;
+        let q_last = c.q.offset + (heads - 1) * c.q.head_stride + d + c.gate_offset.unwrap_or(0);
+        let Some((name, pairs_per_block)) = attn_kernel(d, d) else {
+            candle_core::bail!("dflash-attention-segments: head dim {d}");
+        };
+        if heads % kvh != 0
+            || tab_rows != n
+            || (c.q.rot != 0 && c.q.rot != rot_cols)
+            || q_last > stride
+        {
+            candle_core::bail!(
+                "dflash-attention-segments: src {:?} tables {:?} heads {heads}",
+                sl.shape(),
+                cl.shape()
+            );
+        }
+        let rep = heads / kvh;
+        let dev = ss.device();
+        let stream = dev.cuda_stream();
+        let (meta, total, blocks) = seg_table(&self.segs, kvh, d, &stream, |rows| {
+            (rows * rep).div_ceil(pairs_per_block)
+        })?;
+        if total != n {
+            candle_core::bail!("dflash-attention-segments: segments of {total} rows for {n}");
+        }
+        let meta = dev.clone_htod(&meta)?;
+        let src = view(ss, sl, "projection")?;
+        let tab = view(cs, cl, "rope tables")?;
+        let held_q = c.q.norm.as_ref().map(Held::new);
+        let qw = opt_view(&held_q, "head norm weight")?;
+        let held_s = c.sinks.as_ref().map(Held::new);
+        let sinks = opt_view(&held_s, "sinks")?;
+        // The same fixed key chunks as `Attend` (a row's arithmetic depends on its position
+        // only, so a sequence's rows give the bits they give alone); the split count is the
+        // longest segment's, and a shorter segment's extra splits are empty.
+        let chunk = ATTN_CHUNK;
+        let splits = self
+            .segs
+            .iter()
+            .map(|s| (s.pos0 + s.n).div_ceil(chunk))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let rows = heads * n;
+        // SAFETY: every element is written (by attn with one split, else by attn_combine).
+        let out = unsafe { dev.alloc::<bf16>(n * heads * d)? };
+        let part = unsafe {
+            dev.alloc::<f32>(if splits > 1 {
+                rows * splits * (d + 2)
+            } else {
+                1
+            })?
+        };
+        let func =
+            dev.get_or_load_custom_func(&format!("{name}_seg"), "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (kvh as u32, splits as u32, blocks as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let i = |x: usize| x as i32;
+        let (stride_i, q_off, q_hs, eps, rot, scale) = (
+            i(stride),
+            i(c.q.offset),
+            i(c.q.head_stride),
+            c.q.eps,
+            i(c.q.rot),
+            c.scale,
+        );
+        let (nseg, total_i, kvh_i, rep_i) = (i(self.segs.len()), i(n), i(kvh), i(rep));
+        let (causal, window, chunk_i) = (
+            c.vis.causal as i32,
+            c.vis.window.unwrap_or(0).min(i32::MAX as usize) as i32,
+            i(chunk),
+        );
+        let gate_off = c.gate_offset.map_or(-1, i);
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&src);
+        b.arg(&stride_i);
+        b.arg(&q_off);
+        b.arg(&q_hs);
+        push_opt(&mut b, &qw, &null);
+        b.arg(&eps);
+        b.arg(&tab);
+        b.arg(&rot);
+        b.arg(&scale);
+        b.arg(&meta);
+        b.arg(&nseg);
+        b.arg(&total_i);
+        b.arg(&kvh_i);
+        b.arg(&rep_i);
+        b.arg(&causal);
+        b.arg(&window);
+        b.arg(&chunk_i);
+        push_opt(&mut b, &sinks, &null);
+        b.arg(&gate_off);
+        b.arg(&out);
+        b.arg(&part);
+        // SAFETY: argument types match the kernel; seg_table checked every segment's cache.
+        unsafe { b.launch(cfg) }.w()?;
+        if splits > 1 {
+            let func =
+                dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: (heads as u32, n as u32, 1),
+                block_dim: (block_for(d), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (splits_i, d_i) = (i(splits), i(d));
+            let mut b = func.builder();
+            b.arg(&part);
+            b.arg(&out);
+            b.arg(&splits_i);
+            b.arg(&d_i);
+            push_opt(&mut b, &sinks, &null);
+            b.arg(&src);
+            b.arg(&stride_i);
+            b.arg(&q_off);
+            b.arg(&q_hs);
+            b.arg(&gate_off);
+            // SAFETY: argument types match the kernel.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, heads * d)),
+        ))
+    }
+}
+
+/// [`attention`] for several sequences in one launch: `src [N, ..]` and `tables [N, rot]`
+/// hold the segments' query rows back to back; segment s's rows sit at positions `pos0 ..`
+/// and attend over the first `pos0 + n` rows of its own cache (already written). The call's
+/// `kv_len` and `q_pos0` are ignored (per segment). None when the kernel does not apply.
+pub fn attention_segments(
+    src: &Tensor,
+    tables: &Tensor,
+    segs: &[Segment],
+    call: &AttentionCall,
+) -> candle_core::Result<Option<Tensor>> {
+    let mut ts = vec![src, tables];
+    ts.extend(segs.iter().map(|s| &s.kv));
+    if let Some(w) = &call.q.norm {
+        ts.push(w);
+    }
+    if let Some(s) = &call.sinks {
+        ts.push(s);
+    }
+    if segs.is_empty() || !is_bf16_cuda(&ts) || src.rank() != 2 || call.q.unit_norm {
+        return Ok(None);
+    }
+    let (_, kvh, _, d) = segs[0].kv.dims4()?;
+    if !ATTN_HEAD_DIMS.contains(&d)
+        || call.heads % kvh != 0
+        || call.q.rot > d
+        || call.q.rot % 2 != 0
+        || segs.iter().any(|s| s.pos0 + s.n == 0)
+        || call
+            .sinks
+            .as_ref()
+            .is_some_and(|s| s.elem_count() != call.heads)
+    {
+        return Ok(None);
+    }
+    Ok(Some(src.apply_op2_no_bwd(
+        tables,
+        &AttendSegs {
+            call: call.clone(),
+            segs: segs.to_vec(),
+        },
+    )?))
+}

@@ -7,8 +7,8 @@ use candle_core::cuda_backend::cudarc::driver::CudaView;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Shape,
-    Storage, Tensor,
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp1, InplaceOp3,
+    Layout, Shape, Storage, Tensor,
 };
 use half::bf16;
 

@@ -1,0 +1,368 @@
+//! Attention on the CPU in f32, one query row at a time: for each (query head, row) the scores
+//! over the keys the row sees, their softmax and the weighted sum of the values, in an order
+//! fixed by the row's position alone.
+//!
+//! Why its own kernel: a row's result must not depend on how many rows run with it. candle's
+//! matmuls choose their blocking (and so their summation order) by shape, so a prompt chunk's
+//! `[rep * n, d] x [d, L]` product rounds differently from a one-row decode step, and after the
+//! activation quantization of GGUF weights those last bits grow into logit differences that
+//! flip greedy choices. Here a prefill chunk, a verify block, a decode step, a batch of
+//! sequences and a request resumed from the prefix cache compute every row with the same
+//! instructions, so they agree bit for bit (tested in `tests/lossless.rs`, `tests/prefix.rs`).
+//!
+//! Cost: the same flops as the product form (`2 L d` per row and head for the scores, as many
+//! for the values), no `[n, L]` mask or score matrix in memory; rows and heads are spread over
+//! candle's CPU pool. The inner loops are AVX2 + FMA where the CPU has them (chosen once per
+//! process, so every call on a machine takes the same path).
+
+use super::attention::{Props, Visibility};
+use crate::Result;
+use candle_core::{DType, Device, Storage, Tensor};
+
+/// The keys `lo .. hi` the query at position `pos` sees among `l` keys at positions `0 .. l`.
+fn visible(vis: Visibility, pos: usize, l: usize) -> (usize, usize) {
+    let mut hi = if vis.causal { (pos + 1).min(l) } else { l };
+    let mut lo = 0;
+    if let Some(w) = vis.window {
+        lo = (pos + 1).saturating_sub(w);
+        if !vis.causal {
+            hi = hi.min(pos + w);
+        }
+    }
+    (lo, hi.max(lo))
+}
+
+/// Strided f32 view of a rank-3 tensor whose last dimension is contiguous.
+struct View<'a> {
+    data: &'a [f32],
+    s0: usize,
+    s1: usize,
+}
+
+fn slice(s: &Storage) -> Result<&[f32]> {
+    match s {
+        Storage::Cpu(c) => Ok(c.as_slice::<f32>()?),
+        _ => Err(crate::Error::input("cpu attention: a tensor left the CPU")),
+    }
+}
+
+fn view<'a>(s: &'a Storage, lay: &candle_core::Layout) -> Result<View<'a>> {
+    Ok(View {
+        data: &slice(s)?[lay.start_offset()..],
+        s0: lay.stride()[0],
+        s1: lay.stride()[1],
+    })
+}
+
+impl View<'_> {
+    fn row(&self, a: usize, b: usize, len: usize) -> &[f32] {
+        let o = a * self.s0 + b * self.s1;
+        &self.data[o..o + len]
+    }
+}
+
+/// [`super::attend`] on the CPU: `q [heads, n, d]`, `k [kv_heads, L, d]`, `v [kv_heads, L, dv]`
+/// (views allowed), row i at position `q_start + i`; `[n, heads * dv]`. None where it does not
+/// apply (not f32 on the CPU, or tracked for a backward pass).
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_start: usize,
+    p: &Props,
+) -> Result<Option<Tensor>> {
+    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if !(cpu_f32(q) && cpu_f32(k) && cpu_f32(v)) || q.track_op() || k.track_op() || v.track_op() {
+        return Ok(None);
+    }
+    let (heads, n, d) = q.dims3()?;
+    let (kvh, l, dk) = k.dims3()?;
+    let (kvh2, l2, dv) = v.dims3()?;
+    if dk != d || kvh2 != kvh || l2 != l || kvh == 0 || heads % kvh != 0 {
+        return Err(crate::Error::input(format!(
+            "attention: queries {:?}, keys {:?}, values {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    let rep = heads / kvh;
+    let q = q.contiguous()?;
+    let last_contiguous = |t: &Tensor| -> Result<Tensor> {
+        Ok(if t.layout().stride()[2] == 1 {
+            t.clone()
+        } else {
+            t.contiguous()?
+        })
+    };
+    let (k, v) = (last_contiguous(k)?, last_contiguous(v)?);
+    let sinks: Option<Vec<f32>> = p
+        .sinks
+        .map(|s| s.to_dtype(DType::F32)?.to_vec1::<f32>())
+        .transpose()?;
+    if let Some(s) = &sinks {
+        if s.len() != heads {
+            return Err(crate::Error::input(format!(
+                "attention: {} sinks for {heads} heads",
+                s.len()
+            )));
+        }
+    }
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (qd, kv_k, kv_v) = (
+        &slice(&qs)?[ql.start_offset()..],
+        view(&ks, kl)?,
+        view(&vs, vl)?,
+    );
+    let scale = p.scale as f32;
+    let vis = p.vis;
+    let simd = simd::available();
+    let mut out = vec![0f32; n * heads * dv];
+    let out_ptr = out.as_mut_ptr() as usize;
+    // One item is a (row, head) pair; rows of one head group are adjacent so a chunk reuses
+    // the same keys.
+    candle_core::utils::barrier_pool().execute_chunked(n * heads, |range| {
+        let out = out_ptr as *mut f32;
+        let mut qrow = vec![0f32; d];
+        let mut scores: Vec<f32> = Vec::new();
+        let mut acc = vec![0f32; dv];
+        for item in range {
+            let (h, i) = (item / n, item % n);
+            let g = h / rep;
+            let (lo, hi) = visible(vis, q_start + i, l);
+            for (a, b) in qrow
+                .iter_mut()
+                .zip(&qd[(h * n + i) * d..(h * n + i + 1) * d])
+            {
+                *a = b * scale;
+            }
+            scores.clear();
+            let mut m = sinks.as_ref().map_or(f32::NEG_INFINITY, |s| s[h]);
+            for j in lo..hi {
+                let s = simd::dot(simd, &qrow, kv_k.row(g, j, d));
+                m = m.max(s);
+                scores.push(s);
+            }
+            let mut sum = sinks.as_ref().map_or(0f32, |s| (s[h] - m).exp());
+            for s in scores.iter_mut() {
+                *s = (*s - m).exp();
+                sum += *s;
+            }
+            acc.fill(0.0);
+            for (j, &w) in (lo..hi).zip(scores.iter()) {
+                simd::axpy(simd, w, kv_v.row(g, j, dv), &mut acc);
+            }
+            let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+            let base = i * heads * dv + h * dv;
+            for (c, a) in acc.iter().enumerate() {
+                // SAFETY: each (row, head) item writes its own dv outputs, once.
+                unsafe { *out.add(base + c) = a * inv };
+            }
+        }
+    });
+    drop((qs, ks, vs));
+    Ok(Some(Tensor::from_vec(out, (n, heads * dv), &Device::Cpu)?))
+}
+
+mod simd {
+    /// Whether the AVX2 + FMA loops run (decided once per process).
+    pub fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// `sum_i a_i b_i` over eight lanes, the lanes summed in a fixed order.
+    pub fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: `simd` is only true when the CPU has AVX2 and FMA.
+            return unsafe { dot_avx2(a, b) };
+        }
+        let _ = simd;
+        let mut lanes = [0f32; 8];
+        let n8 = a.len() / 8 * 8;
+        for c in (0..n8).step_by(8) {
+            for t in 0..8 {
+                lanes[t] = a[c + t].mul_add(b[c + t], lanes[t]);
+            }
+        }
+        let mut s = reduce8(&lanes);
+        for t in n8..a.len() {
+            s = a[t].mul_add(b[t], s);
+        }
+        s
+    }
+
+    /// `acc += w * x`.
+    pub fn axpy(simd: bool, w: f32, x: &[f32], acc: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: as in `dot`.
+            return unsafe { axpy_avx2(w, x, acc) };
+        }
+        let _ = simd;
+        for (a, b) in acc.iter_mut().zip(x) {
+            *a = w.mul_add(*b, *a);
+        }
+    }
+
+    fn reduce8(l: &[f32; 8]) -> f32 {
+        ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        use std::arch::x86_64::*;
+        let n = a.len().min(b.len());
+        let n8 = n / 8 * 8;
+        let mut acc = _mm256_setzero_ps();
+        let mut c = 0;
+        while c < n8 {
+            let x = _mm256_loadu_ps(a.as_ptr().add(c));
+            let y = _mm256_loadu_ps(b.as_ptr().add(c));
+            acc = _mm256_fmadd_ps(x, y, acc);
+            c += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        let mut s = reduce8(&lanes);
+        for t in n8..n {
+            s = a[t].mul_add(b[t], s);
+        }
+        s
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn axpy_avx2(w: f32, x: &[f32], acc: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let n = x.len().min(acc.len());
+        let n8 = n / 8 * 8;
+        let wv = _mm256_set1_ps(w);
+        let mut c = 0;
+        while c < n8 {
+            let p = acc.as_mut_ptr().add(c);
+            let y = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.as_ptr().add(c)), _mm256_loadu_ps(p));
+            _mm256_storeu_ps(p, y);
+            c += 8;
+        }
+        for t in n8..n {
+            acc[t] = w.mul_add(x[t], acc[t]);
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_avx2_loops_equal_the_portable_ones() {
+            let a: Vec<f32> = (0..77)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let b: Vec<f32> = (0..77)
+                .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
+                .collect();
+            assert_eq!(
+                super::dot(super::available(), &a, &b),
+                super::dot(false, &a, &b)
+            );
+            let mut x = b.clone();
+            let mut y = b.clone();
+            super::axpy(super::available(), 0.37, &a, &mut x);
+            super::axpy(false, 0.37, &a, &mut y);
+            assert_eq!(x, y);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::attention::{sdpa_with_sinks, Visibility};
+
+    /// The row kernel agrees with the product form (to rounding), causal, windowed, full and
+    /// with sinks, over a strided cache view; and a row's bits do not depend on the rows
+    /// computed with it.
+    #[test]
+    fn rows_match_the_product_form_and_do_not_depend_on_their_company() {
+        let dev = Device::Cpu;
+        let (heads, kvh, d, cap, l) = (6, 2, 40, 50, 37);
+        let q = Tensor::randn(0f32, 1.0, (heads, l, d), &dev).unwrap();
+        let kc = Tensor::randn(0f32, 1.0, (kvh, cap, d), &dev).unwrap();
+        let vc = Tensor::randn(0f32, 1.0, (kvh, cap, d + 8), &dev).unwrap();
+        let (k, v) = (kc.narrow(1, 0, l).unwrap(), vc.narrow(1, 0, l).unwrap());
+        let sinks = Tensor::randn(0f32, 1.0, heads, &dev).unwrap();
+        for vis in [
+            Visibility::CAUSAL,
+            Visibility::sliding(5),
+            Visibility::FULL,
+            Visibility {
+                causal: false,
+                window: Some(4),
+            },
+        ] {
+            for s in [None, Some(&sinks)] {
+                let p = Props {
+                    scale: 0.3,
+                    vis,
+                    sinks: s,
+                };
+                let all = attend(&q, &k, &v, 0, &p).unwrap().unwrap();
+                let mask =
+                    crate::nn::attention_mask(l, 0, l, vis.causal, vis.window, DType::F32, &dev)
+                        .unwrap();
+                let want = sdpa_with_sinks(&q, &k, &v, mask.as_ref(), 0.3, s).unwrap();
+                let diff = (&all - &want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(diff < 1e-5, "{vis:?} sinks={}: {diff}", s.is_some());
+                // rows 10..13 alone, at their positions
+                let part = attend(&q.narrow(1, 10, 3).unwrap(), &k, &v, 10, &p)
+                    .unwrap()
+                    .unwrap();
+                let a = all.narrow(0, 10, 3).unwrap().to_vec2::<f32>().unwrap();
+                assert_eq!(a, part.to_vec2::<f32>().unwrap(), "{vis:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn visible_ranges() {
+        assert_eq!(visible(Visibility::CAUSAL, 4, 10), (0, 5));
+        assert_eq!(visible(Visibility::sliding(3), 4, 10), (2, 5));
+        assert_eq!(visible(Visibility::FULL, 4, 10), (0, 10));
+        let w = Visibility {
+            causal: false,
+            window: Some(3),
+        };
+        assert_eq!(visible(w, 4, 10), (2, 7));
+        // every (q, k) agrees with Visibility::sees
+        for vis in [
+            Visibility::CAUSAL,
+            Visibility::sliding(3),
+            Visibility::FULL,
+            w,
+        ] {
+            for q in 0..10 {
+                let (lo, hi) = visible(vis, q, 10);
+                for k in 0..10 {
+                    assert_eq!(vis.sees(q, k), (lo..hi).contains(&k), "{vis:?} {q} {k}");
+                }
+            }
+        }
+    }
+}
