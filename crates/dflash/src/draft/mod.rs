@@ -367,7 +367,7 @@ impl DraftModel {
         target: &dyn TargetModel,
         items: &mut [DraftItem],
     ) -> Result<Vec<Vec<u32>>> {
-        if items.len() < 2 || !self.device.is_cpu() {
+        if items.len() < 2 {
             return items
                 .iter_mut()
                 .map(|it| self.propose(target, &it.ctx, it.block, it.start, it.cache))
@@ -376,15 +376,21 @@ impl DraftModel {
         let rows = self.forward_rows_batch(target, items)?;
         let all = Tensor::cat(&rows, 0)?;
         let logits = self.logits(target, &all, None)?;
+        // Without a selector, every row's argmax at once (one download).
+        let mut all_ids = match &self.selector {
+            None => Some(crate::sampling::argmax_rows(&logits)?.into_iter()),
+            Some(_) => None,
+        };
         let mut out = Vec::with_capacity(items.len());
         let mut off = 0;
         for (it, r) in items.iter().zip(&rows) {
             let n = r.dim(0)?;
             let l = logits.narrow(0, off, n)?;
             off += n;
-            let ids = match &self.selector {
-                Some(s) => s.walk(r, &l, it.block[0])?,
-                None => crate::sampling::argmax_rows(&l)?,
+            let ids = match (&self.selector, &mut all_ids) {
+                (Some(s), _) => s.walk(r, &l, it.block[0])?,
+                (None, Some(a)) => a.by_ref().take(n).collect(),
+                (None, None) => unreachable!("argmax taken above without a selector"),
             };
             out.push(match &self.d2t {
                 Some(d2t) => ids
@@ -438,11 +444,21 @@ impl DraftModel {
                 Some(self.hidden_norm.forward(&self.fc.forward(&c)?)?)
             }
         };
+        // Their keys/values of every layer in one stacked projection, where the draft has it.
+        let ctx_kv_all = match (&self.ctx_kv, &ctx_all) {
+            (Some(l), Some(c)) => Some(l.forward(c)?),
+            _ => None,
+        };
         let mut ctx = Vec::with_capacity(items.len());
+        let mut ctx_kv = Vec::with_capacity(items.len());
         let mut off = 0;
         for &s in &ctx_lens {
             ctx.push(match (&ctx_all, s) {
                 (Some(c), s) if s > 0 => Some(c.narrow(0, off, s)?),
+                _ => None,
+            });
+            ctx_kv.push(match (&ctx_kv_all, s) {
+                (Some(y), s) if s > 0 => Some(y.narrow(0, off, s)?),
                 _ => None,
             });
             off += s;
@@ -484,7 +500,14 @@ impl DraftModel {
             let a = &layer.attn;
             for (k, it) in items.iter_mut().enumerate() {
                 if let Some(c) = &ctx[k] {
-                    a.append_keys_values(c, &self.rope, &t_ctx[k], &mut it.cache.layers[i])?;
+                    let kv = &mut it.cache.layers[i];
+                    let written = match &ctx_kv[k] {
+                        Some(y) => a.write_keys_values_from(y, i, &self.rope, &t_ctx[k], kv)?,
+                        None => false,
+                    };
+                    if !written {
+                        a.append_keys_values(c, &self.rope, &t_ctx[k], kv)?;
+                    }
                 }
             }
             let (xa, dks) = match &layer.attn_conv {
