@@ -110,6 +110,13 @@ fn main() -> dflash::Result<()> {
                 / c as f64;
             let tau = outs.iter().map(|o| o.stats.tau).sum::<f64>() / c as f64;
             let ttft = outs.iter().map(|o| o.stats.ttft_ms).sum::<f64>() / c as f64;
+            if args.iter().any(|a| a == "--reasons") {
+                let s = &outs[0].stats;
+                eprintln!(
+                    "{name} c={c}: q histogram {:?} reasons {:?}",
+                    s.q_histogram, s.q_reasons
+                );
+            }
             let (a1, p1) = *base.get_or_insert((agg, per));
             println!(
                 "| {name} | {c} | {agg:.1} | {:.2} | {per:.1} | {:.2} | {tau:.2} | {ttft:.1} |",
