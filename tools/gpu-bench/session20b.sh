@@ -3,22 +3,12 @@
 # DFlash2 draft step again, and where a batched plain step spends its time (DFLASH_PROFILE
 # sync and gpu) at concurrency 1 and 8. Same binaries / carry as session20.sh.
 set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../.." && pwd)
-mkdir -p /tmp/stash
-for b in dflash fused_cuda concurrency; do
-  xz -dc "$root/.device/$b.xz" > /tmp/stash/$b && chmod +x /tmp/stash/$b
-done
-PY=python3
+. "$(dirname "$0")/env.sh" dflash fused_cuda concurrency
 RES=${OUT:-/tmp}/s20b
 M=/root/s20-models
 mkdir -p "$RES" "$M"
-export LD_LIBRARY_PATH=$($PY -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))'):/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
-refdir=$(mktemp -d)
-(cd "$refdir" && $PY -m zipfile -e "$root"/tools/goldens/wheels/dflash-*.whl .)
-export PYTHONPATH="$refdir:${PYTHONPATH:-}"
 timeout 200 /tmp/stash/fused_cuda --test-threads 1 dflash2 2>&1 | grep -E "^test |test result|panicked|rel err" > "$RES/fused.txt"
-[ -d "$M/target" ] || timeout 240 $PY "$here/models.py" --shape qwen3-8b --out "$M" > "$RES/models.log" 2>&1
+ensure_models "$M"
 [ -d "$M/draft2" ] || $PY "$here/make_dflash2.py" "$M/draft-agree" "$M/draft2" > /dev/null
 for d in draft-agree draft2; do
   timeout 120 /tmp/stash/dflash bench --micro --model "$M/target" --draft "$M/$d" --device cuda --dtype bf16 \

@@ -6,30 +6,14 @@
 mod common;
 use candle_core::Tensor;
 use common::*;
-use dflash::archs::LoadOptions;
-use dflash::draft::load_draft;
 use dflash::engine::{Engine, Flow, GenerateOutput, GenerateRequest};
 use dflash::sampling::SamplingParams;
-use dflash::source::ModelSource;
 use dflash::testing::hybrid::TinyHybrid;
 use dflash::testing::{TinyDraft, TinyTarget};
 use std::path::Path;
 
 fn engine(dir: &Path, draft: bool) -> Engine {
-    let lo = LoadOptions::default();
-    let (cfg, target) =
-        dflash::archs::load_target(&ModelSource::from_dir("t", &dir.join("t")).unwrap(), &lo)
-            .unwrap();
-    let d = draft.then(|| {
-        load_draft(
-            &ModelSource::from_dir("d", &dir.join("d")).unwrap(),
-            &cfg,
-            "t",
-            &lo,
-        )
-        .unwrap()
-    });
-    Engine::new(target, d)
+    engine_from_dir(dir, draft)
 }
 
 /// Eight requests that differ in everything a batch must keep apart.

@@ -738,21 +738,8 @@ impl Attention {
         for (c, &n) in caches.iter_mut().zip(lens) {
             c.append_in_place(n, |_, _| Ok(true))?;
         }
-        let mut q = self.head_source(0, &self.q_norm, at.rope);
-        let gate = self.spec.output_gate.then(|| {
-            q.head_stride = 2 * self.spec.head_dim;
-            self.spec.head_dim
-        });
-        let call = fused::AttentionCall {
-            q,
-            heads: self.spec.heads,
-            scale: self.spec.scale as f32,
-            kv_len: 0,
-            q_pos0: 0,
-            vis: at.vis,
-            sinks: self.sinks.clone(),
-            gate_offset: gate,
-        };
+        // kv_len / q_pos0 are per segment in a batched call
+        let call = self.fused_call(at, 0, 0);
         match fused::attention_segments(y, &tables, &segs, &call)? {
             Some(o) => Ok(Some(o)),
             None => {
@@ -765,6 +752,27 @@ impl Attention {
                     self.spec.heads, self.spec.head_dim
                 )))
             }
+        }
+    }
+
+    /// The fused attention kernel's description of this layer's queries at `at` (an output
+    /// gate after each query head where the layer has one), over keys `0 .. kv_len` with row
+    /// 0 at `q_pos0`.
+    fn fused_call(&self, at: &Site, kv_len: usize, q_pos0: usize) -> fused::AttentionCall {
+        let mut q = self.head_source(0, &self.q_norm, at.rope);
+        let gate = self.spec.output_gate.then(|| {
+            q.head_stride = 2 * self.spec.head_dim;
+            self.spec.head_dim
+        });
+        fused::AttentionCall {
+            q,
+            heads: self.spec.heads,
+            scale: self.spec.scale as f32,
+            kv_len,
+            q_pos0,
+            vis: at.vis,
+            sinks: self.sinks.clone(),
+            gate_offset: gate,
         }
     }
 
@@ -788,27 +796,8 @@ impl Attention {
             }
             pos0
         };
-        let mut q = self.head_source(0, &self.q_norm, at.rope);
-        let gate = self.spec.output_gate.then(|| {
-            q.head_stride = 2 * self.spec.head_dim;
-            self.spec.head_dim
-        });
         let joint = cache.joint().expect("fusable checked the joint buffer");
-        let o = fused::attention(
-            y,
-            packed,
-            joint,
-            &fused::AttentionCall {
-                q,
-                heads: self.spec.heads,
-                scale: self.spec.scale as f32,
-                kv_len: pos0 + n,
-                q_pos0: pos0,
-                vis: at.vis,
-                sinks: self.sinks.clone(),
-                gate_offset: gate,
-            },
-        )?;
+        let o = fused::attention(y, packed, joint, &self.fused_call(at, pos0 + n, pos0))?;
         match o {
             Some(o) => Ok(Some(o)),
             None => {

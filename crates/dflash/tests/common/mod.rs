@@ -291,3 +291,21 @@ pub fn family_models() -> Option<Vec<std::path::PathBuf>> {
     assert!(!dirs.is_empty(), "no family models under {root:?}");
     Some(dirs)
 }
+
+/// An engine over the tiny target in `dir/t` and, with `draft`, the draft in `dir/d`
+/// (default load options: f32 on the CPU).
+pub fn engine_from_dir(dir: &Path, draft: bool) -> dflash::engine::Engine {
+    let lo = LoadOptions::default();
+    let (cfg, target) =
+        load_target(&ModelSource::from_dir("t", &dir.join("t")).unwrap(), &lo).unwrap();
+    let d = draft.then(|| {
+        dflash::draft::load_draft(
+            &ModelSource::from_dir("d", &dir.join("d")).unwrap(),
+            &cfg,
+            "t",
+            &lo,
+        )
+        .unwrap()
+    });
+    dflash::engine::Engine::new(target, d)
+}

@@ -334,27 +334,14 @@ impl CustomOp3 for Attend {
         // SAFETY: argument types match the kernel; shapes and bounds checked above.
         unsafe { b.launch(cfg) }.w()?;
         if splits > 1 {
-            let func =
-                dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
-            let cfg = LaunchConfig {
-                grid_dim: (heads as u32, n as u32, 1),
-                block_dim: (block_for(dv), 1, 1),
-                shared_mem_bytes: 0,
+            let g = Gate {
+                src: &src,
+                stride: stride_i,
+                q_off,
+                q_hs,
+                gate_off,
             };
-            let (splits_i, d_i) = (i(splits), i(dv));
-            let mut b = func.builder();
-            b.arg(&part);
-            b.arg(&out);
-            b.arg(&splits_i);
-            b.arg(&d_i);
-            push_opt(&mut b, &sinks, &null);
-            b.arg(&src);
-            b.arg(&stride_i);
-            b.arg(&q_off);
-            b.arg(&q_hs);
-            b.arg(&gate_off);
-            // SAFETY: argument types match the kernel.
-            unsafe { b.launch(cfg) }.w()?;
+            combine_splits(dev, &part, &out, heads, n, splits, dv, &sinks, &g)?;
         }
         drop((kp, vp));
         Ok((
@@ -362,6 +349,53 @@ impl CustomOp3 for Attend {
             Shape::from((n, heads * dv)),
         ))
     }
+}
+
+/// Where `attn_combine_bf16` finds each row's output gate (as the attention kernel does).
+struct Gate<'a> {
+    src: &'a CudaView<'a, bf16>,
+    stride: i32,
+    q_off: i32,
+    q_hs: i32,
+    gate_off: i32,
+}
+
+/// Merge the key splits of an attention launch (`part`, `(m, l, acc[dv])` per (head, row,
+/// split)) into the bf16 output rows, with the sinks and the output gate.
+#[allow(clippy::too_many_arguments)]
+fn combine_splits(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    part: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+    out: &candle_core::cuda_backend::cudarc::driver::CudaSlice<bf16>,
+    heads: usize,
+    n: usize,
+    splits: usize,
+    dv: usize,
+    sinks: &Option<CudaView<'_, bf16>>,
+    g: &Gate,
+) -> candle_core::Result<()> {
+    let func = dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (heads as u32, n as u32, 1),
+        block_dim: (block_for(dv), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (splits_i, d_i) = (splits as i32, dv as i32);
+    let null = 0u64;
+    let mut b = func.builder();
+    b.arg(part);
+    b.arg(out);
+    b.arg(&splits_i);
+    b.arg(&d_i);
+    push_opt(&mut b, sinks, &null);
+    b.arg(g.src);
+    b.arg(&g.stride);
+    b.arg(&g.q_off);
+    b.arg(&g.q_hs);
+    b.arg(&g.gate_off);
+    // SAFETY: argument types match the kernel.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 /// The attention kernel for key / value widths, and its (row, head) pairs per block.
@@ -771,27 +805,14 @@ impl CustomOp2 for AttendSegs {
         // SAFETY: argument types match the kernel; seg_table checked every segment's cache.
         unsafe { b.launch(cfg) }.w()?;
         if splits > 1 {
-            let func =
-                dev.get_or_load_custom_func("attn_combine_bf16", "dflash_fused", FUSED_PTX)?;
-            let cfg = LaunchConfig {
-                grid_dim: (heads as u32, n as u32, 1),
-                block_dim: (block_for(d), 1, 1),
-                shared_mem_bytes: 0,
+            let g = Gate {
+                src: &src,
+                stride: stride_i,
+                q_off,
+                q_hs,
+                gate_off,
             };
-            let (splits_i, d_i) = (i(splits), i(d));
-            let mut b = func.builder();
-            b.arg(&part);
-            b.arg(&out);
-            b.arg(&splits_i);
-            b.arg(&d_i);
-            push_opt(&mut b, &sinks, &null);
-            b.arg(&src);
-            b.arg(&stride_i);
-            b.arg(&q_off);
-            b.arg(&q_hs);
-            b.arg(&gate_off);
-            // SAFETY: argument types match the kernel.
-            unsafe { b.launch(cfg) }.w()?;
+            combine_splits(dev, &part, &out, heads, n, splits, d, &sinks, &g)?;
         }
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
