@@ -214,7 +214,7 @@ FAMILIES = {
         tiny_layers=4,
     ),
     "gemma4": dict(
-        published="gemma-4-31B", published_layers=60, layers=6,
+        published="gemma-4-31B", published_layers=60, layers=6, unit_qk_scores=True,
         cls="Gemma4ForCausalLM", cfg_cls="Gemma4TextConfig",
         target=lambda n: dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=n,
                               num_attention_heads=32, num_key_value_heads=16, head_dim=256,
@@ -428,8 +428,23 @@ def dir_bytes(d):
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
 
 
+# Variants of a small model with one feature changed (`build --small --only NAME`), to locate a
+# difference between the fused and the portable path (tests/fused_cuda.rs names the failing
+# model): (base family, config overrides).
+VARIANTS = {
+    "gemma4-noshare": ("gemma4", dict(num_kv_shared_layers=0)),
+    "gemma4-nokeqv": ("gemma4", dict(attention_k_eq_v=False)),
+    "gemma4-global256": ("gemma4", dict(global_head_dim=256)),
+    "gemma4-wide-window": ("gemma4", dict(sliding_window=128)),
+    "gemma4-nople-nomoe": ("gemma4", dict(hidden_size_per_layer_input=0, enable_moe_block=False)),
+}
+
+
 def build_one(fam, a, torch, transformers):
-    spec = FAMILIES[fam]
+    base, overrides = VARIANTS.get(fam, (fam, {}))
+    if overrides and not a.small:
+        raise ValueError(f"{fam}: variants are small models (--small)")
+    spec = FAMILIES[base]
     root = os.path.join(a.models, fam)
     man_path = os.path.join(root, "manifest.json")
     if os.path.exists(man_path):
@@ -444,8 +459,8 @@ def build_one(fam, a, torch, transformers):
     from dflash.model import DFlashDraftModel
 
     if a.small:
-        n, make = SMALL[fam]
-        kw = make(n)
+        n, make = SMALL[base]
+        kw = {**make(n), **overrides}
     else:
         n = spec["tiny_layers"] if a.tiny else spec["layers"]
         kw = (spec["tiny"] if a.tiny else spec["target"])(n)
@@ -457,6 +472,15 @@ def build_one(fam, a, torch, transformers):
     cfg = cfg_cls(**json.loads(json.dumps(kw)), **NOIDS, dtype=a.dtype)
     with torch.device(a.device):
         target = cls._from_config(cfg, dtype=dtype).eval()
+    if spec.get("unit_qk_scores"):
+        # Attention scale 1.0 over unit-RMS q/k norms (gemma4): with the init's norm weights of
+        # one, a score is a sum of head_dim unit products (std ~22 at 512) and softmax is
+        # one-hot, so bf16 rounding flips rows (the bf16 portable path alone is ~50% off f32).
+        # A trained model's norm weights keep scores O(1); head_dim**-0.25 on each does that.
+        with torch.no_grad():
+            for name, m in target.named_modules():
+                if name.endswith(("q_norm", "k_norm")) and getattr(m, "weight", None) is not None:
+                    m.weight.mul_(m.weight.shape[0] ** -0.25)
     if a.device.startswith("cuda"):
         torch.cuda.synchronize()
     t_build = time.time() - t0
@@ -527,7 +551,7 @@ def cmd_build(a):
     if not a.device.startswith("cuda"):
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     fams = ORDER if not a.only else [f for f in a.only.split(",") if f]
-    bad = [f for f in fams if f not in FAMILIES]
+    bad = [f for f in fams if f not in FAMILIES and f not in VARIANTS]
     if bad:
         sys.exit(f"unknown families {bad}; known: {', '.join(ORDER)}")
     os.makedirs(a.models, exist_ok=True)

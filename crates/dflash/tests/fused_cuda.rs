@@ -823,7 +823,50 @@ fn check_family(dir: &std::path::Path, name: &str, opts: &dflash::archs::LoadOpt
         (close, errs[errs.len() / 2], errs[errs.len() - 1])
     };
     let (close, median, worst) = stats(&fa, &fb);
-    if close < 0.9 || median >= 0.03 {
+    // Both bf16 paths against the portable path in f32: a fused bug shows as the fused path
+    // far from f32 while the portable one is near; a model that amplifies rounding shows
+    // both far.
+    let f32_ref = {
+        let (_, t32) = load_target(
+            &tsrc,
+            &dflash::archs::LoadOptions {
+                dtype: DType::F32,
+                ..opts.clone()
+            },
+        )
+        .unwrap();
+        let mut c = t32.new_cache(128).unwrap();
+        let a = t32.forward(&prompt, 0, &mut c, &[], Logits::All).unwrap();
+        let b = t32
+            .forward(
+                &common::ids(8, 16, vocab.min(1000)),
+                40,
+                &mut c,
+                &[],
+                Logits::All,
+            )
+            .unwrap();
+        (a.logits.unwrap(), b.logits.unwrap())
+    };
+    let median_vs = |x: &(Tensor, Tensor)| {
+        let mut e = rows_err(&x.0, &f32_ref.0);
+        e.extend(rows_err(&x.1, &f32_ref.1));
+        e.sort_by(|a, b| a.total_cmp(b));
+        e[e.len() / 2]
+    };
+    let (fused32, port32) = (
+        median_vs(&(fa.clone(), fb.clone())),
+        median_vs(&(pa.clone(), pb.clone())),
+    );
+    let vs32 = format!("median row error vs f32: fused {fused32:.3e}, portable {port32:.3e}");
+    eprintln!("{name}: {vs32}");
+    // Where the two bf16 paths disagree by more than the bar, the fused one passes if it is
+    // as close to f32 as the portable one (within 1.5x): both round differently, and a model
+    // with routing near-ties and scale-1 attention (gemma4) turns rounding into row
+    // differences of a few percent. A fused bug is O(1) off f32 on every row. The portable
+    // path itself must be within 10% of f32, else the model cannot tell a bug from rounding.
+    let as_exact_as_portable = port32 < 0.1 && fused32 <= 1.5 * port32 + 5e-3;
+    if (close < 0.9 || median >= 0.03) && !as_exact_as_portable {
         // Which part of the fused path makes the difference: each part off in turn.
         use dflash::switches::{set_fused_off, Part};
         let mut found = vec![];
@@ -839,7 +882,7 @@ fn check_family(dir: &std::path::Path, name: &str, opts: &dflash::archs::LoadOpt
         }
         set_fused_off(&[]);
         panic!(
-            "{name}: fused vs portable logits: {:.0}% of rows within 8%, median {median}, worst {worst}; {}",
+            "{name}: fused vs portable logits: {:.0}% of rows within 8%, median {median}, worst {worst}; {vs32}; {}",
             100.0 * close,
             found.join("; ")
         );

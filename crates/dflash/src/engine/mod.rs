@@ -21,7 +21,7 @@ use crate::draft::DraftModel;
 use crate::sampling::{argmax, Sampler, SamplingParams};
 use crate::stats::GenerationStats;
 use crate::{Error, Result};
-use adaptive::AdaptivePolicy;
+use adaptive::{Acceptance, Policy, Reason, Want};
 use candle_core::Tensor;
 use serde::Serialize;
 
@@ -88,9 +88,12 @@ pub struct Engine {
     pub draft: Option<DraftModel>,
     /// Largest context (prompt + generated) a generation may reach.
     pub max_context: usize,
-    /// The adaptive policy's cost and acceptance estimates, kept across generations (costs
-    /// are a property of the machine and model; decayed acceptance follows the prompt).
-    policy: std::sync::Mutex<Option<AdaptivePolicy>>,
+    /// The adaptive policy's cost estimates (per forward size: a property of the machine and
+    /// model, shared by every generation and batch of this engine).
+    policy: std::sync::Mutex<Policy>,
+    /// The last finished generation's acceptance estimates: where the next one starts
+    /// (decayed acceptance then follows its own prompt).
+    acceptance: std::sync::Mutex<Option<Acceptance>>,
     /// Finished sequences' caches for prompts that start the same way (off unless enabled).
     prefix: Option<std::sync::Mutex<prefix::PrefixCache>>,
 }
@@ -98,11 +101,14 @@ pub struct Engine {
 impl Engine {
     pub fn new(target: Box<dyn TargetModel>, draft: Option<DraftModel>) -> Self {
         let max_context = target.info().max_position;
+        // The verify cost curve's shape up to 1,024 rows (64 sequences of 16); flat beyond.
+        let shape = (0..=1024).map(|r| target.verify_bytes(r)).collect();
         Self {
             target,
             draft,
             max_context,
-            policy: std::sync::Mutex::new(None),
+            policy: std::sync::Mutex::new(Policy::new().with_verify_shape(shape)),
+            acceptance: std::sync::Mutex::new(None),
             prefix: None,
         }
     }
@@ -125,6 +131,29 @@ impl Engine {
             (None, _) => 1,
             (Some(d), None) => d.block_size(),
             (Some(_), Some(b)) => b.max(1),
+        }
+    }
+
+    /// Every sequence's block size for the next cycle (the adaptive policy over the engine's
+    /// cost estimates).
+    fn choose_blocks(&self, wants: &[Want]) -> Vec<(usize, Reason)> {
+        self.policy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .choose(wants)
+    }
+
+    /// Record the costs of a cycle of `seqs` sequences: a target forward of `rows` rows that
+    /// took `verify_s` (until its choices were read), and the draft call of `rows` block rows
+    /// and seconds, if one ran and its time is representative.
+    fn observe_costs(&self, seqs: usize, rows: usize, verify_s: f64, draft: Option<(usize, f64)>) {
+        let mut p = self
+            .policy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        p.observe_verify(seqs, rows, verify_s);
+        if let Some((r, s)) = draft {
+            p.observe_draft(seqs, r, s);
         }
     }
 

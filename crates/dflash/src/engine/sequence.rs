@@ -10,7 +10,7 @@
 //! [`Batch::step`] runs each step for every sequence of the batch, with one draft call and
 //! one target verify for all of them.
 
-use super::adaptive::{AdaptivePolicy, Reason};
+use super::adaptive::{Acceptance, Reason, Want};
 use super::{Engine, Flow, GenerateOutput, GenerateRequest, StepTrace};
 use crate::archs::{BatchItem, ForwardOutput, Logits, TargetCache};
 use crate::draft::{DraftCache, DraftModel};
@@ -33,7 +33,9 @@ pub struct Sequence<'e> {
     sampler: Sampler,
     stats: GenerationStats,
     steps: Option<Vec<StepTrace>>,
-    policy: Option<AdaptivePolicy>,
+    /// Acceptance estimates (with a draft); `adaptive`: the policy picks each block size.
+    acceptance: Option<Acceptance>,
+    adaptive: bool,
     out: Vec<u32>,
     /// Taps of committed positions not yet given to the draft (concatenated at its next call).
     ctx_rows: Vec<Tensor>,
@@ -54,6 +56,12 @@ pub struct Sequence<'e> {
     created: Instant,
     /// Time spent in prefill forwards (for prefill tok/s).
     prefill_s: f64,
+}
+
+/// The target's choices for a verified block (up to the first mismatch) and its taps.
+pub struct Verified {
+    post: Vec<u32>,
+    taps: Option<Tensor>,
 }
 
 /// Prompt tokens a sequence prefills per batch step, so that a long prompt does not stall the
@@ -149,21 +157,18 @@ impl<'e> Sequence<'e> {
             ..Default::default()
         };
         let steps = req.trace.then(Vec::new);
-        // The estimates of earlier generations (same block size), else a fresh policy. The
-        // slot is emptied while a generation runs, so concurrent ones start fresh.
-        let policy = (draft.is_some() && req.adaptive && req.block_size.is_none()).then(|| {
+        // Acceptance starts from the last finished generation's (same block size).
+        let acceptance = draft.is_some().then(|| {
             engine
-                .policy
+                .acceptance
                 .lock()
                 .ok()
-                .and_then(|mut slot| slot.take())
-                .filter(|p| p.max_q() == q_max)
-                .unwrap_or_else(|| {
-                    let shape = (0..=q_max).map(|q| target.verify_bytes(q)).collect();
-                    AdaptivePolicy::new(q_max).with_verify_shape(shape)
-                })
+                .and_then(|slot| slot.clone())
+                .filter(|a| a.max_q() == q_max)
+                .unwrap_or_else(|| Acceptance::new(q_max))
         });
-        stats.adaptive = policy.is_some();
+        let adaptive = draft.is_some() && req.adaptive && req.block_size.is_none();
+        stats.adaptive = adaptive;
         stats.q_histogram = vec![0; q_max + 1];
 
         Ok(Self {
@@ -178,7 +183,8 @@ impl<'e> Sequence<'e> {
             sampler,
             stats,
             steps,
-            policy,
+            acceptance,
+            adaptive,
             out: Vec::new(),
             ctx_rows,
             start: p,
@@ -253,29 +259,41 @@ impl<'e> Sequence<'e> {
         self.draft.map_or(&[], |d| &d.taps)
     }
 
-    /// Plan: this cycle's block size, or the end of the generation when the cache is full.
-    /// Returns whether the sequence runs a cycle.
-    pub fn plan(&mut self) -> bool {
+    /// Plan, first half: the most rows this cycle may verify (the block size, the tokens left
+    /// + 1, the room in the cache), or None when the sequence runs no cycle (done, still
+    /// prefilling, or the cache is full: then it ends).
+    pub fn limit(&mut self) -> Option<usize> {
         if self.finish.is_some() || self.prefilling() {
-            return false;
+            return None;
         }
         let room = self.capacity.saturating_sub(self.start);
         if room == 0 {
             self.finish = Some("context");
-            return false;
+            return None;
         }
         // Near the end the block shrinks to the tokens left + 1 rows (as the reference
         // does: the last row's proposal can still be accepted; commits are capped).
-        let limit = self
-            .q_max
-            .min(self.req.max_tokens - self.out.len() + 1)
-            .min(room);
-        let (q, reason) = match self.policy.as_mut() {
-            Some(p) => p.choose(limit),
-            None => (limit, Reason::Model),
-        };
+        Some(
+            self.q_max
+                .min(self.req.max_tokens - self.out.len() + 1)
+                .min(room),
+        )
+    }
+
+    /// What the adaptive policy is asked for this sequence, given its [`Self::limit`].
+    pub fn want(&self, limit: usize) -> Want<'_> {
+        Want {
+            acceptance: self.acceptance.as_ref(),
+            adaptive: self.adaptive,
+            limit,
+        }
+    }
+
+    /// Plan, second half: this cycle's block is `q` rows (row 0 the last committed token,
+    /// the rest the mask for the draft to fill).
+    pub fn set_block(&mut self, q: usize, reason: Reason) {
         self.stats.q_histogram[q] += 1;
-        if self.policy.is_some() {
+        if self.adaptive {
             *self
                 .stats
                 .q_reasons
@@ -286,7 +304,6 @@ impl<'e> Sequence<'e> {
         self.block
             .resize(q, self.draft.map_or(0, |d| d.mask_token_id()));
         self.draft_s = None;
-        true
     }
 
     /// Whether this cycle asks the draft for proposals.
@@ -334,30 +351,35 @@ impl<'e> Sequence<'e> {
     }
 
     /// Verify (batch 1): the target's logits for every block row.
-    pub fn verify(&mut self) -> Result<(ForwardOutput, f64)> {
-        let tv = Instant::now();
+    pub fn verify(&mut self) -> Result<ForwardOutput> {
         let taps = self.taps();
-        let fw = self.engine.target.forward(
-            &self.block,
-            self.start,
-            &mut self.tcache,
-            taps,
-            Logits::All,
-        )?;
-        Ok((fw, tv.elapsed().as_secs_f64()))
+        self.engine
+            .target
+            .forward(&self.block, self.start, &mut self.tcache, taps, Logits::All)
     }
 
-    /// Accept, roll back and commit: the target's choices row by row up to the first
-    /// mismatch (the last one is the bonus token), the cache cut to the committed rows, the
-    /// committed rows' taps kept for the draft, the tokens handed to the callback.
-    pub fn accept(&mut self, fw: ForwardOutput, verify_s: f64) -> Result<()> {
-        let logits = fw.logits.expect("verify logits");
-        let post = Engine::choose_until_mismatch(&logits, &self.block, &mut self.sampler)?;
+    /// Accept, first half: the target's choices row by row up to the first mismatch (the
+    /// last one is the bonus token). This reads the verify's result to the host, so on a GPU
+    /// it is where the cycle waits for the verify.
+    pub fn choose(&mut self, fw: ForwardOutput) -> Result<Verified> {
+        let logits = fw.logits.as_ref().expect("verify logits");
+        let post = Engine::choose_until_mismatch(logits, &self.block, &mut self.sampler)?;
+        Ok(Verified {
+            post,
+            taps: fw.taps,
+        })
+    }
+
+    /// Accept, second half, then roll back and commit: the cache cut to the committed rows,
+    /// the committed rows' taps kept for the draft, the tokens handed to the callback.
+    /// `verify_s`: the verify's time, until its choices were read.
+    pub fn accept(&mut self, v: Verified, verify_s: f64) -> Result<()> {
+        let Verified { post, taps } = v;
         let a = post.len() - 1;
         let q = self.block.len();
         self.stats.verify_ms += verify_s * 1e3;
-        if let Some(p) = self.policy.as_mut() {
-            p.observe(q, a, self.draft_s, verify_s);
+        if let Some(acc) = self.acceptance.as_mut() {
+            acc.observe(q, a);
         }
         // Rollback.
         let tr = Instant::now();
@@ -367,7 +389,7 @@ impl<'e> Sequence<'e> {
             self.engine.target.info().device.synchronize()?;
         }
         self.stats.rollback_ms += tr.elapsed().as_secs_f64() * 1e3;
-        if let Some(t) = fw.taps {
+        if let Some(t) = taps {
             // Taps of the committed rows 0..=a become the draft's next context rows (a
             // single-token step without a draft call keeps accumulating them).
             self.ctx_rows.push(t.narrow(0, 0, a + 1)?);
@@ -395,19 +417,26 @@ impl<'e> Sequence<'e> {
 
     /// One whole cycle for this sequence alone.
     pub fn cycle(&mut self) -> Result<()> {
-        if !self.plan() {
+        let Some(limit) = self.limit() else {
             return Ok(());
-        }
+        };
+        let (q, reason) = self.engine.choose_blocks(&[self.want(limit)])[0];
+        self.set_block(q, reason);
         self.propose()?;
-        let (fw, verify_s) = self.verify()?;
-        self.accept(fw, verify_s)
+        let tv = Instant::now();
+        let fw = self.verify()?;
+        let v = self.choose(fw)?;
+        let verify_s = tv.elapsed().as_secs_f64();
+        self.engine
+            .observe_costs(1, q, verify_s, self.draft_s.map(|d| (q, d)));
+        self.accept(v, verify_s)
     }
 
     /// End the generation: its output and statistics (the adaptive estimates go back to the
     /// engine for the next generation).
     pub fn finish(mut self) -> GenerateOutput {
-        if let (Some(p), Ok(mut slot)) = (self.policy.take(), self.engine.policy.lock()) {
-            *slot = Some(p);
+        if let (Some(a), Ok(mut slot)) = (self.acceptance.take(), self.engine.acceptance.lock()) {
+            *slot = Some(a);
         }
         // Keep the caches for later prompts that start the same way (a failure to keep them
         // only costs a later prefill).
@@ -483,10 +512,28 @@ impl<'e> Batch<'e> {
         let mut failed: Vec<(usize, Error)> = Vec::new();
         let mut prof =
             crate::stats::SectionTimer::start("batch step", &self.engine.target.info().device);
-        // Plan.
-        let active: Vec<bool> = self.seqs.iter_mut().map(|(_, s)| s.plan()).collect();
+        // Plan: one choice of block sizes for the whole batch.
+        let limits: Vec<Option<usize>> = self.seqs.iter_mut().map(|(_, s)| s.limit()).collect();
+        let active: Vec<bool> = limits.iter().map(Option::is_some).collect();
+        let choice = {
+            let wants: Vec<Want> = self
+                .seqs
+                .iter()
+                .zip(&limits)
+                .filter_map(|((_, s), l)| l.map(|l| s.want(l)))
+                .collect();
+            self.engine.choose_blocks(&wants)
+        };
+        let mut choice = choice.into_iter();
+        for ((_, s), l) in self.seqs.iter_mut().zip(&limits) {
+            if l.is_some() {
+                let (q, reason) = choice.next().expect("a choice per active sequence");
+                s.set_block(q, reason);
+            }
+        }
         prof.mark("plan");
         // Propose: one draft call for every sequence that asks.
+        let mut draft_cost = None;
         if let Some(d) = self.engine.draft.as_ref() {
             let target = self.engine.target.as_ref();
             let mut idx = Vec::new();
@@ -519,6 +566,11 @@ impl<'e> Batch<'e> {
                 let r = d.propose_batch(target, &mut items);
                 drop(items);
                 let dt = td.elapsed().as_secs_f64();
+                // a sequence's first call also prefills the draft's context: not a cost sample
+                if idx.iter().all(|&k| !self.seqs[k].1.first_draft) {
+                    let rows = idx.iter().map(|&k| self.seqs[k].1.block.len()).sum();
+                    draft_cost = Some((rows, dt));
+                }
                 match r {
                     Ok(props) => {
                         for (k, p) in idx.iter().zip(props) {
@@ -603,12 +655,26 @@ impl<'e> Batch<'e> {
             let r = self.engine.target.forward_batch(&mut items, taps);
             drop(items);
             prof.mark("verify forward");
-            let verify_s = tv.elapsed().as_secs_f64();
             match r {
                 Ok(outs) => {
+                    // Every sequence's choices first (the first read waits for the forward),
+                    // then the verify's time, then accept, roll back and commit.
+                    let mut chosen = Vec::with_capacity(idx.len());
+                    let mut rows = 0;
                     for (k, fw) in idx.iter().zip(outs) {
-                        if let Err(e) = fw.and_then(|fw| self.seqs[*k].1.accept(fw, verify_s)) {
-                            failed.push((*k, e));
+                        let s = &mut self.seqs[*k].1;
+                        rows += s.block.len();
+                        match fw.and_then(|fw| s.choose(fw)) {
+                            Ok(v) => chosen.push((*k, v)),
+                            Err(e) => failed.push((*k, e)),
+                        }
+                    }
+                    let verify_s = tv.elapsed().as_secs_f64();
+                    let seqs = active.iter().filter(|&&a| a).count();
+                    self.engine.observe_costs(seqs, rows, verify_s, draft_cost);
+                    for (k, v) in chosen {
+                        if let Err(e) = self.seqs[k].1.accept(v, verify_s) {
+                            failed.push((k, e));
                         }
                     }
                 }
