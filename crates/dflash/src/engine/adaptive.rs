@@ -100,7 +100,8 @@ impl Ewma {
         }
         self.seen += 1;
         let a = 0.3;
-        let live = self.v[q].filter(|p| self.seen - p.last <= EXPIRE);
+        // (a point copied from another batch size, n = 0, is a prior: replaced at once)
+        let live = self.v[q].filter(|p| self.seen - p.last <= EXPIRE && p.n > 0);
         self.v[q] = Some(match live {
             Some(p) => Point {
                 value: if p.n < MIN_OF_FIRST {
@@ -117,6 +118,16 @@ impl Ewma {
                 last: self.seen,
             },
         });
+    }
+
+    /// The same estimates as priors for another batch size: every point is replaced by the
+    /// first observation of its own.
+    fn as_prior(&self) -> Self {
+        let mut e = self.clone();
+        for p in e.v.iter_mut().flatten() {
+            p.n = 0;
+        }
+        e
     }
 
     /// The measured points `(rows, estimate)` not expired, in increasing rows.
@@ -326,15 +337,30 @@ impl Policy {
         self
     }
 
+    /// The costs of cycles of `seqs` sequences. A batch size seen for the first time starts
+    /// from the nearest one's estimates (a batch whose sequences finish one by one passes
+    /// through every size below it; each would otherwise warm up again).
     fn costs(&mut self, seqs: usize) -> &mut Costs {
-        let shape = self.shape.clone();
-        self.tables.entry(seqs).or_insert_with(|| Costs {
-            verify: Ewma {
-                shape,
-                ..Ewma::new()
-            },
-            draft: Ewma::new(),
-        })
+        if !self.tables.contains_key(&seqs) {
+            let near = self
+                .tables
+                .iter()
+                .min_by_key(|(n, _)| n.abs_diff(seqs))
+                .map(|(_, c)| Costs {
+                    verify: c.verify.as_prior(),
+                    draft: c.draft.as_prior(),
+                });
+            let shape = self.shape.clone();
+            let fresh = near.unwrap_or_else(|| Costs {
+                verify: Ewma {
+                    shape,
+                    ..Ewma::new()
+                },
+                draft: Ewma::new(),
+            });
+            self.tables.insert(seqs, fresh);
+        }
+        self.tables.get_mut(&seqs).expect("inserted")
     }
 
     /// Record a target forward of `rows` rows for `seqs` sequences that took `secs` (until
@@ -382,7 +408,9 @@ impl Policy {
             }
             return with(&q, Reason::Warmup);
         }
-        if !costs.verify.points().iter().any(|p| p.0 <= plain_rows) {
+        // (a point at up to twice the plain rows prices plain decoding well enough: a batch
+        // size just below a known one needs no plain warm-up)
+        if !costs.verify.points().iter().any(|p| p.0 <= 2 * plain_rows) {
             return with(&q, Reason::Warmup);
         }
         let max_rows: usize = lim.iter().sum();
@@ -747,6 +775,37 @@ mod tests {
             .sum::<f64>()
             / 100.0;
         assert!(mean >= 3.5, "mean block at 32 sequences {mean}");
+    }
+
+    /// Sequences leave one by one (32 -> 1): each new batch size starts from its neighbour's
+    /// estimates, so the policy does not warm up again at every size.
+    #[test]
+    fn a_shrinking_batch_does_not_warm_up_at_every_size() {
+        let v = |n: usize, r: usize| 5.6 + 0.25 * n as f64 + 0.06 * r as f64;
+        let d = |_: usize, r: usize| 1.5 + 0.03 * r as f64;
+        let mut s = Sim::new(32, 11);
+        s.run_n(20, v, d, &[0.75]);
+        let mut warmups = 0;
+        while s.seqs.len() > 1 {
+            s.seqs.pop();
+            let wants: Vec<Want> = s
+                .seqs
+                .iter()
+                .map(|a| Want {
+                    acceptance: Some(a),
+                    adaptive: true,
+                    limit: 16,
+                })
+                .collect();
+            warmups += s
+                .policy
+                .clone()
+                .choose(&wants)
+                .iter()
+                .any(|c| c.1 == Reason::Warmup) as usize;
+            s.run_n(3, v, d, &[0.75]);
+        }
+        assert!(warmups <= 5, "{warmups} warm-ups over 31 batch sizes");
     }
 
     /// Rows go where they add the most: of two sequences, the one whose proposals are
