@@ -49,7 +49,7 @@ fn cuda_kernels() {
         .filter(|p| p.exists())
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    for name in ["gemv", "fused", "mma", "moe", "delta", "dflash2"] {
+    for name in ["gemv", "fused", "mma", "moe", "delta", "dflash2", "affine"] {
         let ptx = out.join(format!("{name}.ptx"));
         let src = format!("kernels/{name}.cu");
         let status = Command::new(&nvcc)

@@ -1234,3 +1234,170 @@ fn batched_attention_equals_each_sequence_alone() {
         eprintln!("ok {label}: batched == alone");
     }
 }
+
+/// MLX affine weights kept as stored (`kernels/affine.cu`): the skinny kernel against the f32
+/// product with the dequantized weights (4 and 8 bits, groups 32/64/128, bf16 and f16 scales,
+/// each blocking N selects, 1..16 rows); a row's bits alone equal its bits among 16; and the
+/// device dequantization equals the host's, rounded to bf16, bit for bit.
+#[test]
+fn affine_kernels_match_the_dequantized_weights() {
+    use dflash::nn::AffineWeight;
+    let Some(dev) = gpu() else { return };
+    let mut rng = dflash::testing::Rng::new(5);
+    for &(bits, group, sdt) in &[
+        (4usize, 64usize, DType::BF16),
+        (4, 32, DType::F16),
+        (4, 128, DType::BF16),
+        (8, 64, DType::BF16),
+        (8, 32, DType::F16),
+    ] {
+        // N: < 8192 (8 warps split K), 16384.. (one warp a tile), 8192.. (4 warps, 2 tiles)
+        for &(n, k) in &[(48usize, 256usize), (20000, 256), (12288, 1024)] {
+            let packed: Vec<u8> = (0..n * k * bits / 8)
+                .map(|_| (rng.uniform() * 256.0) as u8)
+                .collect();
+            let g = k / group;
+            let mut side = |lo: f64, hi: f64| {
+                let v: Vec<f32> = (0..n * g)
+                    .map(|_| (lo + (hi - lo) * rng.uniform()) as f32)
+                    .collect();
+                Tensor::from_vec(v, (n, g), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(sdt)
+                    .unwrap()
+            };
+            let (s, b) = (side(0.002, 0.02), side(-0.1, 0.1));
+            let w = AffineWeight::from_stored(&packed, &s, &b, bits, group, n, k, &dev).unwrap();
+            let what = format!("{bits}-bit g{group} {sdt:?} [{n}, {k}]");
+            let host = Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu)
+                .unwrap();
+            let dense = w.dequantize(DType::BF16).unwrap();
+            assert_eq!(
+                dense
+                    .to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+                host.to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+                "{what}: device dequantization"
+            );
+            let host = host.to_device(&dev).unwrap();
+            let x16 = randn(&[16, k], 1.0, &dev);
+            for m in [1, 5, 16] {
+                let x = x16.narrow(0, 0, m).unwrap().contiguous().unwrap();
+                let y = dflash::nn::cuda::affine_matmul(&x, &w)
+                    .unwrap()
+                    .expect("the kernel applies");
+                let e = rel_err(&y, &f32_product(&x, &host));
+                assert!(e < 1e-2, "{what}, {m} rows: rel err {e}");
+            }
+            let y16 = w.forward(&x16).unwrap();
+            for i in [0, 7, 15] {
+                let alone = w.forward(&x16.narrow(0, i, 1).unwrap()).unwrap();
+                assert_eq!(
+                    u32s_of(&alone),
+                    u32s_of(&y16.narrow(0, i, 1).unwrap()),
+                    "{what}: row {i} alone vs among 16"
+                );
+            }
+            // more than 16 rows: dequantized, then the dense product
+            let x40 = randn(&[40, k], 1.0, &dev);
+            let e = rel_err(&w.forward(&x40).unwrap(), &f32_product(&x40, &host));
+            assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
+            eprintln!("ok affine {what}");
+        }
+    }
+}
+
+fn u32s_of(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+/// An MLX 4-bit checkpoint on the GPU keeps its matrices as stored: the load report says so,
+/// the logits follow its dequantized twin's (bf16), verify rows with rollbacks equal the
+/// decode steps bit for bit, and greedy DFlash == plain decoding.
+#[test]
+fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
+    use common::mlx::{write_mlx, Layout};
+    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::source::ModelSource;
+    use dflash::testing::{TinyDraft, TinyTarget};
+    let Some(dev) = gpu() else { return };
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    for (bits, group) in [(4, 64), (8, 32)] {
+        let t = TinyTarget {
+            hidden: 128,
+            intermediate: 256,
+            ..TinyTarget::qwen3(61)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (mlx_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
+        write_mlx(&t, &Layout::new(bits, group), &mlx_dir, &twin);
+        let (cfg, q) = load_target(&ModelSource::from_dir("t", &mlx_dir).unwrap(), &opts).unwrap();
+        let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
+        let info = q.info().quantization.clone().unwrap();
+        assert!(info.contains("kept as stored"), "{info}");
+        // the matrices at bits/16 of their bf16 bytes (+ scales); the embedding stays bf16
+        assert!(
+            (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * (bits as f64 / 16.0 + 0.3),
+            "{bits}-bit: {} bytes held vs {} for bf16",
+            q.info().weight_bytes,
+            f.info().weight_bytes
+        );
+        let toks = common::ids(7, 30, t.vocab);
+        let logits = |m: &dyn dflash::archs::TargetModel| {
+            let mut c = m.new_cache(64).unwrap();
+            m.forward(&toks, 0, &mut c, &[], Logits::All)
+                .unwrap()
+                .logits
+                .unwrap()
+        };
+        let e = rel_err(&logits(q.as_ref()), &logits(f.as_ref()));
+        assert!(e < 5e-2, "{bits}-bit: logits vs the dequantized twin: rel err {e}");
+        for steps in [2, 7, 16] {
+            common::assert_verify_with_rollback_equals_decode_steps(
+                q.as_ref(),
+                &toks,
+                30,
+                steps,
+                steps as u64,
+                &format!("mlx {bits}-bit on CUDA"),
+            );
+        }
+        let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 62);
+        d.write(&dir.path().join("d"), t.vocab).unwrap();
+        let draft = dflash::draft::load_draft(
+            &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+            &cfg,
+            "t",
+            &opts,
+        )
+        .unwrap();
+        let engine = dflash::engine::Engine::new(q, Some(draft));
+        common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "mlx on CUDA");
+        eprintln!("ok mlx {bits}-bit g{group} on CUDA: {info}");
+    }
+}

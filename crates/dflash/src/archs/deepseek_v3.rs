@@ -231,7 +231,7 @@ fn permute_rows(l: Linear, idx: &Tensor) -> Result<Linear> {
             weight: weight.index_select(idx, 0)?,
             bias: bias.map(|b| b.index_select(idx, 0)).transpose()?,
         }),
-        Linear::Quant { .. } | Linear::Q8 { .. } => Err(Error::input(
+        Linear::Quant { .. } | Linear::Q8 { .. } | Linear::Affine { .. } => Err(Error::input(
             "deepseek_v3: quantized projections cannot be re-laid out for interleaved RoPE",
         )),
     }

@@ -1,6 +1,8 @@
-//! A linear layer whose weight is dense (any float dtype) or quantized (GGUF block types).
+//! A linear layer whose weight is dense (any float dtype) or quantized (GGUF block types, MLX
+//! affine kept as stored on CUDA).
 
 use super::q8::QMatrix;
+use super::AffineWeight;
 use crate::source::Weights;
 use crate::Result;
 use candle_core::quantized::{QMatMul, QTensor};
@@ -24,6 +26,11 @@ pub enum Linear {
     /// is faster than candle's (rows not a multiple of 256).
     Q8 {
         weight: Arc<QMatrix>,
+        bias: Option<Tensor>,
+    },
+    /// An MLX affine-quantized weight kept as stored (CUDA: [`AffineWeight`]).
+    Affine {
+        weight: Arc<AffineWeight>,
         bias: Option<Tensor>,
     },
 }
@@ -69,6 +76,7 @@ impl Linear {
                     }
             }
             Linear::Q8 { weight, bias } => weight.bytes() + b(bias),
+            Linear::Affine { weight, bias } => weight.bytes() + b(bias),
         }
     }
 
@@ -123,6 +131,19 @@ impl Linear {
                 bias,
             }));
         }
+        let affine: Option<Vec<&AffineWeight>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Affine { weight, .. } => Some(weight.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if let Some(ws) = affine {
+            return Ok(AffineWeight::concat(&ws)?.map(|w| Linear::Affine {
+                weight: Arc::new(w),
+                bias,
+            }));
+        }
         let quant: Option<Vec<&QTensor>> = parts
             .iter()
             .map(|p| match p {
@@ -141,9 +162,10 @@ impl Linear {
 
     fn bias(&self) -> Option<&Tensor> {
         match self {
-            Linear::Dense { bias, .. } | Linear::Quant { bias, .. } | Linear::Q8 { bias, .. } => {
-                bias.as_ref()
-            }
+            Linear::Dense { bias, .. }
+            | Linear::Quant { bias, .. }
+            | Linear::Q8 { bias, .. }
+            | Linear::Affine { bias, .. } => bias.as_ref(),
         }
     }
 
@@ -183,6 +205,10 @@ impl Linear {
                 weight: weight.narrow(0, start, len)?,
                 bias: bias.as_ref().map(|b| b.narrow(0, start, len)).transpose()?,
             })),
+            Linear::Affine { weight, bias } => Ok(Some(Linear::Affine {
+                weight: Arc::new(weight.rows(start, len)?),
+                bias: bias.as_ref().map(|b| b.narrow(0, start, len)).transpose()?,
+            })),
             Linear::Quant { .. } | Linear::Q8 { .. } => Ok(None),
         }
     }
@@ -191,6 +217,7 @@ impl Linear {
     pub fn emptied(&self) -> Result<Linear> {
         let (dtype, device) = match self {
             Linear::Dense { weight, .. } => (weight.dtype(), weight.device().clone()),
+            Linear::Affine { weight, .. } => (DType::BF16, weight.q.device().clone()),
             Linear::Quant { .. } | Linear::Q8 { .. } => (DType::F32, candle_core::Device::Cpu),
         };
         Ok(Linear::Dense {
@@ -209,6 +236,7 @@ impl Linear {
             Linear::Dense { weight, .. } => weight.dims()[0],
             Linear::Quant { out_features, .. } => *out_features,
             Linear::Q8 { weight, .. } => weight.rows(),
+            Linear::Affine { weight, .. } => weight.n,
         }
     }
 
@@ -248,6 +276,7 @@ impl Linear {
                 (y, bias)
             }
             Linear::Q8 { weight, bias } => (weight.forward(x)?.to_dtype(x.dtype())?, bias),
+            Linear::Affine { weight, bias } => (weight.forward(x)?, bias),
         };
         Ok(match bias {
             Some(b) => y.broadcast_add(b)?,

@@ -6,6 +6,7 @@
 //! Every layer reports the bytes of weights it holds (`weight_bytes`), fused copies included,
 //! so a family's sizing is the sum of its layers'.
 
+pub mod affine;
 pub mod attention;
 pub mod cpu_attention;
 #[cfg(feature = "cuda")]
@@ -30,6 +31,7 @@ pub use attention::{
     attend, attention_mask, sdpa, sdpa_with_sinks, Attention, AttentionSpec, Masks, Props, Site,
     Visibility,
 };
+pub use affine::AffineWeight;
 pub use dyn_conv::dyn_conv;
 pub use embedding::Embedding;
 pub use gated_delta::{ChunkMasks, GatedDeltaNet, GatedDeltaSpec, InProjLayout};

@@ -12,6 +12,14 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::Device;
 use std::sync::Arc;
 
+/// Whether MLX affine-quantized matrices stay as stored ([`crate::nn::AffineWeight`]): on
+/// CUDA with bf16 compute, where the affine kernels multiply them (4 or 8 bits; other widths,
+/// the embedding table and MoE experts are dequantized at load). On the CPU they are
+/// dequantized (no CPU affine product yet).
+pub fn keeps_affine(device: &Device, dtype: candle_core::DType) -> bool {
+    cfg!(feature = "cuda") && device.is_cuda() && dtype == candle_core::DType::BF16
+}
+
 /// The quantized type a CPU matmul weight of type `dt` is converted to at load, or None to
 /// keep it. candle's CPU kernels process many rows at once (verify blocks) only for Q8_0,
 /// Q4K and Q6K; the other types fall back to per-row dot products (a 16-row product then

@@ -254,6 +254,36 @@ pub struct Dequantized {
     pub read: [String; 3],
 }
 
+/// An MLX-quantized weight as stored, checked: the packed bytes (the little-endian bytes of
+/// the `u32` words, rows of `cols * bits / 8`), its scales and biases as stored (bf16, f16 or
+/// f32, `[rows.., cols / group_size]`, on the CPU).
+pub struct Stored {
+    pub packed: Vec<u8>,
+    pub scales: Tensor,
+    pub biases: Tensor,
+    pub params: AffineParams,
+    pub rows: usize,
+    pub cols: usize,
+    pub read: [String; 3],
+}
+
+impl Stored {
+    /// The weights `[rows * cols]` in f32, `s * q + b`.
+    pub fn dequantize(&self) -> Result<Vec<f32>> {
+        let f = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        Ok(dequantize(
+            &self.packed,
+            &f(&self.scales)?,
+            &f(&self.biases)?,
+            self.rows,
+            self.cols,
+            self.params,
+        ))
+    }
+}
+
 /// `name` dequantized to f32 on the CPU when it is an MLX-quantized weight; None when it
 /// is an ordinary tensor (no `.scales` beside it, not packed). `shape` is the logical
 /// (dequantized) shape the model expects; `desc` names the checkpoint in errors.
@@ -264,6 +294,26 @@ pub fn load_dequantized(
     shape: &[usize],
     desc: &str,
 ) -> Result<Option<Dequantized>> {
+    let Some(s) = load_stored(st, quant, name, shape, desc)? else {
+        return Ok(None);
+    };
+    let values = s.dequantize()?;
+    Ok(Some(Dequantized {
+        tensor: Tensor::from_vec(values, shape, &Device::Cpu)?,
+        params: s.params,
+        read: s.read,
+    }))
+}
+
+/// `name` as stored when it is an MLX-quantized weight (checked against the config and the
+/// logical `shape`); None when it is an ordinary tensor.
+pub fn load_stored(
+    st: &MmapedSafetensors,
+    quant: Option<&MlxQuant>,
+    name: &str,
+    shape: &[usize],
+    desc: &str,
+) -> Result<Option<Stored>> {
     let Some(module) = name.strip_suffix(".weight") else {
         return Ok(None);
     };
@@ -332,7 +382,7 @@ pub fn load_dequantized(
     }
     let mut want_groups = lead.to_vec();
     want_groups.push(cols / params.group_size);
-    let side = |n: &str| -> Result<Vec<f32>> {
+    let side = |n: &str| -> Result<Tensor> {
         let t = st
             .load(n, &Device::Cpu)
             .map_err(|e| err(format!("tensor `{n}`: {e}")))?;
@@ -349,15 +399,18 @@ pub fn load_dequantized(
                 params.group_size
             )));
         }
-        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        Ok(t)
     };
     let scales = side(&scales_name)?;
     let biases = side(&biases_name)?;
     // the u32 words as stored (little-endian) are the bit stream `dequantize` reads
-    let values = dequantize(view.data(), &scales, &biases, rows, cols, params);
-    Ok(Some(Dequantized {
-        tensor: Tensor::from_vec(values, shape, &Device::Cpu)?,
+    Ok(Some(Stored {
+        packed: view.data().to_vec(),
+        scales,
+        biases,
         params,
+        rows,
+        cols,
         read: [name.to_string(), scales_name, biases_name],
     }))
 }
@@ -379,15 +432,18 @@ pub fn logical_shape(
     Some(v)
 }
 
-/// `mlx affine 4-bit g64 x196, 8-bit g64 x1; dequantized to f32` from per-params counts.
-pub fn report(counts: &BTreeMap<AffineParams, usize>, dtype: DType) -> Option<String> {
+/// `mlx affine 4-bit g64 x196, 8-bit g64 x1; dequantized to f32` from per-params counts
+/// (`kept` of them kept as stored: `...; 190 kept as stored, the rest dequantized to bf16`).
+pub fn report(counts: &BTreeMap<AffineParams, usize>, kept: usize, dtype: DType) -> Option<String> {
     if counts.is_empty() {
         return None;
     }
     let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{p} x{n}")).collect();
     let dt = format!("{dtype:?}").to_lowercase();
-    Some(format!(
-        "mlx affine {}; dequantized to {dt}",
-        parts.join(", ")
-    ))
+    let what = match kept {
+        0 => format!("dequantized to {dt}"),
+        k if k == counts.values().sum::<usize>() => "kept as stored".to_string(),
+        k => format!("{k} kept as stored, the rest dequantized to {dt}"),
+    };
+    Some(format!("mlx affine {}; {what}", parts.join(", ")))
 }

@@ -48,6 +48,8 @@ pub struct Weights {
     mlx: Option<MlxQuant>,
     /// MLX-quantized tensors dequantized so far, per (bits, group size).
     mlx_report: RefCell<BTreeMap<AffineParams, usize>>,
+    /// MLX-quantized matrices kept as stored (CUDA, [`Linear::Affine`]).
+    mlx_kept: RefCell<usize>,
 }
 
 impl Weights {
@@ -79,6 +81,7 @@ impl Weights {
             used: RefCell::default(),
             mlx: None,
             mlx_report: RefCell::default(),
+            mlx_kept: RefCell::default(),
         })
     }
 
@@ -110,6 +113,7 @@ impl Weights {
             used: RefCell::default(),
             mlx: None,
             mlx_report: RefCell::default(),
+            mlx_kept: RefCell::default(),
         })
     }
 
@@ -123,6 +127,7 @@ impl Weights {
             used: RefCell::default(),
             mlx: None,
             mlx_report: RefCell::default(),
+            mlx_kept: RefCell::default(),
         }
     }
 
@@ -331,6 +336,9 @@ impl Weights {
         };
         let name = format!("{prefix}.weight");
         let shape = Shape::from((out_dim, in_dim));
+        if let Some(l) = self.mlx_affine(&name, out_dim, in_dim, &bias)? {
+            return Ok(l);
+        }
         if !self.is_gguf() {
             return Ok(Linear::Dense {
                 weight: self.get(&name, shape)?,
@@ -345,6 +353,54 @@ impl Weights {
                 bias,
             },
         })
+    }
+
+    /// An MLX-quantized matrix kept as stored ([`Linear::Affine`]) where the kernels take it:
+    /// on CUDA with bf16 compute ([`crate::nn::quant::keeps_affine`]). None: load it dense.
+    fn mlx_affine(
+        &self,
+        name: &str,
+        out_dim: usize,
+        in_dim: usize,
+        bias: &Option<Tensor>,
+    ) -> Result<Option<Linear>> {
+        let Backend::Safetensors { st, .. } = &self.backend else {
+            return Ok(None);
+        };
+        if !crate::nn::quant::keeps_affine(&self.device, self.dtype) || self.mlx.is_none() {
+            return Ok(None);
+        }
+        let Some(s) = super::mlx::load_stored(
+            st,
+            self.mlx.as_ref(),
+            name,
+            &[out_dim, in_dim],
+            &self.file_desc(),
+        )?
+        else {
+            return Ok(None);
+        };
+        let (bits, group) = (s.params.bits, s.params.group_size);
+        if !crate::nn::AffineWeight::supported(bits, group, in_dim, s.scales.dtype()) {
+            return Ok(None); // dequantized by `get`
+        }
+        let w = crate::nn::AffineWeight::from_stored(
+            &s.packed,
+            &s.scales,
+            &s.biases,
+            bits,
+            group,
+            out_dim,
+            in_dim,
+            &self.device,
+        )?;
+        self.used.borrow_mut().extend(s.read);
+        *self.mlx_report.borrow_mut().entry(s.params).or_default() += 1;
+        *self.mlx_kept.borrow_mut() += 1;
+        Ok(Some(Linear::Affine {
+            weight: std::sync::Arc::new(w),
+            bias: bias.clone(),
+        }))
     }
 
     /// A quantized matmul weight placed by [`crate::nn::quant::place`] (the policy: which
@@ -396,7 +452,11 @@ impl Weights {
     /// safetensors.
     pub fn quant_report(&self) -> Option<String> {
         let Backend::Gguf(g) = &self.backend else {
-            return super::mlx::report(&self.mlx_report.borrow(), self.dtype);
+            return super::mlx::report(
+                &self.mlx_report.borrow(),
+                *self.mlx_kept.borrow(),
+                self.dtype,
+            );
         };
         let r = g.report.borrow();
         Some(

@@ -16,6 +16,7 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
 const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 const MMA_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mma.ptx"));
 
+mod affine;
 mod attention;
 mod delta;
 pub mod dflash2;
@@ -24,6 +25,7 @@ mod matmul;
 mod moe;
 mod sampling;
 
+pub use affine::*;
 pub use attention::*;
 pub use delta::*;
 pub use fused::*;
