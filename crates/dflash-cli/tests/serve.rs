@@ -506,7 +506,7 @@ fn client_disconnect_cancels_a_non_streaming_generation() {
     let mut c = TcpStream::connect(&s.addr).unwrap();
     write!(
         c,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -584,7 +584,7 @@ fn full_queue_is_503_with_retry_after() {
     let mut queued = TcpStream::connect(&s.addr).unwrap();
     write!(
         queued,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -689,7 +689,78 @@ fn bad_input_is_4xx_naming_the_field() {
             chat(json!({"temperature": -1})),
             400,
             Some("temperature"),
-            ">= 0",
+            "[0, 2]",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": 2.5})),
+            400,
+            Some("temperature"),
+            "[0, 2]",
+        ),
+        // no field is silently ignored: the unimplemented ones are refused unless neutral
+        (
+            "/v1/chat/completions",
+            chat(json!({"presence_penalty": 1.0})),
+            400,
+            Some("presence_penalty"),
+            "not supported yet",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"frequency_penalty": "x"})),
+            400,
+            Some("frequency_penalty"),
+            "not supported yet",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"logit_bias": {"1": 5}})),
+            400,
+            Some("logit_bias"),
+            "logit_bias",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
+            400,
+            Some("tools"),
+            "tool calls",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tool_choice": "auto"})),
+            400,
+            Some("tool_choice"),
+            "tool calls",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "bogus"}})),
+            400,
+            Some("response_format"),
+            "structured output",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"respnse_format": {"type": "text"}})),
+            400,
+            Some("respnse_format"),
+            "unknown field",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "suffix": "end"}"#.into(),
+            400,
+            Some("suffix"),
+            "insertion",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "messages": []}"#.into(),
+            400,
+            Some("messages"),
+            "unknown field",
         ),
         (
             "/v1/chat/completions",
@@ -921,6 +992,38 @@ fn bad_input_is_4xx_naming_the_field() {
     }
     let (st, b) = get(&s, "/v1/chat/completions");
     assert_eq!(st, 405, "{b}");
+    // neutral values and metadata pass
+    let (st, v) = post_json(
+        &s,
+        "/v1/chat/completions",
+        serde_json::from_str::<Value>(&chat(json!({"presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+            "user": "u1", "metadata": {"k": "v"}, "max_tokens": 2})))
+        .unwrap(),
+    );
+    assert_eq!(st, 200, "{v}");
+    // a body not declared JSON (a cross-site form or text/plain post) is refused
+    for ct in ["text/plain", "application/x-www-form-urlencoded", ""] {
+        let mut r = agent().post(s.url("/v1/chat/completions"));
+        if !ct.is_empty() {
+            r = r.header("Content-Type", ct);
+        }
+        let mut resp = r.send(chat(json!({"max_tokens": 1}))).unwrap();
+        let b = resp.body_mut().read_to_string().unwrap();
+        assert_eq!(resp.status().as_u16(), 415, "{ct}: {b}");
+        assert!(b.contains("unsupported_media_type"), "{b}");
+    }
+    let mut resp = agent()
+        .post(s.url("/v1/chat/completions"))
+        .header("Content-Type", "application/json; charset=utf-8")
+        .send(chat(json!({"max_tokens": 1})))
+        .unwrap();
+    assert_eq!(
+        resp.status().as_u16(),
+        200,
+        "{}",
+        resp.body_mut().read_to_string().unwrap()
+    );
     // still serving after all that
     let (st, _) = post_json(
         &s,
@@ -946,6 +1049,21 @@ fn api_key_is_enforced() {
     assert_eq!(st, 401);
     let (st, _, b) = post(&s, "/v1/completions", &body, Some("sekret"));
     assert_eq!(st, 200, "{b}");
+    // the scheme is case-insensitive; a key with one more byte is wrong
+    for (auth, want) in [
+        ("bearer sekret", 200),
+        ("BEARER sekret", 200),
+        ("Bearer sekret2", 401),
+    ] {
+        let mut resp = agent()
+            .post(s.url("/v1/completions"))
+            .header("Content-Type", "application/json")
+            .header("Authorization", auth)
+            .send(body.as_str())
+            .unwrap();
+        let b = resp.body_mut().read_to_string().unwrap();
+        assert_eq!(resp.status().as_u16(), want, "{auth}: {b}");
+    }
     let (st, _) = get(&s, "/v1/models");
     assert_eq!(st, 401);
     let (st, _) = get(&s, "/health");

@@ -198,6 +198,135 @@ pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
+/// What the server does with a request field: every field a request may carry is in this
+/// table, so none is silently ignored (issue 24).
+enum FieldUse {
+    /// Parsed and honoured (`parse_common`, `parse_messages`, `parse_prompt`, `prepare`).
+    Used,
+    /// Accepted and without effect on the output, as documented (docs/serve.md): request
+    /// metadata such as `user`.
+    Metadata,
+    /// Not implemented: refused unless it has its neutral value (the value that means "off").
+    RefusedUnlessNeutral(fn(&Value) -> bool, &'static str),
+}
+
+fn null_or(v: &Value, f: impl Fn(&Value) -> bool) -> bool {
+    v.is_null() || f(v)
+}
+
+fn neutral_zero(v: &Value) -> bool {
+    null_or(v, |v| v.as_f64() == Some(0.0))
+}
+fn neutral_one(v: &Value) -> bool {
+    null_or(v, |v| v.as_f64() == Some(1.0))
+}
+fn neutral_empty(v: &Value) -> bool {
+    null_or(v, |v| {
+        v.as_array().is_some_and(|a| a.is_empty()) || v.as_object().is_some_and(|o| o.is_empty())
+    })
+}
+fn neutral_false(v: &Value) -> bool {
+    null_or(v, |v| v.as_bool() == Some(false))
+}
+fn neutral_text_format(v: &Value) -> bool {
+    null_or(v, |v| {
+        v.as_object()
+            .is_some_and(|o| o.len() == 1 && o.get("type").and_then(Value::as_str) == Some("text"))
+    })
+}
+fn neutral_tool_choice(v: &Value) -> bool {
+    null_or(v, |v| v.as_str() == Some("none"))
+}
+fn neutral_text_modality(v: &Value) -> bool {
+    null_or(v, |v| {
+        v.as_array()
+            .is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text")))
+    })
+}
+fn neutral_empty_string(v: &Value) -> bool {
+    null_or(v, |v| v.as_str() == Some(""))
+}
+
+/// The fields of a chat (`chat`) or completion request and their use.
+fn field_use(name: &str, chat: bool) -> Option<FieldUse> {
+    use FieldUse::*;
+    const TOOLS: &str = "tool calls are not supported yet (they come with the agent work, issue 25); send no `tools`";
+    Some(match name {
+        "model" | "max_tokens" | "temperature" | "top_p" | "top_k" | "min_p" | "seed" | "stop"
+        | "stop_token_ids" | "stream" | "stream_options" | "ignore_eos" | "n" | "best_of"
+        | "echo" | "logprobs" => Used,
+        "max_completion_tokens" => Used,
+        "messages" | "chat_template_kwargs" if chat => Used,
+        "prompt" if !chat => Used,
+        "user" | "metadata" | "service_tier" => Metadata,
+        // the penalties and logit_bias change every token's distribution: refused until they
+        // are implemented losslessly under DFlash (issue 24)
+        "presence_penalty" | "frequency_penalty" => RefusedUnlessNeutral(
+            neutral_zero,
+            "penalties are not supported yet; omit it or send 0",
+        ),
+        "repetition_penalty" => RefusedUnlessNeutral(
+            neutral_one,
+            "penalties are not supported yet; omit it or send 1",
+        ),
+        "logit_bias" => RefusedUnlessNeutral(
+            neutral_empty,
+            "`logit_bias` is not supported yet; omit it or send {}",
+        ),
+        "top_logprobs" => RefusedUnlessNeutral(neutral_zero, "log probabilities are not supported"),
+        "store" => RefusedUnlessNeutral(neutral_false, "this server does not store completions"),
+        "tools" | "functions" if chat => RefusedUnlessNeutral(neutral_empty, TOOLS),
+        "tool_choice" | "function_call" if chat => RefusedUnlessNeutral(neutral_tool_choice, TOOLS),
+        "parallel_tool_calls" if chat => {
+            RefusedUnlessNeutral(|v| v.is_null() || v.is_boolean(), TOOLS)
+        }
+        "response_format" => RefusedUnlessNeutral(
+            neutral_text_format,
+            "structured output is not supported yet; omit it or send {\"type\": \"text\"}",
+        ),
+        "modalities" if chat => {
+            RefusedUnlessNeutral(neutral_text_modality, "this model outputs text only")
+        }
+        "audio" | "prediction" | "web_search_options" | "reasoning_effort" if chat => {
+            RefusedUnlessNeutral(Value::is_null, "not supported by this server")
+        }
+        "suffix" if !chat => RefusedUnlessNeutral(
+            neutral_empty_string,
+            "`suffix` (insertion) is not supported",
+        ),
+        _ => return None,
+    })
+}
+
+/// Every field of the request is one this server honours, documents as metadata, or has at its
+/// neutral value; a 400 naming the first that is not.
+pub fn check_fields(obj: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
+    for (k, v) in obj {
+        match field_use(k, chat) {
+            Some(FieldUse::Used) | Some(FieldUse::Metadata) => {}
+            Some(FieldUse::RefusedUnlessNeutral(neutral, why)) => {
+                if !neutral(v) {
+                    return Err(ApiError::invalid(k, format!("`{k}`: {why}"))
+                        .with_code("unsupported_parameter"));
+                }
+            }
+            None => {
+                let what = if chat {
+                    "chat completion"
+                } else {
+                    "completion"
+                };
+                return Err(ApiError::invalid(
+                    k,
+                    format!("unknown field `{k}` for a {what} request (docs/serve.md lists the fields this server takes)"),
+                )
+                .with_code("unknown_parameter"));
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn parse_common(f: &Fields, lim: &Limits) -> Result<Common, ApiError> {
     if let Some(m) = f.str("model")? {
         if !lim.model_names.iter().any(|n| n == m) {
@@ -265,10 +394,10 @@ pub fn parse_common(f: &Fields, lim: &Limits) -> Result<Common, ApiError> {
         ..SamplingParams::default()
     };
     if let Some(t) = f.f32("temperature")? {
-        if !t.is_finite() || t < 0.0 {
+        if !t.is_finite() || !(0.0..=2.0).contains(&t) {
             return Err(ApiError::invalid(
                 "temperature",
-                format!("`temperature` must be a number >= 0, got {t}"),
+                format!("`temperature` must be a number in [0, 2], got {t}"),
             ));
         }
         sp.temperature = t;
@@ -592,6 +721,7 @@ pub fn prepare(
     template: Option<&ChatTemplate>,
 ) -> Result<Prepared, ApiError> {
     let obj = parse_object(body)?;
+    check_fields(&obj, kind == Kind::Chat)?;
     let f = Fields(&obj);
     let common = parse_common(&f, lim)?;
     let (prompt_ids, param) = match kind {

@@ -279,12 +279,16 @@ fn check_auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &app.cfg.api_key else {
         return Ok(());
     };
+    // the scheme is case-insensitive (RFC 6750 / 7235)
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| {
+            let (scheme, rest) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(rest)
+        })
         .map(str::trim);
-    if given == Some(key.as_str()) {
+    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
         return Ok(());
     }
     Err(ApiError::new(
@@ -297,6 +301,37 @@ fn check_auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
         },
     )
     .with_code("invalid_api_key"))
+}
+
+/// Byte strings equal, in time that depends on their lengths only (no early exit on the first
+/// differing byte: the API key cannot be guessed byte by byte from response times).
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// A POST body must be declared JSON: a web page can make a browser send `text/plain` or form
+/// bodies to any address without a preflight, and this refuses them (415).
+fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let mime = ct.split(';').next().unwrap_or("").trim();
+    if mime.eq_ignore_ascii_case("application/json") {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "invalid_request_error",
+        format!(
+            "`Content-Type` must be `application/json`, got {}; send the header (curl: -H 'Content-Type: application/json')",
+            if ct.is_empty() { "none".to_string() } else { format!("`{}`", ct.chars().take(100).collect::<String>()) }
+        ),
+    )
+    .with_code("unsupported_media_type"))
 }
 
 async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
@@ -392,6 +427,9 @@ fn prepare(app: &App, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
 async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
     let ep = kind.endpoint();
     if let Err(e) = check_auth(&app, &headers) {
+        return fail(&app, ep, e);
+    }
+    if let Err(e) = check_content_type(&headers) {
         return fail(&app, ep, e);
     }
     if app.control.draining.load(Ordering::SeqCst) {

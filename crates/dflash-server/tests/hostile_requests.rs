@@ -152,3 +152,104 @@ fn a_chat_template_that_fails_is_a_400() {
     assert_eq!(e.param.as_deref(), Some("messages"));
     assert!(e.message.contains("no user"), "{}", e.message);
 }
+
+/// No field is silently ignored: every OpenAI field this server does not implement is a 400
+/// naming it (code `unsupported_parameter`) unless it has its neutral value, unknown fields are
+/// a 400 (code `unknown_parameter`), and request metadata passes.
+#[test]
+fn unimplemented_and_unknown_fields_are_refused_by_name() {
+    let chat = |extra: serde_json::Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "hello"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let code = |kind: Kind, body: &str| {
+        let e = run(kind, body, None).expect_err(body);
+        assert_eq!(e.status.as_u16(), 400, "{}", e.message);
+        (e.param.clone().unwrap_or_default(), e.code.unwrap_or(""))
+    };
+    let refused: Vec<(&str, serde_json::Value)> = vec![
+        ("presence_penalty", json!(0.5)),
+        ("presence_penalty", json!("high")),
+        ("frequency_penalty", json!(-1)),
+        ("repetition_penalty", json!(1.1)),
+        ("logit_bias", json!({"3": -100})),
+        ("logit_bias", json!([1])),
+        ("top_logprobs", json!(2)),
+        ("store", json!(true)),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tools", json!("all")),
+        ("functions", json!([{"name": "f"}])),
+        ("tool_choice", json!("auto")),
+        (
+            "tool_choice",
+            json!({"type": "function", "function": {"name": "f"}}),
+        ),
+        ("function_call", json!("auto")),
+        ("parallel_tool_calls", json!("yes")),
+        ("response_format", json!({"type": "json_object"})),
+        ("response_format", json!({"type": "bogus"})),
+        ("response_format", json!({"type": "text", "extra": 1})),
+        ("modalities", json!(["text", "audio"])),
+        ("audio", json!({"voice": "x"})),
+        ("prediction", json!({"type": "content", "content": "x"})),
+        ("reasoning_effort", json!("high")),
+        ("web_search_options", json!({})),
+    ];
+    for (k, v) in &refused {
+        let body = chat(json!({ *k: v }));
+        assert_eq!(
+            code(Kind::Chat, &body),
+            (k.to_string(), "unsupported_parameter"),
+            "{body}"
+        );
+    }
+    for k in ["temprature", "max_new_tokens", "do_sample", "prompt"] {
+        let body = chat(json!({ k: 1 }));
+        assert_eq!(
+            code(Kind::Chat, &body),
+            (k.to_string(), "unknown_parameter"),
+            "{body}"
+        );
+    }
+    // completion requests: their own fields; the chat-only ones are unknown there
+    for (k, v) in [("suffix", json!("x")), ("presence_penalty", json!(2))] {
+        let body = json!({"prompt": "a", k: v}).to_string();
+        assert_eq!(
+            code(Kind::Completion, &body),
+            (k.to_string(), "unsupported_parameter")
+        );
+    }
+    for k in ["messages", "tools", "chat_template_kwargs"] {
+        let body = json!({"prompt": "a", k: []}).to_string();
+        assert_eq!(
+            code(Kind::Completion, &body),
+            (k.to_string(), "unknown_parameter")
+        );
+    }
+    // neutral values and metadata pass
+    let ok = chat(
+        json!({"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+        "logit_bias": {}, "top_logprobs": null, "store": false, "tools": [], "tool_choice": "none",
+        "parallel_tool_calls": true, "response_format": {"type": "text"}, "modalities": ["text"],
+        "audio": null, "user": "u1", "metadata": {"k": "v"}, "service_tier": "auto",
+        "max_completion_tokens": 3}),
+    );
+    let p = run(Kind::Chat, &ok, None).unwrap();
+    assert_eq!(p.max_tokens, 3);
+    let ok = json!({"prompt": "a", "suffix": "", "user": "u", "logit_bias": null}).to_string();
+    run(Kind::Completion, &ok, None).unwrap();
+    // OpenAI's temperature range
+    bad(
+        Kind::Chat,
+        &chat(json!({"temperature": 2.5})),
+        Some("temperature"),
+        "[0, 2]",
+    );
+    run(Kind::Chat, &chat(json!({"temperature": 2})), None).unwrap();
+}

@@ -1269,8 +1269,8 @@ fn affine_kernels_match_the_dequantized_weights() {
             let (s, b) = (side(0.002, 0.02), side(-0.1, 0.1));
             let w = AffineWeight::from_stored(&packed, &s, &b, bits, group, n, k, &dev).unwrap();
             let what = format!("{bits}-bit g{group} {sdt:?} [{n}, {k}]");
-            let host = Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu)
-                .unwrap();
+            let host =
+                Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu).unwrap();
             let dense = w.dequantize(DType::BF16).unwrap();
             assert_eq!(
                 dense
@@ -1362,7 +1362,8 @@ fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
         assert!(info.contains("kept as stored"), "{info}");
         // the matrices at bits/16 of their bf16 bytes (+ scales); the embedding stays bf16
         assert!(
-            (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * (bits as f64 / 16.0 + 0.3),
+            (q.info().weight_bytes as f64)
+                < f.info().weight_bytes as f64 * (bits as f64 / 16.0 + 0.3),
             "{bits}-bit: {} bytes held vs {} for bf16",
             q.info().weight_bytes,
             f.info().weight_bytes
@@ -1376,7 +1377,10 @@ fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
                 .unwrap()
         };
         let e = rel_err(&logits(q.as_ref()), &logits(f.as_ref()));
-        assert!(e < 5e-2, "{bits}-bit: logits vs the dequantized twin: rel err {e}");
+        assert!(
+            e < 5e-2,
+            "{bits}-bit: logits vs the dequantized twin: rel err {e}"
+        );
         for steps in [2, 7, 16] {
             common::assert_verify_with_rollback_equals_decode_steps(
                 q.as_ref(),

@@ -92,8 +92,16 @@ impl AffineWeight {
         let bits16 = |t: &Tensor| -> Result<Vec<u16>> {
             let t = t.flatten_all()?;
             Ok(match t.dtype() {
-                DType::BF16 => t.to_vec1::<half::bf16>()?.iter().map(|v| v.to_bits()).collect(),
-                _ => t.to_vec1::<half::f16>()?.iter().map(|v| v.to_bits()).collect(),
+                DType::BF16 => t
+                    .to_vec1::<half::bf16>()?
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect(),
+                _ => t
+                    .to_vec1::<half::f16>()?
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect(),
             })
         };
         let (s, b) = (bits16(scales)?, bits16(biases)?);
@@ -162,9 +170,10 @@ impl AffineWeight {
         let Some(first) = parts.first() else {
             return Ok(None);
         };
-        if parts.iter().any(|p| {
-            (p.bits, p.group, p.k, p.f16) != (first.bits, first.group, first.k, first.f16)
-        }) {
+        if parts
+            .iter()
+            .any(|p| (p.bits, p.group, p.k, p.f16) != (first.bits, first.group, first.k, first.f16))
+        {
             return Ok(None);
         }
         let qs: Vec<&Tensor> = parts.iter().map(|p| &p.q).collect();
@@ -239,8 +248,9 @@ mod tests {
                             .unwrap()
                     };
                     let (s, b) = (side(&mut rng, 0.1), side(&mut rng, 1.0));
-                    let w = AffineWeight::from_stored(&packed, &s, &b, bits, group, n, k, &Device::Cpu)
-                        .unwrap();
+                    let w =
+                        AffineWeight::from_stored(&packed, &s, &b, bits, group, n, k, &Device::Cpu)
+                            .unwrap();
                     let got = w.dequantize_host().unwrap();
                     let sf = s.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
                     let bf = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
@@ -251,7 +261,11 @@ mod tests {
                             let byte = packed[r * k * bits / 8 + bit / 8] as u32;
                             let q = (byte >> (bit % 8)) & ((1 << bits) - 1);
                             let want = sf[r * g + i / group] * q as f32 + bf[r * g + i / group];
-                            assert_eq!(got[r * k + i], want, "{bits}-bit g{group} {dt:?} [{r}, {i}]");
+                            assert_eq!(
+                                got[r * k + i],
+                                want,
+                                "{bits}-bit g{group} {dt:?} [{r}, {i}]"
+                            );
                         }
                     }
                     // stacked rows and row views keep the layout

@@ -27,11 +27,11 @@ pub mod quant;
 pub mod recurrent_cache;
 pub mod rope;
 
+pub use affine::AffineWeight;
 pub use attention::{
     attend, attention_mask, sdpa, sdpa_with_sinks, Attention, AttentionSpec, Masks, Props, Site,
     Visibility,
 };
-pub use affine::AffineWeight;
 pub use dyn_conv::dyn_conv;
 pub use embedding::Embedding;
 pub use gated_delta::{ChunkMasks, GatedDeltaNet, GatedDeltaSpec, InProjLayout};

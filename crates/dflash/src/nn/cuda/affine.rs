@@ -119,7 +119,10 @@ impl CustomOp3 for AffineMatmul {
         b.arg(&k_i);
         // SAFETY: argument types match the kernel; shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((m, n))))
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            Shape::from((m, n)),
+        ))
     }
 }
 
@@ -202,7 +205,10 @@ impl CustomOp2 for AffineDequant {
         b.arg(&g_i);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((n, k))))
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, k)),
+        ))
     }
 }
 
