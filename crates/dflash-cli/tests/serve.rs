@@ -338,11 +338,22 @@ fn chat_streaming_and_not_agree_with_usage_and_dflash_stats() {
     let v: Value = serde_json::from_str(&b).unwrap();
     assert_eq!(v["object"], "list");
     assert_eq!(v["data"][0]["id"], "tiny");
+    // the SDK's models.retrieve
+    let (st, b) = get(&s, "/v1/models/tiny");
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(serde_json::from_str::<Value>(&b).unwrap()["id"], "tiny");
+    let (st, b) = get(&s, "/v1/models/nope");
+    assert_eq!(st, 404, "{b}");
+    assert!(b.contains("model_not_found"), "{b}");
+    let (st, _) = get(&s, "/v1/nothing");
+    assert_eq!(st, 404);
     let (st, b) = get(&s, "/health");
     assert_eq!(st, 200, "{b}");
     let (st, b) = get(&s, "/metrics");
     assert_eq!(st, 200);
     for k in [
+        "dflash_requests_total{endpoint=\"/v1/models/{id}\",status=\"404\"} 1",
+        "dflash_requests_total{endpoint=\"other\",status=\"404\"} 1",
         "dflash_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 5",
         "dflash_generation_tokens_total",
         "dflash_tau ",

@@ -162,6 +162,26 @@ pub struct Limits {
 
 /// Most messages one chat request may carry.
 pub const MAX_MESSAGES: usize = 8192;
+/// Text bytes a prompt may carry per token of context, checked before tokenizing (a token is
+/// rarely more than 16 bytes of text; 64 leaves room for long whitespace and repeat tokens):
+/// a body far beyond the context is refused before it is expanded into tokens.
+pub const MAX_PROMPT_BYTES_PER_TOKEN: usize = 64;
+
+fn check_text_bytes(param: &str, bytes: usize, lim: &Limits) -> Result<(), ApiError> {
+    let most = lim.max_context.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN);
+    if bytes > most {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "`{param}` has {bytes} bytes of text; this model's context of {} tokens holds at most {most} (checked before tokenizing); shorten `{param}`",
+                lim.max_context
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
 /// Longest stop string, in bytes (matching costs O(length^2) per generated token).
 pub const MAX_STOP_BYTES: usize = 512;
 
@@ -727,6 +747,7 @@ pub fn prepare(
     let (prompt_ids, param) = match kind {
         Kind::Chat => {
             let msgs = parse_messages(&f)?;
+            check_text_bytes("messages", msgs.iter().map(|m| m.content.len()).sum(), lim)?;
             let kwargs: Map<String, Value> = f
                 .object("chat_template_kwargs")?
                 .cloned()
@@ -759,9 +780,11 @@ pub fn prepare(
         Kind::Completion => {
             let ids = match parse_prompt(&f, lim.vocab_size)? {
                 Prompt::Ids(ids) => ids,
-                Prompt::Text(t) => tokenizer
-                    .encode(&t, true)
-                    .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+                Prompt::Text(t) => {
+                    check_text_bytes("prompt", t.len(), lim)?;
+                    tokenizer.encode(&t, true)
+                }
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
             };
             (ids, "prompt")
         }

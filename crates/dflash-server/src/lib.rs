@@ -104,6 +104,19 @@ pub struct App {
     next_id: AtomicU64,
     draft_name: Option<String>,
     block_size: usize,
+    /// Request preparation (parse, template, tokenize) running at once: bounded, so that
+    /// many large bodies cannot all be expanded in memory together.
+    preparing: Arc<tokio::sync::Semaphore>,
+}
+
+/// The id a model is served under by default: a local path's last component (the full path,
+/// which may show a home directory, stays accepted as an alias), a hub id as given.
+fn default_model_id(name: &str) -> String {
+    let p = std::path::Path::new(name);
+    match (p.exists(), p.file_name().and_then(|f| f.to_str())) {
+        (true, Some(f)) if !f.is_empty() => f.to_string(),
+        _ => name.to_string(),
+    }
 }
 
 fn now_s() -> u64 {
@@ -139,7 +152,10 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         (Some(d), None) => d.block_size(),
         (Some(_), Some(b)) => b.max(1),
     };
-    let served = cfg.served_model_name.clone().unwrap_or(model_name.clone());
+    let served = cfg
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| default_model_id(&model_name));
     let mut names = vec![served.clone()];
     if model_name != served {
         names.push(model_name.clone());
@@ -175,6 +191,11 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         next_id: AtomicU64::new(1),
         draft_name,
         block_size,
+        preparing: Arc::new(tokio::sync::Semaphore::new(
+            std::thread::available_parallelism()
+                .map_or(2, |n| n.get())
+                .max(2),
+        )),
     });
     Ok((app, thread))
 }
@@ -184,6 +205,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_by_id))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -346,22 +368,22 @@ async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
     })
 }
 
-async fn not_found() -> Response {
-    ApiError::new(
+async fn not_found(State(app): State<Arc<App>>) -> Response {
+    let e = ApiError::new(
         StatusCode::NOT_FOUND,
         "not_found_error",
         "no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics",
-    )
-    .into_response()
+    );
+    fail(&app, "other", e)
 }
 
-async fn method_not_allowed() -> Response {
-    ApiError::new(
+async fn method_not_allowed(State(app): State<Arc<App>>) -> Response {
+    let e = ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
         "method not allowed on this endpoint",
-    )
-    .into_response()
+    );
+    fail(&app, "other", e)
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -390,19 +412,51 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         .into_response()
 }
 
-async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(e) = check_auth(&app, &headers) {
-        return fail(&app, "/v1/models", e);
-    }
-    let v = json!({"object": "list", "data": [{
+fn model_object(app: &App) -> Value {
+    json!({
         "id": app.model_name,
         "object": "model",
         "created": app.started,
         "owned_by": "dflash",
         "max_model_len": app.limits.max_context,
         "dflash": {"draft": app.draft_name, "block_size": app.block_size},
-    }]});
+    })
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_auth(&app, &headers) {
+        return fail(&app, "/v1/models", e);
+    }
+    let v = json!({"object": "list", "data": [model_object(&app)]});
     record(&app, "/v1/models", json_body(&v))
+}
+
+/// `GET /v1/models/{id}` (the SDK's `models.retrieve`): the model under any name it is
+/// served as, else 404 `model_not_found`.
+async fn model_by_id(
+    State(app): State<Arc<App>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    const EP: &str = "/v1/models/{id}";
+    if let Err(e) = check_auth(&app, &headers) {
+        return fail(&app, EP, e);
+    }
+    if !app.limits.model_names.iter().any(|n| *n == id) {
+        let mut e = ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!(
+                "the model `{}` does not exist; this server serves `{}`",
+                id.chars().take(200).collect::<String>(),
+                app.model_name
+            ),
+        )
+        .with_code("model_not_found");
+        e.param = Some("model".into());
+        return fail(&app, EP, e);
+    }
+    record(&app, EP, json_body(&model_object(&app)))
 }
 
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
@@ -440,6 +494,10 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
         Err(e) => return fail(&app, ep, e),
     };
     let a = app.clone();
+    // (the permit is held while the body is expanded, then released)
+    let Ok(permit) = app.preparing.clone().acquire_owned().await else {
+        return fail(&app, ep, worker::shutting_down());
+    };
     let prepared = match tokio::task::spawn_blocking(move || prepare(&a, kind, &bytes)).await {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => return fail(&app, ep, e),
@@ -455,6 +513,7 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
             )
         }
     };
+    drop(permit);
     let Prepared {
         common,
         prompt_ids,
@@ -699,4 +758,25 @@ fn stream_response(ctx: ChunkCtx, mut rx: UnboundedReceiver<Event>) -> Response 
     Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_local_model_is_served_under_its_name_not_its_path() {
+        let dir = std::env::temp_dir().join("dflash-model-id-test");
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(default_model_id(dir.to_str().unwrap()), "dflash-model-id-test");
+        assert_eq!(default_model_id("Qwen/Qwen3-8B"), "Qwen/Qwen3-8B");
+    }
+
+    #[test]
+    fn keys_compare_whole() {
+        assert!(constant_time_eq(b"sekret", b"sekret"));
+        assert!(!constant_time_eq(b"sekret", b"sekreT"));
+        assert!(!constant_time_eq(b"sekret", b"sekret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
 }

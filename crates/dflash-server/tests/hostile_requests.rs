@@ -253,3 +253,29 @@ fn unimplemented_and_unknown_fields_are_refused_by_name() {
     );
     run(Kind::Chat, &chat(json!({"temperature": 2})), None).unwrap();
 }
+
+/// A prompt far beyond the context is refused from its byte length, before tokenizing.
+#[test]
+fn text_beyond_the_context_is_refused_before_tokenizing() {
+    use dflash_server::api::MAX_PROMPT_BYTES_PER_TOKEN;
+    let most = 64 * MAX_PROMPT_BYTES_PER_TOKEN;
+    let text = "hello ".repeat(most / 6 + 1);
+    let body = json!({"prompt": text}).to_string();
+    let e = run(Kind::Completion, &body, None).unwrap_err();
+    assert_eq!(
+        (e.param.as_deref(), e.code),
+        (Some("prompt"), Some("context_length_exceeded"))
+    );
+    assert!(e.message.contains("before tokenizing"), "{}", e.message);
+    let body = json!({"messages": [{"role": "user", "content": text}]}).to_string();
+    let e = run(Kind::Chat, &body, None).unwrap_err();
+    assert_eq!(
+        (e.param.as_deref(), e.code),
+        (Some("messages"), Some("context_length_exceeded"))
+    );
+    // at the bound it is tokenized (and then refused by its token count)
+    let text = "a ".repeat(most / 2);
+    let body = json!({"prompt": text}).to_string();
+    let e = run(Kind::Completion, &body, None).unwrap_err();
+    assert!(e.message.contains("the prompt has"), "{}", e.message);
+}
