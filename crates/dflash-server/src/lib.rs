@@ -768,7 +768,10 @@ mod tests {
     fn a_local_model_is_served_under_its_name_not_its_path() {
         let dir = std::env::temp_dir().join("dflash-model-id-test");
         std::fs::create_dir_all(&dir).unwrap();
-        assert_eq!(default_model_id(dir.to_str().unwrap()), "dflash-model-id-test");
+        assert_eq!(
+            default_model_id(dir.to_str().unwrap()),
+            "dflash-model-id-test"
+        );
         assert_eq!(default_model_id("Qwen/Qwen3-8B"), "Qwen/Qwen3-8B");
     }
 

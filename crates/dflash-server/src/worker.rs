@@ -174,6 +174,29 @@ pub fn run(
             }
         }
         metrics.set_running(batch.len());
+        // Clients gone and deadlines passed are also checked between steps, not only when
+        // tokens are committed: a long prompt prefills over many steps (a chunk each) and
+        // commits nothing meanwhile, so leaving frees the engine within one chunk.
+        let mut k = 0;
+        while k < running.len() {
+            let gone = running[k].1.borrow().gone(&control);
+            let Some(timed_out) = gone else {
+                k += 1;
+                continue;
+            };
+            let (id, st) = running.swap_remove(k);
+            if let Some(seq) = batch.take(id) {
+                let out = seq.finish();
+                let mut st = Rc::try_unwrap(st)
+                    .ok()
+                    .map(RefCell::into_inner)
+                    .expect("the sequence (and its callback) ended");
+                st.cancelled = !timed_out;
+                st.timed_out = timed_out;
+                st.done(out, &metrics);
+            }
+        }
+        metrics.set_running(batch.len());
         if batch.is_empty() {
             continue;
         }
@@ -287,6 +310,18 @@ impl Running {
     fn send(&self, text: String) {
         if !text.is_empty() {
             let _ = self.events.send(Event::Text(text));
+        }
+    }
+
+    /// Whether the request should end now: Some(false) when its client left or the server is
+    /// cancelling, Some(true) when its deadline passed.
+    fn gone(&self, control: &Control) -> Option<bool> {
+        if self.events.is_closed() || control.cancel_running.load(Ordering::SeqCst) {
+            Some(false)
+        } else if Instant::now() >= self.deadline {
+            Some(true)
+        } else {
+            None
         }
     }
 

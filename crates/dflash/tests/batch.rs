@@ -396,3 +396,49 @@ fn draft_batch_equals_draft_alone() {
         }
     }
 }
+
+/// A request taken out of the batch while its long prompt is still prefilling (its client
+/// left: the server checks between steps) leaves the others' outputs as they are alone.
+#[test]
+fn a_sequence_taken_out_mid_prefill_leaves_the_others() {
+    use dflash::engine::{Batch, Sequence, PREFILL_CHUNK};
+    let dir = tempfile::tempdir().unwrap();
+    let t = TinyTarget::qwen3(93);
+    t.write(&dir.path().join("t")).unwrap();
+    TinyDraft::for_target(&t, 1, vec![1], 4, 94)
+        .write(&dir.path().join("d"), t.vocab)
+        .unwrap();
+    let e = engine(dir.path(), true);
+    let reqs = vec![
+        GenerateRequest::new(ids(5, 6, t.vocab), 10),
+        GenerateRequest::new(ids(6, 3 * PREFILL_CHUNK + 7, t.vocab), 10),
+        GenerateRequest::new(ids(7, 9, t.vocab), 10),
+    ];
+    let solo = alone(&e, &[reqs[0].clone(), reqs[2].clone()]);
+    let mut batch = Batch::new(&e);
+    for (i, r) in reqs.iter().enumerate() {
+        batch.push(
+            i,
+            Sequence::new(&e, r.clone(), Box::new(|_| Flow::Continue)).unwrap(),
+        );
+    }
+    let mut outs = std::collections::HashMap::new();
+    for (i, o) in batch.step() {
+        outs.insert(i, o.unwrap());
+    }
+    let taken = batch.take(1).expect("still in the batch");
+    assert!(
+        taken.prefilling(),
+        "one chunk of a 3.5-chunk prompt went through"
+    );
+    assert!(batch.take(1).is_none());
+    drop(taken);
+    while !batch.is_empty() {
+        for (i, o) in batch.step() {
+            outs.insert(i, o.unwrap());
+        }
+    }
+    assert_eq!(outs.len(), 2);
+    assert_eq!(outs[&0].output_ids, solo[0].output_ids);
+    assert_eq!(outs[&2].output_ids, solo[1].output_ids);
+}

@@ -502,6 +502,13 @@ impl<'e> Batch<'e> {
         self.seqs.is_empty()
     }
 
+    /// Take the sequence with the caller's `id` out of the batch (a cancelled request), if it
+    /// is there.
+    pub fn take(&mut self, id: usize) -> Option<Sequence<'e>> {
+        let k = self.seqs.iter().position(|(i, _)| *i == id)?;
+        Some(self.seqs.remove(k).1)
+    }
+
     pub fn len(&self) -> usize {
         self.seqs.len()
     }
