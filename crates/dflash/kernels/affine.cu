@@ -25,28 +25,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#include "skinny.cuh"
 
-__device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& wa, const uint4& wb,
-                                          const uint4& xv) {
-  mma_bf16(d, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-  mma_bf16(d, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
-}
-
-__device__ __forceinline__ uint4 load_weight(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
 
 __device__ __forceinline__ uint32_t comp(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -198,47 +178,7 @@ __device__ __forceinline__ void affine_rows(const __nv_bfloat16* __restrict__ x,
       }
     }
   }
-  // d[0], d[1]: weight row g, x rows 2c, 2c+1 of the tile; d[2], d[3]: weight row g + 8.
-  if (W == 1) {
-#pragma unroll
-    for (int a = 0; a < TN; ++a)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const int m = 8 * t + 2 * c;
-        const int na = n0 + 16 * a + g, nb = na + 8;
-        if (m < m_rows) {
-          if (na < n_rows) y[(size_t)m * n_rows + na] = __float2bfloat16(acc[a][t][0]);
-          if (nb < n_rows) y[(size_t)m * n_rows + nb] = __float2bfloat16(acc[a][t][2]);
-        }
-        if (m + 1 < m_rows) {
-          if (na < n_rows) y[(size_t)(m + 1) * n_rows + na] = __float2bfloat16(acc[a][t][1]);
-          if (nb < n_rows) y[(size_t)(m + 1) * n_rows + nb] = __float2bfloat16(acc[a][t][3]);
-        }
-      }
-    return;
-  }
-#pragma unroll
-  for (int a = 0; a < TN; ++a)
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      red[warp][16 * a + g][8 * t + 2 * c] = acc[a][t][0];
-      red[warp][16 * a + g][8 * t + 2 * c + 1] = acc[a][t][1];
-      red[warp][16 * a + g + 8][8 * t + 2 * c] = acc[a][t][2];
-      red[warp][16 * a + g + 8][8 * t + 2 * c + 1] = acc[a][t][3];
-    }
-  __syncthreads();
-  constexpr int PER_TILE = R * 8 * T;
-  for (int i = threadIdx.x; i < (BW / W) * PER_TILE; i += blockDim.x) {
-    const int tb = i / PER_TILE, e = i % PER_TILE;
-    const int r = e % R, m = e / R;
-    const int n = (blockIdx.x * (BW / W) + tb) * R + r;
-    if (m < m_rows && n < n_rows) {
-      float s = 0.f;
-#pragma unroll
-      for (int v = 0; v < W; ++v) s += red[tb * W + v][r][m];
-      y[(size_t)m * n_rows + n] = __float2bfloat16(s);
-    }
-  }
+  store_rows<W, T, BW, TN>(acc, red, y, m_rows, n_rows, n0);
 }
 
 // Configurations as kernels/mma.cu's (nn::cuda::affine picks one from N the same way):
