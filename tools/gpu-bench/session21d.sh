@@ -3,7 +3,7 @@
 # CUDA. (1) tests/fused_cuda.rs affine_kernels_match_the_dequantized_weights and
 # mlx_checkpoint_on_the_gpu_runs_as_stored; (2) the Qwen3-8B-shape random target quantized to
 # MLX 4-bit g64 (make_mlx.py) against its bf16 original, `dflash bench --micro` (context 128,
-# q 1/4/8/16), one run, with the GPU memory each load takes. (Run again after the kernel change
+# q 1/4/8/16), one run. (Run again after the kernel change
 # as TAG=s21e: docs/perf.md "MLX affine 4-bit kept as stored".)
 set -uo pipefail
 . "$(dirname "$0")/env.sh" dflash fused_cuda
