@@ -279,6 +279,9 @@ pub struct Want<'a> {
 struct Costs {
     verify: Ewma,
     draft: Ewma,
+    /// The speculative warm-up ran (its draft call, which also prefills the draft's context,
+    /// is no cost sample: the draft cost comes from the next probe).
+    warmed: bool,
 }
 
 /// The engine's cost estimates and probing state.
@@ -349,6 +352,7 @@ impl Policy {
                 .map(|(_, c)| Costs {
                     verify: c.verify.as_prior(),
                     draft: c.draft.as_prior(),
+                    warmed: c.warmed,
                 });
             let shape = self.shape.clone();
             let fresh = near.unwrap_or_else(|| Costs {
@@ -357,6 +361,7 @@ impl Policy {
                     ..Ewma::new()
                 },
                 draft: Ewma::new(),
+                warmed: false,
             });
             self.tables.insert(seqs, fresh);
         }
@@ -400,7 +405,8 @@ impl Policy {
         // (Per batch size: a new size warms up on its own, two cycles.)
         let plain_rows: usize = q.iter().sum();
         let costs = self.costs(wants.len());
-        if costs.draft.is_empty() {
+        if costs.draft.is_empty() && !costs.warmed {
+            costs.warmed = true;
             for i in 0..q.len() {
                 if free[i] {
                     q[i] = lim[i].min(WARMUP_Q);
@@ -414,14 +420,29 @@ impl Policy {
             return with(&q, Reason::Warmup);
         }
         let max_rows: usize = lim.iter().sum();
-        let (Some(vt), Some(dt)) = (costs.verify.table(max_rows), costs.draft.table(max_rows))
-        else {
-            return with(&q, Reason::Warmup);
-        };
         let accs: Vec<Option<&Acceptance>> = wants.iter().map(|w| w.acceptance).collect();
+        // No draft cost yet (the warm-up's draft call was no sample): plain decoding until a
+        // probe measures one.
+        let best = match (costs.verify.table(max_rows), costs.draft.table(max_rows)) {
+            (Some(vt), Some(dt)) => Self::allocate(&vt, &dt, &accs, &free, &lim, q.clone()),
+            _ => q.clone(),
+        };
+        self.decide(best, &free, &lim)
+    }
+
+    /// The allocation with the most expected tokens per second along the path that adds rows
+    /// one at a time where they add the most, from `q` (every free sequence plain).
+    fn allocate(
+        vt: &[f64],
+        dt: &[f64],
+        accs: &[Option<&Acceptance>],
+        free: &[bool],
+        lim: &[usize],
+        mut q: Vec<usize>,
+    ) -> Vec<usize> {
         let tokens_of = |i: usize, q: usize| accs[i].map_or(1.0, |a| a.expected_tokens(q));
         let mut tokens: f64 = (0..q.len()).map(|i| tokens_of(i, q[i])).sum();
-        let mut rows = plain_rows;
+        let mut rows: usize = q.iter().sum();
         let mut drows: usize = (0..q.len())
             .filter(|&i| q[i] > 1 && accs[i].is_some())
             .map(|i| q[i])
@@ -452,6 +473,18 @@ impl Policy {
                 best.clone_from(&q);
             }
         }
+        best
+    }
+
+    /// The cycle's choice from the best allocation: it, or now and then an exploration (when
+    /// it speculates) or a probe (when it is plain decoding).
+    fn decide(
+        &mut self,
+        mut best: Vec<usize>,
+        free: &[bool],
+        lim: &[usize],
+    ) -> Vec<(usize, Reason)> {
+        let with = |q: &[usize], r: Reason| q.iter().map(|&x| (x, r)).collect::<Vec<_>>();
         let speculates = (0..best.len()).any(|i| free[i] && best[i] > 1);
         if speculates {
             self.plain_streak = 0;
@@ -491,7 +524,7 @@ impl Policy {
             }
         }
         best.iter()
-            .zip(&free)
+            .zip(free)
             .map(|(&x, &f)| (x, if f { Reason::Probe } else { Reason::Model }))
             .collect()
     }
