@@ -415,8 +415,8 @@ fn sampling_matches_the_target(dflash2: bool) {
 }
 
 /// The adaptive policy's estimates carry over to the next generation of the same engine: the
-/// first generation warms up (a small block, then a plain step, to measure costs), the second
-/// does not, and both stay lossless.
+/// first generation warms up (a small block; the plain step's cost is known already from the
+/// plain generation on this engine), the second does not, and both stay lossless.
 #[test]
 fn adaptive_estimates_carry_over_between_generations() {
     let (t, _dir, e) = never_accepted_pair();
@@ -429,7 +429,7 @@ fn adaptive_estimates_carry_over_between_generations() {
     assert_eq!(first.output_ids, plain);
     assert_eq!(second.output_ids, plain);
     assert!(
-        first.stats.q_reasons.get("warmup").copied().unwrap_or(0) >= 2,
+        first.stats.q_reasons.get("warmup").copied().unwrap_or(0) >= 1,
         "first generation warms up: {:?}",
         first.stats.q_reasons
     );
