@@ -23,9 +23,18 @@ pub struct ServeArgs {
     /// Largest context (prompt + generated); default: the model's.
     #[arg(long)]
     pub max_context: Option<usize>,
-    /// Require `Authorization: Bearer KEY` on /v1/* (also read from DFLASH_API_KEY).
-    #[arg(long)]
+    /// Require `Authorization: Bearer KEY` on /v1/* (also read from DFLASH_API_KEY). Shows
+    /// in `ps`: prefer --api-key-file.
+    #[arg(long, conflicts_with = "api_key_file")]
     pub api_key: Option<String>,
+    /// Read the API key from this file (its first line; not shown in `ps`).
+    #[arg(long)]
+    pub api_key_file: Option<std::path::PathBuf>,
+    /// Host names clients may address the server as (the `Host` header), comma-separated;
+    /// default when bound to a loopback address: localhost, 127.0.0.1 and [::1] only (a web
+    /// page cannot reach it through a DNS name it controls); when bound elsewhere: any.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
     /// Requests that may wait for the engine besides the running ones; more get 503.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -68,10 +77,26 @@ pub fn config(a: ServeArgs) -> Result<ServerConfig> {
     c.port = a.port;
     c.max_tokens_default = a.max_tokens_default;
     c.block_size = a.block_size;
-    c.api_key = a
-        .api_key
+    let from_file = match &a.api_key_file {
+        None => None,
+        Some(p) => {
+            let t = std::fs::read_to_string(p)
+                .map_err(|e| anyhow::anyhow!("--api-key-file {}: {e}", p.display()))?;
+            let k = t.lines().next().unwrap_or("").trim().to_string();
+            if k.is_empty() {
+                bail!(
+                    "--api-key-file {}: the file's first line is empty",
+                    p.display()
+                );
+            }
+            Some(k)
+        }
+    };
+    c.api_key = from_file
+        .or(a.api_key)
         .or_else(|| std::env::var("DFLASH_API_KEY").ok())
         .filter(|k| !k.is_empty());
+    c.allowed_hosts = a.allowed_hosts;
     c.max_queue = a.max_queue;
     if a.max_num_seqs == 0 {
         anyhow::bail!("--max-num-seqs must be at least 1");

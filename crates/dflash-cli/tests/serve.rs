@@ -467,7 +467,7 @@ fn open_stream(s: &Server, max_tokens: usize) -> TcpStream {
     let mut c = TcpStream::connect(&s.addr).unwrap();
     write!(
         c,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -517,7 +517,7 @@ fn client_disconnect_cancels_a_non_streaming_generation() {
     let mut c = TcpStream::connect(&s.addr).unwrap();
     write!(
         c,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -595,7 +595,7 @@ fn full_queue_is_503_with_retry_after() {
     let mut queued = TcpStream::connect(&s.addr).unwrap();
     write!(
         queued,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -1079,6 +1079,56 @@ fn api_key_is_enforced() {
     assert_eq!(st, 401);
     let (st, _) = get(&s, "/health");
     assert_eq!(st, 200);
+    drop(s);
+    // the key from a file (not on the command line, so not in `ps`)
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("key");
+    std::fs::write(&f, "from-file\n").unwrap();
+    let s = Server::start(&m, false, &["--api-key-file", f.to_str().unwrap()]);
+    let (st, _, b) = post(&s, "/v1/completions", &body, Some("from-file"));
+    assert_eq!(st, 200, "{b}");
+    let (st, _, _) = post(&s, "/v1/completions", &body, Some("sekret"));
+    assert_eq!(st, 401);
+}
+
+/// The status of `GET path` sent with `Host: host` (raw: clients set Host themselves).
+fn status_with_host(s: &Server, path: &str, host: &str) -> u16 {
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut got = String::new();
+    let _ = c.read_to_string(&mut got);
+    got.split(' ')
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Bound to a loopback address, the server answers only to loopback names (a page whose own
+/// name resolves to 127.0.0.1, DNS rebinding, is refused); --allowed-hosts adds names.
+#[test]
+fn a_loopback_server_answers_only_to_loopback_names() {
+    let m = model();
+    let s = Server::start(&m, false, &[]);
+    for (host, want) in [
+        ("127.0.0.1", 200),
+        ("localhost:8000", 200),
+        ("[::1]:1", 200),
+        ("evil.example", 403),
+        ("evil.example:8000", 403),
+        ("127.0.0.1.evil.example", 403),
+    ] {
+        assert_eq!(status_with_host(&s, "/v1/models", host), want, "{host}");
+    }
+    assert_eq!(status_with_host(&s, "/health", "evil.example"), 403);
+    drop(s);
+    let s = Server::start(&m, false, &["--allowed-hosts", "box.lan,127.0.0.1"]);
+    assert_eq!(status_with_host(&s, "/v1/models", "BOX.lan:8000"), 200);
+    assert_eq!(status_with_host(&s, "/v1/models", "localhost"), 403);
 }
 
 #[test]

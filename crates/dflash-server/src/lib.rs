@@ -53,6 +53,9 @@ pub struct ServerConfig {
     pub block_size: Option<usize>,
     /// Bearer token required on /v1/* when set.
     pub api_key: Option<String>,
+    /// `Host` header names accepted (empty: loopback names when bound to a loopback address,
+    /// any name otherwise).
+    pub allowed_hosts: Vec<String>,
     /// Requests that may wait for the engine besides the ones running; more get 503.
     pub max_queue: usize,
     /// Generations decoded together (one draft call and one verify per cycle for all); the
@@ -79,6 +82,7 @@ impl ServerConfig {
             max_tokens_default: 256,
             block_size: None,
             api_key: None,
+            allowed_hosts: Vec::new(),
             max_queue: 64,
             max_num_seqs: 8,
             prefix_cache_bytes: 1 << 30,
@@ -107,6 +111,75 @@ pub struct App {
     /// Request preparation (parse, template, tokenize) running at once: bounded, so that
     /// many large bodies cannot all be expanded in memory together.
     preparing: Arc<tokio::sync::Semaphore>,
+    /// `Host` names accepted, lower case (empty: any).
+    hosts: Vec<String>,
+}
+
+/// The `Host` names a server bound to `host` accepts: `allowed` when given, else the loopback
+/// names for a loopback bind (a page on another site that resolves its own name to 127.0.0.1,
+/// DNS rebinding, sends its own name) and any name for other binds.
+fn allowed_hosts(host: &str, allowed: &[String]) -> Vec<String> {
+    if !allowed.is_empty() {
+        return allowed
+            .iter()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .collect();
+    }
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if loopback {
+        ["localhost", "127.0.0.1", "[::1]"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        Vec::new()
+    }
+}
+
+/// The name part of a `Host` header (`name:port`, `[v6]:port`), lower case.
+fn host_name(h: &str) -> String {
+    let h = h.trim();
+    let name = if h.starts_with('[') {
+        h.split_inclusive(']').next().unwrap_or(h)
+    } else {
+        match h.rsplit_once(':') {
+            Some((n, p)) if p.chars().all(|c| c.is_ascii_digit()) => n,
+            _ => h,
+        }
+    };
+    name.to_ascii_lowercase()
+}
+
+async fn check_host(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if app.hosts.is_empty() {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(host_name);
+    if given.as_ref().is_some_and(|g| app.hosts.contains(g)) {
+        return next.run(req).await;
+    }
+    let e = ApiError::new(
+        StatusCode::FORBIDDEN,
+        "permission_error",
+        format!(
+            "the Host `{}` is not one this server answers to ({}); start it with --allowed-hosts NAME to allow it",
+            given.unwrap_or_default().chars().take(100).collect::<String>(),
+            app.hosts.join(", ")
+        ),
+    )
+    .with_code("host_not_allowed");
+    fail(&app, "other", e)
 }
 
 /// The id a model is served under by default: a local path's last component (the full path,
@@ -177,6 +250,7 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
             .name("dflash-engine".into())
             .spawn(move || worker::run(engine, t, rx, m, c, max_seqs))?
     };
+    let hosts = allowed_hosts(&cfg.host, &cfg.allowed_hosts);
     let app = Arc::new(App {
         cfg,
         limits,
@@ -191,6 +265,7 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         next_id: AtomicU64::new(1),
         draft_name,
         block_size,
+        hosts,
         preparing: Arc::new(tokio::sync::Semaphore::new(
             std::thread::available_parallelism()
                 .map_or(2, |n| n.get())
@@ -210,6 +285,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            check_host,
+        ))
         .with_state(app)
 }
 
@@ -773,6 +852,26 @@ mod tests {
             "dflash-model-id-test"
         );
         assert_eq!(default_model_id("Qwen/Qwen3-8B"), "Qwen/Qwen3-8B");
+    }
+
+    #[test]
+    fn host_names_and_the_default_allowlist() {
+        assert_eq!(host_name("127.0.0.1:8000"), "127.0.0.1");
+        assert_eq!(host_name("LocalHost"), "localhost");
+        assert_eq!(host_name("[::1]:80"), "[::1]");
+        assert_eq!(host_name("evil.example:8000"), "evil.example");
+        let lo = allowed_hosts("127.0.0.1", &[]);
+        assert!(
+            lo.contains(&"localhost".to_string()) && lo.len() == 3,
+            "{lo:?}"
+        );
+        assert_eq!(allowed_hosts("::1", &[]).len(), 3);
+        assert_eq!(allowed_hosts("localhost", &[]).len(), 3);
+        assert!(allowed_hosts("0.0.0.0", &[]).is_empty());
+        assert_eq!(
+            allowed_hosts("0.0.0.0", &["Box.Lan".into()]),
+            vec!["box.lan".to_string()]
+        );
     }
 
     #[test]
