@@ -346,15 +346,14 @@ impl Running {
             self.stopped_by = hit;
             return Flow::Stop;
         }
-        if self.events.is_closed() || control.cancel_running.load(Ordering::SeqCst) {
-            self.cancelled = true;
-            return Flow::Stop;
+        match self.gone(control) {
+            Some(timed_out) => {
+                self.timed_out = timed_out;
+                self.cancelled = !timed_out;
+                Flow::Stop
+            }
+            None => Flow::Continue,
         }
-        if Instant::now() >= self.deadline {
-            self.timed_out = true;
-            return Flow::Stop;
-        }
-        Flow::Continue
     }
 
     /// The generation ended: the held-back text, then the finish event.

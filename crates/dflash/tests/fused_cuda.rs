@@ -1273,23 +1273,8 @@ fn affine_kernels_match_the_dequantized_weights() {
                 Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu).unwrap();
             let dense = w.dequantize(DType::BF16).unwrap();
             assert_eq!(
-                dense
-                    .to_device(&Device::Cpu)
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap(),
-                host.to_dtype(DType::BF16)
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap(),
+                u32s_of(&dense),
+                u32s_of(&host.to_dtype(DType::BF16).unwrap()),
                 "{what}: device dequantization"
             );
             let host = host.to_device(&dev).unwrap();

@@ -300,6 +300,11 @@ pub struct Policy {
     explorations: usize,
 }
 
+/// Every sequence's block `q` for one reason.
+fn with(q: &[usize], r: Reason) -> Vec<(usize, Reason)> {
+    q.iter().map(|&x| (x, r)).collect()
+}
+
 /// Speculative cycles between explorations.
 const EXPLORE_EVERY: usize = 16;
 
@@ -396,13 +401,12 @@ impl Policy {
         let mut q: Vec<usize> = (0..wants.len())
             .map(|i| if free[i] { 1 } else { lim[i] })
             .collect();
-        let with = |q: &[usize], r: Reason| q.iter().map(|&x| (x, r)).collect::<Vec<_>>();
         if !free.contains(&true) {
             return with(&q, Reason::Model);
         }
-        // Warm-up: a small block for every free sequence until a draft call is measured (a
-        // full block can cost several plain steps on a CPU), then one plain cycle.
-        // (Per batch size: a new size warms up on its own, two cycles.)
+        // Warm-up, once per batch size that starts from nothing: a small block for every free
+        // sequence (a full block can cost several plain steps on a CPU), then, unless the plain
+        // cost is known, one plain cycle.
         let plain_rows: usize = q.iter().sum();
         let costs = self.costs(wants.len());
         if costs.draft.is_empty() && !costs.warmed {
@@ -484,7 +488,6 @@ impl Policy {
         free: &[bool],
         lim: &[usize],
     ) -> Vec<(usize, Reason)> {
-        let with = |q: &[usize], r: Reason| q.iter().map(|&x| (x, r)).collect::<Vec<_>>();
         let speculates = (0..best.len()).any(|i| free[i] && best[i] > 1);
         if speculates {
             self.plain_streak = 0;
@@ -575,6 +578,17 @@ mod tests {
         rng: crate::testing::Rng,
     }
 
+    /// Every sequence adaptive, up to 16 rows.
+    fn wants(seqs: &[Acceptance]) -> Vec<Want<'_>> {
+        seqs.iter()
+            .map(|a| Want {
+                acceptance: Some(a),
+                adaptive: true,
+                limit: 16,
+            })
+            .collect()
+    }
+
     impl Sim {
         fn new(n_seqs: usize, seed: u64) -> Self {
             Self {
@@ -604,15 +618,7 @@ mod tests {
         ) -> Vec<Vec<usize>> {
             let mut all = vec![];
             for _ in 0..cycles {
-                let wants: Vec<Want> = self
-                    .seqs
-                    .iter()
-                    .map(|a| Want {
-                        acceptance: Some(a),
-                        adaptive: true,
-                        limit: 16,
-                    })
-                    .collect();
+                let wants = wants(&self.seqs);
                 let qs: Vec<usize> = self.policy.choose(&wants).iter().map(|c| c.0).collect();
                 let rows: usize = qs.iter().sum();
                 let drows: usize = qs.iter().filter(|&&q| q > 1).sum();
@@ -821,15 +827,7 @@ mod tests {
         let mut warmups = 0;
         while s.seqs.len() > 1 {
             s.seqs.pop();
-            let wants: Vec<Want> = s
-                .seqs
-                .iter()
-                .map(|a| Want {
-                    acceptance: Some(a),
-                    adaptive: true,
-                    limit: 16,
-                })
-                .collect();
+            let wants = wants(&s.seqs);
             warmups += s
                 .policy
                 .clone()

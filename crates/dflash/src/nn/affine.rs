@@ -49,8 +49,8 @@ impl AffineWeight {
     pub fn supported(bits: usize, group: usize, k: usize, scale_dtype: DType) -> bool {
         matches!(bits, 4 | 8)
             && matches!(group, 32 | 64 | 128)
-            && k % (32 * chunks_per_load(bits)) == 0
-            && k % group == 0
+            && k.is_multiple_of(32 * chunks_per_load(bits))
+            && k.is_multiple_of(group)
             && matches!(scale_dtype, DType::BF16 | DType::F16)
     }
 

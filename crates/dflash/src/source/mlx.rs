@@ -1,4 +1,5 @@
-//! MLX affine-quantized safetensors (the `mlx-community/*-4bit` layout), dequantized at load.
+//! MLX affine-quantized safetensors (the `mlx-community/*-4bit` layout): checked as stored,
+//! dequantized at load or (CUDA) kept as stored.
 //!
 //! Part of the sources/loading step: [`super::Weights`] asks this module for every
 //! `<module>.weight` of a safetensors checkpoint whose config carries an MLX `quantization`
@@ -18,8 +19,9 @@
 //!
 //! The value is computed in f32 (`scale * q` is exact there for bf16/f16 scales, so this is
 //! the MLX definition up to the single rounding of the add) and then cast to the compute
-//! dtype. Memory trade-off: the weights are held dense, i.e. 8x (f32) or 4x (bf16) the
-//! 4-bit checkpoint; a packed matmul kernel (future CUDA work) could keep them at 4 bits.
+//! dtype. Memory trade-off: dequantized weights are held dense, i.e. 8x (f32) or 4x (bf16) the
+//! 4-bit checkpoint; on CUDA with bf16 the 4- and 8-bit matrices are kept as stored instead
+//! ([`load_stored`] -> `nn::AffineWeight`, see `source::Weights::linear`).
 
 use crate::{Error, Result};
 use candle_core::safetensors::MmapedSafetensors;
@@ -257,8 +259,9 @@ pub struct Dequantized {
 /// An MLX-quantized weight as stored, checked: the packed bytes (the little-endian bytes of
 /// the `u32` words, rows of `cols * bits / 8`), its scales and biases as stored (bf16, f16 or
 /// f32, `[rows.., cols / group_size]`, on the CPU).
-pub struct Stored {
-    pub packed: Vec<u8>,
+pub struct Stored<'a> {
+    /// Borrowed from the memory-mapped file (no copy).
+    pub packed: &'a [u8],
     pub scales: Tensor,
     pub biases: Tensor,
     pub params: AffineParams,
@@ -267,14 +270,14 @@ pub struct Stored {
     pub read: [String; 3],
 }
 
-impl Stored {
+impl Stored<'_> {
     /// The weights `[rows * cols]` in f32, `s * q + b`.
     pub fn dequantize(&self) -> Result<Vec<f32>> {
         let f = |t: &Tensor| -> Result<Vec<f32>> {
             Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
         };
         Ok(dequantize(
-            &self.packed,
+            self.packed,
             &f(&self.scales)?,
             &f(&self.biases)?,
             self.rows,
@@ -307,13 +310,13 @@ pub fn load_dequantized(
 
 /// `name` as stored when it is an MLX-quantized weight (checked against the config and the
 /// logical `shape`); None when it is an ordinary tensor.
-pub fn load_stored(
-    st: &MmapedSafetensors,
+pub fn load_stored<'a>(
+    st: &'a MmapedSafetensors,
     quant: Option<&MlxQuant>,
     name: &str,
     shape: &[usize],
     desc: &str,
-) -> Result<Option<Stored>> {
+) -> Result<Option<Stored<'a>>> {
     let Some(module) = name.strip_suffix(".weight") else {
         return Ok(None);
     };
@@ -405,7 +408,7 @@ pub fn load_stored(
     let biases = side(&biases_name)?;
     // the u32 words as stored (little-endian) are the bit stream `dequantize` reads
     Ok(Some(Stored {
-        packed: view.data().to_vec(),
+        packed: view.data(),
         scales,
         biases,
         params,

@@ -37,8 +37,14 @@ struct AffineMatmul {
 }
 
 impl AffineMatmul {
-    fn suffix(&self) -> String {
-        format!("b{}_{}", self.bits, if self.f16 { "f16" } else { "bf16" })
+    /// The storage part of a kernel's name: `b<bits>_<bf16|f16>`, with `_g<group>` for the
+    /// GEMM (kernels/affine.cu's `AFF1` / `DEQ`).
+    fn suffix(&self, with_group: bool) -> String {
+        let st = if self.f16 { "f16" } else { "bf16" };
+        match with_group {
+            true => format!("b{}_g{}_{st}", self.bits, self.group),
+            false => format!("b{}_{st}", self.bits),
+        }
     }
 }
 
@@ -94,10 +100,8 @@ impl CustomOp3 for AffineMatmul {
         let dev = xs.device();
         let (base, rows_per_block, warps) = config(n);
         let name = format!(
-            "{base}_b{}_g{}_{}_t{}",
-            self.bits,
-            self.group,
-            if self.f16 { "f16" } else { "bf16" },
+            "{base}_{}_t{}",
+            self.suffix(true),
             if m <= 8 { 1 } else { 2 }
         );
         let func = dev.get_or_load_custom_func(&name, "dflash_affine", AFFINE_PTX)?;
@@ -183,7 +187,7 @@ impl CustomOp2 for AffineDequant {
         let sb = u32_view(ss, sl, "scales")?;
         let dev = qs.device();
         let func = dev.get_or_load_custom_func(
-            &format!("affine_dequant_{}", a.suffix()),
+            &format!("affine_dequant_{}", a.suffix(false)),
             "dflash_affine",
             AFFINE_PTX,
         )?;
