@@ -409,6 +409,15 @@ ATTN(attn_bf16_d256, 256, 256, 4)
 ATTN(attn_bf16_d512, 512, 512, 2)
 // MLA (DeepSeek-V3 / Kimi): 512 latent + 64 rope dims per key row, the latent part as values.
 ATTN(attn_bf16_k576_v512, 576, 512, 2)
+// Fewer pairs per block, for grids that would leave multiprocessors idle (few KV heads, few
+// rows, a short context: nn::cuda::attention's attn_pick). Same arithmetic per pair.
+ATTN(attn_bf16_d64_p2, 64, 64, 2)
+ATTN(attn_bf16_d64_p1, 64, 64, 1)
+ATTN(attn_bf16_d128_p2, 128, 128, 2)
+ATTN(attn_bf16_d128_p1, 128, 128, 1)
+ATTN(attn_bf16_d256_p1, 256, 256, 1)
+ATTN(attn_bf16_d512_p1, 512, 512, 1)
+ATTN(attn_bf16_k576_v512_p1, 576, 512, 1)
 
 // Merge the splits of attn: grid (heads, n), block d threads (rounded up to a warp); sinks and
 // the output gate as in attn (src, src_stride, q_off, q_hs locate the gate).

@@ -1,7 +1,7 @@
 // dflash MoE kernels for 1-16 rows (decode, verify, draft-sized blocks), bf16 weights, f32
 // arithmetic. Wrapped in src/nn/cuda/moe.rs; nn::moe decides when they run.
 //
-//   moe_route      router logits [n, E] f32 -> the k chosen experts and weights per row, on the
+//   moe_route      router logits [n, E] (f32 or bf16) -> the k chosen experts and weights per row, on the
 //                  device (no host round trip per layer): softmax + top-k (renormalized or
 //                  not), top-k + softmax (gpt-oss), or sigmoid + correction bias + grouped
 //                  top-k (deepseek_v3); per-expert scales and a scaling factor.
@@ -20,8 +20,19 @@
 // Batch invariance: a (pair, output) value is one warp's dot product over k in a fixed order
 // (lane i takes chunks i, i + 32, ..., then a fixed xor reduction), and the combine adds a
 // row's slots in slot order: no value depends on which other rows are in the call.
+//
+// moe_gate_up_mma / moe_down_mma: the same products on the tensor cores, for widths that are
+// multiples of 32 (nn::cuda::moe picks them from the shapes alone, so a row always meets the
+// same kernel). A block is one slot's tile of 16 units (gate and up rows) or 32 output rows;
+// its 8 warps split k, each warp as the skinny GEMM of kernels/mma.cu (the weights the A
+// operand, the slot's gathered rows the B operand, T tiles of 8 rows), and the block sums the
+// warps' partials in warp order. The FMA kernels above keep one accumulator per pair for all P
+// pairs the call could route to one expert: at 16 rows (P = 16) they ran at 21-38% of the
+// union's bytes on gpt-oss-20b (docs/perf.md, session 22).
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+#include "skinny.cuh"
 
 typedef __nv_bfloat16 bf16;
 
@@ -110,7 +121,7 @@ __device__ float block_reduce(float x, float* s, bool is_max) {
 // by its two best choices), top-k within them; weights = scores (renormalized iff renorm).
 // Then w *= pe_scale[e] (if given) * scale. ids [n, k] i32, w [n, k] f32.
 extern "C" __global__ void __launch_bounds__(ROUTE_T)
-    moe_route(const float* __restrict__ logits, int E, int k, int mode, int renorm,
+    moe_route(const void* __restrict__ logits_in, int logits_bf16, int E, int k, int mode, int renorm,
               const float* __restrict__ corr, int n_group, int topk_group,
               const float* __restrict__ pe_scale, float scale, int* __restrict__ ids,
               float* __restrict__ w) {
@@ -124,12 +135,14 @@ extern "C" __global__ void __launch_bounds__(ROUTE_T)
   __shared__ int chosen[32];
   __shared__ float chosen_w[32];
   const int row = blockIdx.x, t = threadIdx.x;
-  const float* l = logits + (size_t)row * E;
+  // The router's output as it is (bf16 from a bf16 projection: no cast launch), read as f32.
+  const float* lf = static_cast<const float*>(logits_in) + (size_t)row * E;
+  const bf16* lb = static_cast<const bf16*>(logits_in) + (size_t)row * E;
   float x[ROUTE_PER], score[ROUTE_PER];
 #pragma unroll
   for (int u = 0; u < ROUTE_PER; ++u) {
     const int e = t + ROUTE_T * u;
-    x[u] = e < E ? l[e] : -INFINITY;
+    x[u] = e >= E ? -INFINITY : logits_bf16 ? __bfloat162float(lb[e]) : lf[e];
   }
   if (mode == 0) {
     float m = -INFINITY;
@@ -470,6 +483,179 @@ MOE_GEMMS(2)
 MOE_GEMMS(4)
 MOE_GEMMS(8)
 MOE_GEMMS(16)
+
+// ---------------------------------------------------------------------------------------
+// The expert GEMMs on the tensor cores.
+
+#define MMA_WARPS 8
+#define MMA_U 2
+
+// acc[a][t] += the products of weight rows wp[2a] (rows g) / wp[2a + 1] (rows g + 8) with the
+// gathered rows xp[t] (row 8t + g; xok false: zeros) over chunks [c0, c1) of 32 k. Pointers
+// include the lane's 16-byte column c; U chunks in flight (as kernels/mma.cu's gemm_rows).
+template <int T>
+__device__ __forceinline__ void mma_span(const uint4* const (&wp)[4], const uint4* const (&xp)[T],
+                                         const bool (&xok)[T], int c0, int c1, float (&acc)[2][T][4]) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 wv[MMA_U][4], xv[MMA_U][T];
+  auto load = [&](int ch) {
+#pragma unroll
+    for (int u = 0; u < MMA_U; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wv[u][j] = load_weight(wp[j] + min(ch + u, c1 - 1) * 4);
+#pragma unroll
+    for (int u = 0; u < MMA_U; ++u)
+#pragma unroll
+      for (int t = 0; t < T; ++t) xv[u][t] = xok[t] ? __ldg(xp[t] + min(ch + u, c1 - 1) * 4) : zero;
+  };
+  if (c0 < c1) load(c0);
+  for (int ch = c0; ch < c1; ch += MMA_U) {
+    uint4 cw[MMA_U][4], cx[MMA_U][T];
+#pragma unroll
+    for (int u = 0; u < MMA_U; ++u) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cw[u][j] = wv[u][j];
+#pragma unroll
+      for (int t = 0; t < T; ++t) cx[u][t] = xv[u][t];
+    }
+    if (ch + MMA_U < c1) load(ch + MMA_U);
+#pragma unroll
+    for (int u = 0; u < MMA_U; ++u)
+      if (ch + u < c1)
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+          for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], cw[u][2 * a], cw[u][2 * a + 1], cx[u][t]);
+  }
+}
+
+// A warp's accumulators into red[warp][weight row 0..32][gathered row 0..8T].
+template <int T>
+__device__ __forceinline__ void mma_stage(const float (&acc)[2][T][4], float (*red)[32][8 * T]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      red[warp][16 * a + g][8 * t + 2 * c] = acc[a][t][0];
+      red[warp][16 * a + g][8 * t + 2 * c + 1] = acc[a][t][1];
+      red[warp][16 * a + g + 8][8 * t + 2 * c] = acc[a][t][2];
+      red[warp][16 * a + g + 8][8 * t + 2 * c + 1] = acc[a][t][3];
+    }
+  __syncthreads();
+}
+
+// The slot's gathered row pointers: pair q's row is rows + (pairs[q] / div) * width (+ lane c).
+template <int T>
+__device__ __forceinline__ void mma_rows(const bf16* __restrict__ rows, const int* pairs, int np, int div,
+                                         int width, const uint4* (&xp)[T], bool (&xok)[T]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    const int q = 8 * t + g;
+    xok[t] = q < np;
+    xp[t] = reinterpret_cast<const uint4*>(rows + (size_t)(pairs[xok[t] ? q : 0] / div) * width) + c;
+  }
+}
+
+// As gate_up_impl, on the tensor cores: grid (slots, ceil(I / 16)); block y takes units
+// [16y, 16y + 16). H % 32 == 0.
+template <int T>
+__device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ slots, int nslots, int k,
+                            const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter,
+                            int hidden, int mode, float limit, float alpha, bf16* __restrict__ h) {
+  __shared__ int pairs[MOE_MAX_PAIRS];
+  __shared__ int e_sh;
+  __shared__ float red[MMA_WARPS][32][8 * T];
+  const int np = expert_pairs(slots, nslots, &e_sh, pairs);
+  if (np == 0) return;
+  const int e = e_sh;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int j0 = blockIdx.y * 16;
+  const bf16* we = gate_up + (size_t)e * 2 * inter * hidden;
+  // gate rows j0 + g, j0 + g + 8, then the same units' up rows (clamped past I, never stored)
+  const uint4* wp[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int unit = min(j0 + g + 8 * (j % 2), inter - 1);
+    wp[j] = reinterpret_cast<const uint4*>(we + (size_t)((j / 2) * inter + unit) * hidden) + c;
+  }
+  const uint4* xp[T];
+  bool xok[T];
+  mma_rows<T>(x, pairs, np, k, hidden, xp, xok);
+  const int chunks = hidden / 32;
+  float acc[2][T][4] = {};
+  mma_span<T>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
+  mma_stage<T>(acc, red);
+  for (int i = threadIdx.x; i < 16 * np; i += blockDim.x) {
+    const int r = i % 16, q = i / 16, j = j0 + r;
+    if (j >= inter) continue;
+    float gs = 0.f, us = 0.f;
+#pragma unroll
+    for (int w = 0; w < MMA_WARPS; ++w) {
+      gs += red[w][r][q];
+      us += red[w][16 + r][q];
+    }
+    float gv = rb(gs), uv = rb(us);
+    if (bias != nullptr) {
+      gv = rb(gv + __bfloat162float(bias[(size_t)e * 2 * inter + j]));
+      uv = rb(uv + __bfloat162float(bias[(size_t)e * 2 * inter + inter + j]));
+    }
+    h[(size_t)pairs[q] * inter + j] = __float2bfloat16(expert_act(gv, uv, mode, limit, alpha));
+  }
+}
+
+// As down_impl, on the tensor cores: grid (slots, ceil(H / 32)); block y takes output rows
+// [32y, 32y + 32). I % 32 == 0.
+template <int T>
+__device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slots, int nslots,
+                         const bf16* __restrict__ down, const bf16* __restrict__ bias, int inter, int hidden,
+                         float* __restrict__ y) {
+  __shared__ int pairs[MOE_MAX_PAIRS];
+  __shared__ int e_sh;
+  __shared__ float red[MMA_WARPS][32][8 * T];
+  const int np = expert_pairs(slots, nslots, &e_sh, pairs);
+  if (np == 0) return;
+  const int e = e_sh;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int r0 = blockIdx.y * 32;
+  const bf16* we = down + (size_t)e * hidden * inter;
+  const uint4* wp[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    wp[j] = reinterpret_cast<const uint4*>(we + (size_t)min(r0 + 8 * j + g, hidden - 1) * inter) + c;
+  const uint4* xp[T];
+  bool xok[T];
+  mma_rows<T>(h, pairs, np, 1, inter, xp, xok);
+  const int chunks = inter / 32;
+  float acc[2][T][4] = {};
+  mma_span<T>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
+  mma_stage<T>(acc, red);
+  for (int i = threadIdx.x; i < 32 * np; i += blockDim.x) {
+    const int r = i % 32, q = i / 32, cc = r0 + r;
+    if (cc >= hidden) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < MMA_WARPS; ++w) s += red[w][r][q];
+    float v = rb(s);
+    if (bias != nullptr) v = rb(v + __bfloat162float(bias[(size_t)e * hidden + cc]));
+    y[(size_t)pairs[q] * hidden + cc] = v;
+  }
+}
+
+#define MOE_MMA(T)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 2) moe_gate_up_mma_t##T(                    \
+      const bf16* x, const int* slots, int nslots, int k, const bf16* gate_up, const bf16* bias,       \
+      int inter, int hidden, int mode, float limit, float alpha, bf16* h) {                             \
+    gate_up_mma<T>(x, slots, nslots, k, gate_up, bias, inter, hidden, mode, limit, alpha, h);           \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 2) moe_down_mma_t##T(                       \
+      const bf16* h, const int* slots, int nslots, const bf16* down, const bf16* bias, int inter,      \
+      int hidden, float* y) {                                                                           \
+    down_mma<T>(h, slots, nslots, down, bias, inter, hidden, y);                                         \
+  }
+MOE_MMA(1)
+MOE_MMA(2)
 
 // out[r, c] = bf16(sum_{s < k} w[r, s] * y[r * k + s, c]), slots in order. grid (n, ceil(H / 256)).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, int k,

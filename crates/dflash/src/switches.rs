@@ -11,7 +11,8 @@
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 GGUF matrices kept as stored on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
-//! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events |
+//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name: `attention_fill,moe_mma,route_bf16` (or `all`); see [`Trial`] |
+//! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`) |
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -24,6 +25,10 @@ pub enum Profile {
     Sync,
     /// CUDA events (GPU times, no host syncs inside the step).
     Gpu,
+    /// No section timing; the micro bench's timed verify forwards run between
+    /// cuProfilerStart and cuProfilerStop, so a profiler started with collection off
+    /// (`ncu --profile-from-start off`) sees only them.
+    Ncu,
 }
 
 /// The groups of fused kernels that [`fused_part`] switches separately.
@@ -67,6 +72,39 @@ impl Part {
     }
 }
 
+/// CUDA paths that are written and compiled but not yet run on a GPU: off unless named in
+/// `DFLASH_TRY`, so a build between two GPU sessions keeps the proven kernels. Each becomes the
+/// default (and leaves this list) once the H200 tests and benchmarks of docs/perf.md pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trial {
+    /// Attention blocks with fewer (row, head) pairs when the grid would leave
+    /// multiprocessors idle (`nn::cuda::attention`'s `attn_pick`).
+    AttentionFill,
+    /// The MoE experts' GEMMs on the tensor cores (`kernels/moe.cu` `moe_*_mma`).
+    MoeMma,
+    /// The device routing reads the router's bf16 output as it is (no cast launch).
+    RouteBf16,
+}
+
+impl Trial {
+    pub const ALL: [Trial; 3] = [Trial::AttentionFill, Trial::MoeMma, Trial::RouteBf16];
+    pub fn name(self) -> &'static str {
+        match self {
+            Trial::AttentionFill => "attention_fill",
+            Trial::MoeMma => "moe_mma",
+            Trial::RouteBf16 => "route_bf16",
+        }
+    }
+    fn bit(self) -> u8 {
+        1 << (self as u8)
+    }
+}
+
+/// Whether `DFLASH_TRY` names this trial.
+pub fn trial(t: Trial) -> bool {
+    get().trials & t.bit() != 0
+}
+
 /// The settings as read from the environment.
 #[derive(Debug, Clone)]
 pub struct Switches {
@@ -80,6 +118,8 @@ pub struct Switches {
     pub q4: bool,
     pub q8_scalar: bool,
     pub profile: Profile,
+    /// Bits of [`Trial`] named by `DFLASH_TRY`.
+    trials: u8,
 }
 
 /// The most rows the GEMV kernel takes (one accumulator per row).
@@ -109,9 +149,22 @@ impl Switches {
             q8: !off("DFLASH_Q8"),
             q4: !off("DFLASH_Q4"),
             q8_scalar: on("DFLASH_Q8_SCALAR"),
+            trials: get("DFLASH_TRY")
+                .map(|v| {
+                    v.split(',')
+                        .flat_map(|n| {
+                            let n = n.trim();
+                            Trial::ALL
+                                .into_iter()
+                                .filter(move |t| n == "all" || t.name() == n)
+                        })
+                        .fold(0u8, |b, t| b | t.bit())
+                })
+                .unwrap_or(0),
             profile: match get("DFLASH_PROFILE").as_deref() {
                 Some("1") => Profile::Sync,
                 Some("gpu") => Profile::Gpu,
+                Some("ncu") => Profile::Ncu,
                 _ => Profile::Off,
             },
         }
@@ -204,12 +257,25 @@ pub fn describe() -> Vec<(&'static str, String)> {
         ("q8", b(s.q8)),
         ("q4", b(s.q4)),
         ("q8_scalar", b(s.q8_scalar)),
+        ("try", {
+            let on: Vec<&str> = Trial::ALL
+                .into_iter()
+                .filter(|&t| trial(t))
+                .map(Trial::name)
+                .collect();
+            if on.is_empty() {
+                "none".into()
+            } else {
+                on.join(",")
+            }
+        }),
         (
             "profile",
             match s.profile {
                 Profile::Off => "off",
                 Profile::Sync => "sync",
                 Profile::Gpu => "gpu",
+                Profile::Ncu => "ncu",
             }
             .into(),
         ),
@@ -252,5 +318,9 @@ mod tests {
         );
         let p = parse(&[("DFLASH_FUSED_OFF", "moe, delta,bogus")]);
         assert_eq!(p.fused_off, Part::Moe.bit() | Part::Delta.bit());
+        assert_eq!(d.trials, 0);
+        let t = parse(&[("DFLASH_TRY", "moe_mma, bogus")]);
+        assert_eq!(t.trials, Trial::MoeMma.bit());
+        assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, 0b111);
     }
 }

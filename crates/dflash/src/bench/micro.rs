@@ -98,6 +98,20 @@ fn host_ahead_rows<T>(
     Ok(())
 }
 
+/// Under `DFLASH_PROFILE=ncu` on a CUDA build: profile collection on until the guard drops
+/// (cuProfilerStart / cuProfilerStop), so `ncu --profile-from-start off` sees only the timed
+/// verify forwards.
+#[cfg(feature = "cuda")]
+fn profiler_range() -> Option<candle_core::cuda_backend::cudarc::driver::Profiler> {
+    (crate::switches::get().profile == crate::switches::Profile::Ncu)
+        .then(|| candle_core::cuda_backend::cudarc::driver::Profiler::new().ok())
+        .flatten()
+}
+#[cfg(not(feature = "cuda"))]
+fn profiler_range() -> Option<()> {
+    None
+}
+
 /// Time the pieces on `p` (its draft, if loaded).
 pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
     let target = p.engine.target.as_ref();
@@ -151,6 +165,7 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
         let mut us = Vec::new();
         for i in 0..WARMUP + n {
             let block = ids(q);
+            let _collect = (i >= WARMUP).then(profiler_range).flatten();
             let t = Instant::now();
             let fw = target.forward(&block, ctx, &mut cache, &taps, Logits::All)?;
             // What the engine does with a greedy verify: a choice per row, copied to the host.

@@ -222,12 +222,17 @@ impl Router {
 
     /// Router logits `[n, E]` f32.
     pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
-        let y = if self.f32_input {
+        Ok(self.projected(x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Router logits `[n, E]` in the projection's dtype (the device routing reads bf16 as it
+    /// is: the f32 cast is exact, so the choices are the same).
+    pub fn projected(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(if self.f32_input {
             self.proj.forward(&x.to_dtype(DType::F32)?)?
         } else {
             self.proj.forward(x)?
-        };
-        Ok(y.to_dtype(DType::F32)?)
+        })
     }
 
     /// One row's choices `(expert, weight)` from its logits.
@@ -620,7 +625,11 @@ impl SparseMoe {
             inter: e.inter,
             act,
         };
-        let logits = r.logits(router_x)?;
+        let logits = if crate::switches::trial(crate::switches::Trial::RouteBf16) {
+            r.projected(router_x)?
+        } else {
+            r.logits(router_x)?
+        };
         Ok(super::cuda::moe(x, &logits, &call)?)
     }
 

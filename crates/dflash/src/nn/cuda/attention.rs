@@ -271,7 +271,8 @@ impl CustomOp3 for Attend {
                 1
             })?
         };
-        let (name, pairs_per_block) = attn_kernel(dk, dv).expect("checked above");
+        let (name, pairs_per_block) =
+            attn_pick(dev, dk, dv, kvh * splits, n * (heads / kvh)).expect("checked above");
         let func = dev.get_or_load_custom_func(name, "dflash_fused", FUSED_PTX)?;
         // One block per (KV head, key chunk, group of (row, head) pairs): kernels/fused.cu's ATTN.
         let groups = (n * (heads / kvh)).div_ceil(pairs_per_block);
@@ -400,13 +401,65 @@ fn combine_splits(
 
 /// The attention kernel for key / value widths, and its (row, head) pairs per block.
 fn attn_kernel(dk: usize, dv: usize) -> Option<(&'static str, usize)> {
+    attn_variants(dk, dv).map(|v| v[0])
+}
+
+/// The kernels for these widths, most pairs per block first (kernels/fused.cu's ATTN).
+fn attn_variants(dk: usize, dv: usize) -> Option<&'static [(&'static str, usize)]> {
     Some(match (dk, dv) {
-        (64, 64) => ("attn_bf16_d64", 8),
-        (128, 128) => ("attn_bf16_d128", 8),
-        (256, 256) => ("attn_bf16_d256", 4),
-        (512, 512) => ("attn_bf16_d512", 2),
-        (576, 512) => ("attn_bf16_k576_v512", 2),
+        (64, 64) => &[
+            ("attn_bf16_d64", 8),
+            ("attn_bf16_d64_p2", 2),
+            ("attn_bf16_d64_p1", 1),
+        ],
+        (128, 128) => &[
+            ("attn_bf16_d128", 8),
+            ("attn_bf16_d128_p2", 2),
+            ("attn_bf16_d128_p1", 1),
+        ],
+        (256, 256) => &[("attn_bf16_d256", 4), ("attn_bf16_d256_p1", 1)],
+        (512, 512) => &[("attn_bf16_d512", 2), ("attn_bf16_d512_p1", 1)],
+        (576, 512) => &[("attn_bf16_k576_v512", 2), ("attn_bf16_k576_v512_p1", 1)],
         _ => return None,
+    })
+}
+
+/// The attention kernel for a launch of `blocks` (KV head, key chunk) blocks over `pairs`
+/// (row, head) pairs per KV head: the most pairs per block (each block reads its key chunk
+/// once for all its pairs) whose grid still gives every multiprocessor a block, else one pair
+/// per block. Otherwise a decode step of a model with few KV heads over a short context is a
+/// dozen blocks on 132 multiprocessors (qwen3_moe at context 128: 21 us a layer, docs/perf.md
+/// session 22). A pair's arithmetic does not depend on which pairs share its block, so the
+/// choice keeps the kernel batch-invariant.
+fn attn_pick(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    dk: usize,
+    dv: usize,
+    blocks: usize,
+    pairs: usize,
+) -> Option<(&'static str, usize)> {
+    let v = attn_variants(dk, dv)?;
+    if !crate::switches::trial(crate::switches::Trial::AttentionFill) {
+        return Some(v[0]);
+    }
+    let sms = multiprocessors(dev);
+    Some(
+        v.iter()
+            .copied()
+            .find(|&(_, p)| blocks * pairs.div_ceil(p) >= sms)
+            .unwrap_or(v[v.len() - 1]),
+    )
+}
+
+/// The device's multiprocessor count (read once; 132, an H100 / H200 SXM's, if the query fails).
+fn multiprocessors(dev: &candle_core::cuda_backend::CudaDevice) -> usize {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
     })
 }
 

@@ -107,7 +107,12 @@ impl CustomOp1 for MoeOp {
         let dev = xs.device();
         let x = view(xs, xl, "rows")?;
         let hl = Held::new(&self.logits);
-        let logits = f32_view(&hl, "router logits")?;
+        let logits_bf16 = self.logits.dtype() == DType::BF16;
+        // The router's output as it is: bf16 (read so by moe_route, no cast launch) or f32.
+        let logits_b = logits_bf16.then(|| hl.view("router logits")).transpose()?;
+        let logits_f = (!logits_bf16)
+            .then(|| f32_view(&hl, "router logits"))
+            .transpose()?;
         let (hgu, hd) = (Held::new(&c.gate_up), Held::new(&c.down));
         let (gu, down) = (hgu.view("expert gate_up")?, hd.view("expert down")?);
         let hgb = c.gate_up_bias.as_ref().map(Held::new);
@@ -172,8 +177,14 @@ impl CustomOp1 for MoeOp {
             i(topk_group),
             c.scale,
         );
+        let lb_i = logits_bf16 as i32;
         let mut b = func.builder();
-        b.arg(&logits);
+        if let Some(v) = &logits_b {
+            b.arg(v);
+        } else if let Some(v) = &logits_f {
+            b.arg(v);
+        }
+        b.arg(&lb_i);
         b.arg(&e_i);
         b.arg(&k_i);
         b.arg(&mode);
@@ -213,22 +224,34 @@ impl CustomOp1 for MoeOp {
         // At most one pair of a row per expert: P accumulators cover every expert's pairs.
         let p = n.next_power_of_two().min(16);
         let grid_x = nslots as u32;
-
-        // 3. gate/up of every chosen expert, 8 intermediate units per block
         let (act, limit, alpha) = match c.act {
             ActMode::Silu => (0i32, 0f32, 0f32),
             ActMode::GeluTanh => (1, 0.0, 0.0),
             ActMode::ClampedGlu { limit, alpha } => (2, limit, alpha),
         };
+        let (inter_i, hid_i) = (i(inter), i(hidden));
+        // The tensor-core kernels where both widths are multiples of 32 (chosen from the
+        // shapes alone, so a row always meets the same arithmetic), tiles of 8 rows for the
+        // pairs one expert can have (at most one per row).
+        let mma = crate::switches::trial(crate::switches::Trial::MoeMma)
+            && hidden % 32 == 0
+            && inter % 32 == 0;
+        let t = if n <= 8 { 1 } else { 2 };
+
+        // 3. gate/up of every chosen expert: 16 (tensor cores) or 8 units per block
         const UNITS: usize = 8;
-        let func =
-            dev.get_or_load_custom_func(&format!("moe_gate_up_p{p}"), "dflash_moe", MOE_PTX)?;
+        let (name, units) = if mma {
+            (format!("moe_gate_up_mma_t{t}"), 16)
+        } else {
+            (format!("moe_gate_up_p{p}"), UNITS)
+        };
+        let func = dev.get_or_load_custom_func(&name, "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
-            grid_dim: (grid_x, inter.div_ceil(UNITS) as u32, 1),
+            grid_dim: (grid_x, inter.div_ceil(units) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (inter_i, hid_i, units_i) = (i(inter), i(hidden), i(UNITS));
+        let units_i = i(UNITS);
         let mut b = func.builder();
         b.arg(&x);
         b.arg(&slots);
@@ -241,7 +264,9 @@ impl CustomOp1 for MoeOp {
         };
         b.arg(&inter_i);
         b.arg(&hid_i);
-        b.arg(&units_i);
+        if !mma {
+            b.arg(&units_i);
+        }
         b.arg(&act);
         b.arg(&limit);
         b.arg(&alpha);
@@ -249,11 +274,16 @@ impl CustomOp1 for MoeOp {
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
 
-        // 4. down projections, 16 output rows per block
+        // 4. down projections: 32 (tensor cores) or 16 output rows per block
         const ROWS: usize = 16;
-        let func = dev.get_or_load_custom_func(&format!("moe_down_p{p}"), "dflash_moe", MOE_PTX)?;
+        let (name, rows) = if mma {
+            (format!("moe_down_mma_t{t}"), 32)
+        } else {
+            (format!("moe_down_p{p}"), ROWS)
+        };
+        let func = dev.get_or_load_custom_func(&name, "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
-            grid_dim: (grid_x, hidden.div_ceil(ROWS) as u32, 1),
+            grid_dim: (grid_x, hidden.div_ceil(rows) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -269,7 +299,9 @@ impl CustomOp1 for MoeOp {
         };
         b.arg(&inter_i);
         b.arg(&hid_i);
-        b.arg(&rows_i);
+        if !mma {
+            b.arg(&rows_i);
+        }
         b.arg(&y);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
@@ -304,7 +336,7 @@ pub fn moe(x: &Tensor, logits: &Tensor, call: &MoeCall) -> candle_core::Result<O
     let mut ts = vec![x, &call.gate_up, &call.down];
     ts.extend(call.gate_up_bias.as_ref());
     ts.extend(call.down_bias.as_ref());
-    if !is_bf16_cuda(&ts) || x.rank() != 2 || logits.dtype() != DType::F32 {
+    if !is_bf16_cuda(&ts) || x.rank() != 2 || !matches!(logits.dtype(), DType::F32 | DType::BF16) {
         return Ok(None);
     }
     let (n, hidden) = x.dims2()?;
