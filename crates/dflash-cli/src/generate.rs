@@ -49,6 +49,16 @@ pub struct GenerateArgs {
     pub min_p: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Subtracted from the logit of every token generated so far (OpenAI's; in [-2, 2]).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub presence_penalty: f32,
+    /// Times each token's count so far (OpenAI's; in [-2, 2]).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub frequency_penalty: f32,
+    /// HF / vLLM: divides positive (multiplies negative) logits of prompt and output tokens;
+    /// 1 = off.
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
     /// Additional stop token ids.
     #[arg(long, value_delimiter = ',')]
     pub stop_ids: Option<Vec<u32>>,
@@ -104,6 +114,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             top_p: a.top_p,
             min_p: a.min_p,
             seed: a.seed,
+            presence_penalty: a.presence_penalty,
+            frequency_penalty: a.frequency_penalty,
+            repetition_penalty: a.repetition_penalty,
+            ..Default::default()
         },
         stop_ids,
         block_size: a.block_size,

@@ -237,9 +237,6 @@ fn null_or(v: &Value, f: impl Fn(&Value) -> bool) -> bool {
 fn neutral_zero(v: &Value) -> bool {
     null_or(v, |v| v.as_f64() == Some(0.0))
 }
-fn neutral_one(v: &Value) -> bool {
-    null_or(v, |v| v.as_f64() == Some(1.0))
-}
 fn neutral_empty(v: &Value) -> bool {
     null_or(v, |v| {
         v.as_array().is_some_and(|a| a.is_empty()) || v.as_object().is_some_and(|o| o.is_empty())
@@ -267,6 +264,58 @@ fn neutral_empty_string(v: &Value) -> bool {
     null_or(v, |v| v.as_str() == Some(""))
 }
 
+/// Most entries of one `logit_bias` (OpenAI documents no bound; a few hundred is typical).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// `logit_bias`: an object from token ids (as strings, OpenAI's form) to a bias in [-100, 100].
+fn logit_bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    const P: &str = "logit_bias";
+    let Some(v) = v else { return Ok(Vec::new()) };
+    let Value::Object(m) = v else {
+        return Err(ApiError::invalid(
+            P,
+            format!(
+                "`logit_bias` must be an object of token id -> bias, got {}",
+                type_name(v)
+            ),
+        ));
+    };
+    if m.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            P,
+            format!(
+                "`logit_bias` has {} entries, at most {MAX_LOGIT_BIAS}",
+                m.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(m.len());
+    for (k, b) in m {
+        let id = k
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|&i| (i as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    P,
+                    format!("`logit_bias` key {k:?} is not a token id below the vocabulary size {vocab}"),
+                )
+            })?;
+        let bias = b
+            .as_f64()
+            .filter(|x| (-100.0..=100.0).contains(x))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    P,
+                    format!("`logit_bias` of token {id} must be a number in [-100, 100], got {b}"),
+                )
+            })?;
+        out.push((id, bias as f32));
+    }
+    Ok(out)
+}
+
 /// The fields of a chat (`chat`) or completion request and their use.
 fn field_use(name: &str, chat: bool) -> Option<FieldUse> {
     use FieldUse::*;
@@ -276,23 +325,11 @@ fn field_use(name: &str, chat: bool) -> Option<FieldUse> {
         | "stop_token_ids" | "stream" | "stream_options" | "ignore_eos" | "n" | "best_of"
         | "echo" | "logprobs" => Used,
         "max_completion_tokens" => Used,
+        // applied in every verify row as plain decoding would (dflash::sampling)
+        "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "logit_bias" => Used,
         "messages" | "chat_template_kwargs" if chat => Used,
         "prompt" if !chat => Used,
         "user" | "metadata" | "service_tier" => Metadata,
-        // the penalties and logit_bias change every token's distribution: refused until they
-        // are implemented losslessly under DFlash (issue 24)
-        "presence_penalty" | "frequency_penalty" => RefusedUnlessNeutral(
-            neutral_zero,
-            "penalties are not supported yet; omit it or send 0",
-        ),
-        "repetition_penalty" => RefusedUnlessNeutral(
-            neutral_one,
-            "penalties are not supported yet; omit it or send 1",
-        ),
-        "logit_bias" => RefusedUnlessNeutral(
-            neutral_empty,
-            "`logit_bias` is not supported yet; omit it or send {}",
-        ),
         "top_logprobs" => RefusedUnlessNeutral(neutral_zero, "log probabilities are not supported"),
         "store" => RefusedUnlessNeutral(neutral_false, "this server does not store completions"),
         "tools" | "functions" if chat => RefusedUnlessNeutral(neutral_empty, TOOLS),
@@ -449,6 +486,31 @@ pub fn parse_common(f: &Fields, lim: &Limits) -> Result<Common, ApiError> {
         }
         sp.min_p = m;
     }
+    for k in ["presence_penalty", "frequency_penalty"] {
+        if let Some(v) = f.f32(k)? {
+            if !v.is_finite() || !(-2.0..=2.0).contains(&v) {
+                return Err(ApiError::invalid(
+                    k,
+                    format!("`{k}` must be a number in [-2, 2], got {v}"),
+                ));
+            }
+            if k == "presence_penalty" {
+                sp.presence_penalty = v;
+            } else {
+                sp.frequency_penalty = v;
+            }
+        }
+    }
+    if let Some(v) = f.f32("repetition_penalty")? {
+        if !v.is_finite() || v <= 0.0 {
+            return Err(ApiError::invalid(
+                "repetition_penalty",
+                format!("`repetition_penalty` must be a number > 0 (1 = off), got {v}"),
+            ));
+        }
+        sp.repetition_penalty = v;
+    }
+    sp.logit_bias = logit_bias(f.get("logit_bias"), lim.vocab_size)?;
     if let Some(s) = f.i64("seed")? {
         sp.seed = s as u64;
     } else {

@@ -171,12 +171,6 @@ fn unimplemented_and_unknown_fields_are_refused_by_name() {
         (e.param.clone().unwrap_or_default(), e.code.unwrap_or(""))
     };
     let refused: Vec<(&str, serde_json::Value)> = vec![
-        ("presence_penalty", json!(0.5)),
-        ("presence_penalty", json!("high")),
-        ("frequency_penalty", json!(-1)),
-        ("repetition_penalty", json!(1.1)),
-        ("logit_bias", json!({"3": -100})),
-        ("logit_bias", json!([1])),
         ("top_logprobs", json!(2)),
         ("store", json!(true)),
         (
@@ -218,7 +212,7 @@ fn unimplemented_and_unknown_fields_are_refused_by_name() {
         );
     }
     // completion requests: their own fields; the chat-only ones are unknown there
-    for (k, v) in [("suffix", json!("x")), ("presence_penalty", json!(2))] {
+    for (k, v) in [("suffix", json!("x"))] {
         let body = json!({"prompt": "a", k: v}).to_string();
         assert_eq!(
             code(Kind::Completion, &body),
@@ -252,6 +246,73 @@ fn unimplemented_and_unknown_fields_are_refused_by_name() {
         "[0, 2]",
     );
     run(Kind::Chat, &chat(json!({"temperature": 2})), None).unwrap();
+}
+
+/// The penalties and `logit_bias` reach the sampling parameters as sent; values out of their
+/// ranges, of the wrong type or naming tokens outside the vocabulary are a 400 naming them.
+#[test]
+fn penalties_and_logit_bias_are_parsed_and_bounded() {
+    let chat = |extra: serde_json::Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "hello"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let p = run(
+        Kind::Chat,
+        &chat(
+            json!({"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
+            "logit_bias": {"3": -100, " 1": 2.5}}),
+        ),
+        None,
+    )
+    .unwrap();
+    let s = &p.common.sampling;
+    assert_eq!(
+        (
+            s.presence_penalty,
+            s.frequency_penalty,
+            s.repetition_penalty
+        ),
+        (0.5, -1.0, 1.3)
+    );
+    let mut bias = s.logit_bias.clone();
+    bias.sort_by_key(|b| b.0);
+    assert_eq!(bias, vec![(1, 2.5), (3, -100.0)]);
+    let p = run(
+        Kind::Completion,
+        &json!({"prompt": "a", "frequency_penalty": 2}).to_string(),
+        None,
+    )
+    .unwrap();
+    assert_eq!(p.common.sampling.frequency_penalty, 2.0);
+    for (k, v, want) in [
+        ("presence_penalty", json!(2.01), "[-2, 2]"),
+        ("presence_penalty", json!("high"), "number"),
+        ("frequency_penalty", json!(-2.5), "[-2, 2]"),
+        ("frequency_penalty", json!(true), "number"),
+        ("repetition_penalty", json!(0), "> 0"),
+        ("repetition_penalty", json!(-1.5), "> 0"),
+        ("logit_bias", json!([1]), "object"),
+        ("logit_bias", json!("3:1"), "object"),
+        ("logit_bias", json!({"x": 1}), "not a token id"),
+        ("logit_bias", json!({"-1": 1}), "not a token id"),
+        ("logit_bias", json!({"5": 1}), "below the vocabulary size 5"),
+        ("logit_bias", json!({"2": 100.5}), "[-100, 100]"),
+        ("logit_bias", json!({"2": "1"}), "[-100, 100]"),
+        ("logit_bias", json!({"2": null}), "[-100, 100]"),
+    ] {
+        bad(Kind::Chat, &chat(json!({ k: v })), Some(k), want);
+    }
+    let many: serde_json::Map<String, serde_json::Value> =
+        (0..1025).map(|i| (format!("{i}"), json!(1))).collect();
+    bad(
+        Kind::Chat,
+        &chat(json!({"logit_bias": many})),
+        Some("logit_bias"),
+        "at most 1024",
+    );
 }
 
 /// A prompt far beyond the context is refused from its byte length, before tokenizing.

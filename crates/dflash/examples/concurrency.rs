@@ -75,6 +75,7 @@ fn main() -> dflash::Result<()> {
                         top_p: 1.0,
                         min_p: 0.0,
                         seed: 17 + i as u64,
+                        ..Default::default()
                     };
                 }
                 r

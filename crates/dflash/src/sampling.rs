@@ -4,6 +4,14 @@
 //! The draft is always greedy; the target samples. In the speculative loop a draft token is
 //! accepted iff it equals the target's own sample at that position (sample-and-compare), so
 //! every committed token is a true sample of the target distribution: lossless at any T.
+//!
+//! Logit adjustments (OpenAI `logit_bias`, `presence_penalty`, `frequency_penalty`, and the
+//! `repetition_penalty` of HF / vLLM) change the target distribution itself, so they must be
+//! applied exactly where plain decoding would: verify row i sees the history plain decoding
+//! would have had at that position, i.e. the committed tokens plus the block's proposals
+//! before it ([`Sampler::adjusted`]'s `extra`); if the proposals are accepted that history is
+//! the true one, and if not the row is discarded. The draft's greedy proposals see the same
+//! adjustment, or a biased-away token would keep being proposed and rejected.
 
 use crate::testing::Rng;
 use crate::{Error, Result};
@@ -19,6 +27,15 @@ pub struct SamplingParams {
     /// 0 = off.
     pub min_p: f32,
     pub seed: u64,
+    /// Added to the logits of these tokens (OpenAI `logit_bias`, each in [-100, 100]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Subtracted from the logit of every token generated so far (0 = off; in [-2, 2]).
+    pub presence_penalty: f32,
+    /// Times the number of times each token was generated so far (0 = off; in [-2, 2]).
+    pub frequency_penalty: f32,
+    /// HF / vLLM: the logit of every token of the prompt or the output so far divided by it
+    /// where positive, multiplied where negative (1 = off; > 0).
+    pub repetition_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -29,6 +46,10 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             seed: 0,
+            logit_bias: Vec::new(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
         }
     }
 }
@@ -60,8 +81,47 @@ impl SamplingParams {
                 self.min_p
             )));
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(Error::input(format!("{name} must be in [-2, 2], got {v}")));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(Error::input(format!(
+                "repetition_penalty must be a finite number > 0 (1 = off), got {}",
+                self.repetition_penalty
+            )));
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(Error::input(format!(
+                "logit_bias of token {t} must be in [-100, 100], got {b}"
+            )));
+        }
         Ok(())
     }
+
+    /// Whether any logit adjustment is on (bias or penalties).
+    pub fn adjusts(&self) -> bool {
+        !self.logit_bias.is_empty()
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
+}
+
+/// The token history the penalties read: how often each token was generated, and (for the
+/// repetition penalty) the prompt's tokens.
+#[derive(Debug, Clone, Default)]
+struct History {
+    counts: std::collections::HashMap<u32, u32>,
+    prompt: std::collections::HashSet<u32>,
 }
 
 /// First index of the maximum (ties -> lowest id, like torch.argmax).
@@ -88,6 +148,9 @@ pub fn choose_rows_at_once(
     logits: &candle_core::Tensor,
     sampler: &Sampler,
 ) -> crate::Result<Option<Vec<u32>>> {
+    if sampler.adjusts() {
+        return Ok(None);
+    }
     if sampler.params.is_greedy() {
         return Ok(Some(argmax_rows(logits)?));
     }
@@ -132,12 +195,95 @@ pub fn argmax(row: &[f32]) -> u32 {
 pub struct Sampler {
     pub params: SamplingParams,
     rng: Rng,
+    /// Present when the params adjust logits.
+    history: Option<History>,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let rng = Rng::new(params.seed);
-        Self { params, rng }
+        let history = params.adjusts().then(History::default);
+        Self {
+            params,
+            rng,
+            history,
+        }
+    }
+
+    /// A sampler for a generation from `prompt` (the repetition penalty reads its tokens).
+    pub fn for_prompt(params: SamplingParams, prompt: &[u32]) -> Self {
+        let mut s = Self::new(params);
+        if let Some(h) = s.history.as_mut() {
+            if s.params.repetition_penalty != 1.0 {
+                h.prompt = prompt.iter().copied().collect();
+            }
+        }
+        s
+    }
+
+    /// Whether rows must be adjusted before the choice (bias or penalties on): then they are
+    /// chosen on the host, row by row, never by the device's all-rows-at-once paths.
+    pub fn adjusts(&self) -> bool {
+        self.history.is_some()
+    }
+
+    /// Count committed output tokens (the penalties' history).
+    pub fn commit(&mut self, tokens: &[u32]) {
+        if let Some(h) = self.history.as_mut() {
+            for &t in tokens {
+                *h.counts.entry(t).or_default() += 1;
+            }
+        }
+    }
+
+    /// Adjust one row of logits in place as plain decoding would after the committed tokens
+    /// followed by `extra` (a block's proposals before this row). `index` maps a target token
+    /// id to its place in `row` (None: not in this vocabulary; the identity for the target's
+    /// own logits, the inverse of a narrow draft head's map for the draft's).
+    /// Order (as vLLM's): the bias, then the repetition penalty, then frequency and presence.
+    pub fn adjusted(&self, row: &mut [f32], extra: &[u32], index: impl Fn(u32) -> Option<usize>) {
+        let Some(h) = &self.history else { return };
+        let p = &self.params;
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = index(t).and_then(|i| row.get_mut(i)) {
+                *l += b;
+            }
+        }
+        let mut extra_counts: std::collections::HashMap<u32, u32> = Default::default();
+        for &t in extra {
+            *extra_counts.entry(t).or_default() += 1;
+        }
+        let count = |t: u32| {
+            h.counts.get(&t).copied().unwrap_or(0) + extra_counts.get(&t).copied().unwrap_or(0)
+        };
+        let mut seen: Vec<u32> = h
+            .counts
+            .keys()
+            .chain(extra_counts.keys())
+            .chain(h.prompt.iter())
+            .copied()
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for t in seen {
+            let Some(l) = index(t).and_then(|i| row.get_mut(i)) else {
+                continue;
+            };
+            let r = p.repetition_penalty;
+            if r != 1.0 {
+                *l = if *l > 0.0 { *l / r } else { *l * r };
+            }
+            let c = count(t);
+            if c > 0 {
+                *l -= p.frequency_penalty * c as f32 + p.presence_penalty;
+            }
+        }
+    }
+
+    /// [`Self::adjusted`] on a row of the target's vocabulary, then [`Self::sample`].
+    pub fn sample_after(&mut self, row: &mut [f32], extra: &[u32]) -> u32 {
+        self.adjusted(row, extra, |t| Some(t as usize));
+        self.sample(row)
     }
 
     /// The processed distribution as (token, probability) pairs, probabilities summing to 1,
@@ -432,5 +578,63 @@ mod tests {
             let want: Vec<u32> = all.iter().map(|c| c.0).collect();
             assert_eq!(ids, want, "case {case}: nucleus differs");
         }
+    }
+
+    #[test]
+    fn adjustments_follow_their_definitions() {
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            repetition_penalty: 2.0,
+            logit_bias: vec![(4, 10.0), (1, -1.0)],
+            ..Default::default()
+        };
+        let mut s = Sampler::for_prompt(p, &[2]);
+        s.commit(&[1, 3, 3]);
+        let mut row = vec![1.0f32, 4.0, 3.0, -2.0, 0.0, 1.0];
+        // token 5 proposed earlier in the block: counted as generated once
+        s.adjusted(&mut row, &[5], |t| Some(t as usize));
+        // 0: untouched; 1: bias -1 -> 3, / 2 -> 1.5, - 0.25 - 0.5 -> 0.75; 2: prompt -> / 2;
+        // 3: (-2) * 2 - 0.5 - 0.5 = -5; 4: bias 10, not seen; 5: / 2 - 0.75 = -0.25
+        assert_eq!(row, vec![1.0, 0.75, 1.5, -5.0, 10.0, -0.25]);
+        // the same row through a narrow map that lacks token 3 and moves 4 to index 0
+        let mut row = vec![0.0f32, 4.0];
+        s.adjusted(&mut row, &[], |t| match t {
+            4 => Some(0),
+            1 => Some(1),
+            _ => None,
+        });
+        assert_eq!(row, vec![10.0, 0.75]);
+        // neutral params adjust nothing and keep the device paths
+        let n = Sampler::new(SamplingParams::default());
+        assert!(!n.adjusts());
+        let mut row = vec![1.0f32, 2.0];
+        n.adjusted(&mut row, &[0, 1], |t| Some(t as usize));
+        assert_eq!(row, vec![1.0, 2.0]);
+    }
+
+    #[test]
+    fn adjustment_bounds_are_named() {
+        let bad = |p: SamplingParams| p.validate().unwrap_err().to_string();
+        let e = bad(SamplingParams {
+            presence_penalty: 2.5,
+            ..Default::default()
+        });
+        assert!(e.contains("presence_penalty"), "{e}");
+        let e = bad(SamplingParams {
+            frequency_penalty: f32::NAN,
+            ..Default::default()
+        });
+        assert!(e.contains("frequency_penalty"), "{e}");
+        let e = bad(SamplingParams {
+            repetition_penalty: 0.0,
+            ..Default::default()
+        });
+        assert!(e.contains("repetition_penalty"), "{e}");
+        let e = bad(SamplingParams {
+            logit_bias: vec![(3, 101.0)],
+            ..Default::default()
+        });
+        assert!(e.contains("logit_bias of token 3"), "{e}");
     }
 }

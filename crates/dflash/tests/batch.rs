@@ -37,7 +37,15 @@ fn requests(vocab: usize) -> Vec<GenerateRequest> {
                     top_p: 0.95,
                     min_p: 0.0,
                     seed: 40 + i,
+                    ..Default::default()
                 };
+            }
+            // logit adjustments on some: each sequence keeps its own history
+            if i % 3 == 2 || i == 7 {
+                r.sampling.presence_penalty = 0.8;
+                r.sampling.frequency_penalty = 0.4;
+                r.sampling.repetition_penalty = 1.1 + i as f32 * 0.05;
+                r.sampling.logit_bias = vec![(i as u32 % 5, 3.0), (1, -100.0)];
             }
             r
         })
@@ -343,6 +351,7 @@ fn draft_batch_equals_draft_alone() {
                     &b1,
                     cuts[k],
                     &mut c,
+                    None,
                 )
                 .unwrap();
             let n = s.len() - 1;
@@ -354,6 +363,7 @@ fn draft_batch_equals_draft_alone() {
                     &b2,
                     n,
                     &mut c,
+                    None,
                 )
                 .unwrap();
             alone.push((p1, p2));
@@ -368,6 +378,7 @@ fn draft_batch_equals_draft_alone() {
                 block: &b1[k],
                 start: cuts[k],
                 cache: c,
+                guide: None,
             })
             .collect();
         let p1 = draft.propose_batch(target, &mut items).unwrap();
@@ -385,6 +396,7 @@ fn draft_batch_equals_draft_alone() {
                     block: &b2[k],
                     start: n,
                     cache: c,
+                    guide: None,
                 }
             })
             .collect();

@@ -36,6 +36,7 @@ fn check(what: &str, dir: &Path, draft: bool, vocab: usize, hybrid: bool) {
                 top_p: 1.0,
                 min_p: 0.0,
                 seed: 5,
+                ..Default::default()
             };
         }
         let o1 = run(&warm, &r1);

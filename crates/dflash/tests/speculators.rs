@@ -85,7 +85,7 @@ fn speculators_draft_maps_to_target_ids_and_is_lossless() {
     block[0] = 3;
     let mut dc = spec.new_cache(64).unwrap();
     let got = spec
-        .propose(target.as_ref(), &taps, &block, prompt.len(), &mut dc)
+        .propose(target.as_ref(), &taps, &block, prompt.len(), &mut dc, None)
         .unwrap();
     let mut dz = zlab.new_cache(64).unwrap();
     let full = zlab

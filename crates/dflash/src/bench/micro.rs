@@ -224,7 +224,7 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
             block[0] = ids(1)[0];
             let t = Instant::now();
             // The whole proposal: the argmax, or a DFlash2 draft's selector walk.
-            let _props: Vec<u32> = d.propose(target, &row, &block, start, &mut dc)?;
+            let _props: Vec<u32> = d.propose(target, &row, &block, start, &mut dc, None)?;
             let dt = t.elapsed().as_secs_f64() * 1e6;
             if i >= WARMUP {
                 us.push(dt);
@@ -272,6 +272,7 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
         top_k: 0,
         min_p: 0.0,
         seed: o.seed,
+        ..Default::default()
     });
     let us = time_per_call(&mut || sink ^= sampler.sample(&row));
     out.push(summarize(

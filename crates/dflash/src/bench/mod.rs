@@ -155,6 +155,7 @@ impl BenchOptions {
             top_p: self.top_p,
             min_p: 0.0,
             seed: self.seed,
+            ..Default::default()
         }
     }
     /// Generations one row runs (warm-up included), for progress bars.

@@ -94,6 +94,8 @@ pub struct DraftItem<'a> {
     pub block: &'a [u32],
     pub start: usize,
     pub cache: &'a mut DraftCache,
+    /// The sequence's sampler: its logit adjustments steer the proposals (None: plain argmax).
+    pub guide: Option<&'a crate::sampling::Sampler>,
 }
 
 /// The draft's per-sequence state: projected context K/V per layer. Block rows are never
@@ -339,7 +341,10 @@ impl DraftModel {
     }
 
     /// Greedy proposals for block rows 1..Q, as TARGET token ids (a narrow draft vocabulary
-    /// is mapped through `d2t`).
+    /// is mapped through `d2t`). With a `guide` that adjusts logits (bias, penalties), each
+    /// row's choice is the argmax of its logits adjusted as the target's will be at that
+    /// position (the committed tokens and the proposals before it): see
+    /// [`Self::guided_choices`].
     pub fn propose(
         &self,
         target: &dyn TargetModel,
@@ -347,16 +352,84 @@ impl DraftModel {
         block: &[u32],
         start: usize,
         cache: &mut DraftCache,
+        guide: Option<&crate::sampling::Sampler>,
     ) -> Result<Vec<u32>> {
         let rows = self.forward_rows(target, ctx_in, block, start, cache)?;
-        let (ids, _) = self.propose_from_rows(target, &rows, block[0])?;
-        Ok(match &self.d2t {
+        let ids = match guide.filter(|g| g.adjusts()) {
+            Some(g) => {
+                let logits = self.logits(target, &rows, None)?;
+                self.guided_choices(&rows, &logits, block[0], g)?
+            }
+            None => self.propose_from_rows(target, &rows, block[0])?.0,
+        };
+        Ok(self.to_target_ids(ids))
+    }
+
+    /// Draft-vocabulary ids as target ids (through `d2t` for a narrow head).
+    fn to_target_ids(&self, ids: Vec<u32>) -> Vec<u32> {
+        match &self.d2t {
             Some(d2t) => ids
                 .iter()
                 .map(|&i| (i as i64 + d2t[i as usize]) as u32)
                 .collect(),
             None => ids,
-        })
+        }
+    }
+
+    /// The draft-vocabulary index of a target token id (None: not in a narrow head; the
+    /// head's target ids `i + d2t[i]` increase with i, so a binary search finds it).
+    fn draft_index(&self, t: u32) -> Option<usize> {
+        match &self.d2t {
+            None => Some(t as usize),
+            Some(d2t) => {
+                let target_of = |i: usize| i as i64 + d2t[i];
+                let (mut lo, mut hi) = (0usize, d2t.len());
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    if target_of(mid) < t as i64 {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                (lo < d2t.len() && target_of(lo) == t as i64).then_some(lo)
+            }
+        }
+    }
+
+    /// Proposals under the guide's logit adjustments (draft-vocabulary ids). Without a
+    /// selector row j is adjusted for the history the target will see there (committed
+    /// tokens + proposals 1..j) and its argmax taken, one row after another on the host. A
+    /// DFlash2 selector walks logits adjusted for the committed tokens alone (its walk
+    /// scores candidates jointly; the bias is exact, repeats inside the block are not
+    /// penalized in its proposals: acceptance only, never the output).
+    fn guided_choices(
+        &self,
+        rows: &Tensor,
+        logits: &Tensor,
+        anchor: u32,
+        guide: &crate::sampling::Sampler,
+    ) -> Result<Vec<u32>> {
+        let mut host = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let index = |t: u32| self.draft_index(t);
+        if let Some(s) = &self.selector {
+            for r in host.iter_mut() {
+                guide.adjusted(r, &[], index);
+            }
+            let (n, v) = (host.len(), host.first().map_or(0, Vec::len));
+            let flat: Vec<f32> = host.into_iter().flatten().collect();
+            let adj = Tensor::from_vec(flat, (n, v), logits.device())?.to_dtype(logits.dtype())?;
+            return s.walk(rows, &adj, anchor);
+        }
+        let mut ids = Vec::with_capacity(host.len());
+        let mut extra: Vec<u32> = Vec::with_capacity(host.len());
+        for r in host.iter_mut() {
+            guide.adjusted(r, &extra, index);
+            let i = crate::sampling::argmax(r);
+            ids.push(i);
+            extra.push(self.to_target_ids(vec![i])[0]);
+        }
+        Ok(ids)
     }
 
     /// Proposals for several sequences (each item as [`Self::propose`] alone), in item order:
@@ -370,7 +443,7 @@ impl DraftModel {
         if items.len() < 2 {
             return items
                 .iter_mut()
-                .map(|it| self.propose(target, &it.ctx, it.block, it.start, it.cache))
+                .map(|it| self.propose(target, &it.ctx, it.block, it.start, it.cache, it.guide))
                 .collect();
         }
         let rows = self.forward_rows_batch(target, items)?;
@@ -387,18 +460,16 @@ impl DraftModel {
             let n = r.dim(0)?;
             let l = logits.narrow(0, off, n)?;
             off += n;
-            let ids = match (&self.selector, &mut all_ids) {
-                (Some(s), _) => s.walk(r, &l, it.block[0])?,
-                (None, Some(a)) => a.by_ref().take(n).collect(),
-                (None, None) => unreachable!("argmax taken above without a selector"),
+            let plain: Option<Vec<u32>> = all_ids.as_mut().map(|a| a.by_ref().take(n).collect());
+            let ids = match (it.guide.filter(|g| g.adjusts()), &self.selector, plain) {
+                (Some(g), _, _) => self.guided_choices(r, &l, it.block[0], g)?,
+                (None, Some(s), _) => s.walk(r, &l, it.block[0])?,
+                (None, None, Some(p)) => p,
+                (None, None, None) => {
+                    return Err(Error::input("draft: no argmax taken without a selector"))
+                }
             };
-            out.push(match &self.d2t {
-                Some(d2t) => ids
-                    .iter()
-                    .map(|&i| (i as i64 + d2t[i as usize]) as u32)
-                    .collect(),
-                None => ids,
-            });
+            out.push(self.to_target_ids(ids));
         }
         Ok(out)
     }

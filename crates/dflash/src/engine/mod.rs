@@ -241,8 +241,11 @@ impl Engine {
             sampler.skip(ids.len());
             return Ok(ids);
         }
-        let rows = logits.to_vec2::<f32>()?;
-        Ok(rows.iter().map(|r| sampler.sample(r)).collect())
+        let mut rows = logits.to_vec2::<f32>()?;
+        Ok(rows
+            .iter_mut()
+            .map(|r| sampler.sample_after(r, &[]))
+            .collect())
     }
 
     /// Target choices `post[0..=a]` where `a` is the number of accepted draft tokens:
@@ -256,8 +259,10 @@ impl Engine {
         // Every row chosen at once (greedy, or drawn on the device with the uniforms the host
         // would use in turn), else row by row on the host; either way only the rows up to the
         // first mismatch are kept, and only their uniforms drawn.
+        // With logit adjustments row i is adjusted for the history plain decoding would have
+        // there: the committed tokens and the proposals block[1..=i] (sampling's docs).
         let all = crate::sampling::choose_rows_at_once(logits, sampler)?;
-        let rows = match all {
+        let mut rows = match all {
             Some(_) => Vec::new(),
             None => logits.to_vec2::<f32>()?,
         };
@@ -265,7 +270,7 @@ impl Engine {
         for i in 0..q {
             let t = match &all {
                 Some(all) => all[i],
-                None => sampler.sample(&rows[i]),
+                None => sampler.sample_after(&mut rows[i], &block[1..=i]),
             };
             post.push(t);
             if i + 1 >= q || block[i + 1] != t {

@@ -148,7 +148,18 @@ impl<'e> Sequence<'e> {
                 Vec::new(),
             ),
         };
-        let sampler = Sampler::new(req.sampling.clone());
+        let vocab = engine.target.info().vocab_size;
+        if let Some(&(t, _)) = req
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|(t, _)| *t as usize >= vocab)
+        {
+            return Err(Error::input(format!(
+                "logit_bias: token id {t} out of range: vocab size is {vocab}"
+            )));
+        }
+        let sampler = Sampler::for_prompt(req.sampling.clone(), &req.prompt_ids);
         let mut stats = GenerationStats {
             mode: if draft.is_some() { "dflash" } else { "plain" }.into(),
             block_size: q_max,
@@ -240,6 +251,7 @@ impl<'e> Sequence<'e> {
         self.last = first;
         self.block = vec![first];
         let (_, finish) = Engine::commit(&[first], &self.req, &mut self.out, &mut *self.on_tokens);
+        self.sampler.commit(&[first]);
         self.finish = finish;
         self.decode_t0 = Instant::now();
         Ok(())
@@ -325,6 +337,7 @@ impl<'e> Sequence<'e> {
             &self.block,
             self.start,
             dc,
+            Some(&self.sampler),
         )?;
         self.set_proposal(&props, td.elapsed().as_secs_f64());
         Ok(())
@@ -407,6 +420,7 @@ impl<'e> Sequence<'e> {
         self.start += a + 1;
         self.last = post[a];
         let (pushed, f) = Engine::commit(&commit, &self.req, &mut self.out, &mut *self.on_tokens);
+        self.sampler.commit(&commit[..pushed]);
         // Tokens committed this cycle: a + 1, less any cut by a stop token or max tokens.
         self.stats.acceptance_lengths.push(pushed);
         // Tokens cut after a stop were never committed: they do not count as drafted.
@@ -557,6 +571,7 @@ impl<'e> Batch<'e> {
                             block,
                             start,
                             dcache,
+                            sampler,
                             ..
                         } = s;
                         items.push(crate::draft::DraftItem {
@@ -564,6 +579,7 @@ impl<'e> Batch<'e> {
                             block: block.as_slice(),
                             start: *start,
                             cache: dcache.as_mut().expect("a draft has a cache"),
+                            guide: Some(&*sampler),
                         });
                     }
                     Err(e) => failed.push((k, e)),
