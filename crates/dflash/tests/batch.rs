@@ -454,3 +454,18 @@ fn a_sequence_taken_out_mid_prefill_leaves_the_others() {
     assert_eq!(outs[&0].output_ids, solo[0].output_ids);
     assert_eq!(outs[&2].output_ids, solo[1].output_ids);
 }
+
+/// On the CPU a prefill chunk shrinks as the context grows (the server cancels between
+/// chunks); on a GPU it is fixed. Either way a function of the position alone.
+#[test]
+fn cpu_prefill_chunks_shrink_with_the_context() {
+    use dflash::engine::{prefill_rows, PREFILL_CHUNK};
+    for pos in [0, 1000, 100_000] {
+        assert_eq!(prefill_rows(pos, true), PREFILL_CHUNK);
+    }
+    let rows: Vec<usize> = [0, 1000, 3500, 8000, 100_000]
+        .iter()
+        .map(|&p| prefill_rows(p, false))
+        .collect();
+    assert_eq!(rows, vec![384, 155, 62, 48, 48]);
+}

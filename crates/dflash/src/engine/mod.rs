@@ -14,7 +14,7 @@ pub mod adaptive;
 pub mod prefix;
 mod sequence;
 
-pub use sequence::{Batch, Sequence, PREFILL_CHUNK};
+pub use sequence::{prefill_rows, Batch, Sequence, PREFILL_CHUNK};
 
 use crate::archs::{Logits, TargetModel};
 use crate::draft::DraftModel;

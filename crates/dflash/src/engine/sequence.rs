@@ -64,9 +64,25 @@ pub struct Verified {
     taps: Option<Tensor>,
 }
 
-/// Prompt tokens a sequence prefills per batch step, so that a long prompt does not stall the
-/// other sequences' decoding for its whole length.
+/// Most prompt tokens a sequence prefills per batch step, so that a long prompt does not stall
+/// the other sequences' decoding for its whole length (see [`prefill_rows`]).
 pub const PREFILL_CHUNK: usize = 512;
+
+/// Prompt tokens the prefill chunk starting at position `pos` takes. On a GPU always
+/// [`PREFILL_CHUNK`] (its prefill rows' bits may depend on the chunk's row count, so the chunks
+/// are fixed). On the CPU a chunk's cost grows with the context it attends to, and the server
+/// can cancel or time out a request only between chunks: the chunk shrinks as the position
+/// grows (384 rows at the start, ~150 at 1k, ~60 at 3.5k, at least 48) so that one chunk stays
+/// under a second on the 2-core demo box (docs/perf.md, session 22). The CPU path gives a
+/// row the same bits in any chunk (tests/batch.rs), and the rule depends on the position only,
+/// so outputs do not depend on it.
+pub fn prefill_rows(pos: usize, cuda: bool) -> usize {
+    if cuda {
+        PREFILL_CHUNK
+    } else {
+        (PREFILL_CHUNK * 1536 / (2048 + 3 * pos)).clamp(48, PREFILL_CHUNK * 3 / 4)
+    }
+}
 
 impl<'e> Sequence<'e> {
     /// Check the request, make the caches, prefill the prompt and commit the first token.
@@ -221,7 +237,8 @@ impl<'e> Sequence<'e> {
     /// The next prefill chunk: its tokens, start position and whether it is the last one.
     fn prefill_chunk(&self) -> (&[u32], usize, bool) {
         let p = self.req.prompt_ids.len();
-        let end = (self.prefilled + PREFILL_CHUNK).min(p);
+        let cuda = self.engine.target.info().device.is_cuda();
+        let end = (self.prefilled + prefill_rows(self.prefilled, cuda)).min(p);
         (
             &self.req.prompt_ids[self.prefilled..end],
             self.prefilled,
