@@ -19,6 +19,7 @@ fuzz_target!(|data: &[u8]| {
         max_context: 2048,
         max_tokens_default: 16,
         max_stop: 16,
+        special_tokens_in_content: false,
     };
     let kind = if mode & 1 == 0 {
         Kind::Chat

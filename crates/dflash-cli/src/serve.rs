@@ -35,6 +35,23 @@ pub struct ServeArgs {
     /// page cannot reach it through a DNS name it controls); when bound elsewhere: any.
     #[arg(long, value_delimiter = ',')]
     pub allowed_hosts: Vec<String>,
+    /// Web origins whose pages may call the server from a browser (CORS), comma-separated
+    /// (`http://localhost:3000`; `*` = any). Default: none; a request carrying an `Origin`
+    /// header from another origin gets 403.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Seconds a client has to send a request's headers, from connecting or from the
+    /// previous response (so idle keep-alive connections close after it too).
+    #[arg(long, default_value_t = 10.0)]
+    pub header_timeout: f64,
+    /// Seconds a client has to send a request's body once its headers are in (else 408).
+    #[arg(long, default_value_t = 60.0)]
+    pub body_timeout: f64,
+    /// Encode special-token text in chat messages (`<|im_end|>` in a user message) as the
+    /// special token, as before issue 24: a client can then forge turn boundaries. Default:
+    /// such text in message content is encoded as ordinary text.
+    #[arg(long)]
+    pub allow_special_tokens_in_content: bool,
     /// Requests that may wait for the engine besides the running ones; more get 503.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -97,6 +114,10 @@ pub fn config(a: ServeArgs) -> Result<ServerConfig> {
         .or_else(|| std::env::var("DFLASH_API_KEY").ok())
         .filter(|k| !k.is_empty());
     c.allowed_hosts = a.allowed_hosts;
+    c.allow_special_tokens_in_content = a.allow_special_tokens_in_content;
+    c.allowed_origins = a.allowed_origins;
+    c.header_timeout = seconds("--header-timeout", a.header_timeout)?;
+    c.body_timeout = seconds("--body-timeout", a.body_timeout)?;
     c.max_queue = a.max_queue;
     if a.max_num_seqs == 0 {
         anyhow::bail!("--max-num-seqs must be at least 1");

@@ -158,6 +158,9 @@ pub struct Limits {
     pub max_context: usize,
     pub max_tokens_default: usize,
     pub max_stop: usize,
+    /// Message content may contain special tokens (`--allow-special-tokens-in-content`, the
+    /// old behaviour); by default their text in content is encoded as ordinary text.
+    pub special_tokens_in_content: bool,
 }
 
 /// Most messages one chat request may carry.
@@ -825,23 +828,27 @@ pub fn prepare(
                 }
             };
             let ids = match template {
-                Some(t) => {
-                    let text = t
-                        .render(&msgs, true, enable_thinking, &kwargs)
-                        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-                    tokenizer.encode(&text, false)
-                }
+                Some(t) => encode_chat(t, tokenizer, &msgs, enable_thinking, &kwargs, lim)?,
                 None => {
+                    // no template: the text is all content, so no special token is wanted
                     let text: Vec<&str> = msgs.iter().map(|m| m.content.as_str()).collect();
-                    tokenizer.encode(&text.join("\n"), true)
+                    let text = text.join("\n");
+                    if lim.special_tokens_in_content || tokenizer.special_spans(&text).is_empty() {
+                        tokenizer.encode(&text, true)
+                    } else {
+                        tokenizer.encode_with_specials_at(&text, &[], true)
+                    }
+                    .map_err(|e| ApiError::invalid("messages", e.to_string()))?
                 }
-            }
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            };
             (ids, "messages")
         }
         Kind::Completion => {
             let ids = match parse_prompt(&f, lim.vocab_size)? {
                 Prompt::Ids(ids) => ids,
+                // A raw prompt is the client's whole text, with no turns to forge: special
+                // tokens in it are parsed (as vLLM and llama.cpp do), so that a client can
+                // render a chat template itself (docs/serve.md).
                 Prompt::Text(t) => {
                     check_text_bytes("prompt", t.len(), lim)?;
                     tokenizer.encode(&t, true)
@@ -878,6 +885,96 @@ pub fn prepare(
         prompt_ids,
         max_tokens,
     })
+}
+
+/// Renders the chat template over `msgs` and tokenizes it. Special-token text inside a
+/// message's content (`<|im_end|>\n<|im_start|>system` in a user message, which would forge
+/// a turn boundary) is encoded as ordinary text: only the template's own markers become
+/// special tokens (issue 24). How: each special-token text in content is replaced by a
+/// placeholder (a Unicode noncharacter that no content holds, an index, the same character),
+/// the template is rendered, the placeholders are put back, and every special token of the
+/// result except those is a marker of the template. Content without special-token text (the
+/// usual case) takes the plain path: the same ids as without this.
+fn encode_chat(
+    t: &ChatTemplate,
+    tok: &Tokenizer,
+    msgs: &[ChatMessage],
+    enable_thinking: Option<bool>,
+    kwargs: &Map<String, Value>,
+    lim: &Limits,
+) -> Result<Vec<u32>, ApiError> {
+    let render = |m: &[ChatMessage]| {
+        t.render(m, true, enable_thinking, kwargs)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))
+    };
+    let enc_err = |e: dflash::Error| ApiError::invalid("messages", e.to_string());
+    let forged: Vec<Vec<(usize, usize)>> = if lim.special_tokens_in_content {
+        Vec::new()
+    } else {
+        msgs.iter().map(|m| tok.special_spans(&m.content)).collect()
+    };
+    if forged.iter().all(Vec::is_empty) {
+        return tok.encode(&render(msgs)?, false).map_err(enc_err);
+    }
+    let kw = Value::Object(kwargs.clone()).to_string();
+    let Some(mark) = ('\u{FDD0}'..='\u{FDEF}')
+        .find(|c| !kw.contains(*c) && !msgs.iter().any(|m| m.content.contains(*c)))
+    else {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` contain special-token text and all 32 Unicode noncharacters U+FDD0..U+FDEF, which this server needs to keep that text as text; remove the noncharacters",
+        ));
+    };
+    let mut texts: Vec<&str> = Vec::new();
+    let marked: Vec<ChatMessage> = msgs
+        .iter()
+        .zip(&forged)
+        .map(|(m, spans)| {
+            let mut c = String::with_capacity(m.content.len() + 8 * spans.len());
+            let mut at = 0;
+            for &(a, b) in spans {
+                c.push_str(&m.content[at..a]);
+                c.push(mark);
+                c.push_str(&texts.len().to_string());
+                c.push(mark);
+                texts.push(&m.content[a..b]);
+                at = b;
+            }
+            c.push_str(&m.content[at..]);
+            ChatMessage::new(m.role.clone(), c)
+        })
+        .collect();
+    let rendered = render(&marked)?;
+    let mangled = || {
+        ApiError::invalid(
+            "messages",
+            format!(
+                "a message contains special-token text (`{}`) and this chat template rewrites message content, so that text cannot be kept as text; remove it, or start the server with --allow-special-tokens-in-content",
+                texts[0]
+            ),
+        )
+        .with_code("special_token_in_content")
+    };
+    let mut text = String::with_capacity(rendered.len());
+    let mut content_specials = Vec::new();
+    let mut parts = rendered.split(mark);
+    text.push_str(parts.next().unwrap_or(""));
+    while let Some(idx) = parts.next() {
+        let after = parts.next().ok_or_else(mangled)?;
+        let i: usize = idx.parse().map_err(|_| mangled())?;
+        let lit = texts.get(i).ok_or_else(mangled)?;
+        content_specials.push((text.len(), text.len() + lit.len()));
+        text.push_str(lit);
+        text.push_str(after);
+    }
+    // every special token of the result that is not (or overlaps) content text is the template's
+    let template_specials: Vec<(usize, usize)> = tok
+        .special_spans(&text)
+        .into_iter()
+        .filter(|&(a, b)| !content_specials.iter().any(|&(c, d)| a < d && c < b))
+        .collect();
+    tok.encode_with_specials_at(&text, &template_specials, false)
+        .map_err(enc_err)
 }
 
 /// Why a generation ended and what it cost.

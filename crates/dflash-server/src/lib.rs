@@ -56,6 +56,17 @@ pub struct ServerConfig {
     /// `Host` header names accepted (empty: loopback names when bound to a loopback address,
     /// any name otherwise).
     pub allowed_hosts: Vec<String>,
+    /// `Origin`s whose pages may call the server from a browser (CORS); `*` = any. Empty: a
+    /// request with an `Origin` header gets 403 unless it is from the server's own origin.
+    pub allowed_origins: Vec<String>,
+    /// A request's headers must arrive within this of the connection opening or of the
+    /// previous response on it (so it also closes idle keep-alive connections).
+    pub header_timeout: Duration,
+    /// A request's body must arrive within this once its headers are in; else 408.
+    pub body_timeout: Duration,
+    /// Encode special-token text in chat message content as the special token (the old,
+    /// injectable behaviour); default: as ordinary text.
+    pub allow_special_tokens_in_content: bool,
     /// Requests that may wait for the engine besides the ones running; more get 503.
     pub max_queue: usize,
     /// Generations decoded together (one draft call and one verify per cycle for all); the
@@ -83,6 +94,10 @@ impl ServerConfig {
             block_size: None,
             api_key: None,
             allowed_hosts: Vec::new(),
+            allow_special_tokens_in_content: false,
+            allowed_origins: Vec::new(),
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
             max_queue: 64,
             max_num_seqs: 8,
             prefix_cache_bytes: 1 << 30,
@@ -113,6 +128,8 @@ pub struct App {
     preparing: Arc<tokio::sync::Semaphore>,
     /// `Host` names accepted, lower case (empty: any).
     hosts: Vec<String>,
+    /// `Origin`s allowed to call from a browser, lower case, without a trailing `/`.
+    origins: Vec<String>,
 }
 
 /// The `Host` names a server bound to `host` accepts: `allowed` when given, else the loopback
@@ -182,6 +199,146 @@ async fn check_host(
     fail(&app, "other", e)
 }
 
+/// Most request headers, and most bytes of them (names + values), before a 431 with a JSON
+/// error. hyper itself refuses heads beyond its read buffer (about 400 KB) or
+/// `HYPER_MAX_HEADERS` headers with a bare 431 and closes the connection.
+pub const MAX_HEADERS: usize = 100;
+pub const MAX_HEADER_BYTES: usize = 64 << 10;
+const HYPER_MAX_HEADERS: usize = 1000;
+
+async fn check_header_size(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let h = req.headers();
+    let bytes: usize = h.iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+    if h.len() <= MAX_HEADERS && bytes <= MAX_HEADER_BYTES {
+        return next.run(req).await;
+    }
+    let e = ApiError::new(
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        "invalid_request_error",
+        format!(
+            "the request has {} headers of {bytes} bytes; at most {MAX_HEADERS} headers of {MAX_HEADER_BYTES} bytes in all are accepted",
+            h.len()
+        ),
+    )
+    .with_code("headers_too_large");
+    fail(&app, "other", e)
+}
+
+/// An origin as compared: lower case, no trailing `/`.
+fn normal_origin(o: &str) -> String {
+    o.trim().trim_end_matches('/').to_ascii_lowercase()
+}
+
+/// Whether `origin` (normalized) is the server's own as addressed by `host` (the `Host`
+/// header): the same name and port, a missing port being the scheme's default.
+fn same_origin(origin: &str, host: &str) -> bool {
+    let (scheme, authority) = match origin.split_once("://") {
+        Some(x) => x,
+        None => return false,
+    };
+    let default = match scheme {
+        "http" => "80",
+        "https" => "443",
+        _ => return false,
+    };
+    let with_port = |a: &str| -> String {
+        let a = a.trim().to_ascii_lowercase();
+        let has_port = if a.starts_with('[') {
+            a.contains("]:")
+        } else {
+            a.contains(':')
+        };
+        if has_port {
+            a
+        } else {
+            format!("{a}:{default}")
+        }
+    };
+    with_port(authority) == with_port(host)
+}
+
+/// Browser requests (they carry `Origin`): from an allowed origin they get CORS headers (a
+/// preflight `OPTIONS` is answered here, before authentication, as browsers send it without
+/// credentials); from the server's own origin (its `Host` on the host allowlist) they pass
+/// without; from any other origin they are refused (403 `origin_not_allowed`), so a web page
+/// cannot make a browser use the server, not even with a "simple" request that needs no
+/// preflight. Requests without `Origin` (curl, SDKs) are not affected.
+async fn check_origin(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(raw) = req.headers().get(header::ORIGIN).cloned() else {
+        return next.run(req).await;
+    };
+    let origin = normal_origin(raw.to_str().unwrap_or(""));
+    let allowed = app.origins.iter().any(|o| o == "*" || *o == origin);
+    if !allowed {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let own = !app.hosts.is_empty()
+            && app.hosts.contains(&host_name(host))
+            && same_origin(&origin, host);
+        if own {
+            return next.run(req).await;
+        }
+        let e = ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            format!(
+                "requests from web pages of the origin `{}` are not allowed; start the server with --allowed-origins ORIGIN to allow them",
+                origin.chars().take(100).collect::<String>()
+            ),
+        )
+        .with_code("origin_not_allowed");
+        return fail(&app, "other", e);
+    }
+    let vary = header::HeaderValue::from_static(
+        "Origin, Access-Control-Request-Method, Access-Control-Request-Headers",
+    );
+    let preflight = req.method() == axum::http::Method::OPTIONS
+        && req
+            .headers()
+            .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    if preflight {
+        let asked = req
+            .headers()
+            .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
+            .cloned()
+            .unwrap_or_else(|| header::HeaderValue::from_static("authorization, content-type"));
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        let h = r.headers_mut();
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, raw);
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            header::HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            header::HeaderValue::from_static("600"),
+        );
+        h.insert(header::VARY, vary);
+        return record(&app, "other", r);
+    }
+    let mut r = next.run(req).await;
+    let h = r.headers_mut();
+    h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, raw);
+    h.insert(
+        header::ACCESS_CONTROL_EXPOSE_HEADERS,
+        header::HeaderValue::from_static("retry-after"),
+    );
+    h.append(header::VARY, vary);
+    r
+}
+
 /// The id a model is served under by default: a local path's last component (the full path,
 /// which may show a home directory, stays accepted as an alias), a hub id as given.
 fn default_model_id(name: &str) -> String {
@@ -239,6 +396,7 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         max_context,
         max_tokens_default: cfg.max_tokens_default,
         max_stop: 16,
+        special_tokens_in_content: cfg.allow_special_tokens_in_content,
     };
     let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(cfg.max_queue);
     let metrics = Arc::new(Metrics::default());
@@ -251,6 +409,12 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
             .spawn(move || worker::run(engine, t, rx, m, c, max_seqs))?
     };
     let hosts = allowed_hosts(&cfg.host, &cfg.allowed_hosts);
+    let origins = cfg
+        .allowed_origins
+        .iter()
+        .map(|o| normal_origin(o))
+        .filter(|o| !o.is_empty())
+        .collect();
     let app = Arc::new(App {
         cfg,
         limits,
@@ -266,6 +430,7 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         draft_name,
         block_size,
         hosts,
+        origins,
         preparing: Arc::new(tokio::sync::Semaphore::new(
             std::thread::available_parallelism()
                 .map_or(2, |n| n.get())
@@ -285,15 +450,30 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // (the last layer runs first: header size, then Host, then Origin)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            check_origin,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
             check_host,
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            check_header_size,
+        ))
         .with_state(app)
 }
 
-/// Binds, serves until `shutdown` resolves, then drains: the running generation gets
-/// `shutdown_grace` to finish before it is cancelled.
+/// Serves until `shutdown` resolves, then drains: open connections finish their responses
+/// (idle ones close), and the running generation gets `shutdown_grace` to finish before it is
+/// cancelled.
+///
+/// Each connection is served by hyper's HTTP/1 connection with a timer, so that its
+/// header-read timeout applies: a client must send a request's headers within
+/// `header_timeout` of connecting or of its previous response, else the connection is closed
+/// (half-sent requests and idle keep-alive connections do not stay open).
 pub async fn serve(
     app: Arc<App>,
     listener: TcpListener,
@@ -311,10 +491,54 @@ pub async fn serve(
             c.cancel_running.store(true, Ordering::SeqCst);
         });
     };
-    axum::serve(listener, router(app))
-        .with_graceful_shutdown(signal)
-        .await
-        .context("serving HTTP")
+    let header_timeout = app.cfg.header_timeout;
+    let service = router(app);
+    // `stop` tells the connections to finish; each holds a `done` sender, so that `recv`
+    // returns None once every connection has ended.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let mut signal = std::pin::pin!(signal);
+    loop {
+        let tcp = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // out of file descriptors and the like: wait, as axum::serve does
+                    tracing::warn!("accepting a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut signal => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let svc = hyper_util::service::TowerToHyperService::new(service.clone());
+        let (mut stop, done) = (stop_rx.clone(), done_tx.clone());
+        tokio::spawn(async move {
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .max_headers(HYPER_MAX_HEADERS);
+            let conn = b.serve_connection(hyper_util::rt::TokioIo::new(tcp), svc);
+            let mut conn = std::pin::pin!(conn);
+            let stopping = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = stopping => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.as_mut().await;
+                }
+            }
+            drop(done);
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    drop(done_tx);
+    let _ = done_rx.recv().await;
+    Ok(())
 }
 
 /// SIGTERM or ctrl-c.
@@ -435,16 +659,62 @@ fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     .with_code("unsupported_media_type"))
 }
 
-async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
+/// The request body, at most `--max-body-bytes` (413: a declared `Content-Length` beyond it
+/// is refused before reading), within `--body-timeout` (408); a body that ends before its
+/// `Content-Length` (the client closed or broke the connection) is a 400 naming the body.
+async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    use futures_util::StreamExt;
     let limit = app.cfg.max_body_bytes;
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
+    let too_large = |n: String| {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
-            format!("the request body is larger than {limit} bytes (or could not be read)"),
+            format!("the request body is larger than {limit} bytes ({n}); send less, or start the server with a larger --max-body-bytes"),
         )
         .with_code("request_too_large")
-    })
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > limit as u64) {
+        return Err(too_large(format!("Content-Length {n}")));
+    }
+    let read = async {
+        let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+        let mut stream = body.into_data_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    format!(
+                        "the request body could not be read: it ended after {} bytes{} ({e})",
+                        buf.len(),
+                        declared.map_or(String::new(), |n| format!(
+                            " of the {n} its Content-Length declares"
+                        ))
+                    ),
+                )
+                .with_code("incomplete_body")
+            })?;
+            if buf.len() + chunk.len() > limit {
+                return Err(too_large("sent without a Content-Length".into()));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(Bytes::from(buf))
+    };
+    let t = app.cfg.body_timeout;
+    match tokio::time::timeout(t, read).await {
+        Ok(r) => r,
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("the request body did not arrive within {t:?} (--body-timeout)"),
+        )
+        .with_code("body_timeout")),
+    }
 }
 
 async fn not_found(State(app): State<Arc<App>>) -> Response {
@@ -568,7 +838,7 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
     if app.control.draining.load(Ordering::SeqCst) {
         return fail(&app, ep, worker::shutting_down());
     }
-    let bytes = match read_body(&app, body).await {
+    let bytes = match read_body(&app, &headers, body).await {
         Ok(b) => b,
         Err(e) => return fail(&app, ep, e),
     };

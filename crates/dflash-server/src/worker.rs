@@ -180,7 +180,7 @@ pub fn run(
         let mut k = 0;
         while k < running.len() {
             let gone = running[k].1.borrow().gone(&control);
-            let Some(timed_out) = gone else {
+            let Some(why) = gone else {
                 k += 1;
                 continue;
             };
@@ -191,8 +191,7 @@ pub fn run(
                     .ok()
                     .map(RefCell::into_inner)
                     .expect("the sequence (and its callback) ended");
-                st.cancelled = !timed_out;
-                st.timed_out = timed_out;
+                st.end(why);
                 st.done(out, &metrics);
             }
         }
@@ -264,6 +263,18 @@ pub fn shutting_down() -> ApiError {
     e
 }
 
+/// A generation the server's shutdown cut (after `--shutdown-grace`).
+pub fn cut_by_shutdown() -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_shutting_down",
+        "the server shut down before this generation finished (its --shutdown-grace ran out); the text so far is incomplete: retry the request",
+    )
+    .with_code("server_shutdown");
+    e.retry_after_s = Some(1);
+    e
+}
+
 pub fn timeout_error() -> ApiError {
     ApiError::new(
         StatusCode::GATEWAY_TIMEOUT,
@@ -283,7 +294,20 @@ struct Running {
     stopped_by: Option<String>,
     cancelled: bool,
     timed_out: bool,
+    /// Cancelled by the server's shutdown (after `--shutdown-grace`), not by its client.
+    shutdown: bool,
     decode_err: Option<String>,
+}
+
+/// Why a running request ends before its engine is done with it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Gone {
+    /// Its client went away.
+    Left,
+    /// The server is shutting down and the grace period is over.
+    Shutdown,
+    /// `--request-timeout` passed.
+    Deadline,
 }
 
 impl Running {
@@ -303,6 +327,7 @@ impl Running {
             stopped_by: None,
             cancelled: false,
             timed_out: false,
+            shutdown: false,
             decode_err: None,
         }
     }
@@ -313,16 +338,23 @@ impl Running {
         }
     }
 
-    /// Whether the request should end now: Some(false) when its client left or the server is
-    /// cancelling, Some(true) when its deadline passed.
-    fn gone(&self, control: &Control) -> Option<bool> {
-        if self.events.is_closed() || control.cancel_running.load(Ordering::SeqCst) {
-            Some(false)
+    /// Whether the request should end now, and why.
+    fn gone(&self, control: &Control) -> Option<Gone> {
+        if self.events.is_closed() {
+            Some(Gone::Left)
+        } else if control.cancel_running.load(Ordering::SeqCst) {
+            Some(Gone::Shutdown)
         } else if Instant::now() >= self.deadline {
-            Some(true)
+            Some(Gone::Deadline)
         } else {
             None
         }
+    }
+
+    fn end(&mut self, why: Gone) {
+        self.timed_out = why == Gone::Deadline;
+        self.cancelled = why != Gone::Deadline;
+        self.shutdown = why == Gone::Shutdown;
     }
 
     /// Newly committed ids: text out, stop strings, cancellation and the deadline.
@@ -347,9 +379,8 @@ impl Running {
             return Flow::Stop;
         }
         match self.gone(control) {
-            Some(timed_out) => {
-                self.timed_out = timed_out;
-                self.cancelled = !timed_out;
+            Some(why) => {
+                self.end(why);
                 Flow::Stop
             }
             None => Flow::Continue,
@@ -365,6 +396,14 @@ impl Running {
                 "server_error",
                 format!("decoding the generated tokens: {m}"),
             )));
+            return;
+        }
+        if self.shutdown {
+            // Not an ordinary stop: the client gets an error (a stream: an error event, then
+            // [DONE]), so that it does not take the cut text for a finished answer.
+            metrics.finished("shutdown", Some(&out.stats));
+            metrics.error("server_shutting_down");
+            let _ = self.events.send(Event::Error(cut_by_shutdown()));
             return;
         }
         if self.stopped_by.is_none() && !self.cancelled {

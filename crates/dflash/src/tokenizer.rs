@@ -10,7 +10,7 @@
 //! clone (shared behind an `Arc`).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 
@@ -59,6 +59,22 @@ pub struct Tokenizer {
     inner: Arc<tokenizers::Tokenizer>,
     /// Where it came from, for error messages.
     file: String,
+    /// Built on first use: see [`Tokenizer::special_spans`], [`Tokenizer::encode_with_specials_at`].
+    specials: Arc<Specials>,
+}
+
+/// The special tokens' texts and a matcher for them, and a copy of the tokenizer that encodes
+/// their texts as ordinary text (`encode_special_tokens`).
+#[derive(Default)]
+struct Specials {
+    matcher: OnceLock<Option<SpecialMatcher>>,
+    as_text: OnceLock<tokenizers::Tokenizer>,
+}
+
+struct SpecialMatcher {
+    ac: aho_corasick::AhoCorasick,
+    /// (lstrip, rstrip) of each pattern
+    strip: Vec<(bool, bool)>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -104,6 +120,7 @@ impl Tokenizer {
         Ok(Self {
             inner: Arc::new(inner),
             file,
+            specials: Arc::default(),
         })
     }
 
@@ -119,6 +136,7 @@ impl Tokenizer {
         Ok(Self {
             inner: Arc::new(inner),
             file,
+            specials: Arc::default(),
         })
     }
 
@@ -138,6 +156,117 @@ impl Tokenizer {
         let enc = guarded(|| self.inner.encode(text, add_special_tokens))
             .map_err(|m| self.err(format!("encode: {m}")))?
             .map_err(|e| self.err(format!("encode: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    fn special_matcher(&self) -> Option<&SpecialMatcher> {
+        self.specials
+            .matcher
+            .get_or_init(|| {
+                let mut toks: Vec<(String, bool, bool)> = self
+                    .inner
+                    .get_added_tokens_decoder()
+                    .into_values()
+                    .filter(|t| t.special && !t.content.is_empty())
+                    .map(|t| (t.content, t.lstrip, t.rstrip))
+                    .collect();
+                toks.sort();
+                toks.dedup_by(|a, b| a.0 == b.0);
+                if toks.is_empty() {
+                    return None;
+                }
+                let ac = aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(toks.iter().map(|t| &t.0))
+                    .ok()?;
+                let strip = toks.iter().map(|t| (t.1, t.2)).collect();
+                Some(SpecialMatcher { ac, strip })
+            })
+            .as_ref()
+    }
+
+    /// Byte ranges of `text` that are the text of a special token (an added token marked
+    /// `special`, e.g. `<|im_end|>`), leftmost-longest and not overlapping: where
+    /// [`Tokenizer::encode`] puts special tokens. Special tokens matched after normalization
+    /// (`normalized: true`, rare for special tokens) are matched on the raw text here.
+    pub fn special_spans(&self, text: &str) -> Vec<(usize, usize)> {
+        match self.special_matcher() {
+            None => Vec::new(),
+            Some(m) => m.ac.find_iter(text).map(|x| (x.start(), x.end())).collect(),
+        }
+    }
+
+    /// Text to ids with special tokens recognized only at `specials` (byte ranges, sorted and
+    /// not overlapping, each one a special token's text: a subset of
+    /// [`Tokenizer::special_spans`]); the text between them is encoded with special-token text
+    /// kept as ordinary text (`<|im_end|>` there becomes the ids of its characters). With
+    /// `specials` = all of `special_spans(text)` this is exactly [`Tokenizer::encode`] (the
+    /// library also splits at every special token and encodes the pieces on their own; a
+    /// token's `lstrip` / `rstrip` takes the whitespace next to it, as there).
+    /// `add_special_tokens` applies the post-processor once, to the whole.
+    pub fn encode_with_specials_at(
+        &self,
+        text: &str,
+        specials: &[(usize, usize)],
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>> {
+        let all = self.special_matcher().map(|m| {
+            m.ac.find_iter(text)
+                .map(|x| ((x.start(), x.end()), m.strip[x.pattern().as_usize()]))
+                .collect::<Vec<_>>()
+        });
+        let all = all.unwrap_or_default();
+        // cut points: each given range, widened by its token's lstrip / rstrip
+        let mut pieces: Vec<(&str, bool)> = Vec::with_capacity(2 * specials.len() + 1);
+        let mut at = 0;
+        let mut j = 0;
+        for &(a, b) in specials {
+            while j < all.len() && all[j].0 .0 < a {
+                j += 1;
+            }
+            let Some(&(_, (lstrip, rstrip))) = all.get(j).filter(|s| s.0 == (a, b)) else {
+                return Err(self.err(format!(
+                    "encode: {a}..{b} is not a special token of the text, or out of order"
+                )));
+            };
+            let mut a = a;
+            if lstrip {
+                let ws = text[at..a].len() - text[at..a].trim_end().len();
+                a -= ws;
+            }
+            let mut b = b;
+            if rstrip {
+                b += text[b..].len() - text[b..].trim_start().len();
+            }
+            if a > at {
+                pieces.push((&text[at..a], false));
+            }
+            pieces.push((&text[a..b], true));
+            at = b;
+        }
+        if at < text.len() {
+            pieces.push((&text[at..], false));
+        }
+        let as_text = self.specials.as_text.get_or_init(|| {
+            let mut t = (*self.inner).clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = guarded(|| -> tokenizers::Result<tokenizers::Encoding> {
+            let mut parts = Vec::with_capacity(pieces.len());
+            for (p, special) in &pieces {
+                let t = if *special { &*self.inner } else { as_text };
+                parts.push(t.encode(*p, false)?);
+            }
+            let merged = tokenizers::Encoding::merge(parts, true);
+            if add_special_tokens {
+                self.inner.post_process(merged, None, true)
+            } else {
+                Ok(merged)
+            }
+        })
+        .map_err(|m| self.err(format!("encode: {m}")))?
+        .map_err(|e| self.err(format!("encode: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -533,6 +662,70 @@ mod tests {
         // An unknown id is an error, not a panic.
         let e = tok.decode(&[100_000], false);
         assert!(e.is_err() || e.unwrap().is_empty());
+    }
+
+    /// Special tokens only where told: elsewhere their text is encoded as its characters;
+    /// told every special token of the text, exactly `encode`.
+    #[test]
+    fn special_token_text_can_be_kept_as_text() {
+        let tok = byte_level();
+        let end = tok.token_to_id("<|im_end|>").unwrap();
+        let eot = tok.token_to_id("<|endoftext|>").unwrap();
+        for text in [
+            "hello world",
+            "hello <|im_en d|> world",
+            "",
+            "hello<|im_end|>\n<|endoftext|><|im_end|> world",
+            "<|im_end|>",
+        ] {
+            let all = tok.special_spans(text);
+            assert_eq!(
+                tok.encode_with_specials_at(text, &all, false).unwrap(),
+                tok.encode(text, false).unwrap(),
+                "{text}"
+            );
+        }
+        let text = "hello<|im_end|>\n<|endoftext|><|im_end|> world";
+        let spans = tok.special_spans(text);
+        assert_eq!(spans, vec![(5, 15), (16, 29), (29, 39)]);
+        let normal = tok.encode(text, false).unwrap();
+        assert_eq!(normal.iter().filter(|&&i| i == end).count(), 2);
+        // none special: the text's characters, decoding back to the same text
+        let kept = tok.encode_with_specials_at(text, &[], false).unwrap();
+        assert!(!kept.contains(&end) && !kept.contains(&eot), "{kept:?}");
+        assert_eq!(tok.decode(&kept, false).unwrap(), text);
+        assert!(kept.len() > normal.len() + 10);
+        // only the middle one special
+        let one = tok
+            .encode_with_specials_at(text, &spans[1..2], false)
+            .unwrap();
+        assert_eq!(one.iter().filter(|&&i| i == eot).count(), 1, "{one:?}");
+        assert!(!one.contains(&end), "{one:?}");
+        assert_eq!(tok.decode(&one, false).unwrap(), text);
+        // ranges that are not special tokens of the text are an error, not a panic
+        assert!(tok.encode_with_specials_at(text, &[(0, 5)], false).is_err());
+        assert!(tok
+            .encode_with_specials_at(text, &[(16, 29), (5, 15)], false)
+            .is_err());
+        assert!(tok.encode_with_specials_at("é", &[(1, 2)], false).is_err());
+    }
+
+    /// With a post-processor (a BOS token): applied once to the whole, not per piece.
+    #[test]
+    fn keeping_text_applies_the_post_processor_once() {
+        let tok = sentencepiece();
+        let text = "hello</s>world</s>";
+        let spans = tok.special_spans(text);
+        assert_eq!(spans, vec![(5, 9), (14, 18)]);
+        assert_eq!(
+            tok.encode_with_specials_at(text, &spans, true).unwrap(),
+            tok.encode(text, true).unwrap()
+        );
+        let kept = tok.encode_with_specials_at(text, &[], true).unwrap();
+        assert_eq!(kept[0], 1, "{kept:?}");
+        assert_eq!(kept.iter().filter(|&&i| i == 1).count(), 1, "{kept:?}");
+        assert!(!kept.contains(&2), "{kept:?}");
+        assert_eq!(tok.decode(&kept, true).unwrap(), text);
     }
 
     #[test]
