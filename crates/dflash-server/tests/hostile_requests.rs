@@ -36,6 +36,15 @@ fn run(kind: Kind, body: &str, template: Option<&ChatTemplate>) -> Result<Prepar
     prepare(kind, body.as_bytes(), &limits(), &tokenizer(), template)
 }
 
+/// A one-message chat body with these extra fields.
+fn chat(extra: serde_json::Value) -> String {
+    let mut b = json!({"messages": [{"role": "user", "content": "hello"}]});
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b.to_string()
+}
+
 fn bad(kind: Kind, body: &str, param: Option<&str>, want: &str) {
     let e = run(kind, body, None).expect_err(body.get(..200).unwrap_or(body));
     assert_eq!(e.status.as_u16(), 400, "{}", e.message);
@@ -159,13 +168,6 @@ fn a_chat_template_that_fails_is_a_400() {
 /// a 400 (code `unknown_parameter`), and request metadata passes.
 #[test]
 fn unimplemented_and_unknown_fields_are_refused_by_name() {
-    let chat = |extra: serde_json::Value| {
-        let mut b = json!({"messages": [{"role": "user", "content": "hello"}]});
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
-        b.to_string()
-    };
     let code = |kind: Kind, body: &str| {
         let e = run(kind, body, None).expect_err(body);
         assert_eq!(e.status.as_u16(), 400, "{}", e.message);
@@ -253,13 +255,6 @@ fn unimplemented_and_unknown_fields_are_refused_by_name() {
 /// ranges, of the wrong type or naming tokens outside the vocabulary are a 400 naming them.
 #[test]
 fn penalties_and_logit_bias_are_parsed_and_bounded() {
-    let chat = |extra: serde_json::Value| {
-        let mut b = json!({"messages": [{"role": "user", "content": "hello"}]});
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
-        b.to_string()
-    };
     let p = run(
         Kind::Chat,
         &chat(

@@ -558,6 +558,21 @@ __device__ __forceinline__ void mma_rows(const bf16* __restrict__ rows, const in
   }
 }
 
+// One slot's product, staged for the epilogue: the gathered rows (pair q's row rows +
+// (pairs[q] / div) * width) times the four weight rows wp, k = width split over the warps.
+template <int T>
+__device__ __forceinline__ void slot_product(const uint4* const (&wp)[4], const bf16* __restrict__ rows,
+                                             const int* pairs, int np, int div, int width,
+                                             float (*red)[32][8 * T]) {
+  const uint4* xp[T];
+  bool xok[T];
+  mma_rows<T>(rows, pairs, np, div, width, xp, xok);
+  const int chunks = width / 32, warp = threadIdx.x / 32;
+  float acc[2][T][4] = {};
+  mma_span<T>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
+  mma_stage<T>(acc, red);
+}
+
 // As gate_up_impl, on the tensor cores: grid (slots, ceil(I / 16)); block y takes units
 // [16y, 16y + 16). H % 32 == 0.
 template <int T>
@@ -570,7 +585,7 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
   const int np = expert_pairs(slots, nslots, &e_sh, pairs);
   if (np == 0) return;
   const int e = e_sh;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int j0 = blockIdx.y * 16;
   const bf16* we = gate_up + (size_t)e * 2 * inter * hidden;
   // gate rows j0 + g, j0 + g + 8, then the same units' up rows (clamped past I, never stored)
@@ -580,13 +595,7 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
     const int unit = min(j0 + g + 8 * (j % 2), inter - 1);
     wp[j] = reinterpret_cast<const uint4*>(we + (size_t)((j / 2) * inter + unit) * hidden) + c;
   }
-  const uint4* xp[T];
-  bool xok[T];
-  mma_rows<T>(x, pairs, np, k, hidden, xp, xok);
-  const int chunks = hidden / 32;
-  float acc[2][T][4] = {};
-  mma_span<T>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
-  mma_stage<T>(acc, red);
+  slot_product<T>(wp, x, pairs, np, k, hidden, red);
   for (int i = threadIdx.x; i < 16 * np; i += blockDim.x) {
     const int r = i % 16, q = i / 16, j = j0 + r;
     if (j >= inter) continue;
@@ -617,20 +626,14 @@ __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slo
   const int np = expert_pairs(slots, nslots, &e_sh, pairs);
   if (np == 0) return;
   const int e = e_sh;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int r0 = blockIdx.y * 32;
   const bf16* we = down + (size_t)e * hidden * inter;
   const uint4* wp[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j)
     wp[j] = reinterpret_cast<const uint4*>(we + (size_t)min(r0 + 8 * j + g, hidden - 1) * inter) + c;
-  const uint4* xp[T];
-  bool xok[T];
-  mma_rows<T>(h, pairs, np, 1, inter, xp, xok);
-  const int chunks = inter / 32;
-  float acc[2][T][4] = {};
-  mma_span<T>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
-  mma_stage<T>(acc, red);
+  slot_product<T>(wp, h, pairs, np, 1, inter, red);
   for (int i = threadIdx.x; i < 32 * np; i += blockDim.x) {
     const int r = i % 32, q = i / 32, cc = r0 + r;
     if (cc >= hidden) continue;
