@@ -2197,3 +2197,52 @@ fn special_token_text_in_messages_is_not_a_special_token() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["usage"]["prompt_tokens"], 1);
 }
+
+/// Four ~6 MB chat bodies at once (the body limit raised to let them in) are refused by their
+/// text's size before they are tokenized, and the server's peak memory grows by at most 100 MiB
+/// (before the bound, one such body cost ~500 MiB and four peaked at 2.75 GB: issue 24).
+#[test]
+fn four_concurrent_large_bodies_cost_little_memory() {
+    let m = model();
+    let s = Server::start(&m, true, &["--max-body-bytes", "8388608"]);
+    let pid = s.child.id();
+    let status_kb = |key: &str| -> u64 {
+        let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let l = st.lines().find(|l| l.starts_with(key)).unwrap();
+        l.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    // warm the request path once, then reset the peak to the current RSS (Linux: 5 >
+    // clear_refs), so that the peak read afterwards is this test's
+    let small = chat_body("hello", 2).to_string();
+    assert_eq!(post(&s, "/v1/chat/completions", &small, None).0, 200);
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    let base = status_kb("VmRSS:");
+    // 6 MB: past the tiny model's 64 bytes of text per context token (65536 positions: 4 MiB)
+    let text = "lorem ipsum dolor sit amet ".repeat((6 << 20) / 27);
+    assert!(text.len() > 4 << 20);
+    let body = chat_body(&text, 8).to_string();
+    assert!(body.len() < 8388608);
+    let statuses: Vec<(u16, String)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..4)
+            .map(|_| {
+                sc.spawn(|| {
+                    let (st, _, b) = post(&s, "/v1/chat/completions", &body, None);
+                    (st, b)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (st, b) in &statuses {
+        let v: Value = serde_json::from_str(b).unwrap();
+        assert_eq!(*st, 400, "{b:.300}");
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{b:.300}");
+        assert_eq!(v["error"]["param"], "messages", "{b:.300}");
+    }
+    let peak = status_kb("VmHWM:");
+    let grew_mib = peak.saturating_sub(base) as f64 / 1024.0;
+    eprintln!("RSS {base} kB before, peak {peak} kB during four 6 MB bodies: +{grew_mib:.1} MiB");
+    assert!(grew_mib <= 100.0, "peak RSS grew by {grew_mib:.1} MiB");
+    // and the server still answers
+    assert_eq!(post(&s, "/v1/chat/completions", &small, None).0, 200);
+}
