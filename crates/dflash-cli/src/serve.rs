@@ -63,6 +63,11 @@ pub struct ServeArgs {
     /// shared system prompt, the earlier turns of a chat); 0 = off.
     #[arg(long, default_value_t = 1024)]
     pub prefix_cache_mb: usize,
+    /// MiB of KV cache the running requests may hold together; a request waits in the queue
+    /// until its caches fit (default: 90% of the memory left after the weights, less the
+    /// prefix cache).
+    #[arg(long)]
+    pub kv_cache_mb: Option<u64>,
     /// Seconds a request may take, queue wait included.
     #[arg(long, default_value_t = 600.0)]
     pub request_timeout: f64,
@@ -124,6 +129,7 @@ pub fn config(a: ServeArgs) -> Result<ServerConfig> {
     }
     c.max_num_seqs = a.max_num_seqs;
     c.prefix_cache_bytes = a.prefix_cache_mb << 20;
+    c.kv_cache_bytes = a.kv_cache_mb.map(|m| m << 20);
     c.request_timeout = seconds("--request-timeout", a.request_timeout)?;
     c.max_body_bytes = a.max_body_bytes;
     c.shutdown_grace = Duration::from_secs_f64(a.shutdown_grace.max(0.0));

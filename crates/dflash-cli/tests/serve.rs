@@ -2246,3 +2246,68 @@ fn four_concurrent_large_bodies_cost_little_memory() {
     // and the server still answers
     assert_eq!(post(&s, "/v1/chat/completions", &small, None).0, 200);
 }
+
+/// Admission by cache memory (`--kv-cache-mb`): a request whose caches could never fit is a
+/// 400 naming `max_tokens`; requests that fit one at a time but not together wait their turn
+/// (never two running, per /metrics) and all finish with the outputs they get alone.
+#[test]
+fn requests_wait_for_kv_cache_room() {
+    let m = model();
+    let s = Server::start(&m, true, &["--kv-cache-mb", "1", "--max-num-seqs", "8"]);
+    let (st, v) = post_json(&s, "/v1/chat/completions", chat_body("hello", 60000));
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["code"], "kv_cache_exceeded", "{v}");
+    assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+    // the message says how many MiB 60000 positions need: size three requests so that one
+    // fits the 1 MiB budget and two do not
+    let msg = v["error"]["message"].as_str().unwrap();
+    let need_mib: f64 = msg
+        .split("need ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no size in {msg}"));
+    let per_pos = need_mib * (1 << 20) as f64 / 60_000.0;
+    let fit = ((1 << 20) as f64 / per_pos) as usize;
+    let max_tokens = fit * 6 / 10;
+    assert!(max_tokens > 50, "{fit} positions fit");
+    let body = |i: usize| chat_body(&format!("request {i}"), max_tokens);
+    let alone: Vec<Value> = (0..3)
+        .map(|i| post_json(&s, "/v1/chat/completions", body(i)).1)
+        .collect();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (s, done, body) = (&s, &done, &body);
+    let (peak, together) = std::thread::scope(|sc| {
+        let watch = sc.spawn(|| {
+            let mut peak = 0u64;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let (_, text) = get(s, "/metrics");
+                if let Some(n) = text
+                    .lines()
+                    .find(|l| l.starts_with("dflash_requests_running "))
+                    .and_then(|l| l.split(' ').nth(1))
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    peak = peak.max(n);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            peak
+        });
+        let hs: Vec<_> = (0..3)
+            .map(|i| sc.spawn(move || post_json(s, "/v1/chat/completions", body(i))))
+            .collect();
+        let together: Vec<(u16, Value)> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        (watch.join().unwrap(), together)
+    });
+    for (i, (st, v)) in together.iter().enumerate() {
+        assert_eq!(*st, 200, "{v}");
+        assert_eq!(
+            v["choices"][0]["message"]["content"], alone[i]["choices"][0]["message"]["content"],
+            "request {i}"
+        );
+    }
+    assert!(peak <= 1, "{peak} requests ran at once in a budget for one");
+    eprintln!("{max_tokens} tokens each, {fit} positions fit the budget; at most {peak} running");
+}

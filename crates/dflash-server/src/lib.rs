@@ -69,6 +69,11 @@ pub struct ServerConfig {
     pub allow_special_tokens_in_content: bool,
     /// Requests that may wait for the engine besides the ones running; more get 503.
     pub max_queue: usize,
+    /// Bytes of KV cache (and recurrent state) the running generations may hold together;
+    /// a request waits in the queue until its caches fit. None: 90% of what the memory check
+    /// left after the weights, less the prefix cache's budget (unbounded when memory was not
+    /// checked).
+    pub kv_cache_bytes: Option<u64>,
     /// Generations decoded together (one draft call and one verify per cycle for all); the
     /// rest wait in the queue.
     pub max_num_seqs: usize,
@@ -100,6 +105,7 @@ impl ServerConfig {
             body_timeout: Duration::from_secs(60),
             max_queue: 64,
             max_num_seqs: 8,
+            kv_cache_bytes: None,
             prefix_cache_bytes: 1 << 30,
             request_timeout: Duration::from_secs(600),
             max_body_bytes: 4 << 20,
@@ -366,8 +372,12 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         stop_ids,
         model_name,
         draft_name,
+        cache_room,
         ..
     } = p;
+    let kv_budget = cfg
+        .kv_cache_bytes
+        .or_else(|| cache_room.map(|r| r.saturating_sub(cfg.prefix_cache_bytes as u64) / 10 * 9));
     let tokenizer = tokenizer.with_context(|| {
         format!(
             "model {model_name} has no tokenizer.json: the server needs one to read and write text"
@@ -406,7 +416,7 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         let max_seqs = cfg.max_num_seqs;
         std::thread::Builder::new()
             .name("dflash-engine".into())
-            .spawn(move || worker::run(engine, t, rx, m, c, max_seqs))?
+            .spawn(move || worker::run(engine, t, rx, m, c, max_seqs, kv_budget))?
     };
     let hosts = allowed_hosts(&cfg.host, &cfg.allowed_hosts);
     let origins = cfg

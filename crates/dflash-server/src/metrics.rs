@@ -57,6 +57,10 @@ impl Metrics {
     pub fn dequeued(&self) {
         self.queue_depth.fetch_sub(1, Ordering::SeqCst);
     }
+    /// A dequeued job goes back to wait (its caches did not fit yet).
+    pub fn requeued(&self) {
+        self.queue_depth.fetch_add(1, Ordering::SeqCst);
+    }
     pub fn queue_depth(&self) -> i64 {
         self.queue_depth.load(Ordering::SeqCst)
     }

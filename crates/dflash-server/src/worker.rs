@@ -102,7 +102,9 @@ impl StopMatcher {
 
 /// Runs jobs until the queue's senders are gone: up to `max_seqs` generations at once, decoded
 /// together (`dflash::engine::Batch`: one draft call and one verify per cycle for all of
-/// them); queued jobs join between cycles.
+/// them); queued jobs join between cycles, in order, while their caches fit in `kv_budget`
+/// bytes (`Engine::request_cache_bytes`; a job that does not fit waits for running ones to
+/// end, and one that could never fit is refused naming `max_tokens`).
 pub fn run(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -110,16 +112,23 @@ pub fn run(
     metrics: Arc<Metrics>,
     control: Arc<Control>,
     max_seqs: usize,
+    kv_budget: Option<u64>,
 ) {
     let max_seqs = max_seqs.max(1);
     let mut batch = Batch::new(&engine);
     let mut running: Vec<(usize, Rc<RefCell<Running>>)> = Vec::new();
+    // cache bytes held by each running generation (by batch id)
+    let mut held: std::collections::HashMap<usize, u64> = Default::default();
+    // a job taken from the queue whose caches did not fit yet: first in line
+    let mut waiting: Option<Job> = None;
     let mut next_id = 0usize;
     let mut open = true;
-    while open || !batch.is_empty() {
+    while open || !batch.is_empty() || waiting.is_some() {
         // Admit: wait for work when idle, else take what is queued (up to the limit).
-        while open && batch.len() < max_seqs {
-            let job = if batch.is_empty() {
+        while (open || waiting.is_some()) && batch.len() < max_seqs {
+            let job = if let Some(j) = waiting.take() {
+                j
+            } else if batch.is_empty() {
                 match jobs.recv() {
                     Ok(j) => j,
                     Err(_) => {
@@ -152,6 +161,34 @@ pub fn run(
                 metrics.error("timeout_error");
                 continue;
             }
+            let need = match engine.request_cache_bytes(&job.req) {
+                Ok(b) => b,
+                Err(e) => {
+                    send_engine_error(&job.events, &metrics, e);
+                    continue;
+                }
+            };
+            if let Some(budget) = kv_budget {
+                let used: u64 = held.values().sum();
+                if need > budget {
+                    let _ = job.events.send(Event::Error(ApiError::invalid(
+                        "max_tokens",
+                        format!(
+                            "this request's caches need {} MiB (prompt + max_tokens positions), more than the {} MiB this server gives all running requests (--kv-cache-mb); lower max_tokens or shorten the prompt",
+                            need.div_ceil(1 << 20),
+                            budget >> 20
+                        ),
+                    ).with_code("kv_cache_exceeded")));
+                    metrics.error("invalid_request_error");
+                    continue;
+                }
+                if used + need > budget {
+                    // wait (first in line) until running generations free their caches
+                    metrics.requeued();
+                    waiting = Some(job);
+                    break;
+                }
+            }
             let state = Rc::new(RefCell::new(Running::new(&tokenizer, job)));
             let req = state.borrow().req.clone();
             let cb = {
@@ -167,6 +204,7 @@ pub fn run(
                 Ok(Ok(seq)) => {
                     batch.push(next_id, seq);
                     running.push((next_id, state));
+                    held.insert(next_id, need);
                     next_id += 1;
                 }
                 Ok(Err(e)) => send_engine_error(&events, &metrics, e),
@@ -185,6 +223,7 @@ pub fn run(
                 continue;
             };
             let (id, st) = running.swap_remove(k);
+            held.remove(&id);
             if let Some(seq) = batch.take(id) {
                 let out = seq.finish();
                 let mut st = Rc::try_unwrap(st)
@@ -206,6 +245,7 @@ pub fn run(
                 for (_, st) in running.drain(..) {
                     send_panic(&st.borrow().events, &metrics);
                 }
+                held.clear();
                 batch = Batch::new(&engine);
                 metrics.set_running(0);
                 continue;
@@ -216,6 +256,7 @@ pub fn run(
                 continue;
             };
             let (_, st) = running.swap_remove(k);
+            held.remove(&id);
             let st = Rc::try_unwrap(st)
                 .ok()
                 .map(RefCell::into_inner)

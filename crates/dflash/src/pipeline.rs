@@ -74,6 +74,9 @@ pub struct Pipeline {
     pub device: Device,
     /// One-line notices for the user (e.g. which draft the registry chose, or none).
     pub notices: Vec<String>,
+    /// Bytes the memory check found free for caches once the weights are loaded (None: not
+    /// checked); the server admits requests by it.
+    pub cache_room: Option<u64>,
 }
 
 pub fn parse_device(s: Option<&str>) -> Result<Device> {
@@ -115,7 +118,8 @@ pub fn parse_dtype(s: Option<&str>, device: &Device) -> Result<DType> {
 }
 
 /// The memory check of [`Pipeline::load`]: the context to load with (None = the model's)
-/// after comparing weights + KV cache with the memory available; see [`crate::memory`].
+/// after comparing weights + KV cache with the memory available, and the bytes left for caches
+/// after the weights (None: not checked); see [`crate::memory`].
 fn plan_memory(
     opts: &PipelineOptions,
     src: &ModelSource,
@@ -123,7 +127,7 @@ fn plan_memory(
     dtype: DType,
     device: &Device,
     notices: &mut Vec<String>,
-) -> Result<Option<usize>> {
+) -> Result<(Option<usize>, Option<u64>)> {
     use crate::memory::{self, Available, Need};
     let tcfg = src.target_config()?;
     if let Some(m) = opts.max_context {
@@ -135,7 +139,7 @@ fn plan_memory(
         }
     }
     if opts.force_memory {
-        return Ok(opts.max_context);
+        return Ok((opts.max_context, None));
     }
     let avail = match opts.memory_limit {
         Some(b) => Available {
@@ -149,7 +153,7 @@ fn plan_memory(
                     "memory not checked: this build cannot tell how much memory device {} has free",
                     opts.device.as_deref().unwrap_or("cpu")
                 ));
-                return Ok(opts.max_context);
+                return Ok((opts.max_context, None));
             }
         },
     };
@@ -173,11 +177,15 @@ fn plan_memory(
         dtype,
     )?;
     notices.extend(note.clone());
-    Ok(if opts.max_context.is_some() || note.is_some() {
-        Some(ctx)
-    } else {
-        None
-    })
+    let room = avail.bytes.saturating_sub(need.weights);
+    Ok((
+        if opts.max_context.is_some() || note.is_some() {
+            Some(ctx)
+        } else {
+            None
+        },
+        Some(room),
+    ))
 }
 
 impl Pipeline {
@@ -232,7 +240,8 @@ impl Pipeline {
             None => None,
         };
         // Refuse (or fit the context) before reading any weights.
-        let max_context = plan_memory(opts, &src, dsrc.as_ref(), dtype, &device, &mut notices)?;
+        let (max_context, cache_room) =
+            plan_memory(opts, &src, dsrc.as_ref(), dtype, &device, &mut notices)?;
         let (target_config, target) = load_target(&src, &lo)?;
         let draft = match &dsrc {
             Some(d) => Some(load_draft(d, &target_config, &opts.model, &lo)?),
@@ -262,6 +271,7 @@ impl Pipeline {
             dtype,
             device,
             notices,
+            cache_room,
         })
     }
 

@@ -6,7 +6,7 @@
 mod common;
 use candle_core::Tensor;
 use common::*;
-use dflash::engine::{Engine, Flow, GenerateOutput, GenerateRequest};
+use dflash::engine::{Engine, Flow, GenerateOutput, GenerateRequest, Sequence};
 use dflash::sampling::SamplingParams;
 use dflash::testing::hybrid::TinyHybrid;
 use dflash::testing::{TinyDraft, TinyTarget};
@@ -413,7 +413,7 @@ fn draft_batch_equals_draft_alone() {
 /// left: the server checks between steps) leaves the others' outputs as they are alone.
 #[test]
 fn a_sequence_taken_out_mid_prefill_leaves_the_others() {
-    use dflash::engine::{Batch, Sequence, PREFILL_CHUNK};
+    use dflash::engine::{Batch, PREFILL_CHUNK};
     let dir = tempfile::tempdir().unwrap();
     let t = TinyTarget::qwen3(93);
     t.write(&dir.path().join("t")).unwrap();
@@ -468,4 +468,45 @@ fn cpu_prefill_chunks_shrink_with_the_context() {
         .map(|&p| prefill_rows(p, false))
         .collect();
     assert_eq!(rows, vec![384, 155, 62, 48, 48]);
+}
+
+/// What the server admits by: `Engine::request_cache_bytes` is the bytes the sequence's caches
+/// really hold, with and without a draft, pinned and adaptive blocks, for a dense and a hybrid
+/// target (whose recurrent state is a fixed part).
+#[test]
+fn request_cache_bytes_are_what_a_sequence_allocates() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut checked = 0;
+    let dense = TinyTarget::qwen3(60);
+    let hybrid = TinyHybrid::new("qwen3_5", 61);
+    for k in 0..2 {
+        let d = dir.path().join(format!("m{k}"));
+        let tt = if k == 0 {
+            dense.write(&d.join("t")).unwrap();
+            dense.clone()
+        } else {
+            hybrid.write(&d.join("t")).unwrap();
+            hybrid.as_tiny_target()
+        };
+        TinyDraft::for_target(&tt, 1, vec![1], 8, 62)
+            .write(&d.join("d"), tt.vocab)
+            .unwrap();
+        for with_draft in [false, true] {
+            let e = engine(&d, with_draft);
+            for (plen, max, block) in [(3, 5, None), (40, 100, Some(4)), (7, 1, Some(1))] {
+                let mut r = GenerateRequest::new(ids(70 + plen as u64, plen, tt.vocab), max);
+                r.block_size = block;
+                let want = e.request_cache_bytes(&r).unwrap();
+                let s = Sequence::new(&e, r, Box::new(|_| Flow::Continue)).unwrap();
+                assert_eq!(
+                    s.cache_bytes(),
+                    want,
+                    "family {k} draft {with_draft} plen {plen}"
+                );
+                assert!(want > 0);
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 12);
 }

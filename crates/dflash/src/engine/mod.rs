@@ -96,6 +96,8 @@ pub struct Engine {
     acceptance: std::sync::Mutex<Option<Acceptance>>,
     /// Finished sequences' caches for prompts that start the same way (off unless enabled).
     prefix: Option<std::sync::Mutex<prefix::PrefixCache>>,
+    /// Cache bytes (target per position, target fixed, draft per position), measured once.
+    cache_sizes: std::sync::OnceLock<(u64, u64, u64)>,
 }
 
 impl Engine {
@@ -110,7 +112,47 @@ impl Engine {
             policy: std::sync::Mutex::new(Policy::new().with_verify_shape(shape)),
             acceptance: std::sync::Mutex::new(None),
             prefix: None,
+            cache_sizes: Default::default(),
         }
+    }
+
+    /// The positions a generation of `req` allocates its caches for, its block size, and
+    /// whether it drafts (the one rule [`Sequence::new`] and [`Self::request_cache_bytes`] use).
+    pub(crate) fn plan(&self, req: &GenerateRequest) -> (usize, usize, bool) {
+        let q_max = self.block_size(req);
+        let drafts = self.draft.is_some() && q_max > 1;
+        let capacity = req
+            .prompt_ids
+            .len()
+            .saturating_add(req.max_tokens)
+            .saturating_add(q_max)
+            .min(self.max_context);
+        (capacity, q_max, drafts)
+    }
+
+    /// The bytes of KV cache (and recurrent state) a generation of `req` holds while it runs,
+    /// target and draft: measured from the caches themselves (a 1- and a 2-position cache of
+    /// each, once), so it is what they allocate. The server admits requests by it.
+    pub fn request_cache_bytes(&self, req: &GenerateRequest) -> Result<u64> {
+        let (capacity, _, drafts) = self.plan(req);
+        let sizes = match self.cache_sizes.get() {
+            Some(s) => *s,
+            None => {
+                let t1 = self.target.new_cache(1)?.bytes() as u64;
+                let t2 = self.target.new_cache(2)?.bytes() as u64;
+                let d = match &self.draft {
+                    Some(d) => (d.new_cache(2)?.bytes() - d.new_cache(1)?.bytes()) as u64,
+                    None => 0,
+                };
+                let per = t2.saturating_sub(t1);
+                *self
+                    .cache_sizes
+                    .get_or_init(|| (per, t1.saturating_sub(per), d))
+            }
+        };
+        let (per, fixed, dper) = sizes;
+        let draft = if drafts { dper * capacity as u64 } else { 0 };
+        Ok(per * capacity as u64 + fixed + draft)
     }
 
     /// Keep finished sequences' caches (up to `bytes`) for later prompts that share a prefix.

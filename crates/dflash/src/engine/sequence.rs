@@ -126,17 +126,13 @@ impl<'e> Sequence<'e> {
                 engine.max_context
             )));
         }
-        let q_max = engine.block_size(&req);
+        let (capacity, q_max, drafts) = engine.plan(&req);
         if q_max > 64 {
             return Err(Error::input(format!(
                 "block size {q_max} is larger than 64"
             )));
         }
-        let draft = engine.draft.as_ref().filter(|_| q_max > 1);
-        let capacity = p
-            .saturating_add(req.max_tokens)
-            .saturating_add(q_max)
-            .min(engine.max_context);
+        let draft = engine.draft.as_ref().filter(|_| drafts);
         if let Some(&bad) = req
             .prompt_ids
             .iter()
@@ -272,6 +268,11 @@ impl<'e> Sequence<'e> {
         self.finish = finish;
         self.decode_t0 = Instant::now();
         Ok(())
+    }
+
+    /// Bytes its caches hold (target and draft; what [`Engine::request_cache_bytes`] predicts).
+    pub fn cache_bytes(&self) -> u64 {
+        (self.tcache.bytes() + self.dcache.as_ref().map_or(0, |d| d.bytes())) as u64
     }
 
     pub fn is_done(&self) -> bool {
