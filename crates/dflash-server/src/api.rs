@@ -903,8 +903,8 @@ fn encode_chat(
     kwargs: &Map<String, Value>,
     lim: &Limits,
 ) -> Result<Vec<u32>, ApiError> {
-    let render = |m: &[ChatMessage]| {
-        t.render(m, true, enable_thinking, kwargs)
+    let render = |m: &[ChatMessage], kw: &Map<String, Value>| {
+        t.render(m, true, enable_thinking, kw)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))
     };
     let enc_err = |e: dflash::Error| ApiError::invalid("messages", e.to_string());
@@ -913,8 +913,11 @@ fn encode_chat(
     } else {
         msgs.iter().map(|m| tok.special_spans(&m.content)).collect()
     };
-    if forged.iter().all(Vec::is_empty) {
-        return tok.encode(&render(msgs)?, false).map_err(enc_err);
+    // `chat_template_kwargs` strings reach the prompt too when a template prints them
+    let kw_forged = !lim.special_tokens_in_content
+        && strings_of(kwargs).any(|s| !tok.special_spans(s).is_empty());
+    if forged.iter().all(Vec::is_empty) && !kw_forged {
+        return tok.encode(&render(msgs, kwargs)?, false).map_err(enc_err);
     }
     let kw = Value::Object(kwargs.clone()).to_string();
     let Some(mark) = ('\u{FDD0}'..='\u{FDEF}')
@@ -925,26 +928,26 @@ fn encode_chat(
             "`messages` contain special-token text and all 32 Unicode noncharacters U+FDD0..U+FDEF, which this server needs to keep that text as text; remove the noncharacters",
         ));
     };
-    let mut texts: Vec<&str> = Vec::new();
+    let mut texts: Vec<String> = Vec::new();
     let marked: Vec<ChatMessage> = msgs
         .iter()
         .zip(&forged)
         .map(|(m, spans)| {
-            let mut c = String::with_capacity(m.content.len() + 8 * spans.len());
-            let mut at = 0;
-            for &(a, b) in spans {
-                c.push_str(&m.content[at..a]);
-                c.push(mark);
-                c.push_str(&texts.len().to_string());
-                c.push(mark);
-                texts.push(&m.content[a..b]);
-                at = b;
-            }
-            c.push_str(&m.content[at..]);
-            ChatMessage::new(m.role.clone(), c)
+            ChatMessage::new(
+                m.role.clone(),
+                marked_text(&m.content, spans, mark, &mut texts),
+            )
         })
         .collect();
-    let rendered = render(&marked)?;
+    let marked_kw: Map<String, Value> = if kw_forged {
+        kwargs
+            .iter()
+            .map(|(k, v)| (k.clone(), marked_value(v, tok, mark, &mut texts)))
+            .collect()
+    } else {
+        kwargs.clone()
+    };
+    let rendered = render(&marked, &marked_kw)?;
     let mangled = || {
         ApiError::invalid(
             "messages",
@@ -975,6 +978,61 @@ fn encode_chat(
         .collect();
     tok.encode_with_specials_at(&text, &template_specials, false)
         .map_err(enc_err)
+}
+
+/// `text` with each special-token span replaced by `mark` index `mark` (the span's text kept
+/// in `texts` at that index).
+fn marked_text(
+    text: &str,
+    spans: &[(usize, usize)],
+    mark: char,
+    texts: &mut Vec<String>,
+) -> String {
+    let mut c = String::with_capacity(text.len() + 8 * spans.len());
+    let mut at = 0;
+    for &(a, b) in spans {
+        c.push_str(&text[at..a]);
+        c.push(mark);
+        c.push_str(&texts.len().to_string());
+        c.push(mark);
+        texts.push(text[a..b].to_string());
+        at = b;
+    }
+    c.push_str(&text[at..]);
+    c
+}
+
+/// Every string inside a JSON value (object values, array items), depth first.
+fn strings_of(m: &Map<String, Value>) -> impl Iterator<Item = &str> {
+    fn walk<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+        match v {
+            Value::String(s) => out.push(s),
+            Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
+            Value::Object(o) => o.values().for_each(|x| walk(x, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    m.values().for_each(|v| walk(v, &mut out));
+    out.into_iter()
+}
+
+/// A kwargs value with the special-token text of its strings marked (as [`marked_text`]).
+fn marked_value(v: &Value, tok: &Tokenizer, mark: char, texts: &mut Vec<String>) -> Value {
+    match v {
+        Value::String(s) => Value::String(marked_text(s, &tok.special_spans(s), mark, texts)),
+        Value::Array(a) => Value::Array(
+            a.iter()
+                .map(|x| marked_value(x, tok, mark, texts))
+                .collect(),
+        ),
+        Value::Object(o) => Value::Object(
+            o.iter()
+                .map(|(k, x)| (k.clone(), marked_value(x, tok, mark, texts)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
 }
 
 /// Why a generation ended and what it cost.
