@@ -116,9 +116,8 @@ pub fn run(
 ) {
     let max_seqs = max_seqs.max(1);
     let mut batch = Batch::new(&engine);
-    let mut running: Vec<(usize, Rc<RefCell<Running>>)> = Vec::new();
-    // cache bytes held by each running generation (by batch id)
-    let mut held: std::collections::HashMap<usize, u64> = Default::default();
+    // (batch id, state, cache bytes it holds)
+    let mut running: Vec<(usize, Rc<RefCell<Running>>, u64)> = Vec::new();
     // a job taken from the queue whose caches did not fit yet: first in line
     let mut waiting: Option<Job> = None;
     let mut next_id = 0usize;
@@ -169,7 +168,7 @@ pub fn run(
                 }
             };
             if let Some(budget) = kv_budget {
-                let used: u64 = held.values().sum();
+                let used: u64 = running.iter().map(|r| r.2).sum();
                 if need > budget {
                     let _ = job.events.send(Event::Error(ApiError::invalid(
                         "max_tokens",
@@ -203,8 +202,7 @@ pub fn run(
             match started {
                 Ok(Ok(seq)) => {
                     batch.push(next_id, seq);
-                    running.push((next_id, state));
-                    held.insert(next_id, need);
+                    running.push((next_id, state, need));
                     next_id += 1;
                 }
                 Ok(Err(e)) => send_engine_error(&events, &metrics, e),
@@ -222,8 +220,7 @@ pub fn run(
                 k += 1;
                 continue;
             };
-            let (id, st) = running.swap_remove(k);
-            held.remove(&id);
+            let (id, st, _) = running.swap_remove(k);
             if let Some(seq) = batch.take(id) {
                 let out = seq.finish();
                 let mut st = Rc::try_unwrap(st)
@@ -242,21 +239,19 @@ pub fn run(
             Ok(e) => e,
             Err(_) => {
                 // A panic inside a shared step: every running generation ends with the error.
-                for (_, st) in running.drain(..) {
+                for (_, st, _) in running.drain(..) {
                     send_panic(&st.borrow().events, &metrics);
                 }
-                held.clear();
                 batch = Batch::new(&engine);
                 metrics.set_running(0);
                 continue;
             }
         };
         for (id, result) in ended {
-            let Some(k) = running.iter().position(|(i, _)| *i == id) else {
+            let Some(k) = running.iter().position(|(i, _, _)| *i == id) else {
                 continue;
             };
-            let (_, st) = running.swap_remove(k);
-            held.remove(&id);
+            let (_, st, _) = running.swap_remove(k);
             let st = Rc::try_unwrap(st)
                 .ok()
                 .map(RefCell::into_inner)

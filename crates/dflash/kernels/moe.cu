@@ -529,22 +529,6 @@ __device__ __forceinline__ void mma_span(const uint4* const (&wp)[4], const uint
   }
 }
 
-// A warp's accumulators into red[warp][weight row 0..32][gathered row 0..8T].
-template <int T>
-__device__ __forceinline__ void mma_stage(const float (&acc)[2][T][4], float (*red)[32][8 * T]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-#pragma unroll
-  for (int a = 0; a < 2; ++a)
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      red[warp][16 * a + g][8 * t + 2 * c] = acc[a][t][0];
-      red[warp][16 * a + g][8 * t + 2 * c + 1] = acc[a][t][1];
-      red[warp][16 * a + g + 8][8 * t + 2 * c] = acc[a][t][2];
-      red[warp][16 * a + g + 8][8 * t + 2 * c + 1] = acc[a][t][3];
-    }
-  __syncthreads();
-}
-
 // The slot's gathered row pointers: pair q's row is rows + (pairs[q] / div) * width (+ lane c).
 template <int T>
 __device__ __forceinline__ void mma_rows(const bf16* __restrict__ rows, const int* pairs, int np, int div,
@@ -570,7 +554,7 @@ __device__ __forceinline__ void slot_product(const uint4* const (&wp)[4], const 
   const int chunks = width / 32, warp = threadIdx.x / 32;
   float acc[2][T][4] = {};
   mma_span<T>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
-  mma_stage<T>(acc, red);
+  stage_rows<T, 2>(acc, red);
 }
 
 // As gate_up_impl, on the tensor cores: grid (slots, ceil(I / 16)); block y takes units

@@ -30,6 +30,24 @@ __device__ __forceinline__ uint4 load_weight(const uint4* p) {
   return r;
 }
 
+// A warp's accumulators into red[warp][weight row 0..16TN][x row 0..8T] (layout of
+// store_rows below), then a block barrier.
+template <int T, int TN>
+__device__ __forceinline__ void stage_rows(const float (&acc)[TN][T][4], float (*red)[16 * TN][8 * T]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int a = 0; a < TN; ++a)
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      red[warp][16 * a + g][8 * t + 2 * c] = acc[a][t][0];
+      red[warp][16 * a + g][8 * t + 2 * c + 1] = acc[a][t][1];
+      red[warp][16 * a + g + 8][8 * t + 2 * c] = acc[a][t][2];
+      red[warp][16 * a + g + 8][8 * t + 2 * c + 1] = acc[a][t][3];
+    }
+  __syncthreads();
+}
+
 // The epilogue: acc[a][t] holds, for lane (g, c), weight rows g (d[0], d[1]) and g + 8 (d[2],
 // d[3]) of tile a and x rows 2c, 2c+1 of x tile t. With W == 1 each warp writes its own; else
 // the W warps that split K for a tile stage theirs in `red` (the caller's shared array) and the
@@ -41,9 +59,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[TN][T][4],
                                            __nv_bfloat16* __restrict__ y, int m_rows, int n_rows,
                                            int n0) {
   constexpr int R = 16 * TN;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
-  if (W == 1) {
+  if constexpr (W == 1) {
 #pragma unroll
     for (int a = 0; a < TN; ++a)
 #pragma unroll
@@ -59,29 +77,20 @@ __device__ __forceinline__ void store_rows(const float (&acc)[TN][T][4],
           if (nb < n_rows) y[(size_t)(m + 1) * n_rows + nb] = __float2bfloat16(acc[a][t][3]);
         }
       }
-    return;
-  }
+  } else {
+    stage_rows<T, TN>(acc, red);
+    // Per tile R weight rows x 8T x rows; consecutive threads write consecutive n.
+    constexpr int PER_TILE = R * 8 * T;
+    for (int i = threadIdx.x; i < (BW / W) * PER_TILE; i += blockDim.x) {
+      const int tb = i / PER_TILE, e = i % PER_TILE;
+      const int r = e % R, m = e / R;
+      const int n = (blockIdx.x * (BW / W) + tb) * R + r;
+      if (m < m_rows && n < n_rows) {
+        float s = 0.f;
 #pragma unroll
-  for (int a = 0; a < TN; ++a)
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      red[warp][16 * a + g][8 * t + 2 * c] = acc[a][t][0];
-      red[warp][16 * a + g][8 * t + 2 * c + 1] = acc[a][t][1];
-      red[warp][16 * a + g + 8][8 * t + 2 * c] = acc[a][t][2];
-      red[warp][16 * a + g + 8][8 * t + 2 * c + 1] = acc[a][t][3];
-    }
-  __syncthreads();
-  // Per tile R weight rows x 8T x rows; consecutive threads write consecutive n.
-  constexpr int PER_TILE = R * 8 * T;
-  for (int i = threadIdx.x; i < (BW / W) * PER_TILE; i += blockDim.x) {
-    const int tb = i / PER_TILE, e = i % PER_TILE;
-    const int r = e % R, m = e / R;
-    const int n = (blockIdx.x * (BW / W) + tb) * R + r;
-    if (m < m_rows && n < n_rows) {
-      float s = 0.f;
-#pragma unroll
-      for (int v = 0; v < W; ++v) s += red[tb * W + v][r][m];
-      y[(size_t)m * n_rows + n] = __float2bfloat16(s);
+        for (int v = 0; v < W; ++v) s += red[tb * W + v][r][m];
+        y[(size_t)m * n_rows + n] = __float2bfloat16(s);
+      }
     }
   }
 }

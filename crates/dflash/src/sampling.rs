@@ -256,15 +256,18 @@ impl Sampler {
         let count = |t: u32| {
             h.counts.get(&t).copied().unwrap_or(0) + extra_counts.get(&t).copied().unwrap_or(0)
         };
-        let mut seen: Vec<u32> = h
+        // every token seen once: the generated ones, then the block's new ones, then the
+        // prompt's not generated (each adjustment reads only its own token)
+        let seen = h
             .counts
             .keys()
-            .chain(extra_counts.keys())
-            .chain(h.prompt.iter())
-            .copied()
-            .collect();
-        seen.sort_unstable();
-        seen.dedup();
+            .chain(extra_counts.keys().filter(|t| !h.counts.contains_key(t)))
+            .chain(
+                h.prompt
+                    .iter()
+                    .filter(|t| !h.counts.contains_key(t) && !extra_counts.contains_key(t)),
+            )
+            .copied();
         for t in seen {
             let Some(l) = index(t).and_then(|i| row.get_mut(i)) else {
                 continue;

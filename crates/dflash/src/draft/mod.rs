@@ -365,13 +365,18 @@ impl DraftModel {
         Ok(self.to_target_ids(ids))
     }
 
-    /// Draft-vocabulary ids as target ids (through `d2t` for a narrow head).
+    /// A draft-vocabulary id as a target id (through `d2t` for a narrow head).
+    fn target_id(&self, i: u32) -> u32 {
+        match &self.d2t {
+            Some(d2t) => (i as i64 + d2t[i as usize]) as u32,
+            None => i,
+        }
+    }
+
+    /// Draft-vocabulary ids as target ids.
     fn to_target_ids(&self, ids: Vec<u32>) -> Vec<u32> {
         match &self.d2t {
-            Some(d2t) => ids
-                .iter()
-                .map(|&i| (i as i64 + d2t[i as usize]) as u32)
-                .collect(),
+            Some(_) => ids.into_iter().map(|i| self.target_id(i)).collect(),
             None => ids,
         }
     }
@@ -427,7 +432,7 @@ impl DraftModel {
             guide.adjusted(r, &extra, index);
             let i = crate::sampling::argmax(r);
             ids.push(i);
-            extra.push(self.to_target_ids(vec![i])[0]);
+            extra.push(self.target_id(i));
         }
         Ok(ids)
     }
