@@ -11,7 +11,7 @@
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 GGUF matrices kept as stored on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
-//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name: `attention_fill,moe_mma,route_bf16` (or `all`); see [`Trial`] |
+//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (none pending now; session 22's three are the default since session 23) (or `all`); see [`Trial`] |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`) |
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -75,28 +75,18 @@ impl Part {
 /// CUDA paths that are written and compiled but not yet run on a GPU: off unless named in
 /// `DFLASH_TRY`, so a build between two GPU sessions keeps the proven kernels. Each becomes the
 /// default (and leaves this list) once the H200 tests and benchmarks of docs/perf.md pass.
+/// Session 22's three (`attention_fill`, `moe_mma`, `route_bf16`) passed in session 23 and are
+/// the default now; the list is empty until the next one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trial {
-    /// Attention blocks with fewer (row, head) pairs when the grid would leave
-    /// multiprocessors idle (`nn::cuda::attention`'s `attn_pick`).
-    AttentionFill,
-    /// The MoE experts' GEMMs on the tensor cores (`kernels/moe.cu` `moe_*_mma`).
-    MoeMma,
-    /// The device routing reads the router's bf16 output as it is (no cast launch).
-    RouteBf16,
-}
+pub enum Trial {}
 
 impl Trial {
-    pub const ALL: [Trial; 3] = [Trial::AttentionFill, Trial::MoeMma, Trial::RouteBf16];
+    pub const ALL: [Trial; 0] = [];
     pub fn name(self) -> &'static str {
-        match self {
-            Trial::AttentionFill => "attention_fill",
-            Trial::MoeMma => "moe_mma",
-            Trial::RouteBf16 => "route_bf16",
-        }
+        match self {}
     }
     fn bit(self) -> u8 {
-        1 << (self as u8)
+        match self {}
     }
 }
 
@@ -318,9 +308,9 @@ mod tests {
         );
         let p = parse(&[("DFLASH_FUSED_OFF", "moe, delta,bogus")]);
         assert_eq!(p.fused_off, Part::Moe.bit() | Part::Delta.bit());
+        // no trial pending: every name (former trials included) is ignored
         assert_eq!(d.trials, 0);
-        let t = parse(&[("DFLASH_TRY", "moe_mma, bogus")]);
-        assert_eq!(t.trials, Trial::MoeMma.bit());
-        assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, 0b111);
+        assert_eq!(parse(&[("DFLASH_TRY", "moe_mma, bogus")]).trials, 0);
+        assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, 0);
     }
 }

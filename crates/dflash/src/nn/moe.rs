@@ -625,11 +625,8 @@ impl SparseMoe {
             inter: e.inter,
             act,
         };
-        let logits = if crate::switches::trial(crate::switches::Trial::RouteBf16) {
-            r.projected(router_x)?
-        } else {
-            r.logits(router_x)?
-        };
+        // the kernel reads the router's output in its own dtype (no cast launch)
+        let logits = r.projected(router_x)?;
         Ok(super::cuda::moe(x, &logits, &call)?)
     }
 

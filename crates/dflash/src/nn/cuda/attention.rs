@@ -439,9 +439,6 @@ fn attn_pick(
     pairs: usize,
 ) -> Option<(&'static str, usize)> {
     let v = attn_variants(dk, dv)?;
-    if !crate::switches::trial(crate::switches::Trial::AttentionFill) {
-        return Some(v[0]);
-    }
     let sms = multiprocessors(dev);
     Some(
         v.iter()

@@ -233,9 +233,7 @@ impl CustomOp1 for MoeOp {
         // The tensor-core kernels where both widths are multiples of 32 (chosen from the
         // shapes alone, so a row always meets the same arithmetic), tiles of 8 rows for the
         // pairs one expert can have (at most one per row).
-        let mma = crate::switches::trial(crate::switches::Trial::MoeMma)
-            && hidden % 32 == 0
-            && inter % 32 == 0;
+        let mma = hidden % 32 == 0 && inter % 32 == 0;
         let t = if n <= 8 { 1 } else { 2 };
 
         // 3. gate/up of every chosen expert: 16 (tensor cores) or 8 units per block
