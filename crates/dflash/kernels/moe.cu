@@ -307,6 +307,264 @@ extern "C" __global__ void __launch_bounds__(256)
   if (t == 0) slots[nslots * SLOT_W] = count;
 }
 
+// ---------------------------------------------------------------------------------------
+// Routing and the union in one launch (one block of 8 warps for all n <= 16 rows): warp w
+// routes rows w and w + 8, each lane holding experts lane + 32u (u < PER, E <= 32 PER), the
+// top-k found by k warp-wide argmax rounds (shuffles, no block barrier); then the block builds
+// the union from the chosen ids in shared memory as moe_union does. A row's arithmetic (its
+// softmax sums in lane order, its choices) depends on its logits and E alone.
+
+#define RU_WARPS 8
+
+// Warp-wide argmax of (v, i) pairs: the largest value, the lowest index among equal ones;
+// i < 0 marks no candidate. Every lane ends with the same pair.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
+// One row's routing by one warp (modes as moe_route); the chosen ids / weights to ids_out /
+// w_out [k] (global) and ids_sh [k] (shared). s_choice: this warp's E floats of shared memory.
+template <int PER>
+__device__ void route_row(const void* __restrict__ logits_in, int logits_bf16, int row, int E, int k, int mode,
+                          int renorm, const float* __restrict__ corr, int n_group, int topk_group,
+                          const float* __restrict__ pe_scale, float scale, int* __restrict__ ids_out,
+                          float* __restrict__ w_out, int* ids_sh, float* s_choice) {
+  const int lane = threadIdx.x % 32;
+  const float* lf = static_cast<const float*>(logits_in) + (size_t)row * E;
+  const bf16* lb = static_cast<const bf16*>(logits_in) + (size_t)row * E;
+  float x[PER], score[PER];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int e = lane + 32 * u;
+    x[u] = e >= E ? -INFINITY : logits_bf16 ? __bfloat162float(lb[e]) : lf[e];
+  }
+  if (mode == 0) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < PER; ++u) m = fmaxf(m, x[u]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float z = 0.f;
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      score[u] = lane + 32 * u < E ? __expf(x[u] - m) : 0.f;
+      z += score[u];
+    }
+    z = warp_sum(z);
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      score[u] = score[u] / z;
+      x[u] = lane + 32 * u < E ? score[u] : -INFINITY;  // choose by probability
+    }
+  } else if (mode == 2) {
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int e = lane + 32 * u;
+      score[u] = e < E ? 1.f / (1.f + __expf(-x[u])) : 0.f;
+      x[u] = e < E ? score[u] + corr[e] : -INFINITY;
+    }
+    if (topk_group < n_group) {
+      // group scores: the sum of each group's two best choices (lane g < n_group scans group
+      // g), then the best topk_group groups (lane 0; ties to the lower group)
+      const int per = E / n_group;
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int e = lane + 32 * u;
+        if (e < E) s_choice[e] = x[u];
+      }
+      __syncwarp();
+      float gs[2] = {-INFINITY, -INFINITY};
+      unsigned keep_lo = 0, keep_hi = 0;  // groups kept (n_group <= 64)
+      for (int gb = 0; gb < n_group; gb += 32) {
+        const int grp = gb + lane;
+        float a = -INFINITY, b = -INFINITY;
+        if (grp < n_group) {
+          for (int j = 0; j < per; ++j) {
+            const float c = s_choice[grp * per + j];
+            if (c > a) {
+              b = a;
+              a = c;
+            } else if (c > b) {
+              b = c;
+            }
+          }
+        }
+        gs[gb / 32] = grp < n_group ? (per >= 2 ? a + b : a) : -INFINITY;
+      }
+      for (int r = 0; r < topk_group; ++r) {
+        float bv = -INFINITY;
+        int bi = -1;
+        for (int h = 0; h < 2; ++h) {
+          const int grp = 32 * h + lane;
+          const bool kept = (h ? keep_hi : keep_lo) >> lane & 1u;
+          if (grp < n_group && !kept && (bi < 0 || gs[h] > bv)) {
+            bv = gs[h];
+            bi = grp;
+          }
+        }
+        warp_argmax(bv, bi);
+        if (bi >= 0) {
+          if (bi < 32) keep_lo |= 1u << bi;
+          else keep_hi |= 1u << (bi - 32);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int e = lane + 32 * u;
+        if (e < E) {
+          const int grp = e / per;
+          const bool kept = (grp < 32 ? keep_lo >> grp : keep_hi >> (grp - 32)) & 1u;
+          if (!kept) x[u] = -INFINITY;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < PER; ++u) score[u] = x[u];
+  }
+  // top-k, largest first, ties to the lower index; lane 0 keeps the chosen (id, score)
+  int chosen[16];
+  float chosen_w[16];
+  for (int r = 0; r < k; ++r) {
+    float bv = -INFINITY;
+    int bi = -1;
+    // indices grow with u: a strict > keeps the lowest index among equal values; -inf and
+    // NaN are never chosen
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      if (lane + 32 * u < E && x[u] > bv) {
+        bv = x[u];
+        bi = lane + 32 * u;
+      }
+    }
+    warp_argmax(bv, bi);
+    float sw = 0.f;
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      if (lane + 32 * u == bi) {
+        sw = score[u];
+        x[u] = -INFINITY;
+      }
+    }
+    // the owner's score to every lane (bi < 0: nothing chosen, weight 0)
+    sw = __shfl_sync(0xffffffffu, sw, bi < 0 ? 0 : bi % 32);
+#pragma unroll
+    for (int q = 0; q < 16; ++q)
+      if (q == r) {
+        chosen[q] = bi;
+        chosen_w[q] = sw;
+      }
+  }
+  if (lane == 0) {
+    float sum = 0.f;
+    if (mode == 1) {
+      const float m = chosen_w[0];
+#pragma unroll
+      for (int r = 0; r < 16; ++r)
+        if (r < k) {
+          chosen_w[r] = __expf(chosen_w[r] - m);
+          sum += chosen_w[r];
+        }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 16; ++r)
+        if (r < k) sum += chosen_w[r];
+      if (mode == 2) sum += 1e-20f;
+    }
+    const bool div = mode == 1 || renorm;
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      if (r < k) {
+        const int e = chosen[r];
+        float wt = div ? chosen_w[r] / sum : chosen_w[r];
+        if (pe_scale != nullptr && e >= 0) wt *= pe_scale[e];
+        wt *= scale;
+        ids_out[r] = e < 0 ? 0 : e;
+        w_out[r] = e < 0 ? 0.f : wt;
+        ids_sh[r] = e < 0 ? 0 : e;
+      }
+    }
+  }
+}
+
+// Routing of all n rows, then the union (slots as moe_union). ids [n, k], w [n, k].
+template <int PER>
+__device__ void route_union_impl(const void* __restrict__ logits_in, int logits_bf16, int n, int E, int k,
+                                 int mode, int renorm, const float* __restrict__ corr, int n_group,
+                                 int topk_group, const float* __restrict__ pe_scale, float scale,
+                                 int* __restrict__ ids, float* __restrict__ w, int nslots,
+                                 int* __restrict__ slots) {
+  __shared__ float s_choice[RU_WARPS][32 * PER];
+  __shared__ int ids_sh[256];
+  __shared__ int slot_of[1024];
+  __shared__ int scan[256];
+  const int t = threadIdx.x, warp = t / 32;
+  for (int row = warp; row < n; row += RU_WARPS)
+    route_row<PER>(logits_in, logits_bf16, row, E, k, mode, renorm, corr, n_group, topk_group, pe_scale,
+                   scale, ids + (size_t)row * k, w + (size_t)row * k, ids_sh + row * k, s_choice[warp]);
+  const int npairs = n * k;
+  for (int e = t; e < E; e += 256) slot_of[e] = 0;
+  __syncthreads();
+  const int mine = t < npairs ? ids_sh[t] : -1;
+  if (mine >= 0) slot_of[mine] = 1;  // benign race: every writer writes 1
+  __syncthreads();
+  int c = 0;
+  for (int u = 0; u < 4; ++u) c += (4 * t + u < E) ? slot_of[4 * t + u] : 0;
+  scan[t] = c;
+  __syncthreads();
+  for (int off = 1; off < 256; off <<= 1) {
+    const int v = t >= off ? scan[t - off] : 0;
+    __syncthreads();
+    scan[t] += v;
+    __syncthreads();
+  }
+  int base = t > 0 ? scan[t - 1] : 0;
+  const int count = scan[255];
+  __syncthreads();
+  for (int u = 0; u < 4; ++u) {
+    const int e = 4 * t + u;
+    if (e < E && slot_of[e]) {
+      slot_of[e] = base;
+      slots[base * SLOT_W] = e;
+      ++base;
+    } else if (e < E) {
+      slot_of[e] = -1;
+    }
+  }
+  __syncthreads();
+  if (mine >= 0) {
+    int before = 0;
+    for (int q = 0; q < t; ++q) before += ids_sh[q] == mine;
+    const int s = slot_of[mine];
+    if (before < MOE_MAX_PAIRS) slots[s * SLOT_W + 2 + before] = t;
+    int total = before;
+    for (int q = t; q < npairs; ++q) total += ids_sh[q] == mine;
+    if (before == 0) slots[s * SLOT_W + 1] = total < MOE_MAX_PAIRS ? total : MOE_MAX_PAIRS;
+  }
+  if (t == 0) slots[nslots * SLOT_W] = count;
+}
+
+#define ROUTE_UNION(PER)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(32 * RU_WARPS) moe_route_union_e##PER(                    \
+      const void* logits_in, int logits_bf16, int n, int E, int k, int mode, int renorm,               \
+      const float* corr, int n_group, int topk_group, const float* pe_scale, float scale, int* ids,     \
+      float* w, int nslots, int* slots) {                                                               \
+    route_union_impl<PER>(logits_in, logits_bf16, n, E, k, mode, renorm, corr, n_group, topk_group,     \
+                          pe_scale, scale, ids, w, nslots, slots);                                      \
+  }
+ROUTE_UNION(4)
+ROUTE_UNION(8)
+ROUTE_UNION(16)
+ROUTE_UNION(32)
+
 #define MOE_WARPS 8
 
 // Block x handles union slot x (nothing past the union's size): its expert and pairs.
@@ -488,42 +746,41 @@ MOE_GEMMS(16)
 // The expert GEMMs on the tensor cores.
 
 #define MMA_WARPS 8
-#define MMA_U 2
 
 // acc[a][t] += the products of weight rows wp[2a] (rows g) / wp[2a + 1] (rows g + 8) with the
 // gathered rows xp[t] (row 8t + g; xok false: zeros) over chunks [c0, c1) of 32 k. Pointers
 // include the lane's 16-byte column c; U chunks in flight (as kernels/mma.cu's gemm_rows).
-template <int T>
-__device__ __forceinline__ void mma_span(const uint4* const (&wp)[4], const uint4* const (&xp)[T],
-                                         const bool (&xok)[T], int c0, int c1, float (&acc)[2][T][4]) {
+template <int A, int T, int U>
+__device__ __forceinline__ void mma_span(const uint4* const (&wp)[2 * A], const uint4* const (&xp)[T],
+                                         const bool (&xok)[T], int c0, int c1, float (&acc)[A][T][4]) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 wv[MMA_U][4], xv[MMA_U][T];
+  uint4 wv[U][2 * A], xv[U][T];
   auto load = [&](int ch) {
 #pragma unroll
-    for (int u = 0; u < MMA_U; ++u)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wv[u][j] = load_weight(wp[j] + min(ch + u, c1 - 1) * 4);
+      for (int j = 0; j < 2 * A; ++j) wv[u][j] = load_weight(wp[j] + min(ch + u, c1 - 1) * 4);
 #pragma unroll
-    for (int u = 0; u < MMA_U; ++u)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int t = 0; t < T; ++t) xv[u][t] = xok[t] ? __ldg(xp[t] + min(ch + u, c1 - 1) * 4) : zero;
   };
   if (c0 < c1) load(c0);
-  for (int ch = c0; ch < c1; ch += MMA_U) {
-    uint4 cw[MMA_U][4], cx[MMA_U][T];
+  for (int ch = c0; ch < c1; ch += U) {
+    uint4 cw[U][2 * A], cx[U][T];
 #pragma unroll
-    for (int u = 0; u < MMA_U; ++u) {
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) cw[u][j] = wv[u][j];
+      for (int j = 0; j < 2 * A; ++j) cw[u][j] = wv[u][j];
 #pragma unroll
       for (int t = 0; t < T; ++t) cx[u][t] = xv[u][t];
     }
-    if (ch + MMA_U < c1) load(ch + MMA_U);
+    if (ch + U < c1) load(ch + U);
 #pragma unroll
-    for (int u = 0; u < MMA_U; ++u)
+    for (int u = 0; u < U; ++u)
       if (ch + u < c1)
 #pragma unroll
-        for (int a = 0; a < 2; ++a)
+        for (int a = 0; a < A; ++a)
 #pragma unroll
           for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], cw[u][2 * a], cw[u][2 * a + 1], cx[u][t]);
   }
@@ -543,51 +800,58 @@ __device__ __forceinline__ void mma_rows(const bf16* __restrict__ rows, const in
 }
 
 // One slot's product, staged for the epilogue: the gathered rows (pair q's row rows +
-// (pairs[q] / div) * width) times the four weight rows wp, k = width split over the warps.
-template <int T>
-__device__ __forceinline__ void slot_product(const uint4* const (&wp)[4], const bf16* __restrict__ rows,
+// (pairs[q] / div) * width) times the 2A weight rows wp, k = width split over the warps (the
+// same split for every A and T: an output's arithmetic depends on the widths alone).
+template <int A, int T, int U>
+__device__ __forceinline__ void slot_product(const uint4* const (&wp)[2 * A], const bf16* __restrict__ rows,
                                              const int* pairs, int np, int div, int width,
-                                             float (*red)[32][8 * T]) {
+                                             float (*red)[16 * A][8 * T]) {
   const uint4* xp[T];
   bool xok[T];
   mma_rows<T>(rows, pairs, np, div, width, xp, xok);
   const int chunks = width / 32, warp = threadIdx.x / 32;
-  float acc[2][T][4] = {};
-  mma_span<T>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
-  stage_rows<T, 2>(acc, red);
+  float acc[A][T][4] = {};
+  mma_span<A, T, U>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
+  stage_rows<T, A>(acc, red);
 }
 
-// As gate_up_impl, on the tensor cores: grid (slots, ceil(I / 16)); block y takes units
-// [16y, 16y + 16). H % 32 == 0.
-template <int T>
+// As gate_up_impl, on the tensor cores: grid (slots, ceil(I / 8A)); block y takes units
+// [8Ay, 8Ay + 8A). A = 2: m16 tile 0 holds gate units j0..j0+15, tile 1 the same units' up rows;
+// A = 1 (one or few rows: twice the blocks, half the work each): the tile holds gate units
+// j0..j0+7 (rows 0-7) and their up rows (8-15). H % 32 == 0.
+template <int A, int T, int U>
 __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ slots, int nslots, int k,
                             const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter,
                             int hidden, int mode, float limit, float alpha, bf16* __restrict__ h) {
   __shared__ int pairs[MOE_MAX_PAIRS];
   __shared__ int e_sh;
-  __shared__ float red[MMA_WARPS][32][8 * T];
+  __shared__ float red[MMA_WARPS][16 * A][8 * T];
   const int np = expert_pairs(slots, nslots, &e_sh, pairs);
   if (np == 0) return;
   const int e = e_sh;
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int j0 = blockIdx.y * 16;
+  constexpr int UNITS = 8 * A;
+  const int j0 = blockIdx.y * UNITS;
   const bf16* we = gate_up + (size_t)e * 2 * inter * hidden;
-  // gate rows j0 + g, j0 + g + 8, then the same units' up rows (clamped past I, never stored)
-  const uint4* wp[4];
+  // wp[j]: A = 2: gate g, gate g + 8, up g, up g + 8; A = 1: gate g, up g (clamped past I,
+  // never stored). red row of gate unit r: r (A = 2: r < 16) / r (A = 1: r < 8); its up row:
+  // 16 + r / 8 + r.
+  const uint4* wp[2 * A];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int unit = min(j0 + g + 8 * (j % 2), inter - 1);
-    wp[j] = reinterpret_cast<const uint4*>(we + (size_t)((j / 2) * inter + unit) * hidden) + c;
+  for (int j = 0; j < 2 * A; ++j) {
+    const int up = A == 2 ? j / 2 : j;
+    const int unit = min(j0 + g + (A == 2 ? 8 * (j % 2) : 0), inter - 1);
+    wp[j] = reinterpret_cast<const uint4*>(we + (size_t)(up * inter + unit) * hidden) + c;
   }
-  slot_product<T>(wp, x, pairs, np, k, hidden, red);
-  for (int i = threadIdx.x; i < 16 * np; i += blockDim.x) {
-    const int r = i % 16, q = i / 16, j = j0 + r;
+  slot_product<A, T, U>(wp, x, pairs, np, k, hidden, red);
+  for (int i = threadIdx.x; i < UNITS * np; i += blockDim.x) {
+    const int r = i % UNITS, q = i / UNITS, j = j0 + r;
     if (j >= inter) continue;
     float gs = 0.f, us = 0.f;
 #pragma unroll
     for (int w = 0; w < MMA_WARPS; ++w) {
       gs += red[w][r][q];
-      us += red[w][16 + r][q];
+      us += red[w][UNITS + r][q];
     }
     float gv = rb(gs), uv = rb(us);
     if (bias != nullptr) {
@@ -598,28 +862,29 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
   }
 }
 
-// As down_impl, on the tensor cores: grid (slots, ceil(H / 32)); block y takes output rows
-// [32y, 32y + 32). I % 32 == 0.
-template <int T>
+// As down_impl, on the tensor cores: grid (slots, ceil(H / 16A)); block y takes output rows
+// [16Ay, 16Ay + 16A). I % 32 == 0.
+template <int A, int T, int U>
 __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slots, int nslots,
                          const bf16* __restrict__ down, const bf16* __restrict__ bias, int inter, int hidden,
                          float* __restrict__ y) {
   __shared__ int pairs[MOE_MAX_PAIRS];
   __shared__ int e_sh;
-  __shared__ float red[MMA_WARPS][32][8 * T];
+  __shared__ float red[MMA_WARPS][16 * A][8 * T];
   const int np = expert_pairs(slots, nslots, &e_sh, pairs);
   if (np == 0) return;
   const int e = e_sh;
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int r0 = blockIdx.y * 32;
+  constexpr int ROWS = 16 * A;
+  const int r0 = blockIdx.y * ROWS;
   const bf16* we = down + (size_t)e * hidden * inter;
-  const uint4* wp[4];
+  const uint4* wp[2 * A];
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < 2 * A; ++j)
     wp[j] = reinterpret_cast<const uint4*>(we + (size_t)min(r0 + 8 * j + g, hidden - 1) * inter) + c;
-  slot_product<T>(wp, h, pairs, np, 1, inter, red);
-  for (int i = threadIdx.x; i < 32 * np; i += blockDim.x) {
-    const int r = i % 32, q = i / 32, cc = r0 + r;
+  slot_product<A, T, U>(wp, h, pairs, np, 1, inter, red);
+  for (int i = threadIdx.x; i < ROWS * np; i += blockDim.x) {
+    const int r = i % ROWS, q = i / ROWS, cc = r0 + r;
     if (cc >= hidden) continue;
     float s = 0.f;
 #pragma unroll
@@ -630,19 +895,23 @@ __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slo
   }
 }
 
-#define MOE_MMA(T)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 2) moe_gate_up_mma_t##T(                    \
+// moe_{gate_up,down}_mma_t{T}: tiles of 16 units / 32 output rows (A = 2), 2 chunks in flight;
+// moe_{gate_up,down}_mma_n1: one row's tile (T = 1) at A = 1 (8 units / 16 output rows, twice
+// the blocks of the t1 kernel) with 4 chunks in flight (the same bytes in flight per warp).
+#define MOE_MMA(NAME, A, T, U, MINB)                                                                   \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_gate_up_mma_##NAME(              \
       const bf16* x, const int* slots, int nslots, int k, const bf16* gate_up, const bf16* bias,       \
       int inter, int hidden, int mode, float limit, float alpha, bf16* h) {                             \
-    gate_up_mma<T>(x, slots, nslots, k, gate_up, bias, inter, hidden, mode, limit, alpha, h);           \
+    gate_up_mma<A, T, U>(x, slots, nslots, k, gate_up, bias, inter, hidden, mode, limit, alpha, h);     \
   }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 2) moe_down_mma_t##T(                       \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_down_mma_##NAME(                 \
       const bf16* h, const int* slots, int nslots, const bf16* down, const bf16* bias, int inter,      \
       int hidden, float* y) {                                                                           \
-    down_mma<T>(h, slots, nslots, down, bias, inter, hidden, y);                                         \
+    down_mma<A, T, U>(h, slots, nslots, down, bias, inter, hidden, y);                                   \
   }
-MOE_MMA(1)
-MOE_MMA(2)
+MOE_MMA(t1, 2, 1, 2, 2)
+MOE_MMA(t2, 2, 2, 2, 2)
+MOE_MMA(n1, 1, 1, 4, 2)
 
 // out[r, c] = bf16(sum_{s < k} w[r, s] * y[r * k + s, c]), slots in order. grid (n, ceil(H / 256)).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, int k,

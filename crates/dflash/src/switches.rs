@@ -11,7 +11,7 @@
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 GGUF matrices kept as stored on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
-//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (none pending now; session 22's three are the default since session 23) (or `all`); see [`Trial`] |
+//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name: `route_union,moe_narrow` (or `all`); see [`Trial`] |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`) |
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -76,17 +76,27 @@ impl Part {
 /// `DFLASH_TRY`, so a build between two GPU sessions keeps the proven kernels. Each becomes the
 /// default (and leaves this list) once the H200 tests and benchmarks of docs/perf.md pass.
 /// Session 22's three (`attention_fill`, `moe_mma`, `route_bf16`) passed in session 23 and are
-/// the default now; the list is empty until the next one.
+/// the default now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trial {}
+pub enum Trial {
+    /// Routing and the union of chosen experts in one launch, a warp per row
+    /// (`kernels/moe.cu` `moe_route_union_e*`; was `moe_route` + `moe_union`).
+    RouteUnion,
+    /// At one row, the tensor-core expert GEMMs in tiles of 8 units / 16 output rows
+    /// (`moe_*_mma_n1`: twice the blocks of `_t1`, the same per-output arithmetic).
+    MoeNarrow,
+}
 
 impl Trial {
-    pub const ALL: [Trial; 0] = [];
+    pub const ALL: [Trial; 2] = [Trial::RouteUnion, Trial::MoeNarrow];
     pub fn name(self) -> &'static str {
-        match self {}
+        match self {
+            Trial::RouteUnion => "route_union",
+            Trial::MoeNarrow => "moe_narrow",
+        }
     }
     fn bit(self) -> u8 {
-        match self {}
+        1 << (self as u8)
     }
 }
 
@@ -308,9 +318,10 @@ mod tests {
         );
         let p = parse(&[("DFLASH_FUSED_OFF", "moe, delta,bogus")]);
         assert_eq!(p.fused_off, Part::Moe.bit() | Part::Delta.bit());
-        // no trial pending: every name (former trials included) is ignored
         assert_eq!(d.trials, 0);
-        assert_eq!(parse(&[("DFLASH_TRY", "moe_mma, bogus")]).trials, 0);
-        assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, 0);
+        // unknown names (former trials included) are ignored
+        let t = parse(&[("DFLASH_TRY", "moe_narrow, moe_mma, bogus")]);
+        assert_eq!(t.trials, Trial::MoeNarrow.bit());
+        assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, 0b11);
     }
 }

@@ -558,9 +558,28 @@ fn moe_matches_host_routing_and_rows_are_invariant() {
         ),
     ];
     // Widths that are multiples of 32 take the tensor-core expert kernels; one kind again at an
-    // intermediate width that is not (104) takes the FMA kernels.
+    // intermediate width that is not (104) takes the FMA kernels. Expert counts past 128 (the
+    // routing kernel's wider per-lane variants): qwen3_next's 512 (top 10), a DeepSeek-V3
+    // router's 256 in 8 groups, and 1024, the most the kernels take.
     let mut runs: Vec<_> = kinds.iter().cloned().map(|k| (k, inter)).collect();
     runs.push((kinds[0].clone(), 104));
+    let wide = |name, e: usize, k: usize, scoring| {
+        let act = ExpertAct::Glu(Activation::Silu);
+        ((name, e, k, scoring, act, false, false), 64)
+    };
+    runs.push(wide("qwen3_next", 512, 10, Scoring::Softmax { renormalize: true }));
+    runs.push(wide(
+        "deepseek_v3",
+        256,
+        8,
+        Scoring::SigmoidGrouped {
+            correction: (0..256).map(|i| (i % 5) as f32 * 0.02).collect(),
+            n_group: 8,
+            topk_group: 4,
+            renormalize: true,
+        },
+    ));
+    runs.push(wide("qwen3_moe", 1024, 8, Scoring::Softmax { renormalize: true }));
     for ((name, e, k, scoring, act, biases, shared), inter) in runs {
         let moe = SparseMoe {
             router: Router {

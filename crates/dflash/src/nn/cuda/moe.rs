@@ -162,13 +162,6 @@ impl CustomOp1 for MoeOp {
         let null = 0u64;
         let i = |v: usize| v as i32;
 
-        // 1. routing
-        let func = dev.get_or_load_custom_func("moe_route", "dflash_moe", MOE_PTX)?;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (e_i, k_i, renorm_i, ng_i, tg_i, scale) = (
             i(e_count),
             i(k),
@@ -178,49 +171,104 @@ impl CustomOp1 for MoeOp {
             c.scale,
         );
         let lb_i = logits_bf16 as i32;
-        let mut b = func.builder();
-        if let Some(v) = &logits_b {
-            b.arg(v);
-        } else if let Some(v) = &logits_f {
-            b.arg(v);
-        }
-        b.arg(&lb_i);
-        b.arg(&e_i);
-        b.arg(&k_i);
-        b.arg(&mode);
-        b.arg(&renorm_i);
-        match &corr {
-            Some(v) => b.arg(v),
-            None => b.arg(&null),
-        };
-        b.arg(&ng_i);
-        b.arg(&tg_i);
-        match &pe {
-            Some(v) => b.arg(v),
-            None => b.arg(&null),
-        };
-        b.arg(&scale);
-        b.arg(&ids);
-        b.arg(&wts);
-        // SAFETY: argument types match the kernel; shapes checked above.
-        unsafe { b.launch(cfg) }.w()?;
-
-        // 2. the union of the chosen experts
-        let func = dev.get_or_load_custom_func("moe_union", "dflash_moe", MOE_PTX)?;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (np_i, ns_i) = (i(npairs), i(nslots));
-        let mut b = func.builder();
-        b.arg(&ids);
-        b.arg(&np_i);
-        b.arg(&e_i);
-        b.arg(&ns_i);
-        b.arg(&slots);
-        // SAFETY: as above.
-        unsafe { b.launch(cfg) }.w()?;
+        if crate::switches::trial(crate::switches::Trial::RouteUnion) {
+            // 1+2. routing and the union in one block: a warp per row, 32 x per experts a warp
+            let per = [4usize, 8, 16, 32]
+                .into_iter()
+                .find(|&p| 32 * p >= e_count)
+                .unwrap_or(32);
+            let func = dev.get_or_load_custom_func(
+                &format!("moe_route_union_e{per}"),
+                "dflash_moe",
+                MOE_PTX,
+            )?;
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let n_i = i(n);
+            let mut b = func.builder();
+            if let Some(v) = &logits_b {
+                b.arg(v);
+            } else if let Some(v) = &logits_f {
+                b.arg(v);
+            }
+            b.arg(&lb_i);
+            b.arg(&n_i);
+            b.arg(&e_i);
+            b.arg(&k_i);
+            b.arg(&mode);
+            b.arg(&renorm_i);
+            match &corr {
+                Some(v) => b.arg(v),
+                None => b.arg(&null),
+            };
+            b.arg(&ng_i);
+            b.arg(&tg_i);
+            match &pe {
+                Some(v) => b.arg(v),
+                None => b.arg(&null),
+            };
+            b.arg(&scale);
+            b.arg(&ids);
+            b.arg(&wts);
+            b.arg(&ns_i);
+            b.arg(&slots);
+            // SAFETY: argument types match the kernel; shapes checked above.
+            unsafe { b.launch(cfg) }.w()?;
+        } else {
+            // 1. routing
+            let func = dev.get_or_load_custom_func("moe_route", "dflash_moe", MOE_PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            if let Some(v) = &logits_b {
+                b.arg(v);
+            } else if let Some(v) = &logits_f {
+                b.arg(v);
+            }
+            b.arg(&lb_i);
+            b.arg(&e_i);
+            b.arg(&k_i);
+            b.arg(&mode);
+            b.arg(&renorm_i);
+            match &corr {
+                Some(v) => b.arg(v),
+                None => b.arg(&null),
+            };
+            b.arg(&ng_i);
+            b.arg(&tg_i);
+            match &pe {
+                Some(v) => b.arg(v),
+                None => b.arg(&null),
+            };
+            b.arg(&scale);
+            b.arg(&ids);
+            b.arg(&wts);
+            // SAFETY: argument types match the kernel; shapes checked above.
+            unsafe { b.launch(cfg) }.w()?;
+
+            // 2. the union of the chosen experts
+            let func = dev.get_or_load_custom_func("moe_union", "dflash_moe", MOE_PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&ids);
+            b.arg(&np_i);
+            b.arg(&e_i);
+            b.arg(&ns_i);
+            b.arg(&slots);
+            // SAFETY: as above.
+            unsafe { b.launch(cfg) }.w()?;
+        }
         // At most one pair of a row per expert: P accumulators cover every expert's pairs.
         let p = n.next_power_of_two().min(16);
         let grid_x = nslots as u32;
@@ -235,11 +283,21 @@ impl CustomOp1 for MoeOp {
         // pairs one expert can have (at most one per row).
         let mma = hidden % 32 == 0 && inter % 32 == 0;
         let t = if n <= 8 { 1 } else { 2 };
+        // one row: the narrow tensor-core tiles (8 units / 16 output rows a block)
+        let narrow = mma && n == 1 && crate::switches::trial(crate::switches::Trial::MoeNarrow);
+        let tiles = if narrow {
+            "n1".to_string()
+        } else {
+            format!("t{t}")
+        };
 
-        // 3. gate/up of every chosen expert: 16 (tensor cores) or 8 units per block
+        // 3. gate/up of every chosen expert: 16 or 8 (tensor cores) or 8 units per block
         const UNITS: usize = 8;
         let (name, units) = if mma {
-            (format!("moe_gate_up_mma_t{t}"), 16)
+            (
+                format!("moe_gate_up_mma_{tiles}"),
+                if narrow { 8 } else { 16 },
+            )
         } else {
             (format!("moe_gate_up_p{p}"), UNITS)
         };
@@ -272,10 +330,10 @@ impl CustomOp1 for MoeOp {
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
 
-        // 4. down projections: 32 (tensor cores) or 16 output rows per block
+        // 4. down projections: 32 or 16 (tensor cores) or 16 output rows per block
         const ROWS: usize = 16;
         let (name, rows) = if mma {
-            (format!("moe_down_mma_t{t}"), 32)
+            (format!("moe_down_mma_{tiles}"), if narrow { 16 } else { 32 })
         } else {
             (format!("moe_down_p{p}"), ROWS)
         };
