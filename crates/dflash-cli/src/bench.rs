@@ -71,6 +71,8 @@ pub struct BenchArgs {
     pub ignore_eos: bool,
     #[command(flatten)]
     pub load: crate::flags::LoadFlags,
+    #[command(flatten)]
+    pub grammar: crate::flags::GrammarFlags,
     /// Output directory (default: bench-results/<UTC time>).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -221,6 +223,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .map(dflash::memory::parse_bytes)
             .transpose()?,
         prompt_source: format!("{source}, {} prompts", prompts.len()),
+        grammar: a.grammar.spec()?,
     };
     let started = now_utc();
     let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());

@@ -79,3 +79,49 @@ impl ModelFlags {
         })
     }
 }
+
+/// Structured output: the generated text constrained to a grammar (at most one of these).
+#[derive(Args, Debug, Clone, Default)]
+pub struct GrammarFlags {
+    /// Constrain the output to this JSON schema (a file, or the schema's JSON text).
+    #[arg(long, value_name = "FILE|JSON", group = "constraint")]
+    pub json_schema: Option<String>,
+    /// Constrain the output to a JSON object (any keys).
+    #[arg(long, group = "constraint")]
+    pub json_object: bool,
+    /// Constrain the output to match this regular expression.
+    #[arg(long, value_name = "REGEX", group = "constraint")]
+    pub regex: Option<String>,
+    /// Constrain the output to this Lark grammar (llguidance's dialect; a file).
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    pub grammar: Option<String>,
+}
+
+impl GrammarFlags {
+    /// The grammar asked for, if any (a file that cannot be read, or a schema that is not
+    /// JSON, is an error naming the flag).
+    pub fn spec(&self) -> Result<Option<dflash::grammar::GrammarSpec>> {
+        use dflash::grammar::GrammarSpec;
+        let read = |flag: &str, v: &str| -> Result<String> {
+            std::fs::read_to_string(v).map_err(|e| anyhow::anyhow!("--{flag} {v}: {e}"))
+        };
+        Ok(if let Some(s) = &self.json_schema {
+            let text = if s.trim_start().starts_with('{') {
+                s.clone()
+            } else {
+                read("json-schema", s)?
+            };
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("--json-schema {s}: not JSON: {e}"))?;
+            Some(GrammarSpec::JsonSchema(v))
+        } else if self.json_object {
+            Some(GrammarSpec::JsonObject)
+        } else if let Some(r) = &self.regex {
+            Some(GrammarSpec::Regex(r.clone()))
+        } else if let Some(g) = &self.grammar {
+            Some(GrammarSpec::Lark(read("grammar", g)?))
+        } else {
+            None
+        })
+    }
+}

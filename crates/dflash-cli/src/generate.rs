@@ -71,6 +71,8 @@ pub struct GenerateArgs {
     /// With --json: include each verify cycle's block ids and acceptance.
     #[arg(long)]
     pub trace: bool,
+    #[command(flatten)]
+    pub grammar: crate::flags::GrammarFlags,
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -123,6 +125,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         block_size: a.block_size,
         adaptive: a.adaptive == "on",
         trace: a.trace,
+        grammar: a
+            .grammar
+            .spec()?
+            .map(|g| p.compile_grammar(&g))
+            .transpose()?,
     };
     if p.engine.draft.is_none() && a.block_size.is_some_and(|b| b > 1) {
         eprintln!("note: --block-size without --draft: plain decoding");

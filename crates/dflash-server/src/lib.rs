@@ -892,6 +892,7 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
         block_size: app.cfg.block_size,
         adaptive: true,
         trace: false,
+        grammar: None,
     };
     let (tx, rx) = unbounded_channel();
     let timeout = app.cfg.request_timeout;

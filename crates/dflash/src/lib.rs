@@ -12,6 +12,7 @@ pub mod config;
 pub mod draft;
 pub mod engine;
 pub mod error;
+pub mod grammar;
 pub mod memory;
 pub mod nn;
 pub mod pipeline;

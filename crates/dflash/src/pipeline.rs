@@ -77,6 +77,8 @@ pub struct Pipeline {
     /// Bytes the memory check found free for caches once the weights are loaded (None: not
     /// checked); the server admits requests by it.
     pub cache_room: Option<u64>,
+    /// Structured output's view of the vocabulary, built at the first grammar.
+    grammar: std::sync::OnceLock<crate::grammar::GrammarCompiler>,
 }
 
 pub fn parse_device(s: Option<&str>) -> Result<Device> {
@@ -272,7 +274,28 @@ impl Pipeline {
             device,
             notices,
             cache_room,
+            grammar: Default::default(),
         })
+    }
+
+    /// Compile a structured-output grammar for this model (its vocabulary read once, at the
+    /// first call; the output may end with any of its stop tokens once the grammar is done).
+    pub fn compile_grammar(
+        &self,
+        spec: &crate::grammar::GrammarSpec,
+    ) -> Result<crate::grammar::Grammar> {
+        if self.grammar.get().is_none() {
+            let tok = self.tokenizer.as_ref().ok_or_else(|| {
+                Error::input("structured output needs the model's tokenizer (none was found)")
+            })?;
+            let c = crate::grammar::GrammarCompiler::new(
+                tok,
+                self.engine.target.info().vocab_size,
+                &self.stop_ids,
+            )?;
+            let _ = self.grammar.set(c);
+        }
+        self.grammar.get().expect("set above").compile(spec)
     }
 
     /// Prompt ids for a chat (rendered with the chat template) or raw text.

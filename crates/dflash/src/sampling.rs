@@ -197,6 +197,8 @@ pub struct Sampler {
     rng: Rng,
     /// Present when the params adjust logits.
     history: Option<History>,
+    /// Structured output: the grammar state (masks every row it adjusts).
+    constraint: Option<crate::grammar::Constraint>,
 }
 
 impl Sampler {
@@ -207,7 +209,18 @@ impl Sampler {
             params,
             rng,
             history,
+            constraint: None,
         }
+    }
+
+    /// Constrain every choice to `c`'s grammar (structured output).
+    pub fn with_constraint(mut self, c: crate::grammar::Constraint) -> Self {
+        self.constraint = Some(c);
+        self
+    }
+
+    pub fn constraint(&self) -> Option<&crate::grammar::Constraint> {
+        self.constraint.as_ref()
     }
 
     /// A sampler for a generation from `prompt` (the repetition penalty reads its tokens).
@@ -221,18 +234,21 @@ impl Sampler {
         s
     }
 
-    /// Whether rows must be adjusted before the choice (bias or penalties on): then they are
-    /// chosen on the host, row by row, never by the device's all-rows-at-once paths.
+    /// Whether rows must be adjusted before the choice (bias, penalties or a grammar on): then
+    /// they are chosen on the host, row by row, never by the device's all-rows-at-once paths.
     pub fn adjusts(&self) -> bool {
-        self.history.is_some()
+        self.history.is_some() || self.constraint.is_some()
     }
 
-    /// Count committed output tokens (the penalties' history).
+    /// Count committed output tokens (the penalties' history; the grammar's state).
     pub fn commit(&mut self, tokens: &[u32]) {
         if let Some(h) = self.history.as_mut() {
             for &t in tokens {
                 *h.counts.entry(t).or_default() += 1;
             }
+        }
+        if let Some(c) = &self.constraint {
+            c.commit(tokens);
         }
     }
 
@@ -240,8 +256,25 @@ impl Sampler {
     /// followed by `extra` (a block's proposals before this row). `index` maps a target token
     /// id to its place in `row` (None: not in this vocabulary; the identity for the target's
     /// own logits, the inverse of a narrow draft head's map for the draft's).
-    /// Order (as vLLM's): the bias, then the repetition penalty, then frequency and presence.
+    /// Order (as vLLM's): the bias, then the repetition penalty, then frequency and presence;
+    /// then the grammar's mask (tokens it forbids at -inf).
     pub fn adjusted(&self, row: &mut [f32], extra: &[u32], index: impl Fn(u32) -> Option<usize>) {
+        self.penalized(row, extra, &index);
+        if let Some(c) = &self.constraint {
+            c.mask_row(row, extra, Some(&index));
+        }
+    }
+
+    /// [`Self::adjusted`] for a row indexed by target token id.
+    fn adjusted_target(&self, row: &mut [f32], extra: &[u32]) {
+        self.penalized(row, extra, &|t| Some(t as usize));
+        if let Some(c) = &self.constraint {
+            c.mask_row(row, extra, None);
+        }
+    }
+
+    /// The bias and the penalties of [`Self::adjusted`].
+    fn penalized(&self, row: &mut [f32], extra: &[u32], index: &dyn Fn(u32) -> Option<usize>) {
         let Some(h) = &self.history else { return };
         let p = &self.params;
         for &(t, b) in &p.logit_bias {
@@ -285,7 +318,7 @@ impl Sampler {
 
     /// [`Self::adjusted`] on a row of the target's vocabulary, then [`Self::sample`].
     pub fn sample_after(&mut self, row: &mut [f32], extra: &[u32]) -> u32 {
-        self.adjusted(row, extra, |t| Some(t as usize));
+        self.adjusted_target(row, extra);
         self.sample(row)
     }
 

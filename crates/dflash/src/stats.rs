@@ -27,6 +27,10 @@ pub struct GenerationStats {
     /// after a partial acceptance (hybrid targets; measured up to a device sync), ~0 for
     /// attention-only targets, whose KV crop is O(1).
     pub rollback_ms: f64,
+    /// Structured output: grammar masks computed (one per verify row reached, per draft row,
+    /// per plain step) and their time, ms (0 without a grammar).
+    pub grammar_masks: usize,
+    pub grammar_mask_ms: f64,
     /// Decode cycles (target forward passes after prefill).
     pub cycles: usize,
     /// Committed tokens per cycle (accepted draft tokens + the bonus).

@@ -643,3 +643,45 @@ pub fn write_gguf_with(
     gguf_file::write(&mut f, &meta_ref, &t_ref)?;
     Ok(path)
 }
+
+/// A byte-level tokenizer for tests: token b < 255 is byte b, token 255 `<eos>` (special;
+/// byte 0xFF never occurs in UTF-8 text), tokens 256.. the given multi-byte words; no merges
+/// (what structured output reads is the vocabulary). Vocabulary size 256 + `words.len()`.
+pub fn byte_tokenizer(words: &[&str]) -> crate::tokenizer::Tokenizer {
+    // GPT-2's byte-to-character map (the byte-level pre-tokenizer's alphabet)
+    let self_mapped = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 256u32;
+    let ch: Vec<char> = (0..=255u8)
+        .map(|b| {
+            if self_mapped(b) {
+                b as char
+            } else {
+                next += 1;
+                char::from_u32(next - 1).expect("a valid char")
+            }
+        })
+        .collect();
+    let mut vocab = serde_json::Map::new();
+    for b in 0..255u8 {
+        vocab.insert(ch[b as usize].to_string(), (b as u32).into());
+    }
+    vocab.insert("<eos>".into(), 255.into());
+    for (i, w) in words.iter().enumerate() {
+        let s: String = w.bytes().map(|b| ch[b as usize]).collect();
+        vocab.insert(s, (256 + i as u32).into());
+    }
+    let json = json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 255, "content": "<eos>", "single_word": false, "lstrip": false,
+                          "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "vocab": vocab, "merges": []}
+    });
+    crate::tokenizer::Tokenizer::from_bytes(json.to_string().as_bytes(), "byte tokenizer.json")
+        .expect("the byte tokenizer parses")
+}

@@ -567,7 +567,12 @@ fn moe_matches_host_routing_and_rows_are_invariant() {
         let act = ExpertAct::Glu(Activation::Silu);
         ((name, e, k, scoring, act, false, false), 64)
     };
-    runs.push(wide("qwen3_next", 512, 10, Scoring::Softmax { renormalize: true }));
+    runs.push(wide(
+        "qwen3_next",
+        512,
+        10,
+        Scoring::Softmax { renormalize: true },
+    ));
     runs.push(wide(
         "deepseek_v3",
         256,
@@ -579,7 +584,12 @@ fn moe_matches_host_routing_and_rows_are_invariant() {
             renormalize: true,
         },
     ));
-    runs.push(wide("qwen3_moe", 1024, 8, Scoring::Softmax { renormalize: true }));
+    runs.push(wide(
+        "qwen3_moe",
+        1024,
+        8,
+        Scoring::Softmax { renormalize: true },
+    ));
     for ((name, e, k, scoring, act, biases, shared), inter) in runs {
         let moe = SparseMoe {
             router: Router {

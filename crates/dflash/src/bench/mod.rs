@@ -119,6 +119,8 @@ pub struct BenchOptions {
     pub memory_limit: Option<u64>,
     /// Where the prompts came from (for the report).
     pub prompt_source: String,
+    /// Structured output: every generation (both modes) under this grammar.
+    pub grammar: Option<crate::grammar::GrammarSpec>,
 }
 
 impl Default for BenchOptions {
@@ -143,6 +145,7 @@ impl Default for BenchOptions {
             force_memory: false,
             memory_limit: None,
             prompt_source: "default".into(),
+            grammar: None,
         }
     }
 }
@@ -522,6 +525,11 @@ fn run_protocol(
 ) -> Result<()> {
     let encoded: Vec<Vec<u32>> = row.prompts.iter().map(|p| p.prompt_ids.clone()).collect();
     let with_draft = p.engine.draft.is_some();
+    let grammar = opts
+        .grammar
+        .as_ref()
+        .map(|g| p.compile_grammar(g))
+        .transpose()?;
     let stop_ids = if opts.ignore_eos {
         vec![]
     } else {
@@ -538,6 +546,7 @@ fn run_protocol(
         },
         adaptive: opts.adaptive,
         trace: false,
+        grammar: grammar.clone(),
     };
     let modes: Vec<Mode> = if with_draft {
         vec![Mode::Baseline, Mode::Dflash]

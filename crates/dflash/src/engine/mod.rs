@@ -40,6 +40,9 @@ pub struct GenerateRequest {
     pub adaptive: bool,
     /// Record each cycle's block and acceptance.
     pub trace: bool,
+    /// Structured output: every choice (draft proposals, verify rows, plain steps) masked by
+    /// this grammar's state there (see `grammar`).
+    pub grammar: Option<crate::grammar::Grammar>,
 }
 
 impl GenerateRequest {
@@ -52,6 +55,7 @@ impl GenerateRequest {
             block_size: None,
             adaptive: true,
             trace: false,
+            grammar: None,
         }
     }
 }

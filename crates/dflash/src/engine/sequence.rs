@@ -171,7 +171,10 @@ impl<'e> Sequence<'e> {
                 "logit_bias: token id {t} out of range: vocab size is {vocab}"
             )));
         }
-        let sampler = Sampler::for_prompt(req.sampling.clone(), &req.prompt_ids);
+        let mut sampler = Sampler::for_prompt(req.sampling.clone(), &req.prompt_ids);
+        if let Some(g) = &req.grammar {
+            sampler = sampler.with_constraint(g.start()?);
+        }
         let mut stats = GenerationStats {
             mode: if draft.is_some() { "dflash" } else { "plain" }.into(),
             block_size: q_max,
@@ -267,7 +270,16 @@ impl<'e> Sequence<'e> {
         self.sampler.commit(&[first]);
         self.finish = finish;
         self.decode_t0 = Instant::now();
-        Ok(())
+        self.grammar_ok()
+    }
+
+    /// An internal failure of the grammar engine ends the generation with it (never a
+    /// silently unconstrained output).
+    fn grammar_ok(&self) -> Result<()> {
+        match self.sampler.constraint().and_then(|c| c.error()) {
+            Some(e) => Err(Error::input(e)),
+            None => Ok(()),
+        }
     }
 
     /// Bytes its caches hold (target and draft; what [`Engine::request_cache_bytes`] predicts).
@@ -444,7 +456,7 @@ impl<'e> Sequence<'e> {
         // Tokens cut after a stop were never committed: they do not count as drafted.
         self.draft_tokens += pushed.min(a);
         self.finish = f;
-        Ok(())
+        self.grammar_ok()
     }
 
     /// One whole cycle for this sequence alone.
@@ -492,6 +504,11 @@ impl<'e> Sequence<'e> {
         stats.decode_ms = decode_s * 1e3;
         stats.decode_tok_s = self.out.len().saturating_sub(1) as f64 / decode_s;
         stats.finish_reason = self.finish.unwrap_or("length").into();
+        if let Some(c) = self.sampler.constraint() {
+            let (t, n) = c.mask_cost();
+            stats.grammar_masks = n;
+            stats.grammar_mask_ms = t.as_secs_f64() * 1e3;
+        }
         if self.draft.is_some() {
             let plain = stats.q_histogram.get(1).copied().unwrap_or(0);
             let total: usize = stats.q_histogram.iter().sum();

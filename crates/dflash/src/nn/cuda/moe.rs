@@ -333,7 +333,10 @@ impl CustomOp1 for MoeOp {
         // 4. down projections: 32 or 16 (tensor cores) or 16 output rows per block
         const ROWS: usize = 16;
         let (name, rows) = if mma {
-            (format!("moe_down_mma_{tiles}"), if narrow { 16 } else { 32 })
+            (
+                format!("moe_down_mma_{tiles}"),
+                if narrow { 16 } else { 32 },
+            )
         } else {
             (format!("moe_down_p{p}"), ROWS)
         };
