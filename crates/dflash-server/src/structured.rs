@@ -198,12 +198,14 @@ fn structured_outputs(v: &Value) -> Result<Option<GrammarSpec>, BadField> {
             "regex" => "guided_regex",
             "choice" => "guided_choice",
             "grammar" => "guided_grammar",
-            _ => return Err(bad(
-                P,
-                format!(
+            _ => {
+                return Err(bad(
+                    P,
+                    format!(
                     "`structured_outputs.{k}` is not supported (json, regex, choice, grammar are)"
                 ),
-            )),
+                ))
+            }
         };
         if x.is_null() {
             continue;

@@ -258,8 +258,9 @@ extern "C" __global__ void __launch_bounds__(ROUTE_T)
 // slots[s * (MOE_MAX_PAIRS + 2)], its pair count at + 1 and its pairs (ascending) at + 2 ..;
 // count at slots[nslots * (MOE_MAX_PAIRS + 2)]. Experts ascending. ids [npairs] (npairs <= 256).
 #define SLOT_W (MOE_MAX_PAIRS + 2)
-extern "C" __global__ void __launch_bounds__(256)
-    moe_union(const int* __restrict__ ids, int npairs, int E, int nslots, int* __restrict__ slots) {
+// The union's construction, by one block of 256 threads (ids in global or shared memory,
+// written before the call by other threads of the block or an earlier launch).
+__device__ void build_union(const int* ids, int npairs, int E, int nslots, int* __restrict__ slots) {
   __shared__ int slot_of[1024];
   __shared__ int scan[256];
   const int t = threadIdx.x;
@@ -305,6 +306,11 @@ extern "C" __global__ void __launch_bounds__(256)
     if (before == 0) slots[s * SLOT_W + 1] = total < MOE_MAX_PAIRS ? total : MOE_MAX_PAIRS;
   }
   if (t == 0) slots[nslots * SLOT_W] = count;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    moe_union(const int* __restrict__ ids, int npairs, int E, int nslots, int* __restrict__ slots) {
+  build_union(ids, npairs, E, nslots, slots);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -504,52 +510,11 @@ __device__ void route_union_impl(const void* __restrict__ logits_in, int logits_
                                  int* __restrict__ slots) {
   __shared__ float s_choice[RU_WARPS][32 * PER];
   __shared__ int ids_sh[256];
-  __shared__ int slot_of[1024];
-  __shared__ int scan[256];
   const int t = threadIdx.x, warp = t / 32;
   for (int row = warp; row < n; row += RU_WARPS)
     route_row<PER>(logits_in, logits_bf16, row, E, k, mode, renorm, corr, n_group, topk_group, pe_scale,
                    scale, ids + (size_t)row * k, w + (size_t)row * k, ids_sh + row * k, s_choice[warp]);
-  const int npairs = n * k;
-  for (int e = t; e < E; e += 256) slot_of[e] = 0;
-  __syncthreads();
-  const int mine = t < npairs ? ids_sh[t] : -1;
-  if (mine >= 0) slot_of[mine] = 1;  // benign race: every writer writes 1
-  __syncthreads();
-  int c = 0;
-  for (int u = 0; u < 4; ++u) c += (4 * t + u < E) ? slot_of[4 * t + u] : 0;
-  scan[t] = c;
-  __syncthreads();
-  for (int off = 1; off < 256; off <<= 1) {
-    const int v = t >= off ? scan[t - off] : 0;
-    __syncthreads();
-    scan[t] += v;
-    __syncthreads();
-  }
-  int base = t > 0 ? scan[t - 1] : 0;
-  const int count = scan[255];
-  __syncthreads();
-  for (int u = 0; u < 4; ++u) {
-    const int e = 4 * t + u;
-    if (e < E && slot_of[e]) {
-      slot_of[e] = base;
-      slots[base * SLOT_W] = e;
-      ++base;
-    } else if (e < E) {
-      slot_of[e] = -1;
-    }
-  }
-  __syncthreads();
-  if (mine >= 0) {
-    int before = 0;
-    for (int q = 0; q < t; ++q) before += ids_sh[q] == mine;
-    const int s = slot_of[mine];
-    if (before < MOE_MAX_PAIRS) slots[s * SLOT_W + 2 + before] = t;
-    int total = before;
-    for (int q = t; q < npairs; ++q) total += ids_sh[q] == mine;
-    if (before == 0) slots[s * SLOT_W + 1] = total < MOE_MAX_PAIRS ? total : MOE_MAX_PAIRS;
-  }
-  if (t == 0) slots[nslots * SLOT_W] = count;
+  build_union(ids_sh, n * k, E, nslots, slots);
 }
 
 #define ROUTE_UNION(PER)                                                                                 \

@@ -644,23 +644,55 @@ pub fn write_gguf_with(
     Ok(path)
 }
 
+/// GPT-2's byte-to-character table (the byte-level pre-tokenizer's alphabet): printable
+/// Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order.
+pub fn byte_chars() -> [char; 256] {
+    let self_mapped = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 256u32;
+    std::array::from_fn(|b| {
+        if self_mapped(b as u8) {
+            b as u8 as char
+        } else {
+            next += 1;
+            char::from_u32(next - 1).expect("a valid char")
+        }
+    })
+}
+
+/// A byte-level BPE tokenizer (GPT-2 / Qwen style) from its vocabulary (symbols of
+/// [`byte_chars`]), merges and special tokens `(id, content)`.
+pub fn bpe_tokenizer(
+    vocab: serde_json::Map<String, Value>,
+    merges: &[&str],
+    specials: &[(u32, &str)],
+) -> crate::tokenizer::Tokenizer {
+    let added: Vec<Value> = specials
+        .iter()
+        .map(|(id, content)| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let json = json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "vocab": vocab, "merges": merges}
+    });
+    crate::tokenizer::Tokenizer::from_bytes(json.to_string().as_bytes(), "byte_level.json")
+        .expect("the test tokenizer parses")
+}
+
 /// A byte-level tokenizer for tests: token b < 255 is byte b, token 255 `<eos>` (special;
 /// byte 0xFF never occurs in UTF-8 text), tokens 256.. the given multi-byte words; no merges
 /// (what structured output reads is the vocabulary). Vocabulary size 256 + `words.len()`.
 pub fn byte_tokenizer(words: &[&str]) -> crate::tokenizer::Tokenizer {
-    // GPT-2's byte-to-character map (the byte-level pre-tokenizer's alphabet)
-    let self_mapped = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut next = 256u32;
-    let ch: Vec<char> = (0..=255u8)
-        .map(|b| {
-            if self_mapped(b) {
-                b as char
-            } else {
-                next += 1;
-                char::from_u32(next - 1).expect("a valid char")
-            }
-        })
-        .collect();
+    let ch = byte_chars();
     let mut vocab = serde_json::Map::new();
     for b in 0..255u8 {
         vocab.insert(ch[b as usize].to_string(), (b as u32).into());
@@ -670,18 +702,5 @@ pub fn byte_tokenizer(words: &[&str]) -> crate::tokenizer::Tokenizer {
         let s: String = w.bytes().map(|b| ch[b as usize]).collect();
         vocab.insert(s, (256 + i as u32).into());
     }
-    let json = json!({
-        "version": "1.0", "truncation": null, "padding": null,
-        "added_tokens": [{"id": 255, "content": "<eos>", "single_word": false, "lstrip": false,
-                          "rstrip": false, "normalized": false, "special": true}],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                  "vocab": vocab, "merges": []}
-    });
-    crate::tokenizer::Tokenizer::from_bytes(json.to_string().as_bytes(), "byte tokenizer.json")
-        .expect("the byte tokenizer parses")
+    bpe_tokenizer(vocab, &[], &[(255, "<eos>")])
 }

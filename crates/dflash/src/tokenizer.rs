@@ -514,27 +514,9 @@ mod tests {
     /// A byte-level BPE tokenizer (GPT-2 / Qwen style): the 256 byte symbols plus a few
     /// merges, and two special tokens.
     fn byte_level() -> Tokenizer {
-        // GPT-2's byte -> unicode symbol table.
-        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
-            .chain(0xA1..=0xAC)
-            .chain(0xAE..=0xFF)
-            .collect();
-        let mut cs = bs.clone();
-        let mut n = 0;
-        for b in 0..256u32 {
-            if !bs.contains(&b) {
-                bs.push(b);
-                cs.push(256 + n);
-                n += 1;
-            }
-        }
-        let mut table: Vec<(u32, char)> = bs
-            .into_iter()
-            .zip(cs.into_iter().map(|c| char::from_u32(c).unwrap()))
-            .collect();
-        table.sort();
+        // the 256 byte symbols in byte order
         let mut vocab = serde_json::Map::new();
-        for (i, (_, c)) in table.iter().enumerate() {
+        for (i, c) in crate::testing::byte_chars().iter().enumerate() {
             vocab.insert(c.to_string(), json!(i));
         }
         // "Ġ" is the space symbol.
@@ -546,23 +528,11 @@ mod tests {
             vocab.insert(m.replace(' ', ""), json!(next));
             next += 1;
         }
-        let t = json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": [
-                {"id": next, "content": "<|endoftext|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
-                {"id": next + 1, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
-            ],
-            "normalizer": null,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-            "post_processor": null,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                      "vocab": vocab, "merges": merges}
-        });
-        Tokenizer::from_bytes(t.to_string().as_bytes(), "byte_level.json").unwrap()
+        crate::testing::bpe_tokenizer(
+            vocab,
+            &merges,
+            &[(next, "<|endoftext|>"), (next + 1, "<|im_end|>")],
+        )
     }
 
     /// A SentencePiece-style tokenizer (Llama 2 / Mistral style): `▁` for spaces, byte

@@ -172,88 +172,59 @@ impl CustomOp1 for MoeOp {
         );
         let lb_i = logits_bf16 as i32;
         let (np_i, ns_i) = (i(npairs), i(nslots));
-        if crate::switches::trial(crate::switches::Trial::RouteUnion) {
-            // 1+2. routing and the union in one block: a warp per row, 32 x per experts a warp
+        // 1. routing (+ 2. the union in the same launch with route_union: one block, a warp
+        // per row, 32 x `per` experts a warp; else a block per row, then moe_union)
+        let fused_union = crate::switches::trial(crate::switches::Trial::RouteUnion);
+        let (name, grid) = if fused_union {
             let per = [4usize, 8, 16, 32]
                 .into_iter()
                 .find(|&p| 32 * p >= e_count)
                 .unwrap_or(32);
-            let func = dev.get_or_load_custom_func(
-                &format!("moe_route_union_e{per}"),
-                "dflash_moe",
-                MOE_PTX,
-            )?;
-            let cfg = LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let n_i = i(n);
-            let mut b = func.builder();
-            if let Some(v) = &logits_b {
-                b.arg(v);
-            } else if let Some(v) = &logits_f {
-                b.arg(v);
-            }
-            b.arg(&lb_i);
+            (format!("moe_route_union_e{per}"), 1)
+        } else {
+            ("moe_route".to_string(), n as u32)
+        };
+        let func = dev.get_or_load_custom_func(&name, "dflash_moe", MOE_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n_i = i(n);
+        let mut b = func.builder();
+        if let Some(v) = &logits_b {
+            b.arg(v);
+        } else if let Some(v) = &logits_f {
+            b.arg(v);
+        }
+        b.arg(&lb_i);
+        if fused_union {
             b.arg(&n_i);
-            b.arg(&e_i);
-            b.arg(&k_i);
-            b.arg(&mode);
-            b.arg(&renorm_i);
-            match &corr {
-                Some(v) => b.arg(v),
-                None => b.arg(&null),
-            };
-            b.arg(&ng_i);
-            b.arg(&tg_i);
-            match &pe {
-                Some(v) => b.arg(v),
-                None => b.arg(&null),
-            };
-            b.arg(&scale);
-            b.arg(&ids);
-            b.arg(&wts);
+        }
+        b.arg(&e_i);
+        b.arg(&k_i);
+        b.arg(&mode);
+        b.arg(&renorm_i);
+        match &corr {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&ng_i);
+        b.arg(&tg_i);
+        match &pe {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&scale);
+        b.arg(&ids);
+        b.arg(&wts);
+        if fused_union {
             b.arg(&ns_i);
             b.arg(&slots);
-            // SAFETY: argument types match the kernel; shapes checked above.
-            unsafe { b.launch(cfg) }.w()?;
-        } else {
-            // 1. routing
-            let func = dev.get_or_load_custom_func("moe_route", "dflash_moe", MOE_PTX)?;
-            let cfg = LaunchConfig {
-                grid_dim: (n as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = func.builder();
-            if let Some(v) = &logits_b {
-                b.arg(v);
-            } else if let Some(v) = &logits_f {
-                b.arg(v);
-            }
-            b.arg(&lb_i);
-            b.arg(&e_i);
-            b.arg(&k_i);
-            b.arg(&mode);
-            b.arg(&renorm_i);
-            match &corr {
-                Some(v) => b.arg(v),
-                None => b.arg(&null),
-            };
-            b.arg(&ng_i);
-            b.arg(&tg_i);
-            match &pe {
-                Some(v) => b.arg(v),
-                None => b.arg(&null),
-            };
-            b.arg(&scale);
-            b.arg(&ids);
-            b.arg(&wts);
-            // SAFETY: argument types match the kernel; shapes checked above.
-            unsafe { b.launch(cfg) }.w()?;
-
-            // 2. the union of the chosen experts
+        }
+        // SAFETY: argument types match the kernel; shapes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        if !fused_union {
             let func = dev.get_or_load_custom_func("moe_union", "dflash_moe", MOE_PTX)?;
             let cfg = LaunchConfig {
                 grid_dim: (1, 1, 1),
