@@ -4,14 +4,13 @@
 //! them, for many prompts and block sizes. On the demo model (SmolLM2-135M-Instruct Q4_1 GGUF
 //! with its DFlash draft): the same equality on real text, and tau under a grammar.
 
-use dflash::archs::LoadOptions;
+mod common;
+use common::tiny_engine;
 use dflash::chat::ChatMessage;
-use dflash::draft::{load_draft, DraftModel};
 use dflash::engine::{Engine, Flow, GenerateOutput, GenerateRequest};
 use dflash::grammar::{Grammar, GrammarCompiler, GrammarSpec};
 use dflash::pipeline::{Pipeline, PipelineOptions};
 use dflash::sampling::SamplingParams;
-use dflash::source::ModelSource;
 use dflash::testing::{byte_tokenizer, Rng, TinyDraft, TinyTarget};
 use serde_json::{json, Value};
 
@@ -24,15 +23,9 @@ fn tiny() -> (tempfile::TempDir, Engine, GrammarCompiler) {
     // a few frequent JSON bytes make the draft agree at times (acceptance > 0)
     t.dominant = vec![(b'"' as u32, 2.0), (b'a' as u32, 1.5), (b'1' as u32, 1.5)];
     let d = TinyDraft::for_target(&t, 2, vec![1, 3], 16, 12);
-    let dir = tempfile::tempdir().unwrap();
-    t.write(&dir.path().join("t")).unwrap();
-    d.write(&dir.path().join("d"), t.vocab).unwrap();
-    let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
-    let (cfg, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
-    let dsrc = ModelSource::from_dir("d", &dir.path().join("d")).unwrap();
-    let draft: DraftModel = load_draft(&dsrc, &cfg, "t", &LoadOptions::default()).unwrap();
+    let (dir, e) = tiny_engine(&t, &d);
     let c = GrammarCompiler::new(&byte_tokenizer(&[]), 256, &[EOS]).unwrap();
-    (dir, Engine::new(target, Some(draft)), c)
+    (dir, e, c)
 }
 
 fn tiny_request(prompt: &[u32], g: &Grammar, max_tokens: usize) -> GenerateRequest {

@@ -5,22 +5,12 @@
 
 mod common;
 use common::*;
-use dflash::archs::LoadOptions;
-use dflash::draft::{load_draft, DraftModel};
 use dflash::engine::{greedy_by_recompute, Engine, Flow, GenerateRequest};
 use dflash::sampling::SamplingParams;
-use dflash::source::ModelSource;
 use dflash::testing::{Rng, TinyDraft, TinyTarget};
 
 fn build(t: &TinyTarget, d: &TinyDraft) -> (tempfile::TempDir, Engine) {
-    let dir = tempfile::tempdir().unwrap();
-    t.write(&dir.path().join("t")).unwrap();
-    d.write(&dir.path().join("d"), t.vocab).unwrap();
-    let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
-    let (cfg, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
-    let dsrc = ModelSource::from_dir("d", &dir.path().join("d")).unwrap();
-    let draft: DraftModel = load_draft(&dsrc, &cfg, "t", &LoadOptions::default()).unwrap();
-    (dir, Engine::new(target, Some(draft)))
+    tiny_engine(t, d)
 }
 
 fn gen(

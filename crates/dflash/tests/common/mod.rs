@@ -309,3 +309,16 @@ pub fn engine_from_dir(dir: &Path, draft: bool) -> dflash::engine::Engine {
     });
     dflash::engine::Engine::new(target, d)
 }
+
+/// A tiny target + draft written to a temporary directory and loaded (f32, CPU); keep the
+/// directory alive as long as the engine.
+pub fn tiny_engine(
+    t: &dflash::testing::TinyTarget,
+    d: &dflash::testing::TinyDraft,
+) -> (tempfile::TempDir, dflash::engine::Engine) {
+    let dir = tempfile::tempdir().unwrap();
+    t.write(&dir.path().join("t")).unwrap();
+    d.write(&dir.path().join("d"), t.vocab).unwrap();
+    let e = engine_from_dir(dir.path(), true);
+    (dir, e)
+}
