@@ -11,6 +11,7 @@
 
 pub mod api;
 pub mod metrics;
+pub mod output;
 pub mod worker;
 
 use crate::api::{dflash_ext, json_body, usage, ApiError, Finish, Kind, Limits, Prepared};
