@@ -766,21 +766,22 @@ fn bad_input_is_4xx_naming_the_field() {
             Some("logit_bias"),
             "object",
         ),
-        // no field is silently ignored: the unimplemented ones are refused unless neutral
+        // tools on a model whose template shows no tool-call syntax: what to do instead
         (
             "/v1/chat/completions",
             chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
             400,
             Some("tools"),
-            "tool calls",
+            "--tool-call-parser",
         ),
         (
             "/v1/chat/completions",
             chat(json!({"tool_choice": "auto"})),
             400,
             Some("tool_choice"),
-            "tool calls",
+            "`tools` is empty",
         ),
+        // no field is silently ignored: the unimplemented ones are refused unless neutral
         (
             "/v1/chat/completions",
             chat(json!({"response_format": {"type": "bogus"}})),

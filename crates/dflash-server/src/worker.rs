@@ -30,6 +30,8 @@ pub struct Job {
     pub stop_strings: Vec<String>,
     pub deadline: Instant,
     pub events: UnboundedSender<Event>,
+    /// Leave special tokens out of the text (false where the output parser reads them).
+    pub skip_special: bool,
 }
 
 /// Flags shared by the HTTP side and the engine thread.
@@ -353,9 +355,10 @@ impl Running {
             stop_strings,
             deadline,
             events,
+            skip_special,
         } = job;
         Self {
-            stream: TextStream::with_prompt(tok, &req.prompt_ids, true),
+            stream: TextStream::with_prompt(tok, &req.prompt_ids, skip_special),
             matcher: StopMatcher::new(stop_strings),
             req,
             deadline,

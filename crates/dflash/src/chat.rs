@@ -28,6 +28,11 @@ pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     pub content: String,
+    /// The other keys templates read, as the OpenAI / HF message has them: an assistant's
+    /// `tool_calls` (`[{id, type, function: {name, arguments}}]`, arguments an object) and
+    /// `reasoning_content`, a tool message's `tool_call_id` and `name`.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 impl ChatMessage {
@@ -35,6 +40,7 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            extra: Map::new(),
         }
     }
     pub fn system(content: impl Into<String>) -> Self {
@@ -862,6 +868,30 @@ mod tests {
         assert!(out.starts_with("<|im_start|>system\n# Tools\n"), "{out}");
         assert!(
             out.ends_with("<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n"),
+            "{out}"
+        );
+    }
+
+    /// An assistant's `tool_calls` and the `tool` answers reach the template as HF passes
+    /// them (Qwen3's template prints the calls as `<tool_call>` JSON, the answers as
+    /// `<tool_response>` in a user turn).
+    #[test]
+    fn qwen3_renders_tool_calls_and_tool_messages() {
+        let t = qwen3();
+        let mut call = ChatMessage::assistant("");
+        call.extra.insert(
+            "tool_calls".into(),
+            json!([{"id": "call_0", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]),
+        );
+        let mut answer = ChatMessage::new("tool", "18 C, sunny");
+        answer
+            .extra
+            .insert("tool_call_id".into(), Value::String("call_0".into()));
+        let msgs = [ChatMessage::user("Paris?"), call, answer];
+        let out = t.render(&msgs, true, None, &no_extra()).unwrap();
+        assert!(
+            out.ends_with("<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
             "{out}"
         );
     }
