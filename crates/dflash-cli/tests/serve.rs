@@ -2312,3 +2312,233 @@ fn requests_wait_for_kv_cache_room() {
     assert!(peak <= 1, "{peak} requests ran at once in a budget for one");
     eprintln!("{max_tokens} tokens each, {fit} positions fit the budget; at most {peak} running");
 }
+
+/// The scripted tool model's added tokens (non-special, as Qwen3's `<tool_call>` is), after
+/// the base vocabulary (the mask token moves to the end).
+const TOOL_TOKENS: [&str; 8] = [
+    "\nI will look up the weather.\n",
+    "\n\n",
+    "<tool_call>",
+    "\n{\"name\": \"get_weather\", \"arguments\": ",
+    "{\"city\": \"Paris\"}",
+    "}\n",
+    "</tool_call>",
+    "It is 18 C and sunny in Paris.",
+];
+
+/// A tiny Qwen3 with Qwen3-8B's published chat template that, after the generation prompt,
+/// thinks one sentence and calls `get_weather` in the Hermes syntax, then ends its turn;
+/// with `<think>` banned (`logit_bias`) it answers instead. A scripted bigram
+/// (`dflash::testing::write_scripted`), through the real loader, tokenizer, template,
+/// DFlash verify and output parser.
+fn tool_model() -> Model {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = TinyTarget::qwen3(7);
+    t.vocab = VOCAB + TOOL_TOKENS.len();
+    let id = |i: usize| (VOCAB - 1 + i) as u32;
+    let (nl, think, unthink, im_end) = (7u32, 5u32, 6u32, 4u32);
+    let script = [
+        (nl, think, 30.0),
+        (nl, id(7), 15.0),
+        (think, id(0), 30.0),
+        (id(0), unthink, 30.0),
+        (unthink, id(1), 30.0),
+        (id(1), id(2), 30.0),
+        (id(2), id(3), 30.0),
+        (id(3), id(4), 30.0),
+        (id(4), id(5), 30.0),
+        (id(5), id(6), 30.0),
+        (id(6), im_end, 30.0),
+        (id(7), im_end, 30.0),
+    ];
+    let target = dir.path().join("target");
+    dflash::testing::write_scripted(&t, &target, &script).unwrap();
+    let mut tok = tokenizer_json();
+    let mask = t.vocab - 1;
+    tok["model"]["vocab"]["<mask>"] = json!(mask);
+    let added = tok["added_tokens"].as_array_mut().unwrap();
+    for a in added.iter_mut() {
+        match a["content"].as_str().unwrap() {
+            "<mask>" => a["id"] = json!(mask),
+            // Qwen3's <think> / </think> are added tokens that are not special
+            "<think>" | "</think>" => a["special"] = json!(false),
+            _ => {}
+        }
+    }
+    for (i, s) in TOOL_TOKENS.iter().enumerate() {
+        added.push(
+            json!({"id": id(i), "content": s, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false}),
+        );
+    }
+    for (i, s) in TOOL_TOKENS.iter().enumerate() {
+        tok["model"]["vocab"][*s] = json!(id(i));
+    }
+    write_json(&target.join("tokenizer.json"), &tok).unwrap();
+    let qwen3 = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../dflash/tests/fixtures/templates/qwen3-8b.chat_template.jinja"),
+    )
+    .unwrap();
+    write_json(
+        &target.join("tokenizer_config.json"),
+        &json!({"eos_token": "<|im_end|>", "chat_template": qwen3}),
+    )
+    .unwrap();
+    let d = TinyDraft::for_target(&t, 1, vec![1, 3], 4, 11);
+    let draft = dir.path().join("draft");
+    d.write(&draft, t.vocab).unwrap();
+    Model {
+        _dir: dir,
+        target,
+        draft,
+    }
+}
+
+fn weather_tools() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}}])
+}
+
+/// A tool call and a thought come back as `tool_calls` and `reasoning_content` (streamed as
+/// `delta.tool_calls` / `delta.reasoning_content`, never as content), `finish_reason:
+/// "tool_calls"`; the call and the tool's answer go back through the template; `tool_choice:
+/// none` parses nothing; and the official SDK runs the whole loop.
+#[test]
+fn tool_calls_and_reasoning_round_trip() {
+    let m = tool_model();
+    let s = Server::start(&m, true, &[]);
+    assert!(
+        s.log.lock().unwrap().iter().any(
+            |l| l.contains("tool-call parser: hermes") && l.contains("reasoning parser: qwen3")
+        ),
+        "{:?}",
+        s.log.lock().unwrap()
+    );
+    let user = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let body = json!({"model": "tiny", "messages": user, "tools": weather_tools(),
+        "max_tokens": 40, "temperature": 0});
+    let (st, v) = post_json(&s, "/v1/chat/completions", body.clone());
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+    let msg = &c["message"];
+    assert_eq!(msg["content"], Value::Null, "{v}");
+    assert_eq!(
+        msg["reasoning_content"], "I will look up the weather.",
+        "{v}"
+    );
+    let calls = msg["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris"}));
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"), "{v}");
+    assert_eq!(v["dflash"]["mode"], "dflash");
+
+    // streamed: the same message, in deltas
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let (texts, chunks) = deltas(&stream(&s, "/v1/chat/completions", sb));
+    assert!(texts.iter().all(|t| t.trim().is_empty()), "{texts:?}");
+    let mut reasoning = String::new();
+    let mut streamed_calls = vec![];
+    let mut finish = None;
+    for ch in &chunks {
+        let c = &ch["choices"][0];
+        if let Some(r) = c["delta"]["reasoning_content"].as_str() {
+            reasoning.push_str(r);
+        }
+        if let Some(tc) = c["delta"]["tool_calls"].as_array() {
+            streamed_calls.extend(tc.iter().cloned());
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    assert_eq!(reasoning, "I will look up the weather.");
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    assert_eq!(streamed_calls.len(), 1, "{chunks:?}");
+    assert_eq!(streamed_calls[0]["index"], 0);
+    assert_eq!(streamed_calls[0]["function"], calls[0]["function"]);
+
+    // the call and the tool's answer rendered back; the model (its <think> banned) answers
+    let mut msgs = user.as_array().unwrap().clone();
+    msgs.push(
+        json!({"role": "assistant", "content": null, "tool_calls": calls,
+        "reasoning_content": "I will look up the weather."}),
+    );
+    msgs.push(
+        json!({"role": "tool", "tool_call_id": calls[0]["id"], "content": "{\"temp_c\": 18}"}),
+    );
+    let body2 = json!({"model": "tiny", "messages": msgs, "tools": weather_tools(),
+        "max_tokens": 40, "temperature": 0, "logit_bias": {"5": -100}});
+    let (st, v2) = post_json(&s, "/v1/chat/completions", body2);
+    assert_eq!(st, 200, "{v2}");
+    assert_eq!(v2["choices"][0]["finish_reason"], "stop", "{v2}");
+    assert_eq!(
+        v2["choices"][0]["message"]["content"],
+        "It is 18 C and sunny in Paris."
+    );
+    assert!(
+        v2["choices"][0]["message"].get("tool_calls").is_none(),
+        "{v2}"
+    );
+    // (the call, the answer and the thought are in the prompt: Qwen3 keeps the reasoning of
+    // turns after the last user message)
+    let grown = v2["usage"]["prompt_tokens"].as_u64().unwrap()
+        - v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(grown >= 10, "{grown}");
+
+    // tool_choice none: no tools rendered, nothing parsed (the scripted text is content)
+    let mut none = body.clone();
+    none["tool_choice"] = json!("none");
+    let (st, v3) = post_json(&s, "/v1/chat/completions", none);
+    assert_eq!(st, 200, "{v3}");
+    let c3 = &v3["choices"][0];
+    assert_eq!(c3["finish_reason"], "stop", "{v3}");
+    assert!(
+        c3["message"]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("<tool_call>\n{\"name\": \"get_weather\""),
+        "{v3}"
+    );
+    assert_eq!(
+        c3["message"]["reasoning_content"],
+        "I will look up the weather."
+    );
+    assert!(v3["usage"]["prompt_tokens"].as_u64() < v["usage"]["prompt_tokens"].as_u64());
+
+    // a stop string inside the call: the cut call is malformed, so it comes back as text
+    let mut cut = body.clone();
+    cut["stop"] = json!(["Paris"]);
+    let (st, v4) = post_json(&s, "/v1/chat/completions", cut);
+    assert_eq!(st, 200, "{v4}");
+    let c4 = &v4["choices"][0];
+    assert_eq!(c4["finish_reason"], "stop", "{v4}");
+    assert_eq!(
+        c4["message"]["content"],
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"",
+        "{v4}"
+    );
+
+    let Some(py) = python_with_openai() else {
+        eprintln!("\n*** SKIPPED the openai SDK tool loop: python3 with the `openai` package is not available and pip could not install it ***\n");
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
+    let o = Command::new(py)
+        .arg(script)
+        .arg(s.url("/v1"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("OK"), "{out}");
+}

@@ -740,7 +740,11 @@ pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
 /// The keys of message `i` besides role and content that templates read: `name`, an
 /// assistant's `tool_calls` (arguments, a JSON string on the wire, become the object HF
 /// templates iterate) and `reasoning_content`, a tool message's `tool_call_id`.
-fn message_extra(o: &Map<String, Value>, i: usize, role: &str) -> Result<Map<String, Value>, ApiError> {
+fn message_extra(
+    o: &Map<String, Value>,
+    i: usize,
+    role: &str,
+) -> Result<Map<String, Value>, ApiError> {
     let mut extra = Map::new();
     let string = |k: &str| -> Result<Option<String>, ApiError> {
         match o.get(k) {
@@ -814,17 +818,20 @@ fn message_extra(o: &Map<String, Value>, i: usize, role: &str) -> Result<Map<Str
             Some(o @ Value::Object(_)) => o.clone(),
             Some(Value::String(t)) => match serde_json::from_str::<Value>(t) {
                 Ok(o @ Value::Object(_)) => o,
-                _ => {
-                    return Err(ApiError::invalid(
-                        &ap,
-                        format!("`{ap}` must be a JSON object encoded as a string (as the API returned it)"),
-                    ))
-                }
+                _ => return Err(ApiError::invalid(
+                    &ap,
+                    format!(
+                        "`{ap}` must be a JSON object encoded as a string (as the API returned it)"
+                    ),
+                )),
             },
             Some(v) => {
                 return Err(ApiError::invalid(
                     &ap,
-                    format!("`{ap}` must be a JSON object encoded as a string, got {}", type_name(v)),
+                    format!(
+                        "`{ap}` must be a JSON object encoded as a string, got {}",
+                        type_name(v)
+                    ),
                 ))
             }
         };
@@ -885,7 +892,9 @@ impl Tools {
         let mut out = HashMap::new();
         for t in &self.tools {
             let f = &t["function"];
-            let Some(name) = f["name"].as_str() else { continue };
+            let Some(name) = f["name"].as_str() else {
+                continue;
+            };
             let mut m = HashMap::new();
             if let Some(props) = f["parameters"]["properties"].as_object() {
                 for (k, v) in props {
@@ -958,7 +967,10 @@ pub fn parse_tools(f: &Fields) -> Result<Tools, ApiError> {
         if !good {
             return Err(ApiError::invalid(
                 &np,
-                format!("`{np}` must be 1 to 64 letters, digits, `_`, `-` or `.`, got {:?}", name.chars().take(80).collect::<String>()),
+                format!(
+                    "`{np}` must be 1 to 64 letters, digits, `_`, `-` or `.`, got {:?}",
+                    name.chars().take(80).collect::<String>()
+                ),
             ));
         }
         if names.contains(&name) {
@@ -969,9 +981,24 @@ pub fn parse_tools(f: &Fields) -> Result<Tools, ApiError> {
         }
         names.push(name);
         for (k, want, ok) in [
-            ("description", "a string", func.get("description").is_none_or(|v| v.is_string() || v.is_null())),
-            ("parameters", "a JSON schema object", func.get("parameters").is_none_or(|v| v.is_object() || v.is_null())),
-            ("strict", "a boolean", func.get("strict").is_none_or(|v| v.is_boolean() || v.is_null())),
+            (
+                "description",
+                "a string",
+                func.get("description")
+                    .is_none_or(|v| v.is_string() || v.is_null()),
+            ),
+            (
+                "parameters",
+                "a JSON schema object",
+                func.get("parameters")
+                    .is_none_or(|v| v.is_object() || v.is_null()),
+            ),
+            (
+                "strict",
+                "a boolean",
+                func.get("strict")
+                    .is_none_or(|v| v.is_boolean() || v.is_null()),
+            ),
         ] {
             if !ok {
                 let kp = format!("{p}.function.{k}");

@@ -412,8 +412,8 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
     let (reasoning_format, how_reasoning) = cfg
         .reasoning_parser
         .resolve(ReasoningFormat::detect(source, model_type));
-    tracing::info!(
-        "tool-call parser: {} ({how_tools}); reasoning parser: {} ({how_reasoning})",
+    eprintln!(
+        "dflash serve: tool-call parser: {} ({how_tools}); reasoning parser: {} ({how_reasoning})",
         tool_format.map_or("none", ToolFormat::name),
         reasoning_format.map_or("none", ReasoningFormat::name),
     );

@@ -511,14 +511,42 @@ fn bad_tools_and_tool_choice_are_400s_naming_the_field() {
     let f = |name: &str| json!({"type": "function", "function": {"name": name}});
     let cases: Vec<(serde_json::Value, &str, &str)> = vec![
         (json!({"tools": "all"}), "tools", "must be an array"),
-        (json!({"tools": {"type": "function"}}), "tools", "must be an array"),
+        (
+            json!({"tools": {"type": "function"}}),
+            "tools",
+            "must be an array",
+        ),
         (json!({"tools": [1]}), "tools[0]", "must be an object"),
-        (json!({"tools": [{"type": "retrieval"}]}), "tools[0].type", "\"function\""),
-        (json!({"tools": [{"type": "function"}]}), "tools[0].function", "must be an object"),
-        (json!({"tools": [f("")]}), "tools[0].function.name", "1 to 64"),
-        (json!({"tools": [f("has space")]}), "tools[0].function.name", "letters, digits"),
-        (json!({"tools": [f(&"x".repeat(65))]}), "tools[0].function.name", "1 to 64"),
-        (json!({"tools": [f("a"), f("a")]}), "tools[1].function.name", "unique"),
+        (
+            json!({"tools": [{"type": "retrieval"}]}),
+            "tools[0].type",
+            "\"function\"",
+        ),
+        (
+            json!({"tools": [{"type": "function"}]}),
+            "tools[0].function",
+            "must be an object",
+        ),
+        (
+            json!({"tools": [f("")]}),
+            "tools[0].function.name",
+            "1 to 64",
+        ),
+        (
+            json!({"tools": [f("has space")]}),
+            "tools[0].function.name",
+            "letters, digits",
+        ),
+        (
+            json!({"tools": [f(&"x".repeat(65))]}),
+            "tools[0].function.name",
+            "1 to 64",
+        ),
+        (
+            json!({"tools": [f("a"), f("a")]}),
+            "tools[1].function.name",
+            "unique",
+        ),
         (
             json!({"tools": [{"type": "function", "function": {"name": "a", "parameters": "x"}}]}),
             "tools[0].function.parameters",
@@ -529,8 +557,16 @@ fn bad_tools_and_tool_choice_are_400s_naming_the_field() {
             "tools[0].function.description",
             "string",
         ),
-        (json!({"tools": [f("a")], "tool_choice": "sometimes"}), "tool_choice", "\"required\""),
-        (json!({"tools": [f("a")], "tool_choice": 3}), "tool_choice", "string or an object"),
+        (
+            json!({"tools": [f("a")], "tool_choice": "sometimes"}),
+            "tool_choice",
+            "\"required\"",
+        ),
+        (
+            json!({"tools": [f("a")], "tool_choice": 3}),
+            "tool_choice",
+            "string or an object",
+        ),
         (
             json!({"tools": [f("a")], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
             "tool_choice",
@@ -541,10 +577,26 @@ fn bad_tools_and_tool_choice_are_400s_naming_the_field() {
             "tool_choice",
             "{\"type\": \"function\"",
         ),
-        (json!({"tool_choice": "required"}), "tool_choice", "`tools` is empty"),
-        (json!({"tools": [], "tool_choice": "auto"}), "tool_choice", "`tools` is empty"),
-        (json!({"tools": [f("a")], "parallel_tool_calls": "yes"}), "parallel_tool_calls", "boolean"),
-        (json!({"tools": (0..513).map(|i| f(&format!("t{i}"))).collect::<Vec<_>>()}), "tools", "at most 512"),
+        (
+            json!({"tool_choice": "required"}),
+            "tool_choice",
+            "`tools` is empty",
+        ),
+        (
+            json!({"tools": [], "tool_choice": "auto"}),
+            "tool_choice",
+            "`tools` is empty",
+        ),
+        (
+            json!({"tools": [f("a")], "parallel_tool_calls": "yes"}),
+            "parallel_tool_calls",
+            "boolean",
+        ),
+        (
+            json!({"tools": (0..513).map(|i| f(&format!("t{i}"))).collect::<Vec<_>>()}),
+            "tools",
+            "at most 512",
+        ),
     ];
     for (extra, param, want) in cases {
         bad(Kind::Chat, &chat(extra), Some(param), want);
@@ -557,34 +609,84 @@ fn bad_tools_and_tool_choice_are_400s_naming_the_field() {
             "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "a", "arguments": args}}]})
     };
     for (m, param, want) in [
-        (call(json!("not json")), "messages[1].tool_calls[0].function.arguments", "JSON object"),
-        (call(json!("[1]")), "messages[1].tool_calls[0].function.arguments", "JSON object"),
-        (call(json!(5)), "messages[1].tool_calls[0].function.arguments", "got a number"),
+        (
+            call(json!("not json")),
+            "messages[1].tool_calls[0].function.arguments",
+            "JSON object",
+        ),
+        (
+            call(json!("[1]")),
+            "messages[1].tool_calls[0].function.arguments",
+            "JSON object",
+        ),
+        (
+            call(json!(5)),
+            "messages[1].tool_calls[0].function.arguments",
+            "got a number",
+        ),
         (
             json!({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}),
             "messages[1].tool_calls[0].function.name",
             "non-empty string",
         ),
-        (json!({"role": "assistant", "tool_calls": [{"id": "x"}]}), "messages[1].tool_calls[0].function", "must be an object"),
-        (json!({"role": "assistant", "tool_calls": {}}), "messages[1].tool_calls", "must be an array"),
-        (json!({"role": "user", "content": "hello", "tool_calls": []}), "messages[1].tool_calls", "assistant messages only"),
-        (json!({"role": "tool", "content": "hello", "tool_call_id": 7}), "messages[1].tool_call_id", "must be a string"),
-        (json!({"role": "user", "content": "hello", "reasoning_content": "x"}), "messages[1].reasoning_content", "assistant messages only"),
+        (
+            json!({"role": "assistant", "tool_calls": [{"id": "x"}]}),
+            "messages[1].tool_calls[0].function",
+            "must be an object",
+        ),
+        (
+            json!({"role": "assistant", "tool_calls": {}}),
+            "messages[1].tool_calls",
+            "must be an array",
+        ),
+        (
+            json!({"role": "user", "content": "hello", "tool_calls": []}),
+            "messages[1].tool_calls",
+            "assistant messages only",
+        ),
+        (
+            json!({"role": "tool", "content": "hello", "tool_call_id": 7}),
+            "messages[1].tool_call_id",
+            "must be a string",
+        ),
+        (
+            json!({"role": "user", "content": "hello", "reasoning_content": "x"}),
+            "messages[1].reasoning_content",
+            "assistant messages only",
+        ),
     ] {
         bad(Kind::Chat, &msgs(m), Some(param), want);
     }
     // valid tools on a server whose model has no template: nothing can tell the model
-    bad(Kind::Chat, &chat(json!({"tools": [f("a")]})), Some("tools"), "no chat template");
+    bad(
+        Kind::Chat,
+        &chat(json!({"tools": [f("a")]})),
+        Some("tools"),
+        "no chat template",
+    );
     // ... or whose template shows no tool-call syntax (and no --tool-call-parser was given)
     let t = ChatTemplate::new(TOOL_WORDS, None, None, "t.jinja").unwrap();
     let lim = Limits {
         tool_format: None,
         ..limits()
     };
-    let e = prepare(Kind::Chat, chat(json!({"tools": [f("a")]})).as_bytes(), &lim, &tokenizer(), Some(&t))
-        .unwrap_err();
-    assert_eq!((e.param.as_deref(), e.code), (Some("tools"), Some("unsupported_parameter")));
-    assert!(e.message.contains("--tool-call-parser") && !e.message.contains('\n'), "{}", e.message);
+    let e = prepare(
+        Kind::Chat,
+        chat(json!({"tools": [f("a")]})).as_bytes(),
+        &lim,
+        &tokenizer(),
+        Some(&t),
+    )
+    .unwrap_err();
+    assert_eq!(
+        (e.param.as_deref(), e.code),
+        (Some("tools"), Some("unsupported_parameter"))
+    );
+    assert!(
+        e.message.contains("--tool-call-parser") && !e.message.contains('\n'),
+        "{}",
+        e.message
+    );
     // `tool_choice: none` renders no tools, so it needs no parser
     prepare(
         Kind::Chat,
@@ -606,8 +708,10 @@ const TOOL_WORDS: &str = "{% for t in tools or [] %}{{ t.function.name }} {% end
 #[test]
 fn tools_reach_the_template_and_set_up_the_parser() {
     let t = ChatTemplate::new(TOOL_WORDS, None, None, "t.jinja").unwrap();
-    let f = |name: &str| json!({"type": "function", "function": {"name": name,
-        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": ["string", "null"]}}}}});
+    let f = |name: &str| {
+        json!({"type": "function", "function": {"name": name,
+        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": ["string", "null"]}}}}})
+    };
     let ids = |extra: serde_json::Value| run(Kind::Chat, &chat(extra), Some(&t)).unwrap();
     let p = ids(json!({"tools": [f("world")]}));
     assert_eq!(p.prompt_ids, vec![2, 1]);
@@ -635,7 +739,13 @@ fn tools_reach_the_template_and_set_up_the_parser() {
     let p = run(Kind::Chat, &body.to_string(), Some(&t)).unwrap();
     assert_eq!(p.prompt_ids, vec![1, 4, 2, 3]);
     // a template that opens <think> starts the output in reasoning
-    let open = ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %} <think>\n", None, None, "t").unwrap();
+    let open = ChatTemplate::new(
+        "{% for m in messages %}{{ m.content }}{% endfor %} <think>\n",
+        None,
+        None,
+        "t",
+    )
+    .unwrap();
     let p = run(Kind::Chat, &chat(json!({})), Some(&open)).unwrap();
     assert!(p.output.reasoning_open);
     let p = run(Kind::Chat, &chat(json!({})), Some(&t)).unwrap();
@@ -661,5 +771,8 @@ fn special_tokens_in_tool_calls_and_tools_are_text() {
         p.prompt_ids
     );
     let p = chatml_prepare(&body, printing, true).unwrap();
-    assert_eq!((count(&p.prompt_ids, start), count(&p.prompt_ids, end)), (4, 3));
+    assert_eq!(
+        (count(&p.prompt_ids, start), count(&p.prompt_ids, end)),
+        (4, 3)
+    );
 }
