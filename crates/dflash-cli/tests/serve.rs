@@ -2326,15 +2326,67 @@ const TOOL_TOKENS: [&str; 8] = [
     "It is 18 C and sunny in Paris.",
 ];
 
-/// A tiny Qwen3 with Qwen3-8B's published chat template that, after the generation prompt,
-/// thinks one sentence and calls `get_weather` in the Hermes syntax, then ends its turn;
-/// with `<think>` banned (`logit_bias`) it answers instead. A scripted bigram
-/// (`dflash::testing::write_scripted`), through the real loader, tokenizer, template,
-/// DFlash verify and output parser.
-fn tool_model() -> Model {
+/// A tiny Qwen3 whose tokenizer has `added` (text, special) after the base vocabulary (the
+/// mask token moves to the end; `<think>` / `</think>` are not special, as in Qwen3) and that
+/// follows `script` (ids; `added[i]` is `VOCAB - 1 + i`): a scripted bigram
+/// (`dflash::testing::write_scripted`), run through the real loader, tokenizer, template
+/// (`template`, a fixture file), DFlash verify and output parser.
+fn scripted_model(
+    added: &[(&str, bool)],
+    script: &[(u32, u32, f32)],
+    template: &str,
+    config: Value,
+) -> Model {
     let dir = tempfile::tempdir().unwrap();
     let mut t = TinyTarget::qwen3(7);
-    t.vocab = VOCAB + TOOL_TOKENS.len();
+    t.vocab = VOCAB + added.len();
+    let target = dir.path().join("target");
+    dflash::testing::write_scripted(&t, &target, script).unwrap();
+    let mut tok = tokenizer_json();
+    let mask = t.vocab - 1;
+    tok["model"]["vocab"]["<mask>"] = json!(mask);
+    let list = tok["added_tokens"].as_array_mut().unwrap();
+    for a in list.iter_mut() {
+        match a["content"].as_str().unwrap() {
+            "<mask>" => a["id"] = json!(mask),
+            "<think>" | "</think>" => a["special"] = json!(false),
+            _ => {}
+        }
+    }
+    for (i, (s, special)) in added.iter().enumerate() {
+        list.push(
+            json!({"id": VOCAB - 1 + i, "content": s, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": special}),
+        );
+    }
+    for (i, (s, _)) in added.iter().enumerate() {
+        tok["model"]["vocab"][*s] = json!(VOCAB - 1 + i);
+    }
+    write_json(&target.join("tokenizer.json"), &tok).unwrap();
+    let src = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../dflash/tests/fixtures/templates")
+            .join(template),
+    )
+    .unwrap();
+    let mut cfg = config;
+    cfg["chat_template"] = json!(src);
+    write_json(&target.join("tokenizer_config.json"), &cfg).unwrap();
+    let d = TinyDraft::for_target(&t, 1, vec![1, 3], 4, 11);
+    let draft = dir.path().join("draft");
+    d.write(&draft, t.vocab).unwrap();
+    Model {
+        _dir: dir,
+        target,
+        draft,
+    }
+}
+
+/// Qwen3-8B's published template; the model thinks one sentence and calls `get_weather` in
+/// the Hermes syntax after the generation prompt, then ends its turn; with `<think>` (id 5)
+/// banned by `logit_bias` it answers instead.
+fn tool_model() -> Model {
+    let added: Vec<(&str, bool)> = TOOL_TOKENS.iter().map(|t| (*t, false)).collect();
     let id = |i: usize| (VOCAB - 1 + i) as u32;
     let (nl, think, unthink, im_end) = (7u32, 5u32, 6u32, 4u32);
     let script = [
@@ -2351,48 +2403,12 @@ fn tool_model() -> Model {
         (id(6), im_end, 30.0),
         (id(7), im_end, 30.0),
     ];
-    let target = dir.path().join("target");
-    dflash::testing::write_scripted(&t, &target, &script).unwrap();
-    let mut tok = tokenizer_json();
-    let mask = t.vocab - 1;
-    tok["model"]["vocab"]["<mask>"] = json!(mask);
-    let added = tok["added_tokens"].as_array_mut().unwrap();
-    for a in added.iter_mut() {
-        match a["content"].as_str().unwrap() {
-            "<mask>" => a["id"] = json!(mask),
-            // Qwen3's <think> / </think> are added tokens that are not special
-            "<think>" | "</think>" => a["special"] = json!(false),
-            _ => {}
-        }
-    }
-    for (i, s) in TOOL_TOKENS.iter().enumerate() {
-        added.push(
-            json!({"id": id(i), "content": s, "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": false}),
-        );
-    }
-    for (i, s) in TOOL_TOKENS.iter().enumerate() {
-        tok["model"]["vocab"][*s] = json!(id(i));
-    }
-    write_json(&target.join("tokenizer.json"), &tok).unwrap();
-    let qwen3 = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../dflash/tests/fixtures/templates/qwen3-8b.chat_template.jinja"),
+    scripted_model(
+        &added,
+        &script,
+        "qwen3-8b.chat_template.jinja",
+        json!({"eos_token": "<|im_end|>"}),
     )
-    .unwrap();
-    write_json(
-        &target.join("tokenizer_config.json"),
-        &json!({"eos_token": "<|im_end|>", "chat_template": qwen3}),
-    )
-    .unwrap();
-    let d = TinyDraft::for_target(&t, 1, vec![1, 3], 4, 11);
-    let draft = dir.path().join("draft");
-    d.write(&draft, t.vocab).unwrap();
-    Model {
-        _dir: dir,
-        target,
-        draft,
-    }
 }
 
 fn weather_tools() -> Value {
@@ -2541,4 +2557,203 @@ fn tool_calls_and_reasoning_round_trip() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
     assert!(out.contains("OK"), "{out}");
+}
+
+/// gpt-oss-20b's published (harmony) template; the model writes an analysis message, then a
+/// call on the commentary channel (ended by `<|call|>`, a stop token); with that call's
+/// header (id `HARMONY_CALL`) banned, a final answer. Harmony's markers are special tokens,
+/// so this also checks that the text keeps them for the parser. (A bigram cannot follow
+/// `<|start|>assistant` two ways, so the second header is one token with the same text.)
+const HARMONY: [(&str, bool); 14] = [
+    ("<|start|>", true),
+    ("<|channel|>", true),
+    ("<|message|>", true),
+    ("<|end|>", true),
+    ("<|return|>", true),
+    ("<|call|>", true),
+    ("<|constrain|>", true),
+    ("assistant", false),
+    ("analysis", false),
+    ("Need the weather in Tokyo.", false),
+    (
+        "assistant to=functions.get_weather<|channel|>commentary json<|message|>",
+        false,
+    ),
+    ("{\"location\": \"Tokyo\"}", false),
+    ("assistant<|channel|>final<|message|>", false),
+    ("It is sunny in Tokyo.", false),
+];
+const HARMONY_CALL: usize = VOCAB - 1 + 10;
+
+fn harmony_model() -> Model {
+    let id = |i: usize| (VOCAB - 1 + i) as u32;
+    let script = [
+        (id(7), id(1), 30.0),
+        (id(1), id(8), 30.0),
+        (id(8), id(2), 30.0),
+        (id(2), id(9), 30.0),
+        (id(9), id(3), 30.0),
+        (id(3), id(0), 30.0),
+        (id(0), id(10), 30.0),
+        (id(0), id(12), 15.0),
+        (id(10), id(11), 30.0),
+        (id(11), id(5), 30.0),
+        (id(12), id(13), 30.0),
+        (id(13), id(4), 30.0),
+    ];
+    let m = scripted_model(
+        &HARMONY,
+        &script,
+        "gpt-oss-20b.chat_template.jinja",
+        json!({"eos_token": "<|return|>", "bos_token": "<|startoftext|>"}),
+    );
+    // gpt-oss stops at <|return|> and <|call|>
+    write_json(
+        &m.target.join("generation_config.json"),
+        &json!({"eos_token_id": [id(4), id(5)]}),
+    )
+    .unwrap();
+    m
+}
+
+/// One chat request, whole and streamed: (whole message, finish reason; streamed content,
+/// reasoning, tool calls, finish reason).
+fn chat_both_ways(s: &Server, body: Value) -> (Value, Value, String, String, Vec<Value>, String) {
+    let (st, v) = post_json(s, "/v1/chat/completions", body.clone());
+    assert_eq!(st, 200, "{v}");
+    let mut b = body;
+    b["stream"] = json!(true);
+    let (texts, chunks) = deltas(&stream(s, "/v1/chat/completions", b));
+    let (mut reasoning, mut calls, mut finish) = (String::new(), vec![], String::new());
+    for ch in &chunks {
+        let c = &ch["choices"][0];
+        reasoning.push_str(c["delta"]["reasoning_content"].as_str().unwrap_or(""));
+        if let Some(tc) = c["delta"]["tool_calls"].as_array() {
+            calls.extend(tc.iter().cloned());
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    let c = &v["choices"][0];
+    (
+        c["message"].clone(),
+        c["finish_reason"].clone(),
+        texts.concat(),
+        reasoning,
+        calls,
+        finish,
+    )
+}
+
+/// gpt-oss's analysis channel is `reasoning_content`, its commentary call `tool_calls`, its
+/// final channel `content`, streamed and not; no harmony marker reaches the content.
+#[test]
+fn gpt_oss_channels_split_into_reasoning_calls_and_content() {
+    let m = harmony_model();
+    let s = Server::start(&m, true, &[]);
+    assert!(
+        s.log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("tool-call parser: gpt_oss")
+                && l.contains("reasoning parser: gpt_oss")),
+        "{:?}",
+        s.log.lock().unwrap()
+    );
+    let user = json!([{"role": "user", "content": "Weather in Tokyo?"}]);
+    let body = json!({"model": "tiny", "messages": user, "tools": weather_tools(),
+        "max_tokens": 40, "temperature": 0});
+    let (msg, finish, content, reasoning, calls, sfinish) = chat_both_ways(&s, body);
+    assert_eq!(finish, "tool_calls", "{msg}");
+    assert_eq!(msg["content"], Value::Null, "{msg}");
+    assert_eq!(msg["reasoning_content"], "Need the weather in Tokyo.");
+    let call = &msg["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{msg}");
+    assert_eq!(
+        serde_json::from_str::<Value>(call["arguments"].as_str().unwrap()).unwrap(),
+        json!({"location": "Tokyo"})
+    );
+    assert_eq!(
+        (content.as_str(), reasoning.as_str(), sfinish.as_str()),
+        ("", "Need the weather in Tokyo.", "tool_calls")
+    );
+    assert_eq!(calls.len(), 1);
+    assert_eq!(&calls[0]["function"], call);
+    // the answer (its call header banned), with no tools
+    let body = json!({"model": "tiny", "messages": user, "max_tokens": 40, "temperature": 0,
+        "logit_bias": {HARMONY_CALL.to_string(): -100}});
+    let (msg, finish, content, reasoning, calls, sfinish) = chat_both_ways(&s, body);
+    assert_eq!(finish, "stop", "{msg}");
+    assert_eq!(msg["content"], "It is sunny in Tokyo.", "{msg}");
+    assert_eq!(msg["reasoning_content"], "Need the weather in Tokyo.");
+    assert!(msg.get("tool_calls").is_none());
+    assert_eq!(
+        (content.as_str(), reasoning.as_str(), sfinish.as_str()),
+        (
+            "It is sunny in Tokyo.",
+            "Need the weather in Tokyo.",
+            "stop"
+        )
+    );
+    assert!(calls.is_empty());
+    // --reasoning-parser none: the channels' text is all content
+    let s = Server::start(
+        &m,
+        true,
+        &["--reasoning-parser", "none", "--tool-call-parser", "none"],
+    );
+    let body = json!({"model": "tiny", "messages": user, "max_tokens": 40, "temperature": 0,
+        "logit_bias": {HARMONY_CALL.to_string(): -100}});
+    let (st, v) = post_json(&s, "/v1/chat/completions", body);
+    assert_eq!(st, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert!(m.get("reasoning_content").is_none(), "{v}");
+    // (special tokens skipped as before; the one-token final header keeps its text)
+    assert!(
+        m["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("analysisNeed the weather in Tokyo.assistant"),
+        "{v}"
+    );
+}
+
+/// The parser flags list their values in `--help`; a bad value is a one-line error naming
+/// them.
+#[test]
+fn parser_flags_are_listed_and_checked() {
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&o.stdout);
+    for v in [
+        "hermes",
+        "qwen3_coder",
+        "gpt_oss",
+        "llama3_json",
+        "kimi_k2",
+        "gemma4",
+    ] {
+        assert!(help.contains(v), "{v} not in --help: {help}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["serve", "--model", "x", "--tool-call-parser", "hermes2"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("hermes2") && err.contains("qwen3_coder"),
+        "{err}"
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["serve", "--model", "x", "--reasoning-parser", "think"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("think") && err.contains("gpt_oss"), "{err}");
 }

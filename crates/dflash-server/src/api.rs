@@ -818,12 +818,14 @@ fn message_extra(
             Some(o @ Value::Object(_)) => o.clone(),
             Some(Value::String(t)) => match serde_json::from_str::<Value>(t) {
                 Ok(o @ Value::Object(_)) => o,
-                _ => return Err(ApiError::invalid(
-                    &ap,
-                    format!(
+                _ => {
+                    return Err(ApiError::invalid(
+                        &ap,
+                        format!(
                         "`{ap}` must be a JSON object encoded as a string (as the API returned it)"
                     ),
-                )),
+                    ))
+                }
             },
             Some(v) => {
                 return Err(ApiError::invalid(
