@@ -2557,6 +2557,54 @@ fn tool_calls_and_reasoning_round_trip() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
     assert!(out.contains("OK"), "{out}");
+    // docs/serve.md's tool loop, as written (the address and model id substituted; this model
+    // calls again every turn, so the loop's bound ends it)
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md"))
+            .unwrap();
+    let block = doc
+        .split("```python\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .find(|b| b.contains("tool_calls"))
+        .expect("a tool loop in docs/serve.md")
+        .replace("http://127.0.0.1:8000", &format!("http://{}", s.addr))
+        .replace("Qwen/Qwen3-8B", "tiny");
+    let o = Command::new(py).args(["-c", &block]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{block}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains("thought: I will look up the weather.")
+            && out.contains("called get_weather {\"city\":\"Paris\"} -> {'city': 'Paris'"),
+        "{out}"
+    );
+    // ... and its reasoning stream (it uses the `client` of the block before it)
+    let block = doc
+        .split("```python\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .find(|b| b.contains("delta") && b.contains("reasoning_content"))
+        .expect("a reasoning stream in docs/serve.md")
+        .replace("Qwen/Qwen3-8B", "tiny");
+    let script = format!(
+        "from openai import OpenAI\nclient = OpenAI(base_url=\"http://{}/v1\", api_key=\"unused\")\n{block}",
+        s.addr
+    );
+    let o = Command::new(py).args(["-c", &script]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{script}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.starts_with("I will look up the weather.<tool_call>"),
+        "{out}"
+    );
 }
 
 /// gpt-oss-20b's published (harmony) template; the model writes an analysis message, then a
