@@ -845,7 +845,7 @@ async fn model_by_id(
     if let Err(e) = check_auth(&app, &headers) {
         return fail(&app, EP, e);
     }
-    if !app.limits.model_names.iter().any(|n| *n == id) {
+    if !app.limits.model_names.contains(&id) {
         let mut e = ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found_error",

@@ -21,7 +21,7 @@ use tokio::sync::mpsc::UnboundedSender;
 pub enum Event {
     /// Newly final text (never part of a stop string).
     Text(String),
-    Done(Finish),
+    Done(Box<Finish>),
     Error(ApiError),
 }
 
@@ -469,14 +469,14 @@ impl Running {
             finish_reason
         };
         metrics.finished(label, Some(&out.stats));
-        let _ = self.events.send(Event::Done(Finish {
+        let _ = self.events.send(Event::Done(Box::new(Finish {
             finish_reason,
             prompt_tokens: self.req.prompt_ids.len(),
             completion_tokens: out.output_ids.len(),
             stats: out.stats,
             timed_out: self.timed_out,
             stopped_by: self.stopped_by,
-        }));
+        })));
     }
 }
 
