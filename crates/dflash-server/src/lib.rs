@@ -164,6 +164,8 @@ pub struct App {
     hosts: Vec<String>,
     /// `Origin`s allowed to call from a browser, lower case, without a trailing `/`.
     origins: Vec<String>,
+    /// Which output parsers are on, and why (printed at start).
+    parsers: String,
 }
 
 /// The `Host` names a server bound to `host` accepts: `allowed` when given, else the loopback
@@ -412,8 +414,8 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
     let (reasoning_format, how_reasoning) = cfg
         .reasoning_parser
         .resolve(ReasoningFormat::detect(source, model_type));
-    eprintln!(
-        "dflash serve: tool-call parser: {} ({how_tools}); reasoning parser: {} ({how_reasoning})",
+    let parsers = format!(
+        "tool-call parser: {} ({how_tools}); reasoning parser: {} ({how_reasoning})",
         tool_format.map_or("none", ToolFormat::name),
         reasoning_format.map_or("none", ReasoningFormat::name),
     );
@@ -485,6 +487,7 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         block_size,
         hosts,
         origins,
+        parsers,
         preparing: Arc::new(tokio::sync::Semaphore::new(
             std::thread::available_parallelism()
                 .map_or(2, |n| n.get())
@@ -630,6 +633,7 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
             .await
             .with_context(|| format!("binding {host}:{port}"))?;
         let addr = listener.local_addr()?;
+        eprintln!("dflash serve: {}", app.parsers);
         eprintln!(
             "dflash serve: model `{}` listening on http://{addr}",
             app.model_name

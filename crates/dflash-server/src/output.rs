@@ -266,7 +266,13 @@ impl Out<'_> {
 impl OutputParser {
     pub fn new(cfg: ParserConfig) -> Self {
         let stage = if cfg.harmony() {
-            Stage::Harmony(Harmony::default())
+            // the generation prompt ends with `<|start|>assistant`: the output begins inside
+            // a header (` to=functions.f<|channel|>commentary json<|message|>` or
+            // `<|channel|>analysis<|message|>`)
+            Stage::Harmony(Harmony {
+                state: HState::Header,
+                ..Harmony::default()
+            })
         } else {
             Stage::Split {
                 think: (cfg.reasoning == Some(ReasoningFormat::Qwen3)).then(|| Think {
@@ -951,7 +957,8 @@ enum HState {
     /// Between messages.
     #[default]
     Outside,
-    /// After `<|start|>` (or at `<|channel|>`), before `<|message|>`.
+    /// After `<|start|>` (or at `<|channel|>`, or at the start of the output), before
+    /// `<|message|>`.
     Header,
     Body(Kind),
 }

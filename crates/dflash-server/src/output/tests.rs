@@ -146,6 +146,16 @@ fn fixtures() -> Vec<(
             "Look it up.",
             vec![call(0, "get_weather", json!({"location": "Tokyo"}))],
         ),
+        // ... the recipient right after the generation prompt (`<|start|>assistant`)
+        (
+            oss.clone(),
+            " to=functions.get_weather<|channel|>commentary json<|message|>{\"location\": \"Paris\"}",
+            "",
+            "",
+            vec![call(0, "get_weather", json!({"location": "Paris"}))],
+        ),
+        // ... text that is not harmony at all: content
+        (oss.clone(), "Hello there.", "Hello there.", "", vec![]),
         // ... and an answer
         (
             oss.clone(),
@@ -395,4 +405,59 @@ fn random_marker_soup_never_panics_and_splits_agree() {
             assert_eq!(split(c, &text, &mut rng), m, "{text:?} {:?}", c.tools);
         }
     }
+}
+
+/// Calls as the families' own templates print them in a past assistant turn (what the
+/// models are trained to write) parse back into the same calls.
+#[test]
+fn calls_rendered_by_the_templates_parse_back() {
+    use dflash::chat::{ChatMessage, ChatTemplate};
+    let mut turn = ChatMessage::assistant("");
+    turn.extra.insert(
+        "tool_calls".into(),
+        json!([{"id": "c", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}}]),
+    );
+    let msgs = [ChatMessage::user("Weather?"), turn];
+    let want = vec![call(
+        0,
+        "get_weather",
+        json!({"city": "Paris", "days": [1, 2]}),
+    )];
+    let mut rng = Rng::new(3);
+    // Qwen3: the assistant turn's text, between its header and <|im_end|>
+    let t = ChatTemplate::new(
+        include_str!("../../../dflash/tests/fixtures/templates/qwen3-8b.chat_template.jinja"),
+        None,
+        Some("<|im_end|>".into()),
+        "qwen3",
+    )
+    .unwrap();
+    let r = t.render(&msgs, false, None, &Map::new()).unwrap();
+    let out = r.rsplit("<|im_start|>assistant\n").next().unwrap();
+    let out = out.strip_suffix("<|im_end|>\n").unwrap_or(out);
+    let c = cfg(Some(ToolFormat::Hermes), Some(ReasoningFormat::Qwen3));
+    assert_eq!(whole(&c, out).tool_calls, want, "{out}");
+    assert_eq!(split(&c, out, &mut rng).tool_calls, want, "{out}");
+    // gpt-oss: what follows the generation prompt `<|start|>assistant`, up to <|call|> (a
+    // stop token, so not in the output)
+    let t = ChatTemplate::new(
+        include_str!("../../../dflash/tests/fixtures/templates/gpt-oss-20b.chat_template.jinja"),
+        None,
+        Some("<|return|>".into()),
+        "gpt-oss",
+    )
+    .unwrap();
+    let r = t.render(&msgs, false, None, &Map::new()).unwrap();
+    let out = r.rsplit("<|start|>assistant").next().unwrap();
+    let out = out.split("<|call|>").next().unwrap();
+    assert!(out.contains("to=functions.get_weather"), "{r}");
+    let c = cfg(Some(ToolFormat::GptOss), Some(ReasoningFormat::GptOss));
+    let m = whole(&c, out);
+    assert_eq!(
+        (m.tool_calls, m.content.as_str()),
+        (want.clone(), ""),
+        "{out}"
+    );
+    assert_eq!(split(&c, out, &mut rng).tool_calls, want, "{out}");
 }
