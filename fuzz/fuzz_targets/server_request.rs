@@ -5,6 +5,7 @@
 #![no_main]
 use dflash_fuzz::{template, tokenizer};
 use dflash_server::api::{prepare, Kind, Limits};
+use dflash_server::output::{OutputParser, ReasoningFormat, ToolFormat};
 use dflash_server::worker::StopMatcher;
 use libfuzzer_sys::fuzz_target;
 
@@ -20,6 +21,8 @@ fuzz_target!(|data: &[u8]| {
         max_tokens_default: 16,
         max_stop: 16,
         special_tokens_in_content: false,
+        tool_format: Some(ToolFormat::Hermes),
+        reasoning_format: Some(ReasoningFormat::Qwen3),
     };
     let kind = if mode & 1 == 0 {
         Kind::Chat
@@ -32,11 +35,14 @@ fuzz_target!(|data: &[u8]| {
         assert!(p.max_tokens >= 1 && p.prompt_ids.len() + p.max_tokens <= lim.max_context);
         let mut m = StopMatcher::new(p.common.stop_strings.clone());
         let mut stream = dflash::tokenizer::TextStream::new(tok, true);
+        let mut parser = OutputParser::new(p.output.clone());
         for &id in &p.prompt_ids {
             if let Ok(t) = stream.push(id) {
                 let _ = m.push(&t);
+                let _ = parser.push(&t);
             }
         }
+        let _ = parser.finish();
         let _ = m.finish();
     }
 });

@@ -2,7 +2,8 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use dflash_server::ServerConfig;
+use dflash_server::output::{ReasoningFormat, ToolFormat};
+use dflash_server::{ParserChoice, ServerConfig};
 use std::time::Duration;
 
 #[derive(Args, Debug)]
@@ -80,6 +81,24 @@ pub struct ServeArgs {
     /// Verify block size (default: the draft's); 1 = plain decoding.
     #[arg(long)]
     pub block_size: Option<usize>,
+    /// How the model writes tool calls, parsed into `tool_calls` (default `auto`: from the
+    /// model's chat template and type; `none`: requests with `tools` are refused).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "none", "hermes", "qwen3_coder", "gpt_oss", "llama3_json", "kimi_k2", "gemma4"])]
+    pub tool_call_parser: String,
+    /// How the model writes its reasoning, parsed into `reasoning_content` (default `auto`:
+    /// from the template; `qwen3` = `<think>` blocks, `gpt_oss` = the analysis channel;
+    /// `none`: all text is content).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "none", "qwen3", "gpt_oss"])]
+    pub reasoning_parser: String,
+}
+
+/// A parser flag's value (clap has checked it is one of the listed names).
+fn parser_choice<T>(v: &str, named: impl Fn(&str) -> Option<T>) -> ParserChoice<T> {
+    match v {
+        "auto" => ParserChoice::Auto,
+        "none" => ParserChoice::Off,
+        n => named(n).map_or(ParserChoice::Auto, ParserChoice::Use),
+    }
 }
 
 fn seconds(flag: &str, s: f64) -> Result<Duration> {
@@ -133,6 +152,8 @@ pub fn config(a: ServeArgs) -> Result<ServerConfig> {
     c.request_timeout = seconds("--request-timeout", a.request_timeout)?;
     c.max_body_bytes = a.max_body_bytes;
     c.shutdown_grace = Duration::from_secs_f64(a.shutdown_grace.max(0.0));
+    c.tool_call_parser = parser_choice(&a.tool_call_parser, ToolFormat::from_name);
+    c.reasoning_parser = parser_choice(&a.reasoning_parser, ReasoningFormat::from_name);
     Ok(c)
 }
 

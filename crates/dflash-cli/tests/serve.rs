@@ -766,21 +766,22 @@ fn bad_input_is_4xx_naming_the_field() {
             Some("logit_bias"),
             "object",
         ),
-        // no field is silently ignored: the unimplemented ones are refused unless neutral
+        // tools on a model whose template shows no tool-call syntax: what to do instead
         (
             "/v1/chat/completions",
             chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
             400,
             Some("tools"),
-            "tool calls",
+            "--tool-call-parser",
         ),
         (
             "/v1/chat/completions",
             chat(json!({"tool_choice": "auto"})),
             400,
             Some("tool_choice"),
-            "tool calls",
+            "`tools` is empty",
         ),
+        // no field is silently ignored: the unimplemented ones are refused unless neutral
         (
             "/v1/chat/completions",
             chat(json!({"response_format": {"type": "bogus"}})),
@@ -2310,4 +2311,497 @@ fn requests_wait_for_kv_cache_room() {
     }
     assert!(peak <= 1, "{peak} requests ran at once in a budget for one");
     eprintln!("{max_tokens} tokens each, {fit} positions fit the budget; at most {peak} running");
+}
+
+/// The scripted tool model's added tokens (non-special, as Qwen3's `<tool_call>` is), after
+/// the base vocabulary (the mask token moves to the end).
+const TOOL_TOKENS: [&str; 8] = [
+    "\nI will look up the weather.\n",
+    "\n\n",
+    "<tool_call>",
+    "\n{\"name\": \"get_weather\", \"arguments\": ",
+    "{\"city\": \"Paris\"}",
+    "}\n",
+    "</tool_call>",
+    "It is 18 C and sunny in Paris.",
+];
+
+/// A tiny Qwen3 whose tokenizer has `added` (text, special) after the base vocabulary (the
+/// mask token moves to the end; `<think>` / `</think>` are not special, as in Qwen3) and that
+/// follows `script` (ids; `added[i]` is `VOCAB - 1 + i`): a scripted bigram
+/// (`dflash::testing::write_scripted`), run through the real loader, tokenizer, template
+/// (`template`, a fixture file), DFlash verify and output parser.
+fn scripted_model(
+    added: &[(&str, bool)],
+    script: &[(u32, u32, f32)],
+    template: &str,
+    config: Value,
+) -> Model {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = TinyTarget::qwen3(7);
+    t.vocab = VOCAB + added.len();
+    let target = dir.path().join("target");
+    dflash::testing::write_scripted(&t, &target, script).unwrap();
+    let mut tok = tokenizer_json();
+    let mask = t.vocab - 1;
+    tok["model"]["vocab"]["<mask>"] = json!(mask);
+    let list = tok["added_tokens"].as_array_mut().unwrap();
+    for a in list.iter_mut() {
+        match a["content"].as_str().unwrap() {
+            "<mask>" => a["id"] = json!(mask),
+            "<think>" | "</think>" => a["special"] = json!(false),
+            _ => {}
+        }
+    }
+    for (i, (s, special)) in added.iter().enumerate() {
+        list.push(
+            json!({"id": VOCAB - 1 + i, "content": s, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": special}),
+        );
+    }
+    for (i, (s, _)) in added.iter().enumerate() {
+        tok["model"]["vocab"][*s] = json!(VOCAB - 1 + i);
+    }
+    write_json(&target.join("tokenizer.json"), &tok).unwrap();
+    let src = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../dflash/tests/fixtures/templates")
+            .join(template),
+    )
+    .unwrap();
+    let mut cfg = config;
+    cfg["chat_template"] = json!(src);
+    write_json(&target.join("tokenizer_config.json"), &cfg).unwrap();
+    let d = TinyDraft::for_target(&t, 1, vec![1, 3], 4, 11);
+    let draft = dir.path().join("draft");
+    d.write(&draft, t.vocab).unwrap();
+    Model {
+        _dir: dir,
+        target,
+        draft,
+    }
+}
+
+/// Qwen3-8B's published template; the model thinks one sentence and calls `get_weather` in
+/// the Hermes syntax after the generation prompt, then ends its turn; with `<think>` (id 5)
+/// banned by `logit_bias` it answers instead.
+fn tool_model() -> Model {
+    let added: Vec<(&str, bool)> = TOOL_TOKENS.iter().map(|t| (*t, false)).collect();
+    let id = |i: usize| (VOCAB - 1 + i) as u32;
+    let (nl, think, unthink, im_end) = (7u32, 5u32, 6u32, 4u32);
+    let script = [
+        (nl, think, 30.0),
+        (nl, id(7), 15.0),
+        (think, id(0), 30.0),
+        (id(0), unthink, 30.0),
+        (unthink, id(1), 30.0),
+        (id(1), id(2), 30.0),
+        (id(2), id(3), 30.0),
+        (id(3), id(4), 30.0),
+        (id(4), id(5), 30.0),
+        (id(5), id(6), 30.0),
+        (id(6), im_end, 30.0),
+        (id(7), im_end, 30.0),
+    ];
+    scripted_model(
+        &added,
+        &script,
+        "qwen3-8b.chat_template.jinja",
+        json!({"eos_token": "<|im_end|>"}),
+    )
+}
+
+fn weather_tools() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}}])
+}
+
+/// A tool call and a thought come back as `tool_calls` and `reasoning_content` (streamed as
+/// `delta.tool_calls` / `delta.reasoning_content`, never as content), `finish_reason:
+/// "tool_calls"`; the call and the tool's answer go back through the template; `tool_choice:
+/// none` parses nothing; and the official SDK runs the whole loop.
+#[test]
+fn tool_calls_and_reasoning_round_trip() {
+    let m = tool_model();
+    let s = Server::start(&m, true, &[]);
+    assert!(
+        s.log.lock().unwrap().iter().any(
+            |l| l.contains("tool-call parser: hermes") && l.contains("reasoning parser: qwen3")
+        ),
+        "{:?}",
+        s.log.lock().unwrap()
+    );
+    let user = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let body = json!({"model": "tiny", "messages": user, "tools": weather_tools(),
+        "max_tokens": 40, "temperature": 0});
+    let (st, v) = post_json(&s, "/v1/chat/completions", body.clone());
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+    let msg = &c["message"];
+    assert_eq!(msg["content"], Value::Null, "{v}");
+    assert_eq!(
+        msg["reasoning_content"], "I will look up the weather.",
+        "{v}"
+    );
+    let calls = msg["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris"}));
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"), "{v}");
+    assert_eq!(v["dflash"]["mode"], "dflash");
+
+    // streamed: the same message, in deltas
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let (texts, chunks) = deltas(&stream(&s, "/v1/chat/completions", sb));
+    assert!(texts.iter().all(|t| t.trim().is_empty()), "{texts:?}");
+    let mut reasoning = String::new();
+    let mut streamed_calls = vec![];
+    let mut finish = None;
+    for ch in &chunks {
+        let c = &ch["choices"][0];
+        if let Some(r) = c["delta"]["reasoning_content"].as_str() {
+            reasoning.push_str(r);
+        }
+        if let Some(tc) = c["delta"]["tool_calls"].as_array() {
+            streamed_calls.extend(tc.iter().cloned());
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    assert_eq!(reasoning, "I will look up the weather.");
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    assert_eq!(streamed_calls.len(), 1, "{chunks:?}");
+    assert_eq!(streamed_calls[0]["index"], 0);
+    assert_eq!(streamed_calls[0]["function"], calls[0]["function"]);
+
+    // the call and the tool's answer rendered back; the model (its <think> banned) answers
+    let mut msgs = user.as_array().unwrap().clone();
+    msgs.push(
+        json!({"role": "assistant", "content": null, "tool_calls": calls,
+        "reasoning_content": "I will look up the weather."}),
+    );
+    msgs.push(
+        json!({"role": "tool", "tool_call_id": calls[0]["id"], "content": "{\"temp_c\": 18}"}),
+    );
+    let body2 = json!({"model": "tiny", "messages": msgs, "tools": weather_tools(),
+        "max_tokens": 40, "temperature": 0, "logit_bias": {"5": -100}});
+    let (st, v2) = post_json(&s, "/v1/chat/completions", body2);
+    assert_eq!(st, 200, "{v2}");
+    assert_eq!(v2["choices"][0]["finish_reason"], "stop", "{v2}");
+    assert_eq!(
+        v2["choices"][0]["message"]["content"],
+        "It is 18 C and sunny in Paris."
+    );
+    assert!(
+        v2["choices"][0]["message"].get("tool_calls").is_none(),
+        "{v2}"
+    );
+    // (the call, the answer and the thought are in the prompt: Qwen3 keeps the reasoning of
+    // turns after the last user message)
+    let grown = v2["usage"]["prompt_tokens"].as_u64().unwrap()
+        - v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(grown >= 10, "{grown}");
+
+    // tool_choice none: no tools rendered, nothing parsed (the scripted text is content)
+    let mut none = body.clone();
+    none["tool_choice"] = json!("none");
+    let (st, v3) = post_json(&s, "/v1/chat/completions", none);
+    assert_eq!(st, 200, "{v3}");
+    let c3 = &v3["choices"][0];
+    assert_eq!(c3["finish_reason"], "stop", "{v3}");
+    assert!(
+        c3["message"]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("<tool_call>\n{\"name\": \"get_weather\""),
+        "{v3}"
+    );
+    assert_eq!(
+        c3["message"]["reasoning_content"],
+        "I will look up the weather."
+    );
+    assert!(v3["usage"]["prompt_tokens"].as_u64() < v["usage"]["prompt_tokens"].as_u64());
+
+    // a stop string inside the call: the cut call is malformed, so it comes back as text
+    let mut cut = body.clone();
+    cut["stop"] = json!(["Paris"]);
+    let (st, v4) = post_json(&s, "/v1/chat/completions", cut);
+    assert_eq!(st, 200, "{v4}");
+    let c4 = &v4["choices"][0];
+    assert_eq!(c4["finish_reason"], "stop", "{v4}");
+    assert_eq!(
+        c4["message"]["content"],
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"",
+        "{v4}"
+    );
+
+    let Some(py) = python_with_openai() else {
+        eprintln!("\n*** SKIPPED the openai SDK tool loop: python3 with the `openai` package is not available and pip could not install it ***\n");
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
+    let o = Command::new(py)
+        .arg(script)
+        .arg(s.url("/v1"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("OK"), "{out}");
+    // docs/serve.md's tool loop, as written (the address and model id substituted; this model
+    // calls again every turn, so the loop's bound ends it)
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md"))
+            .unwrap();
+    let block = doc
+        .split("```python\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .find(|b| b.contains("tool_calls"))
+        .expect("a tool loop in docs/serve.md")
+        .replace("http://127.0.0.1:8000", &format!("http://{}", s.addr))
+        .replace("Qwen/Qwen3-8B", "tiny");
+    let o = Command::new(py).args(["-c", &block]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{block}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains("thought: I will look up the weather.")
+            && out.contains("called get_weather {\"city\":\"Paris\"} -> {'city': 'Paris'"),
+        "{out}"
+    );
+    // ... and its reasoning stream (it uses the `client` of the block before it)
+    let block = doc
+        .split("```python\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .find(|b| b.contains("delta") && b.contains("reasoning_content"))
+        .expect("a reasoning stream in docs/serve.md")
+        .replace("Qwen/Qwen3-8B", "tiny");
+    let script = format!(
+        "from openai import OpenAI\nclient = OpenAI(base_url=\"http://{}/v1\", api_key=\"unused\")\n{block}",
+        s.addr
+    );
+    let o = Command::new(py).args(["-c", &script]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{script}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.starts_with("I will look up the weather.<tool_call>"),
+        "{out}"
+    );
+}
+
+/// gpt-oss-20b's published (harmony) template; the model writes an analysis message, then a
+/// call on the commentary channel (ended by `<|call|>`, a stop token); with that call's
+/// header (id `HARMONY_CALL`) banned, a final answer. Harmony's markers are special tokens,
+/// so this also checks that the text keeps them for the parser. (A bigram cannot follow
+/// `<|start|>assistant` two ways, so the second header is one token with the same text.)
+const HARMONY: [(&str, bool); 14] = [
+    ("<|start|>", true),
+    ("<|channel|>", true),
+    ("<|message|>", true),
+    ("<|end|>", true),
+    ("<|return|>", true),
+    ("<|call|>", true),
+    ("<|constrain|>", true),
+    ("assistant", false),
+    ("analysis", false),
+    ("Need the weather in Tokyo.", false),
+    (
+        "assistant to=functions.get_weather<|channel|>commentary json<|message|>",
+        false,
+    ),
+    ("{\"location\": \"Tokyo\"}", false),
+    ("assistant<|channel|>final<|message|>", false),
+    ("It is sunny in Tokyo.", false),
+];
+const HARMONY_CALL: usize = VOCAB - 1 + 10;
+
+fn harmony_model() -> Model {
+    let id = |i: usize| (VOCAB - 1 + i) as u32;
+    let script = [
+        (id(7), id(1), 30.0),
+        (id(1), id(8), 30.0),
+        (id(8), id(2), 30.0),
+        (id(2), id(9), 30.0),
+        (id(9), id(3), 30.0),
+        (id(3), id(0), 30.0),
+        (id(0), id(10), 30.0),
+        (id(0), id(12), 15.0),
+        (id(10), id(11), 30.0),
+        (id(11), id(5), 30.0),
+        (id(12), id(13), 30.0),
+        (id(13), id(4), 30.0),
+    ];
+    let m = scripted_model(
+        &HARMONY,
+        &script,
+        "gpt-oss-20b.chat_template.jinja",
+        json!({"eos_token": "<|return|>", "bos_token": "<|startoftext|>"}),
+    );
+    // gpt-oss stops at <|return|> and <|call|>
+    write_json(
+        &m.target.join("generation_config.json"),
+        &json!({"eos_token_id": [id(4), id(5)]}),
+    )
+    .unwrap();
+    m
+}
+
+/// One chat request, whole and streamed: (whole message, finish reason; streamed content,
+/// reasoning, tool calls, finish reason).
+fn chat_both_ways(s: &Server, body: Value) -> (Value, Value, String, String, Vec<Value>, String) {
+    let (st, v) = post_json(s, "/v1/chat/completions", body.clone());
+    assert_eq!(st, 200, "{v}");
+    let mut b = body;
+    b["stream"] = json!(true);
+    let (texts, chunks) = deltas(&stream(s, "/v1/chat/completions", b));
+    let (mut reasoning, mut calls, mut finish) = (String::new(), vec![], String::new());
+    for ch in &chunks {
+        let c = &ch["choices"][0];
+        reasoning.push_str(c["delta"]["reasoning_content"].as_str().unwrap_or(""));
+        if let Some(tc) = c["delta"]["tool_calls"].as_array() {
+            calls.extend(tc.iter().cloned());
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    let c = &v["choices"][0];
+    (
+        c["message"].clone(),
+        c["finish_reason"].clone(),
+        texts.concat(),
+        reasoning,
+        calls,
+        finish,
+    )
+}
+
+/// gpt-oss's analysis channel is `reasoning_content`, its commentary call `tool_calls`, its
+/// final channel `content`, streamed and not; no harmony marker reaches the content.
+#[test]
+fn gpt_oss_channels_split_into_reasoning_calls_and_content() {
+    let m = harmony_model();
+    let s = Server::start(&m, true, &[]);
+    assert!(
+        s.log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("tool-call parser: gpt_oss")
+                && l.contains("reasoning parser: gpt_oss")),
+        "{:?}",
+        s.log.lock().unwrap()
+    );
+    let user = json!([{"role": "user", "content": "Weather in Tokyo?"}]);
+    let body = json!({"model": "tiny", "messages": user, "tools": weather_tools(),
+        "max_tokens": 40, "temperature": 0});
+    let (msg, finish, content, reasoning, calls, sfinish) = chat_both_ways(&s, body);
+    assert_eq!(finish, "tool_calls", "{msg}");
+    assert_eq!(msg["content"], Value::Null, "{msg}");
+    assert_eq!(msg["reasoning_content"], "Need the weather in Tokyo.");
+    let call = &msg["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{msg}");
+    assert_eq!(
+        serde_json::from_str::<Value>(call["arguments"].as_str().unwrap()).unwrap(),
+        json!({"location": "Tokyo"})
+    );
+    assert_eq!(
+        (content.as_str(), reasoning.as_str(), sfinish.as_str()),
+        ("", "Need the weather in Tokyo.", "tool_calls")
+    );
+    assert_eq!(calls.len(), 1);
+    assert_eq!(&calls[0]["function"], call);
+    // the answer (its call header banned), with no tools
+    let body = json!({"model": "tiny", "messages": user, "max_tokens": 40, "temperature": 0,
+        "logit_bias": {HARMONY_CALL.to_string(): -100}});
+    let (msg, finish, content, reasoning, calls, sfinish) = chat_both_ways(&s, body);
+    assert_eq!(finish, "stop", "{msg}");
+    assert_eq!(msg["content"], "It is sunny in Tokyo.", "{msg}");
+    assert_eq!(msg["reasoning_content"], "Need the weather in Tokyo.");
+    assert!(msg.get("tool_calls").is_none());
+    assert_eq!(
+        (content.as_str(), reasoning.as_str(), sfinish.as_str()),
+        (
+            "It is sunny in Tokyo.",
+            "Need the weather in Tokyo.",
+            "stop"
+        )
+    );
+    assert!(calls.is_empty());
+    // --reasoning-parser none: the channels' text is all content
+    let s = Server::start(
+        &m,
+        true,
+        &["--reasoning-parser", "none", "--tool-call-parser", "none"],
+    );
+    let body = json!({"model": "tiny", "messages": user, "max_tokens": 40, "temperature": 0,
+        "logit_bias": {HARMONY_CALL.to_string(): -100}});
+    let (st, v) = post_json(&s, "/v1/chat/completions", body);
+    assert_eq!(st, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert!(m.get("reasoning_content").is_none(), "{v}");
+    // (special tokens skipped as before; the one-token final header keeps its text)
+    assert!(
+        m["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("analysisNeed the weather in Tokyo.assistant"),
+        "{v}"
+    );
+}
+
+/// The parser flags list their values in `--help`; a bad value is a one-line error naming
+/// them.
+#[test]
+fn parser_flags_are_listed_and_checked() {
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&o.stdout);
+    for v in [
+        "hermes",
+        "qwen3_coder",
+        "gpt_oss",
+        "llama3_json",
+        "kimi_k2",
+        "gemma4",
+    ] {
+        assert!(help.contains(v), "{v} not in --help: {help}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["serve", "--model", "x", "--tool-call-parser", "hermes2"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("hermes2") && err.contains("qwen3_coder"),
+        "{err}"
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["serve", "--model", "x", "--reasoning-parser", "think"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("think") && err.contains("gpt_oss"), "{err}");
 }

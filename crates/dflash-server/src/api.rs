@@ -8,6 +8,9 @@ use dflash::sampling::SamplingParams;
 use dflash::stats::GenerationStats;
 use dflash::tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+
+use crate::output::{ParserConfig, ReasoningFormat, ToolFormat};
 
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone)]
@@ -161,6 +164,11 @@ pub struct Limits {
     /// Message content may contain special tokens (`--allow-special-tokens-in-content`, the
     /// old behaviour); by default their text in content is encoded as ordinary text.
     pub special_tokens_in_content: bool,
+    /// The model's tool-call syntax (from its template, or `--tool-call-parser`); None:
+    /// requests with `tools` are refused.
+    pub tool_format: Option<ToolFormat>,
+    /// The model's reasoning syntax (`--reasoning-parser`); None: all text is content.
+    pub reasoning_format: Option<ReasoningFormat>,
 }
 
 /// Most messages one chat request may carry.
@@ -322,7 +330,8 @@ fn logit_bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiErr
 /// The fields of a chat (`chat`) or completion request and their use.
 fn field_use(name: &str, chat: bool) -> Option<FieldUse> {
     use FieldUse::*;
-    const TOOLS: &str = "tool calls are not supported yet (they come with the agent work, issue 25); send no `tools`";
+    const FUNCTIONS: &str =
+        "the deprecated function-calling fields are not supported; send `tools` and `tool_choice`";
     Some(match name {
         "model" | "max_tokens" | "temperature" | "top_p" | "top_k" | "min_p" | "seed" | "stop"
         | "stop_token_ids" | "stream" | "stream_options" | "ignore_eos" | "n" | "best_of"
@@ -331,15 +340,14 @@ fn field_use(name: &str, chat: bool) -> Option<FieldUse> {
         // applied in every verify row as plain decoding would (dflash::sampling)
         "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "logit_bias" => Used,
         "messages" | "chat_template_kwargs" if chat => Used,
+        // rendered by the chat template, parsed out of the output (crate::output)
+        "tools" | "tool_choice" | "parallel_tool_calls" if chat => Used,
         "prompt" if !chat => Used,
         "user" | "metadata" | "service_tier" => Metadata,
         "top_logprobs" => RefusedUnlessNeutral(neutral_zero, "log probabilities are not supported"),
         "store" => RefusedUnlessNeutral(neutral_false, "this server does not store completions"),
-        "tools" | "functions" if chat => RefusedUnlessNeutral(neutral_empty, TOOLS),
-        "tool_choice" | "function_call" if chat => RefusedUnlessNeutral(neutral_tool_choice, TOOLS),
-        "parallel_tool_calls" if chat => {
-            RefusedUnlessNeutral(|v| v.is_null() || v.is_boolean(), TOOLS)
-        }
+        "functions" if chat => RefusedUnlessNeutral(neutral_empty, FUNCTIONS),
+        "function_call" if chat => RefusedUnlessNeutral(neutral_tool_choice, FUNCTIONS),
         "response_format" => RefusedUnlessNeutral(
             neutral_text_format,
             "structured output is not supported yet; omit it or send {\"type\": \"text\"}",
@@ -722,9 +730,346 @@ pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
             }
             None => return Err(ApiError::invalid(&p, format!("`{p}` is required"))),
         };
-        out.push(ChatMessage::new(role, content));
+        let mut msg = ChatMessage::new(role, content);
+        msg.extra = message_extra(o, i, role)?;
+        out.push(msg);
     }
     Ok(out)
+}
+
+/// The keys of message `i` besides role and content that templates read: `name`, an
+/// assistant's `tool_calls` (arguments, a JSON string on the wire, become the object HF
+/// templates iterate) and `reasoning_content`, a tool message's `tool_call_id`.
+fn message_extra(
+    o: &Map<String, Value>,
+    i: usize,
+    role: &str,
+) -> Result<Map<String, Value>, ApiError> {
+    let mut extra = Map::new();
+    let string = |k: &str| -> Result<Option<String>, ApiError> {
+        match o.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(ApiError::invalid(
+                &format!("messages[{i}].{k}"),
+                format!("`messages[{i}].{k}` must be a string, got {}", type_name(v)),
+            )),
+        }
+    };
+    if let Some(n) = string("name")? {
+        extra.insert("name".into(), n.into());
+    }
+    if let Some(id) = string("tool_call_id")? {
+        extra.insert("tool_call_id".into(), id.into());
+    }
+    if let Some(r) = string("reasoning_content")? {
+        if role != "assistant" {
+            return Err(ApiError::invalid(
+                &format!("messages[{i}].reasoning_content"),
+                format!("`messages[{i}].reasoning_content` is for assistant messages only"),
+            ));
+        }
+        extra.insert("reasoning_content".into(), r.into());
+    }
+    let calls = match o.get("tool_calls") {
+        None | Some(Value::Null) => return Ok(extra),
+        Some(Value::Array(a)) if role == "assistant" => a,
+        Some(_) if role != "assistant" => {
+            return Err(ApiError::invalid(
+                &format!("messages[{i}].tool_calls"),
+                format!("`messages[{i}].tool_calls` is for assistant messages only"),
+            ))
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                &format!("messages[{i}].tool_calls"),
+                format!(
+                    "`messages[{i}].tool_calls` must be an array of {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}, got {}",
+                    type_name(v)
+                ),
+            ))
+        }
+    };
+    let mut out = Vec::with_capacity(calls.len());
+    for (j, c) in calls.iter().enumerate() {
+        let p = format!("messages[{i}].tool_calls[{j}]");
+        let f = c
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    &format!("{p}.function"),
+                    format!("`{p}.function` must be an object {{\"name\", \"arguments\"}}"),
+                )
+            })?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    &format!("{p}.function.name"),
+                    format!("`{p}.function.name` must be a non-empty string"),
+                )
+            })?;
+        let ap = format!("{p}.function.arguments");
+        let args = match f.get("arguments") {
+            None | Some(Value::Null) => Value::Object(Map::new()),
+            Some(o @ Value::Object(_)) => o.clone(),
+            Some(Value::String(t)) => match serde_json::from_str::<Value>(t) {
+                Ok(o @ Value::Object(_)) => o,
+                _ => {
+                    return Err(ApiError::invalid(
+                        &ap,
+                        format!(
+                        "`{ap}` must be a JSON object encoded as a string (as the API returned it)"
+                    ),
+                    ))
+                }
+            },
+            Some(v) => {
+                return Err(ApiError::invalid(
+                    &ap,
+                    format!(
+                        "`{ap}` must be a JSON object encoded as a string, got {}",
+                        type_name(v)
+                    ),
+                ))
+            }
+        };
+        let mut call = json!({"type": "function", "function": {"name": name, "arguments": args}});
+        match c.get("id") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(id)) => call["id"] = id.clone().into(),
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    &format!("{p}.id"),
+                    format!("`{p}.id` must be a string"),
+                ))
+            }
+        }
+        out.push(call);
+    }
+    extra.insert("tool_calls".into(), Value::Array(out));
+    Ok(extra)
+}
+
+/// Most tools one request may declare.
+pub const MAX_TOOLS: usize = 512;
+
+/// What the request asks of tool calls (`tool_choice`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Function(String),
+}
+
+/// The request's `tools`, `tool_choice` and `parallel_tool_calls`, validated.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// The tool objects as sent (`{"type": "function", "function": {..}}`), checked.
+    pub tools: Vec<Value>,
+    pub choice: ToolChoice,
+    pub parallel: bool,
+}
+
+impl Tools {
+    /// The tools the template is given: none for `none`, the named one for a named function.
+    pub fn rendered(&self) -> Vec<Value> {
+        match &self.choice {
+            ToolChoice::None => Vec::new(),
+            ToolChoice::Function(n) => self
+                .tools
+                .iter()
+                .filter(|t| t["function"]["name"].as_str() == Some(n.as_str()))
+                .cloned()
+                .collect(),
+            _ => self.tools.clone(),
+        }
+    }
+    /// Function -> parameter -> its JSON-schema type (a string type, or the first of a list).
+    fn param_types(&self) -> HashMap<String, HashMap<String, String>> {
+        let mut out = HashMap::new();
+        for t in &self.tools {
+            let f = &t["function"];
+            let Some(name) = f["name"].as_str() else {
+                continue;
+            };
+            let mut m = HashMap::new();
+            if let Some(props) = f["parameters"]["properties"].as_object() {
+                for (k, v) in props {
+                    let ty = match &v["type"] {
+                        Value::String(s) => Some(s.clone()),
+                        Value::Array(a) => a
+                            .iter()
+                            .filter_map(Value::as_str)
+                            .find(|s| *s != "null")
+                            .map(str::to_string),
+                        _ => None,
+                    };
+                    if let Some(ty) = ty {
+                        m.insert(k.clone(), ty);
+                    }
+                }
+            }
+            out.insert(name.to_string(), m);
+        }
+        out
+    }
+}
+
+/// `tools`: `[{"type": "function", "function": {"name", "description"?, "parameters"?,
+/// "strict"?}}]`; `tool_choice`: `none` / `auto` / `required` / `{"type": "function",
+/// "function": {"name"}}` (one of the tools); `parallel_tool_calls`: a boolean.
+pub fn parse_tools(f: &Fields) -> Result<Tools, ApiError> {
+    const SHAPE: &str = "[{\"type\": \"function\", \"function\": {\"name\": ..., \"description\": ..., \"parameters\": {JSON schema}}}]";
+    let tools = match f.get("tools") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("`tools` must be an array {SHAPE}, got {}", type_name(v)),
+            ))
+        }
+    };
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::invalid(
+            "tools",
+            format!("`tools` has {} tools, at most {MAX_TOOLS}", tools.len()),
+        ));
+    }
+    let mut names: Vec<&str> = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let o = t.as_object().ok_or_else(|| {
+            ApiError::invalid(&p, format!("`{p}` must be an object {{\"type\": \"function\", \"function\": {{...}}}}, got {}", type_name(t)))
+        })?;
+        if o.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::invalid(
+                &format!("{p}.type"),
+                format!("`{p}.type` must be \"function\" (the only tool type this server knows)"),
+            ));
+        }
+        let func = o.get("function").and_then(Value::as_object).ok_or_else(|| {
+            ApiError::invalid(
+                &format!("{p}.function"),
+                format!("`{p}.function` must be an object {{\"name\", \"description\", \"parameters\"}}"),
+            )
+        })?;
+        let np = format!("{p}.function.name");
+        let name = func.get("name").and_then(Value::as_str).unwrap_or("");
+        let good = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        if !good {
+            return Err(ApiError::invalid(
+                &np,
+                format!(
+                    "`{np}` must be 1 to 64 letters, digits, `_`, `-` or `.`, got {:?}",
+                    name.chars().take(80).collect::<String>()
+                ),
+            ));
+        }
+        if names.contains(&name) {
+            return Err(ApiError::invalid(
+                &np,
+                format!("`{np}`: two tools are named `{name}`; tool names must be unique"),
+            ));
+        }
+        names.push(name);
+        for (k, want, ok) in [
+            (
+                "description",
+                "a string",
+                func.get("description")
+                    .is_none_or(|v| v.is_string() || v.is_null()),
+            ),
+            (
+                "parameters",
+                "a JSON schema object",
+                func.get("parameters")
+                    .is_none_or(|v| v.is_object() || v.is_null()),
+            ),
+            (
+                "strict",
+                "a boolean",
+                func.get("strict")
+                    .is_none_or(|v| v.is_boolean() || v.is_null()),
+            ),
+        ] {
+            if !ok {
+                let kp = format!("{p}.function.{k}");
+                return Err(ApiError::invalid(&kp, format!("`{kp}` must be {want}")));
+            }
+        }
+    }
+    let choice = match f.get("tool_choice") {
+        None if tools.is_empty() => ToolChoice::None,
+        None => ToolChoice::Auto,
+        Some(Value::String(c)) => match c.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("`tool_choice` must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {:?}", other.chars().take(80).collect::<String>()),
+                ))
+            }
+        },
+        Some(Value::Object(o)) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| o.get("type").and_then(Value::as_str) == Some("function"));
+            match name {
+                Some(n) => ToolChoice::Function(n.to_string()),
+                None => {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        "`tool_choice` as an object must be {\"type\": \"function\", \"function\": {\"name\": NAME}}",
+                    ))
+                }
+            }
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!("`tool_choice` must be a string or an object, got {}", type_name(v)),
+            ))
+        }
+    };
+    match &choice {
+        ToolChoice::Function(n) if !names.contains(&n.as_str()) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "`tool_choice` names the function `{}`, which is not one of `tools` ({})",
+                    n.chars().take(80).collect::<String>(),
+                    if names.is_empty() { "none given".to_string() } else { names.join(", ") }
+                ),
+            ))
+        }
+        ToolChoice::Auto | ToolChoice::Required if tools.is_empty() => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "`tool_choice` asks for tool calls but `tools` is empty; send `tools` or omit `tool_choice`",
+            ))
+        }
+        _ => {}
+    }
+    let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
+    Ok(Tools {
+        tools,
+        choice,
+        parallel,
+    })
 }
 
 /// `prompt` of /v1/completions: a string, a one-element array of a string, or token ids.
@@ -793,6 +1138,9 @@ pub struct Prepared {
     pub prompt_ids: Vec<u32>,
     /// The request's max_tokens (or the default), capped to the room the context leaves.
     pub max_tokens: usize,
+    /// How the output is split into content, reasoning and tool calls (inactive for
+    /// completions); `id_prefix` is left to the caller.
+    pub output: ParserConfig,
 }
 
 /// A request body -> a validated request: parse, validate every field against `lim`, render
@@ -809,14 +1157,52 @@ pub fn prepare(
     check_fields(&obj, kind == Kind::Chat)?;
     let f = Fields(&obj);
     let common = parse_common(&f, lim)?;
+    let mut output = ParserConfig::default();
     let (prompt_ids, param) = match kind {
         Kind::Chat => {
             let msgs = parse_messages(&f)?;
-            check_text_bytes("messages", msgs.iter().map(|m| m.content.len()).sum(), lim)?;
-            let kwargs: Map<String, Value> = f
+            let tools = parse_tools(&f)?;
+            let rendered_tools = tools.rendered();
+            let extra_bytes: usize = msgs
+                .iter()
+                .filter(|m| !m.extra.is_empty())
+                .map(|m| Value::Object(m.extra.clone()).to_string().len())
+                .sum::<usize>()
+                + if rendered_tools.is_empty() {
+                    0
+                } else {
+                    Value::Array(rendered_tools.clone()).to_string().len()
+                };
+            check_text_bytes(
+                "messages",
+                msgs.iter().map(|m| m.content.len()).sum::<usize>() + extra_bytes,
+                lim,
+            )?;
+            let mut kwargs: Map<String, Value> = f
                 .object("chat_template_kwargs")?
                 .cloned()
                 .unwrap_or_default();
+            if !rendered_tools.is_empty() {
+                let Some(fmt) = lim.tool_format else {
+                    return Err(ApiError::invalid(
+                        "tools",
+                        format!("this model's chat template shows no tool-call format this server can parse; start the server with --tool-call-parser ({}), or send no `tools`", ToolFormat::ALL.map(ToolFormat::name).join(", ")),
+                    )
+                    .with_code("unsupported_parameter"));
+                };
+                if template.is_none() {
+                    return Err(ApiError::invalid(
+                        "tools",
+                        "this model has no chat template to tell it about `tools`; send no `tools`",
+                    )
+                    .with_code("unsupported_parameter"));
+                }
+                kwargs.insert("tools".into(), Value::Array(rendered_tools));
+                output.tools = Some(fmt);
+                output.single_call = !tools.parallel;
+                output.param_types = tools.param_types();
+            }
+            output.reasoning = lim.reasoning_format;
             let enable_thinking = match kwargs.get("enable_thinking") {
                 None | Some(Value::Null) => None,
                 Some(Value::Bool(b)) => Some(*b),
@@ -828,7 +1214,12 @@ pub fn prepare(
                 }
             };
             let ids = match template {
-                Some(t) => encode_chat(t, tokenizer, &msgs, enable_thinking, &kwargs, lim)?,
+                Some(t) => {
+                    let (ids, think_open) =
+                        encode_chat(t, tokenizer, &msgs, enable_thinking, &kwargs, lim)?;
+                    output.reasoning_open = think_open;
+                    ids
+                }
                 None => {
                     // no template: the text is all content, so no special token is wanted
                     let text: Vec<&str> = msgs.iter().map(|m| m.content.as_str()).collect();
@@ -884,6 +1275,7 @@ pub fn prepare(
         common,
         prompt_ids,
         max_tokens,
+        output,
     })
 }
 
@@ -894,7 +1286,10 @@ pub fn prepare(
 /// placeholder (a Unicode noncharacter that no content holds, an index, the same character),
 /// the template is rendered, the placeholders are put back, and every special token of the
 /// result except those is a marker of the template. Content without special-token text (the
-/// usual case) takes the plain path: the same ids as without this.
+/// usual case) takes the plain path: the same ids as without this. The strings of messages'
+/// other keys (`tool_calls` arguments, `reasoning_content`) and of `tools` (in `kwargs`) are
+/// content too. Also returns whether the prompt ends inside a `<think>` block that the
+/// template opened (the output then starts in reasoning).
 fn encode_chat(
     t: &ChatTemplate,
     tok: &Tokenizer,
@@ -902,7 +1297,8 @@ fn encode_chat(
     enable_thinking: Option<bool>,
     kwargs: &Map<String, Value>,
     lim: &Limits,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<(Vec<u32>, bool), ApiError> {
+    let think_open = |text: &str| text.trim_end().ends_with("<think>");
     let render = |m: &[ChatMessage], kw: &Map<String, Value>| {
         t.render(m, true, enable_thinking, kw)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))
@@ -916,13 +1312,26 @@ fn encode_chat(
     // `chat_template_kwargs` strings reach the prompt too when a template prints them
     let kw_forged = !lim.special_tokens_in_content
         && strings_of(kwargs).any(|s| !tok.special_spans(s).is_empty());
-    if forged.iter().all(Vec::is_empty) && !kw_forged {
-        return tok.encode(&render(msgs, kwargs)?, false).map_err(enc_err);
+    let extra_forged = !lim.special_tokens_in_content
+        && msgs
+            .iter()
+            .any(|m| strings_of(&m.extra).any(|s| !tok.special_spans(s).is_empty()));
+    if forged.iter().all(Vec::is_empty) && !kw_forged && !extra_forged {
+        let text = render(msgs, kwargs)?;
+        let ids = tok.encode(&text, false).map_err(enc_err)?;
+        return Ok((ids, think_open(&text)));
     }
     let kw = Value::Object(kwargs.clone()).to_string();
-    let Some(mark) = ('\u{FDD0}'..='\u{FDEF}')
-        .find(|c| !kw.contains(*c) && !msgs.iter().any(|m| m.content.contains(*c)))
-    else {
+    let extras: Vec<String> = msgs
+        .iter()
+        .filter(|m| !m.extra.is_empty())
+        .map(|m| Value::Object(m.extra.clone()).to_string())
+        .collect();
+    let Some(mark) = ('\u{FDD0}'..='\u{FDEF}').find(|c| {
+        !kw.contains(*c)
+            && !msgs.iter().any(|m| m.content.contains(*c))
+            && !extras.iter().any(|e| e.contains(*c))
+    }) else {
         return Err(ApiError::invalid(
             "messages",
             "`messages` contain special-token text and all 32 Unicode noncharacters U+FDD0..U+FDEF, which this server needs to keep that text as text; remove the noncharacters",
@@ -933,10 +1342,19 @@ fn encode_chat(
         .iter()
         .zip(&forged)
         .map(|(m, spans)| {
-            ChatMessage::new(
+            let mut c = ChatMessage::new(
                 m.role.clone(),
                 marked_text(&m.content, spans, mark, &mut texts),
-            )
+            );
+            c.extra = if extra_forged {
+                m.extra
+                    .iter()
+                    .map(|(k, v)| (k.clone(), marked_value(v, tok, mark, &mut texts)))
+                    .collect()
+            } else {
+                m.extra.clone()
+            };
+            c
         })
         .collect();
     let marked_kw: Map<String, Value> = if kw_forged {
@@ -976,8 +1394,10 @@ fn encode_chat(
         .into_iter()
         .filter(|&(a, b)| !content_specials.iter().any(|&(c, d)| a < d && c < b))
         .collect();
-    tok.encode_with_specials_at(&text, &template_specials, false)
-        .map_err(enc_err)
+    let ids = tok
+        .encode_with_specials_at(&text, &template_specials, false)
+        .map_err(enc_err)?;
+    Ok((ids, think_open(&text)))
 }
 
 /// `text` with each special-token span replaced by `mark` index `mark` (the span's text kept
@@ -1038,7 +1458,7 @@ fn marked_value(v: &Value, tok: &Tokenizer, mark: char, texts: &mut Vec<String>)
 /// Why a generation ended and what it cost.
 #[derive(Debug, Clone)]
 pub struct Finish {
-    /// OpenAI's: "stop" or "length".
+    /// OpenAI's: "stop" or "length" (the response says "tool_calls" when it made calls).
     pub finish_reason: &'static str,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,

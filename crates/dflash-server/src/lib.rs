@@ -11,11 +11,13 @@
 
 pub mod api;
 pub mod metrics;
+pub mod output;
 pub mod structured;
 pub mod worker;
 
 use crate::api::{dflash_ext, json_body, usage, ApiError, Finish, Kind, Limits, Prepared};
 use crate::metrics::Metrics;
+use crate::output::{Delta, Message, OutputParser, ReasoningFormat, ToolFormat};
 use crate::worker::{Control, Event, Job};
 use anyhow::{Context, Result};
 use axum::body::{Body, Bytes};
@@ -87,6 +89,30 @@ pub struct ServerConfig {
     /// After SIGTERM / ctrl-c: how long the running generation may go on before it is
     /// cancelled. Queued requests are refused with 503 at once.
     pub shutdown_grace: Duration,
+    /// The tool-call syntax (`--tool-call-parser`).
+    pub tool_call_parser: ParserChoice<ToolFormat>,
+    /// The reasoning syntax (`--reasoning-parser`).
+    pub reasoning_parser: ParserChoice<ReasoningFormat>,
+}
+
+/// A parser flag: found from the model's chat template and type, turned off, or named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ParserChoice<T> {
+    #[default]
+    Auto,
+    Off,
+    Use(T),
+}
+
+impl<T: Copy> ParserChoice<T> {
+    /// The parser in use, and how it was chosen (for the start-up line).
+    fn resolve(self, detected: Option<T>) -> (Option<T>, &'static str) {
+        match self {
+            ParserChoice::Auto => (detected, "from the model's chat template and type"),
+            ParserChoice::Off => (None, "turned off"),
+            ParserChoice::Use(t) => (Some(t), "as asked"),
+        }
+    }
 }
 
 impl ServerConfig {
@@ -111,6 +137,8 @@ impl ServerConfig {
             request_timeout: Duration::from_secs(600),
             max_body_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
+            tool_call_parser: ParserChoice::Auto,
+            reasoning_parser: ParserChoice::Auto,
         }
     }
 }
@@ -137,6 +165,8 @@ pub struct App {
     hosts: Vec<String>,
     /// `Origin`s allowed to call from a browser, lower case, without a trailing `/`.
     origins: Vec<String>,
+    /// Which output parsers are on, and why (printed at start).
+    parsers: String,
 }
 
 /// The `Host` names a server bound to `host` accepts: `allowed` when given, else the loopback
@@ -374,8 +404,22 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         model_name,
         draft_name,
         cache_room,
+        target_config,
         ..
     } = p;
+    let source = template.as_ref().map_or("", |t| t.source());
+    let model_type = target_config.model_type.as_str();
+    let (tool_format, how_tools) = cfg
+        .tool_call_parser
+        .resolve(ToolFormat::detect(source, model_type));
+    let (reasoning_format, how_reasoning) = cfg
+        .reasoning_parser
+        .resolve(ReasoningFormat::detect(source, model_type));
+    let parsers = format!(
+        "tool-call parser: {} ({how_tools}); reasoning parser: {} ({how_reasoning})",
+        tool_format.map_or("none", ToolFormat::name),
+        reasoning_format.map_or("none", ReasoningFormat::name),
+    );
     let kv_budget = cfg
         .kv_cache_bytes
         .or_else(|| cache_room.map(|r| r.saturating_sub(cfg.prefix_cache_bytes as u64) / 10 * 9));
@@ -408,6 +452,8 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         max_tokens_default: cfg.max_tokens_default,
         max_stop: 16,
         special_tokens_in_content: cfg.allow_special_tokens_in_content,
+        tool_format,
+        reasoning_format,
     };
     let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(cfg.max_queue);
     let metrics = Arc::new(Metrics::default());
@@ -442,6 +488,7 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         block_size,
         hosts,
         origins,
+        parsers,
         preparing: Arc::new(tokio::sync::Semaphore::new(
             std::thread::available_parallelism()
                 .map_or(2, |n| n.get())
@@ -587,6 +634,7 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
             .await
             .with_context(|| format!("binding {host}:{port}"))?;
         let addr = listener.local_addr()?;
+        eprintln!("dflash serve: {}", app.parsers);
         eprintln!(
             "dflash serve: model `{}` listening on http://{addr}",
             app.model_name
@@ -802,7 +850,7 @@ async fn model_by_id(
     if let Err(e) = check_auth(&app, &headers) {
         return fail(&app, EP, e);
     }
-    if !app.limits.model_names.iter().any(|n| *n == id) {
+    if !app.limits.model_names.contains(&id) {
         let mut e = ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found_error",
@@ -878,6 +926,7 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
         common,
         prompt_ids,
         max_tokens,
+        mut output,
     } = prepared;
     let mut stop_ids = if common.ignore_eos {
         vec![]
@@ -902,6 +951,8 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
         stop_strings: common.stop_strings.clone(),
         deadline: Instant::now() + timeout,
         events: tx,
+        // harmony channels, Kimi's sections and Gemma 4's calls are special tokens
+        skip_special: !output.needs_special_tokens(),
     };
     app.metrics.enqueued();
     match app.jobs.try_send(job) {
@@ -936,12 +987,14 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
         app.started,
         app.next_id.fetch_add(1, Ordering::Relaxed)
     );
+    output.id_prefix = format!("call_{}_", id.rsplit('-').next().unwrap_or(""));
     let ctx = ChunkCtx {
         id,
         created: now_s(),
         model: app.model_name.clone(),
         kind,
         include_usage: common.include_usage,
+        parser: (kind == Kind::Chat && output.active()).then(|| OutputParser::new(output)),
     };
     if common.stream {
         app.metrics.request(ep, 200);
@@ -952,17 +1005,26 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
 
 async fn collect_response(
     app: Arc<App>,
-    ctx: ChunkCtx,
+    mut ctx: ChunkCtx,
     mut rx: UnboundedReceiver<Event>,
     timeout: Duration,
 ) -> Response {
     let ep = ctx.kind.endpoint();
-    let mut text = String::new();
+    let mut msg = Message::default();
+    let parser = &mut ctx.parser;
     let wait = async {
         while let Some(ev) = rx.recv().await {
             match ev {
-                Event::Text(t) => text.push_str(&t),
-                Event::Done(f) => return Ok(f),
+                Event::Text(t) => match parser.as_mut() {
+                    Some(p) => p.push(&t).into_iter().for_each(|d| msg.add(d)),
+                    None => msg.content.push_str(&t),
+                },
+                Event::Done(f) => {
+                    if let Some(p) = parser.as_mut() {
+                        p.finish().into_iter().for_each(|d| msg.add(d));
+                    }
+                    return Ok(f);
+                }
                 Event::Error(e) => return Err(e),
             }
         }
@@ -979,7 +1041,7 @@ async fn collect_response(
     };
     match r {
         Ok(f) => {
-            let v = ctx.full(&text, &f);
+            let v = ctx.full(&msg, &f);
             record(&app, ep, json_body(&v))
         }
         Err(e) => fail(&app, ep, e),
@@ -993,20 +1055,56 @@ struct ChunkCtx {
     model: String,
     kind: Kind,
     include_usage: bool,
+    /// Splits a chat response into content, reasoning and tool calls (None: all content).
+    parser: Option<OutputParser>,
+}
+
+/// A tool call as the API shows it (`message.tool_calls[i]`, `delta.tool_calls[i]`).
+fn tool_call_json(c: &crate::output::ToolCall) -> Value {
+    json!({"index": c.index, "id": c.id, "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments}})
 }
 
 impl ChunkCtx {
-    fn full(&self, text: &str, f: &Finish) -> Value {
+    /// "tool_calls" when the generation stopped after making calls (OpenAI's), else the
+    /// engine's reason.
+    fn finish_reason(&self, f: &Finish) -> &'static str {
+        match &self.parser {
+            Some(p) if p.called() && f.finish_reason == "stop" => "tool_calls",
+            _ => f.finish_reason,
+        }
+    }
+
+    fn full(&self, m: &Message, f: &Finish) -> Value {
         let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": f.finish_reason,
-            }),
+            Kind::Chat => {
+                let calls = !m.tool_calls.is_empty();
+                let mut message = json!({"role": "assistant",
+                    "content": if calls && m.content.trim().is_empty() { Value::Null } else { m.content.clone().into() }});
+                if !m.reasoning.is_empty() {
+                    message["reasoning_content"] = m.reasoning.clone().into();
+                }
+                if calls {
+                    message["tool_calls"] = m
+                        .tool_calls
+                        .iter()
+                        .map(|c| {
+                            let mut v = tool_call_json(c);
+                            v.as_object_mut().map(|o| o.remove("index"));
+                            v
+                        })
+                        .collect();
+                }
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": null,
+                    "finish_reason": self.finish_reason(f),
+                })
+            }
             Kind::Completion => json!({
                 "index": 0,
-                "text": text,
+                "text": m.content,
                 "logprobs": null,
                 "finish_reason": f.finish_reason,
             }),
@@ -1055,13 +1153,33 @@ impl ChunkCtx {
         self.chunk(json!([choice]))
     }
 
+    /// A chunk for one parsed delta.
+    fn parsed(&self, d: &Delta) -> Value {
+        let delta = match d {
+            Delta::Content(t) => json!({ "content": t }),
+            Delta::Reasoning(t) => json!({ "reasoning_content": t }),
+            Delta::ToolCall(c) => json!({ "tool_calls": [tool_call_json(c)] }),
+        };
+        self.chunk(json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]))
+    }
+
     /// SSE events for one engine event.
-    fn events(&self, ev: Event, out: &mut VecDeque<SseEvent>) {
+    fn events(&mut self, ev: Event, out: &mut VecDeque<SseEvent>) {
         let data = |v: Value| SseEvent::default().data(v.to_string());
         match ev {
-            Event::Text(t) => out.push_back(data(self.delta(Some(&t), false, None))),
+            Event::Text(t) => match self.parser.as_mut() {
+                Some(p) => {
+                    let ds = p.push(&t);
+                    ds.iter().for_each(|d| out.push_back(data(self.parsed(d))));
+                }
+                None => out.push_back(data(self.delta(Some(&t), false, None))),
+            },
             Event::Done(f) => {
-                let mut last = self.delta(None, false, Some(f.finish_reason));
+                if let Some(p) = self.parser.as_mut() {
+                    let ds = p.finish();
+                    ds.iter().for_each(|d| out.push_back(data(self.parsed(d))));
+                }
+                let mut last = self.delta(None, false, Some(self.finish_reason(&f)));
                 last["dflash"] = dflash_ext(&f);
                 out.push_back(data(last));
                 if self.include_usage {
@@ -1080,7 +1198,7 @@ impl ChunkCtx {
     }
 }
 
-fn stream_response(ctx: ChunkCtx, mut rx: UnboundedReceiver<Event>) -> Response {
+fn stream_response(mut ctx: ChunkCtx, mut rx: UnboundedReceiver<Event>) -> Response {
     let mut buf: VecDeque<SseEvent> = VecDeque::new();
     if ctx.kind == Kind::Chat {
         buf.push_back(SseEvent::default().data(ctx.delta(Some(""), true, None).to_string()));

@@ -21,7 +21,7 @@ use tokio::sync::mpsc::UnboundedSender;
 pub enum Event {
     /// Newly final text (never part of a stop string).
     Text(String),
-    Done(Finish),
+    Done(Box<Finish>),
     Error(ApiError),
 }
 
@@ -30,6 +30,8 @@ pub struct Job {
     pub stop_strings: Vec<String>,
     pub deadline: Instant,
     pub events: UnboundedSender<Event>,
+    /// Leave special tokens out of the text (false where the output parser reads them).
+    pub skip_special: bool,
 }
 
 /// Flags shared by the HTTP side and the engine thread.
@@ -353,9 +355,10 @@ impl Running {
             stop_strings,
             deadline,
             events,
+            skip_special,
         } = job;
         Self {
-            stream: TextStream::with_prompt(tok, &req.prompt_ids, true),
+            stream: TextStream::with_prompt(tok, &req.prompt_ids, skip_special),
             matcher: StopMatcher::new(stop_strings),
             req,
             deadline,
@@ -466,14 +469,14 @@ impl Running {
             finish_reason
         };
         metrics.finished(label, Some(&out.stats));
-        let _ = self.events.send(Event::Done(Finish {
+        let _ = self.events.send(Event::Done(Box::new(Finish {
             finish_reason,
             prompt_tokens: self.req.prompt_ids.len(),
             completion_tokens: out.output_ids.len(),
             stats: out.stats,
             timed_out: self.timed_out,
             stopped_by: self.stopped_by,
-        }));
+        })));
     }
 }
 

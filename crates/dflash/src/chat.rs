@@ -28,6 +28,11 @@ pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     pub content: String,
+    /// The other keys templates read, as the OpenAI / HF message has them: an assistant's
+    /// `tool_calls` (`[{id, type, function: {name, arguments}}]`, arguments an object) and
+    /// `reasoning_content`, a tool message's `tool_call_id` and `name`.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 impl ChatMessage {
@@ -35,6 +40,7 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            extra: Map::new(),
         }
     }
     pub fn system(content: impl Into<String>) -> Self {
@@ -660,96 +666,9 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// Qwen3's published chat template (Qwen/Qwen3-8B tokenizer_config.json).
-    const QWEN3: &str = r##"{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"##;
+    /// Qwen3's published chat template (Qwen/Qwen3-8B tokenizer_config.json; the fixture
+    /// file is its `chat_template` string as published).
+    const QWEN3: &str = include_str!("../tests/fixtures/templates/qwen3-8b.chat_template.jinja");
 
     const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
@@ -862,6 +781,30 @@ mod tests {
         assert!(out.starts_with("<|im_start|>system\n# Tools\n"), "{out}");
         assert!(
             out.ends_with("<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n"),
+            "{out}"
+        );
+    }
+
+    /// An assistant's `tool_calls` and the `tool` answers reach the template as HF passes
+    /// them (Qwen3's template prints the calls as `<tool_call>` JSON, the answers as
+    /// `<tool_response>` in a user turn).
+    #[test]
+    fn qwen3_renders_tool_calls_and_tool_messages() {
+        let t = qwen3();
+        let mut call = ChatMessage::assistant("");
+        call.extra.insert(
+            "tool_calls".into(),
+            json!([{"id": "call_0", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]),
+        );
+        let mut answer = ChatMessage::new("tool", "18 C, sunny");
+        answer
+            .extra
+            .insert("tool_call_id".into(), Value::String("call_0".into()));
+        let msgs = [ChatMessage::user("Paris?"), call, answer];
+        let out = t.render(&msgs, true, None, &no_extra()).unwrap();
+        assert!(
+            out.ends_with("<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
             "{out}"
         );
     }

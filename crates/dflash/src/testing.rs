@@ -315,6 +315,77 @@ impl TinyTarget {
     }
 }
 
+/// Writes `t` (a dense, untied target) to `dir` as a scripted bigram model: after token `a` it
+/// picks `b`, for each `(a, b, logit)` of `script` (several `b` after one `a` are ranked by
+/// their logits; every other token gets logit 0). How: the attention and MLP outputs are
+/// zero, so each position's last hidden state is its token's embedding; the embedding of
+/// each `a` is one-hot (one dimension per distinct `a`, at most `t.hidden`), the final norm
+/// is 1 and the LM-head column of that dimension holds the `b`s' logits. The checkpoint goes
+/// through the real loader and forward like any other, so a test can make a server emit an
+/// exact text (a tool call) through the real tokenizer, template and parser.
+pub fn write_scripted(t: &TinyTarget, dir: &Path, script: &[(u32, u32, f32)]) -> Result<()> {
+    if t.tied || t.extra.get("num_experts").is_some() {
+        return Err(Error::input(
+            "write_scripted: the target must be dense with an untied lm_head",
+        ));
+    }
+    t.write(dir)?;
+    let path = dir.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&path, &Device::Cpu)?;
+    let (h, v) = (t.hidden, t.vocab);
+    for l in 0..t.layers {
+        for n in ["self_attn.o_proj", "mlp.down_proj"] {
+            let k = format!("model.layers.{l}.{n}.weight");
+            let z = w[&k].zeros_like()?;
+            w.insert(k, z);
+        }
+    }
+    w.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(h, candle_core::DType::F32, &Device::Cpu)?,
+    );
+    let mut emb = w["model.embed_tokens.weight"].to_vec2::<f32>()?;
+    let mut head = w["lm_head.weight"].to_vec2::<f32>()?;
+    let mut dims: Vec<u32> = Vec::new();
+    for &(a, _, _) in script {
+        if !dims.contains(&a) {
+            dims.push(a);
+        }
+    }
+    if dims.len() > h
+        || script
+            .iter()
+            .any(|&(a, b, _)| a as usize >= v || b as usize >= v)
+    {
+        return Err(Error::input(format!(
+            "write_scripted: at most {h} distinct tokens to follow, all below {v}"
+        )));
+    }
+    // RMSNorm of a one-hot row: sqrt(hidden) in its dimension
+    let norm = (h as f32).sqrt();
+    for (d, &a) in dims.iter().enumerate() {
+        emb[a as usize] = (0..h).map(|j| if j == d { 1.0 } else { 0.0 }).collect();
+        head.iter_mut().for_each(|row| row[d] = 0.0);
+    }
+    for &(a, b, logit) in script {
+        let d = dims.iter().position(|&x| x == a).expect("listed");
+        head[b as usize][d] = logit / norm;
+    }
+    let flat = |m: Vec<Vec<f32>>| -> Result<Tensor> {
+        let rows = m.len();
+        let cols = m[0].len();
+        Ok(Tensor::from_vec(
+            m.into_iter().flatten().collect::<Vec<f32>>(),
+            (rows, cols),
+            &Device::Cpu,
+        )?)
+    };
+    w.insert("model.embed_tokens.weight".into(), flat(emb)?);
+    w.insert("lm_head.weight".into(), flat(head)?);
+    candle_core::safetensors::save(&w, &path)?;
+    Ok(())
+}
+
 pub fn write_json(path: &Path, v: &Value) -> Result<()> {
     std::fs::write(path, serde_json::to_string_pretty(v).expect("json"))
         .map_err(|e| Error::io(path, e))
