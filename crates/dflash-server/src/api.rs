@@ -256,12 +256,6 @@ fn neutral_empty(v: &Value) -> bool {
 fn neutral_false(v: &Value) -> bool {
     null_or(v, |v| v.as_bool() == Some(false))
 }
-fn neutral_text_format(v: &Value) -> bool {
-    null_or(v, |v| {
-        v.as_object()
-            .is_some_and(|o| o.len() == 1 && o.get("type").and_then(Value::as_str) == Some("text"))
-    })
-}
 fn neutral_tool_choice(v: &Value) -> bool {
     null_or(v, |v| v.as_str() == Some("none"))
 }
@@ -348,10 +342,9 @@ fn field_use(name: &str, chat: bool) -> Option<FieldUse> {
         "store" => RefusedUnlessNeutral(neutral_false, "this server does not store completions"),
         "functions" if chat => RefusedUnlessNeutral(neutral_empty, FUNCTIONS),
         "function_call" if chat => RefusedUnlessNeutral(neutral_tool_choice, FUNCTIONS),
-        "response_format" => RefusedUnlessNeutral(
-            neutral_text_format,
-            "structured output is not supported yet; omit it or send {\"type\": \"text\"}",
-        ),
+        // structured output (`structured`): OpenAI's field and vLLM's
+        "response_format" | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar"
+        | "structured_outputs" => Used,
         "modalities" if chat => {
             RefusedUnlessNeutral(neutral_text_modality, "this model outputs text only")
         }
@@ -1141,6 +1134,9 @@ pub struct Prepared {
     /// How the output is split into content, reasoning and tool calls (inactive for
     /// completions); `id_prefix` is left to the caller.
     pub output: ParserConfig,
+    /// The grammar the output must follow, and the field that asked for it (compiled by the
+    /// caller, which holds the model's vocabulary).
+    pub grammar: Option<(String, dflash::grammar::GrammarSpec)>,
 }
 
 /// A request body -> a validated request: parse, validate every field against `lim`, render
@@ -1157,6 +1153,8 @@ pub fn prepare(
     check_fields(&obj, kind == Kind::Chat)?;
     let f = Fields(&obj);
     let common = parse_common(&f, lim)?;
+    let grammar =
+        crate::structured::grammar(&obj).map_err(|b| ApiError::invalid(&b.param, b.message))?;
     let mut output = ParserConfig::default();
     let (prompt_ids, param) = match kind {
         Kind::Chat => {
@@ -1276,6 +1274,7 @@ pub fn prepare(
         prompt_ids,
         max_tokens,
         output,
+        grammar,
     })
 }
 
@@ -1490,6 +1489,11 @@ pub fn dflash_ext(f: &Finish) -> Value {
         "cycles": s.cycles,
         "engine_finish_reason": s.finish_reason,
     });
+    if s.grammar_masks > 0 {
+        // structured output: masks computed and their time (tau above is under the grammar)
+        v["grammar_masks"] = s.grammar_masks.into();
+        v["grammar_mask_ms"] = s.grammar_mask_ms.into();
+    }
     if f.timed_out {
         v["timed_out"] = true.into();
     }

@@ -167,6 +167,9 @@ pub struct App {
     origins: Vec<String>,
     /// Which output parsers are on, and why (printed at start).
     parsers: String,
+    /// Structured output's view of the vocabulary, built at the first request that asks for
+    /// a grammar (or why it cannot be).
+    grammar: std::sync::OnceLock<std::result::Result<dflash::grammar::GrammarCompiler, String>>,
 }
 
 /// The `Host` names a server bound to `host` accepts: `allowed` when given, else the loopback
@@ -489,6 +492,7 @@ pub fn start(cfg: ServerConfig) -> Result<(Arc<App>, std::thread::JoinHandle<()>
         hosts,
         origins,
         parsers,
+        grammar: Default::default(),
         preparing: Arc::new(tokio::sync::Semaphore::new(
             std::thread::available_parallelism()
                 .map_or(2, |n| n.get())
@@ -875,15 +879,44 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
     handle(app, Kind::Completion, headers, body).await
 }
 
-/// Parse, validate and tokenize (CPU work: runs on the blocking pool).
-fn prepare(app: &App, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
-    api::prepare(
+/// Parse, validate and tokenize, and compile the request's grammar (CPU work: runs on the
+/// blocking pool).
+fn prepare(
+    app: &App,
+    kind: Kind,
+    body: &[u8],
+) -> Result<(Prepared, Option<dflash::grammar::Grammar>), ApiError> {
+    let p = api::prepare(
         kind,
         body,
         &app.limits,
         &app.tokenizer,
         app.template.as_deref(),
-    )
+    )?;
+    let grammar = match &p.grammar {
+        None => None,
+        Some((field, spec)) => {
+            let compiler = app.grammar.get_or_init(|| {
+                dflash::grammar::GrammarCompiler::new(
+                    &app.tokenizer,
+                    app.limits.vocab_size,
+                    &app.stop_ids,
+                )
+                .map_err(|e| e.to_string())
+            });
+            let c = compiler.as_ref().map_err(|e| {
+                ApiError::invalid(
+                    field,
+                    format!("structured output is not available for this model: {e}"),
+                )
+                .with_code("unsupported_parameter")
+            })?;
+            Some(c.compile(spec).map_err(|e| {
+                ApiError::invalid(field, format!("`{field}`: {e}")).with_code("invalid_grammar")
+            })?)
+        }
+    };
+    Ok((p, grammar))
 }
 
 async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
@@ -906,27 +939,29 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
     let Ok(permit) = app.preparing.clone().acquire_owned().await else {
         return fail(&app, ep, worker::shutting_down());
     };
-    let prepared = match tokio::task::spawn_blocking(move || prepare(&a, kind, &bytes)).await {
-        Ok(Ok(p)) => p,
-        Ok(Err(e)) => return fail(&app, ep, e),
-        Err(_) => {
-            return fail(
-                &app,
-                ep,
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "server_error",
-                    "request parsing failed unexpectedly",
-                ),
-            )
-        }
-    };
+    let (prepared, grammar) =
+        match tokio::task::spawn_blocking(move || prepare(&a, kind, &bytes)).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => return fail(&app, ep, e),
+            Err(_) => {
+                return fail(
+                    &app,
+                    ep,
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        "request parsing failed unexpectedly",
+                    ),
+                )
+            }
+        };
     drop(permit);
     let Prepared {
         common,
         prompt_ids,
         max_tokens,
         mut output,
+        grammar: _,
     } = prepared;
     let mut stop_ids = if common.ignore_eos {
         vec![]
@@ -942,7 +977,7 @@ async fn handle(app: Arc<App>, kind: Kind, headers: HeaderMap, body: Body) -> Re
         block_size: app.cfg.block_size,
         adaptive: true,
         trace: false,
-        grammar: None,
+        grammar,
     };
     let (tx, rx) = unbounded_channel();
     let timeout = app.cfg.request_timeout;

@@ -29,8 +29,8 @@ pub const FIELDS: [&str; 6] = [
     "structured_outputs",
 ];
 
-/// The request's grammar, if it asks for one (at most one of the fields may).
-pub fn grammar(obj: &Map<String, Value>) -> Result<Option<GrammarSpec>, BadField> {
+/// The request's grammar and the field that asks for it, if any (at most one field may).
+pub fn grammar(obj: &Map<String, Value>) -> Result<Option<(String, GrammarSpec)>, BadField> {
     let mut found: Option<(&str, GrammarSpec)> = None;
     for field in FIELDS {
         let Some(v) = obj.get(field).filter(|v| !v.is_null()) else {
@@ -51,7 +51,7 @@ pub fn grammar(obj: &Map<String, Value>) -> Result<Option<GrammarSpec>, BadField
             found = Some((field, spec));
         }
     }
-    Ok(found.map(|(_, s)| s))
+    Ok(found.map(|(f, s)| (f.to_string(), s)))
 }
 
 /// OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with
@@ -230,7 +230,7 @@ mod tests {
     use serde_json::json;
 
     fn read(v: Value) -> Result<Option<GrammarSpec>, BadField> {
-        grammar(v.as_object().unwrap())
+        grammar(v.as_object().unwrap()).map(|g| g.map(|(_, s)| s))
     }
 
     #[test]

@@ -181,9 +181,6 @@ fn unimplemented_and_unknown_fields_are_refused_by_name() {
         ("store", json!(true)),
         ("functions", json!([{"name": "f"}])),
         ("function_call", json!("auto")),
-        ("response_format", json!({"type": "json_object"})),
-        ("response_format", json!({"type": "bogus"})),
-        ("response_format", json!({"type": "text", "extra": 1})),
         ("modalities", json!(["text", "audio"])),
         ("audio", json!({"voice": "x"})),
         ("prediction", json!({"type": "content", "content": "x"})),
@@ -229,6 +226,7 @@ fn unimplemented_and_unknown_fields_are_refused_by_name() {
     );
     let p = run(Kind::Chat, &ok, None).unwrap();
     assert_eq!(p.max_tokens, 3);
+    assert!(p.grammar.is_none());
     let ok = json!({"prompt": "a", "suffix": "", "user": "u", "logit_bias": null}).to_string();
     run(Kind::Completion, &ok, None).unwrap();
     // OpenAI's temperature range
@@ -773,4 +771,66 @@ fn special_tokens_in_tool_calls_and_tools_are_text() {
         (count(&p.prompt_ids, start), count(&p.prompt_ids, end)),
         (4, 3)
     );
+}
+
+/// Structured-output fields reach the request as one grammar (chat and completions); bad
+/// values are a 400 naming the field (the module's own tests cover each shape; here: through
+/// `prepare`, the server's path).
+#[test]
+fn structured_output_fields_are_read_or_refused_by_name() {
+    use dflash::grammar::GrammarSpec;
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    let p = run(
+        Kind::Chat,
+        &chat(json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "thing", "schema": schema, "strict": true}}})),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        p.grammar,
+        Some(("response_format".into(), GrammarSpec::JsonSchema(schema)))
+    );
+    let p = run(
+        Kind::Completion,
+        &json!({"prompt": "a", "guided_choice": ["x", "y"]}).to_string(),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        p.grammar,
+        Some((
+            "guided_choice".into(),
+            GrammarSpec::Choice(vec!["x".into(), "y".into()])
+        ))
+    );
+    for (body, field, says) in [
+        (
+            json!({"response_format": {"type": "bogus"}}),
+            "response_format",
+            "\"bogus\"",
+        ),
+        (
+            json!({"response_format": {"type": "text", "extra": 1}}),
+            "response_format",
+            "response_format.extra",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+            "response_format",
+            "schema` is missing",
+        ),
+        (
+            json!({"guided_regex": 3}),
+            "guided_regex",
+            "regular expression",
+        ),
+        (
+            json!({"guided_json": {}, "guided_regex": "a"}),
+            "guided_regex",
+            "both constrain",
+        ),
+    ] {
+        bad(Kind::Chat, &chat(body), Some(field), says);
+    }
 }

@@ -98,6 +98,50 @@ impl TokenizerEnv for VocabEnv {
     }
 }
 
+/// Whether the tokenizer codes bytes in its token strings (GPT-2's byte-level alphabet, or
+/// SentencePiece's `<0xNN>` byte fallback): then llguidance reads the token bytes from them.
+fn byte_coded(json: &serde_json::Value) -> bool {
+    let d = &json["decoder"];
+    d["type"] == "ByteLevel"
+        || d["decoders"]
+            .as_array()
+            .is_some_and(|ds| ds.iter().any(|x| x["type"] == "ByteFallback"))
+}
+
+/// Token bytes of a vocabulary of whole-text tokens (no byte coding): each token decoded on
+/// its own; special tokens marked as llguidance marks them; a token that does not decode to
+/// text of its own (a replacement character the token string lacks) gets no bytes, so the
+/// grammar never allows it.
+fn text_token_bytes(tok: &crate::tokenizer::Tokenizer, json: &serde_json::Value) -> Vec<Vec<u8>> {
+    let special: std::collections::HashSet<u32> = json["added_tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| t["special"] == true)
+        .filter_map(|t| t["id"].as_u64().map(|i| i as u32))
+        .collect();
+    (0..tok.vocab_size() as u32)
+        .map(|id| {
+            let Some(name) = tok.id_to_token(id) else {
+                return Vec::new();
+            };
+            if special.contains(&id) {
+                let mut b = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                b.extend(name.as_bytes());
+                return b;
+            }
+            match tok.decode(&[id], false) {
+                // a replacement character of the decoder's own: not the token's text
+                Ok(t) if t.is_empty() || (t.contains('\u{FFFD}') && !name.contains('\u{FFFD}')) => {
+                    Vec::new()
+                }
+                Ok(t) => t.into_bytes(),
+                Err(_) => Vec::new(),
+            }
+        })
+        .collect()
+}
+
 /// Compiles grammars for one model's vocabulary (cheap to clone).
 #[derive(Clone)]
 pub struct GrammarCompiler {
@@ -135,12 +179,16 @@ impl GrammarCompiler {
             .map_err(|e| what(format!("serializing the tokenizer: {e}")))?;
         let json: serde_json::Value =
             serde_json::from_str(&json).map_err(|e| what(e.to_string()))?;
-        // llguidance's reader panics on some malformed vocabularies: a panic is an error here
-        let mut bytes = crate::tokenizer::guarded(|| {
-            llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| e.to_string())
-        })
-        .map_err(&what)?
-        .map_err(&what)?;
+        let mut bytes = if byte_coded(&json) {
+            // llguidance's reader panics on some malformed vocabularies: a panic is an error
+            crate::tokenizer::guarded(|| {
+                llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| e.to_string())
+            })
+            .map_err(&what)?
+            .map_err(&what)?
+        } else {
+            text_token_bytes(tokenizer, &json)
+        };
         if bytes.len() > vocab_size {
             return Err(what(format!(
                 "the tokenizer has {} tokens, more than the model's {vocab_size} logits",
