@@ -1231,6 +1231,16 @@ fn python_with_openai() -> Option<&'static str> {
     None
 }
 
+/// Run a Python SDK script (tests/*.py) against the server at `url`: it must exit 0 and print
+/// OK.
+fn run_sdk_script(py: &str, script: &Path, url: &str) {
+    let o = Command::new(py).arg(script).arg(url).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("OK"), "{out}");
+}
+
 #[test]
 fn openai_python_sdk_streaming_and_not() {
     let Some(py) = python_with_openai() else {
@@ -1240,15 +1250,7 @@ fn openai_python_sdk_streaming_and_not() {
     let m = model();
     let s = Server::start(&m, true, &["--api-key", "sk-test"]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_sdk.py");
-    let o = Command::new(py)
-        .arg(script)
-        .arg(s.url("/v1"))
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
-    assert!(out.contains("OK"), "{out}");
+    run_sdk_script(py, &script, &s.url("/v1"));
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -2548,15 +2550,7 @@ fn tool_calls_and_reasoning_round_trip() {
         return;
     };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
-    let o = Command::new(py)
-        .arg(script)
-        .arg(s.url("/v1"))
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
-    assert!(out.contains("OK"), "{out}");
+    run_sdk_script(py, &script, &s.url("/v1"));
     // docs/serve.md's tool loop, as written (the address and model id substituted; this model
     // calls again every turn, so the loop's bound ends it)
     let doc =
