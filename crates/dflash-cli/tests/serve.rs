@@ -2934,3 +2934,41 @@ fn structured_output_through_the_server() {
     let v: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{out}: {e}"));
     assert!(v["name"].is_string() && v["count"].is_i64(), "{out}");
 }
+
+/// `tool_choice` naming a function, through the server on the scripted Qwen3 model with
+/// thinking off and sampling on (T = 1, its script no longer followed): the Hermes grammar
+/// makes every output one call to that function with arguments per its schema (issue 25).
+#[test]
+fn a_named_tool_choice_is_enforced_by_the_grammar() {
+    let m = tool_model();
+    let s = Server::start(&m, true, &[]);
+    let tools = json!([
+        weather_tools()[0].clone(),
+        {"type": "function", "function": {"name": "get_time",
+            "parameters": {"type": "object",
+                "properties": {"zone": {"type": "string", "maxLength": 6}},
+                "required": ["zone"], "additionalProperties": false}}}
+    ]);
+    for seed in 0..6 {
+        let (code, v) = post_json(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "what time is it?"}],
+                   "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                   "temperature": 1.0, "seed": seed, "max_tokens": 300,
+                   "chat_template_kwargs": {"enable_thinking": false}}),
+        );
+        assert_eq!(code, 200, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "seed {seed}: {v}");
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{v}");
+        assert_eq!(calls[0]["function"]["name"], "get_time", "{v}");
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        let zone = args["zone"].as_str().unwrap_or_else(|| panic!("{args}"));
+        assert!(zone.chars().count() <= 6, "{args}");
+        assert_eq!(args.as_object().unwrap().len(), 1, "{args}");
+        assert!(c["message"]["content"].is_null() || c["message"]["content"] == "", "{v}");
+    }
+}

@@ -850,6 +850,61 @@ fn message_extra(
 /// Most tools one request may declare.
 pub const MAX_TOOLS: usize = 512;
 
+/// `tool_choice: "required"` or a named function as a grammar, for the Hermes / Qwen format
+/// (`<tool_call>\n{"name": f, "arguments": {..}}\n</tool_call>`, the arguments as the tool's
+/// `parameters` schema): the output is then one call (or several with `parallel_tool_calls`)
+/// and nothing else, after the thought where the model thinks (the template opened `<think>`:
+/// the thought first; thinking on: an optional `<think>` block). Other formats: None (the
+/// choice is given to the template only; docs/serve.md).
+fn tool_grammar(
+    tools: &Tools,
+    output: &ParserConfig,
+    enable_thinking: Option<bool>,
+) -> Option<dflash::grammar::GrammarSpec> {
+    let name_is = |t: &Value, n: &str| t["function"]["name"].as_str() == Some(n);
+    let chosen: Vec<&Value> = match &tools.choice {
+        ToolChoice::Required => tools.tools.iter().collect(),
+        ToolChoice::Function(n) => tools.tools.iter().filter(|t| name_is(t, n)).collect(),
+        ToolChoice::None | ToolChoice::Auto => return None,
+    };
+    if output.tools != Some(ToolFormat::Hermes) || chosen.is_empty() {
+        return None;
+    }
+    let one = |t: &Value| {
+        let f = &t["function"];
+        let params = match &f["parameters"] {
+            Value::Object(p) if !p.is_empty() => Value::Object(p.clone()),
+            _ => json!({"type": "object"}),
+        };
+        json!({"type": "object",
+               "properties": {"name": {"const": f["name"]}, "arguments": params},
+               "required": ["name", "arguments"], "additionalProperties": false})
+    };
+    let schema = if chosen.len() == 1 {
+        one(chosen[0])
+    } else {
+        json!({"anyOf": chosen.iter().map(|t| one(t)).collect::<Vec<_>>()})
+    };
+    let calls = if tools.parallel {
+        r#"call ("\n" call)*"#
+    } else {
+        "call"
+    };
+    let thinking = output.reasoning.is_some() && enable_thinking != Some(false);
+    let head = if output.reasoning_open {
+        // the template opened the thought: it runs to its end marker, then the calls
+        r#"thought /[ \t\n]*/ "#
+    } else if thinking {
+        r#"("<think>" thought /[ \t\n]*/)? "#
+    } else {
+        ""
+    };
+    Some(dflash::grammar::GrammarSpec::Lark(format!(
+        "start: {head}{calls}\n{}\n{}\nbody: %json {schema}\n",
+        r#"thought[stop="</think>"]: /(.|\n)*/"#, r#"call: "<tool_call>\n" body "\n</tool_call>""#,
+    )))
+}
+
 /// What the request asks of tool calls (`tool_choice`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolChoice {
@@ -1153,7 +1208,7 @@ pub fn prepare(
     check_fields(&obj, kind == Kind::Chat)?;
     let f = Fields(&obj);
     let common = parse_common(&f, lim)?;
-    let grammar =
+    let mut grammar =
         crate::structured::grammar(&obj).map_err(|b| ApiError::invalid(&b.param, b.message))?;
     let mut output = ParserConfig::default();
     let (prompt_ids, param) = match kind {
@@ -1216,6 +1271,15 @@ pub fn prepare(
                     let (ids, think_open) =
                         encode_chat(t, tokenizer, &msgs, enable_thinking, &kwargs, lim)?;
                     output.reasoning_open = think_open;
+                    if let Some(g) = tool_grammar(&tools, &output, enable_thinking) {
+                        if let Some((field, _)) = &grammar {
+                            return Err(ApiError::invalid(
+                                "tool_choice",
+                                format!("`tool_choice` (required or a named function) and `{field}` both constrain the output; send one of them"),
+                            ));
+                        }
+                        grammar = Some(("tool_choice".into(), g));
+                    }
                     ids
                 }
                 None => {

@@ -834,3 +834,75 @@ fn structured_output_fields_are_read_or_refused_by_name() {
         bad(Kind::Chat, &chat(body), Some(field), says);
     }
 }
+
+/// `tool_choice` required / named, Hermes format: a grammar that admits exactly the calls
+/// (checked by running llguidance over a byte vocabulary: the byte tokenizer's ids are the
+/// bytes), after an optional thought when the model thinks; `auto` adds none; with another
+/// constraint it is a 400 naming `tool_choice`.
+#[test]
+fn required_and_named_tool_choice_become_a_grammar() {
+    use dflash::grammar::{GrammarCompiler, GrammarSpec};
+    let t = ChatTemplate::new(TOOL_WORDS, None, None, "t.jinja").unwrap();
+    let f = |name: &str| {
+        json!({"type": "function", "function": {"name": name,
+        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}})
+    };
+    let grammar_of = |extra: serde_json::Value| {
+        run(Kind::Chat, &chat(extra), Some(&t))
+            .unwrap()
+            .grammar
+            .map(|(field, g)| {
+                assert_eq!(field, "tool_choice");
+                g
+            })
+    };
+    assert_eq!(grammar_of(json!({"tools": [f("world")]})), None);
+    let named = grammar_of(json!({"tools": [f("world"), f("a")], "parallel_tool_calls": false,
+        "tool_choice": {"type": "function", "function": {"name": "a"}}}))
+    .expect("a named function is a grammar");
+    let required = grammar_of(json!({"tools": [f("world"), f("a")], "tool_choice": "required"}))
+        .expect("required is a grammar");
+    let eos = 255;
+    let c = GrammarCompiler::new(&dflash::testing::byte_tokenizer(&[]), 256, &[eos]).unwrap();
+    let accepts = |g: &GrammarSpec, text: &str| -> bool {
+        let con = c.compile(g).unwrap().start().unwrap();
+        for b in text.bytes() {
+            let mut row = vec![0f32; 256];
+            con.mask_row(&mut row, &[], None);
+            if row[b as usize] != 0.0 {
+                return false;
+            }
+            con.commit(&[b as u32]);
+        }
+        let mut row = vec![0f32; 256];
+        con.mask_row(&mut row, &[], None);
+        row[eos as usize] == 0.0
+    };
+    let call = |name: &str, n: i64| {
+        format!("<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {{\"n\": {n}}}}}\n</tool_call>")
+    };
+    assert!(accepts(&named, &call("a", 3)));
+    assert!(!accepts(&named, &call("world", 3)), "only the named function");
+    assert!(!accepts(&named, &format!("{}\n{}", call("a", 1), call("a", 2))), "one call");
+    assert!(!accepts(&named, "hello"), "no text instead of a call");
+    assert!(!accepts(&named, &call("a", 3).replace("3", "\"x\"")), "arguments per the schema");
+    // thinking first (the template's Qwen3 reasoning), then the calls
+    assert!(accepts(&named, &format!("<think>\nhm\n</think>\n\n{}", call("a", 3))));
+    assert!(accepts(&required, &call("world", 1)));
+    assert!(accepts(&required, &format!("{}\n{}", call("world", 1), call("a", 2))));
+    // thinking off: no thought
+    let off = grammar_of(json!({"tools": [f("a")], "tool_choice": "required",
+        "chat_template_kwargs": {"enable_thinking": false}}))
+    .unwrap();
+    assert!(!accepts(&off, &format!("<think>\nhm\n</think>\n\n{}", call("a", 3))));
+    assert!(accepts(&off, &call("a", 3)));
+    // another constraint at once
+    let e = run(
+        Kind::Chat,
+        &chat(json!({"tools": [f("a")], "tool_choice": "required",
+            "response_format": {"type": "json_object"}})),
+        Some(&t),
+    )
+    .unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("tool_choice"), "{}", e.message);
+}
