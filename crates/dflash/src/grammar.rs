@@ -447,12 +447,6 @@ impl Constraint {
         s.masks.drain(..m);
     }
 
-    /// Whether the grammar is complete (only the end of output is allowed now).
-    pub fn is_finished(&self) -> bool {
-        let s = self.state();
-        s.spec.is_empty() && s.matcher.is_stopped()
-    }
-
     /// An internal llguidance failure, if one happened (the generation must stop with it).
     pub fn error(&self) -> Option<String> {
         self.state().error.clone()
