@@ -2969,6 +2969,9 @@ fn a_named_tool_choice_is_enforced_by_the_grammar() {
         let zone = args["zone"].as_str().unwrap_or_else(|| panic!("{args}"));
         assert!(zone.chars().count() <= 6, "{args}");
         assert_eq!(args.as_object().unwrap().len(), 1, "{args}");
-        assert!(c["message"]["content"].is_null() || c["message"]["content"] == "", "{v}");
+        assert!(
+            c["message"]["content"].is_null() || c["message"]["content"] == "",
+            "{v}"
+        );
     }
 }

@@ -857,8 +857,10 @@ fn required_and_named_tool_choice_become_a_grammar() {
             })
     };
     assert_eq!(grammar_of(json!({"tools": [f("world")]})), None);
-    let named = grammar_of(json!({"tools": [f("world"), f("a")], "parallel_tool_calls": false,
-        "tool_choice": {"type": "function", "function": {"name": "a"}}}))
+    let named = grammar_of(
+        json!({"tools": [f("world"), f("a")], "parallel_tool_calls": false,
+        "tool_choice": {"type": "function", "function": {"name": "a"}}}),
+    )
     .expect("a named function is a grammar");
     let required = grammar_of(json!({"tools": [f("world"), f("a")], "tool_choice": "required"}))
         .expect("required is a grammar");
@@ -879,22 +881,42 @@ fn required_and_named_tool_choice_become_a_grammar() {
         row[eos as usize] == 0.0
     };
     let call = |name: &str, n: i64| {
-        format!("<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {{\"n\": {n}}}}}\n</tool_call>")
+        format!(
+            "<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {{\"n\": {n}}}}}\n</tool_call>"
+        )
     };
     assert!(accepts(&named, &call("a", 3)));
-    assert!(!accepts(&named, &call("world", 3)), "only the named function");
-    assert!(!accepts(&named, &format!("{}\n{}", call("a", 1), call("a", 2))), "one call");
+    assert!(
+        !accepts(&named, &call("world", 3)),
+        "only the named function"
+    );
+    assert!(
+        !accepts(&named, &format!("{}\n{}", call("a", 1), call("a", 2))),
+        "one call"
+    );
     assert!(!accepts(&named, "hello"), "no text instead of a call");
-    assert!(!accepts(&named, &call("a", 3).replace("3", "\"x\"")), "arguments per the schema");
+    assert!(
+        !accepts(&named, &call("a", 3).replace("3", "\"x\"")),
+        "arguments per the schema"
+    );
     // thinking first (the template's Qwen3 reasoning), then the calls
-    assert!(accepts(&named, &format!("<think>\nhm\n</think>\n\n{}", call("a", 3))));
+    assert!(accepts(
+        &named,
+        &format!("<think>\nhm\n</think>\n\n{}", call("a", 3))
+    ));
     assert!(accepts(&required, &call("world", 1)));
-    assert!(accepts(&required, &format!("{}\n{}", call("world", 1), call("a", 2))));
+    assert!(accepts(
+        &required,
+        &format!("{}\n{}", call("world", 1), call("a", 2))
+    ));
     // thinking off: no thought
     let off = grammar_of(json!({"tools": [f("a")], "tool_choice": "required",
         "chat_template_kwargs": {"enable_thinking": false}}))
     .unwrap();
-    assert!(!accepts(&off, &format!("<think>\nhm\n</think>\n\n{}", call("a", 3))));
+    assert!(!accepts(
+        &off,
+        &format!("<think>\nhm\n</think>\n\n{}", call("a", 3))
+    ));
     assert!(accepts(&off, &call("a", 3)));
     // another constraint at once
     let e = run(
