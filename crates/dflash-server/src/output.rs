@@ -698,13 +698,7 @@ fn parse_qwen3_coder(
     let mut calls = Vec::new();
     let mut rest = body;
     while let Some(p) = rest.find(FUNC) {
-        let after = &rest[p + FUNC.len()..];
-        let gt = after.find('>')?;
-        let name = after[..gt].trim();
-        if name.is_empty() || name.contains(['<', '\n']) {
-            return None;
-        }
-        let inner_all = &after[gt + 1..];
+        let (name, inner_all) = tag_name(&rest[p + FUNC.len()..])?;
         let (inner, next) = match inner_all.find("</function>") {
             Some(e) => (&inner_all[..e], &inner_all[e + "</function>".len()..]),
             None => (inner_all, ""),
@@ -712,13 +706,7 @@ fn parse_qwen3_coder(
         let mut args = Map::new();
         let mut ps = inner;
         while let Some(q) = ps.find(PARAM) {
-            let a = &ps[q + PARAM.len()..];
-            let gt = a.find('>')?;
-            let key = a[..gt].trim();
-            if key.is_empty() || key.contains(['<', '\n']) {
-                return None;
-            }
-            let v = &a[gt + 1..];
+            let (key, v) = tag_name(&ps[q + PARAM.len()..])?;
             let (val, after_v) = match find_first(v, 0, &["</parameter>", PARAM]) {
                 Some((e, "</parameter>")) => (&v[..e], &v[e + "</parameter>".len()..]),
                 Some((e, _)) => (&v[..e], &v[e..]),
@@ -738,6 +726,14 @@ fn parse_qwen3_coder(
         rest = next;
     }
     (!calls.is_empty()).then_some(calls)
+}
+
+/// The name of `<function=NAME>` / `<parameter=NAME>` (`s` starts after the `=`) and the text
+/// after the `>`; None for an empty name or one holding `<` or a newline (not a tag).
+fn tag_name(s: &str) -> Option<(&str, &str)> {
+    let gt = s.find('>')?;
+    let name = s[..gt].trim();
+    (!name.is_empty() && !name.contains(['<', '\n'])).then_some((name, &s[gt + 1..]))
 }
 
 /// A parameter's text as its schema type says (text when it cannot be read as that type).

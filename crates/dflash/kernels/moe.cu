@@ -52,6 +52,20 @@ __device__ __forceinline__ float warp_sum(float v) {
 #define ROUTE_T 256
 #define ROUTE_PER 4
 
+// Warp-wide argmax of (v, i) pairs: the largest value, the lowest index among equal ones;
+// i < 0 marks no candidate. Every lane ends with the same pair.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
 // Block-wide argmax over v[ROUTE_PER] per thread (index = t + ROUTE_T * u): the largest value,
 // the lowest index among equal ones (torch.topk order); -inf everywhere gives index -1.
 __device__ void block_argmax(const float* v, int E, float* s_val, int* s_idx, float* best_v,
@@ -69,15 +83,7 @@ __device__ void block_argmax(const float* v, int E, float* s_val, int* s_idx, fl
       bi = e;
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
-      bv = ov;
-      bi = oi;
-    }
-  }
+  warp_argmax(bv, bi);
   __syncthreads();
   if (lane == 0) {
     s_val[warp] = bv;
@@ -321,20 +327,6 @@ extern "C" __global__ void __launch_bounds__(256)
 // softmax sums in lane order, its choices) depends on its logits and E alone.
 
 #define RU_WARPS 8
-
-// Warp-wide argmax of (v, i) pairs: the largest value, the lowest index among equal ones;
-// i < 0 marks no candidate. Every lane ends with the same pair.
-__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
-      bv = ov;
-      bi = oi;
-    }
-  }
-}
 
 // One row's routing by one warp (modes as moe_route); the chosen ids / weights to ids_out /
 // w_out [k] (global) and ids_sh [k] (shared). s_choice: this warp's E floats of shared memory.

@@ -245,10 +245,6 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
-    pub fn spec(&self) -> &GrammarSpec {
-        &self.spec
-    }
-
     /// A fresh matcher at the start of the output.
     pub fn start(&self) -> Result<Constraint> {
         let parser = self

@@ -173,18 +173,21 @@ impl CustomOp1 for MoeOp {
         let lb_i = logits_bf16 as i32;
         let (np_i, ns_i) = (i(npairs), i(nslots));
         // 1. routing (+ 2. the union in the same launch with route_union: one block, a warp
-        // per row, 32 x `per` experts a warp; else a block per row, then moe_union)
+        // per row; else a block per row, then moe_union)
         let fused_union = crate::switches::trial(crate::switches::Trial::RouteUnion);
         let (name, grid) = if fused_union {
-            let per = [4usize, 8, 16, 32]
-                .into_iter()
-                .find(|&p| 32 * p >= e_count)
-                .unwrap_or(32);
-            (format!("moe_route_union_e{per}"), 1)
+            // 32 x `per` experts a warp (E <= MOE_MAX_EXPERTS = 32 x 32)
+            let name = match e_count {
+                0..=128 => "moe_route_union_e4",
+                129..=256 => "moe_route_union_e8",
+                257..=512 => "moe_route_union_e16",
+                _ => "moe_route_union_e32",
+            };
+            (name, 1)
         } else {
-            ("moe_route".to_string(), n as u32)
+            ("moe_route", n as u32)
         };
-        let func = dev.get_or_load_custom_func(&name, "dflash_moe", MOE_PTX)?;
+        let func = dev.get_or_load_custom_func(name, "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (256, 1, 1),
@@ -256,10 +259,10 @@ impl CustomOp1 for MoeOp {
         let t = if n <= 8 { 1 } else { 2 };
         // one row: the narrow tensor-core tiles (8 units / 16 output rows a block)
         let narrow = mma && n == 1 && crate::switches::trial(crate::switches::Trial::MoeNarrow);
-        let tiles = if narrow {
-            "n1".to_string()
-        } else {
-            format!("t{t}")
+        let tiles = match (narrow, t) {
+            (true, _) => "n1",
+            (false, 1) => "t1",
+            _ => "t2",
         };
 
         // 3. gate/up of every chosen expert: 16 or 8 (tensor cores) or 8 units per block
