@@ -1,15 +1,16 @@
 // dflash MoE kernels for 1-16 rows (decode, verify, draft-sized blocks), bf16 weights, f32
 // arithmetic. Wrapped in src/nn/cuda/moe.rs; nn::moe decides when they run.
 //
-//   moe_route      router logits [n, E] (f32 or bf16) -> the k chosen experts and weights per row, on the
-//                  device (no host round trip per layer): softmax + top-k (renormalized or
-//                  not), top-k + softmax (gpt-oss), or sigmoid + correction bias + grouped
-//                  top-k (deepseek_v3); per-expert scales and a scaling factor.
+//   moe_route_union_e{4,8,16,32}
+//                  router logits [n, E] (f32 or bf16) -> the k chosen experts and weights per
+//                  row, on the device (no host round trip per layer): softmax + top-k
+//                  (renormalized or not), top-k + softmax (gpt-oss), or sigmoid + correction
+//                  bias + grouped top-k (deepseek_v3); per-expert scales and a scaling factor;
+//                  then, in the same launch, the union: the experts some row chose, ascending,
+//                  each with its (row, slot) pairs.
 //   moe_gate_up    per expert: act(x W_gate^T (+b)) * (x W_up^T (+b)) for the rows routed to it
 //   moe_down       per expert: h W_down^T (+b) for the (row, slot) pairs routed to it
 //   moe_combine    out[r] = sum over the row's k slots, in slot order, of weight * expert output
-//
-//   moe_union      the experts some row chose, ascending, each with its (row, slot) pairs
 //
 // The expert GEMMs run over a grid of (union slot, tile) blocks, as many slots as there can be
 // chosen experts (min(E, rows x k)); a slot past the union's size returns at once. So each
@@ -47,10 +48,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Routing. One block of 256 threads per row; E <= 1024 experts (4 per thread).
-
-#define ROUTE_T 256
-#define ROUTE_PER 4
+// Routing.
 
 // Warp-wide argmax of (v, i) pairs: the largest value, the lowest index among equal ones;
 // i < 0 marks no candidate. Every lane ends with the same pair.
@@ -62,197 +60,6 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
     if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
       bv = ov;
       bi = oi;
-    }
-  }
-}
-
-// Block-wide argmax over v[ROUTE_PER] per thread (index = t + ROUTE_T * u): the largest value,
-// the lowest index among equal ones (torch.topk order); -inf everywhere gives index -1.
-__device__ void block_argmax(const float* v, int E, float* s_val, int* s_idx, float* best_v,
-                             int* best_i) {
-  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
-  float bv = -INFINITY;
-  int bi = -1;
-  // Indices grow with u, so a strict > keeps the lowest index among equal values; -inf and
-  // NaN are never chosen.
-#pragma unroll
-  for (int u = 0; u < ROUTE_PER; ++u) {
-    const int e = t + ROUTE_T * u;
-    if (e < E && v[u] > bv) {
-      bv = v[u];
-      bi = e;
-    }
-  }
-  warp_argmax(bv, bi);
-  __syncthreads();
-  if (lane == 0) {
-    s_val[warp] = bv;
-    s_idx[warp] = bi;
-  }
-  __syncthreads();
-  if (t == 0) {
-    float v0 = -INFINITY;
-    int i0 = -1;
-    for (int w = 0; w < ROUTE_T / 32; ++w) {
-      const int oi = s_idx[w];
-      const float ov = s_val[w];
-      if (oi >= 0 && (i0 < 0 || ov > v0 || (ov == v0 && oi < i0))) {
-        v0 = ov;
-        i0 = oi;
-      }
-    }
-    *best_v = v0;
-    *best_i = i0;
-  }
-  __syncthreads();
-}
-
-__device__ float block_reduce(float x, float* s, bool is_max) {
-  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, o);
-    x = is_max ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads();
-  if (lane == 0) s[warp] = x;
-  __syncthreads();
-  float r = is_max ? -INFINITY : 0.f;
-  for (int w = 0; w < ROUTE_T / 32; ++w) r = is_max ? fmaxf(r, s[w]) : r + s[w];
-  return r;
-}
-
-// mode 0: softmax over all, top-k, renormalized iff renorm; 1: top-k logits, softmax over them;
-// 2: sigmoid scores, choice = score + corr, the best topk_group of n_group groups (each scored
-// by its two best choices), top-k within them; weights = scores (renormalized iff renorm).
-// Then w *= pe_scale[e] (if given) * scale. ids [n, k] i32, w [n, k] f32.
-extern "C" __global__ void __launch_bounds__(ROUTE_T)
-    moe_route(const void* __restrict__ logits_in, int logits_bf16, int E, int k, int mode, int renorm,
-              const float* __restrict__ corr, int n_group, int topk_group,
-              const float* __restrict__ pe_scale, float scale, int* __restrict__ ids,
-              float* __restrict__ w) {
-  __shared__ float s_val[ROUTE_T / 32];
-  __shared__ int s_idx[ROUTE_T / 32];
-  __shared__ float s_red[ROUTE_T / 32];
-  __shared__ float best_v;
-  __shared__ int best_i;
-  __shared__ float gscore[64];
-  __shared__ int gkeep[64];
-  __shared__ int chosen[32];
-  __shared__ float chosen_w[32];
-  const int row = blockIdx.x, t = threadIdx.x;
-  // The router's output as it is (bf16 from a bf16 projection: no cast launch), read as f32.
-  const float* lf = static_cast<const float*>(logits_in) + (size_t)row * E;
-  const bf16* lb = static_cast<const bf16*>(logits_in) + (size_t)row * E;
-  float x[ROUTE_PER], score[ROUTE_PER];
-#pragma unroll
-  for (int u = 0; u < ROUTE_PER; ++u) {
-    const int e = t + ROUTE_T * u;
-    x[u] = e >= E ? -INFINITY : logits_bf16 ? __bfloat162float(lb[e]) : lf[e];
-  }
-  if (mode == 0) {
-    float m = -INFINITY;
-#pragma unroll
-    for (int u = 0; u < ROUTE_PER; ++u) m = fmaxf(m, x[u]);
-    m = block_reduce(m, s_red, true);
-    float z = 0.f;
-#pragma unroll
-    for (int u = 0; u < ROUTE_PER; ++u) {
-      const int e = t + ROUTE_T * u;
-      score[u] = e < E ? __expf(x[u] - m) : 0.f;
-      z += score[u];
-    }
-    z = block_reduce(z, s_red, false);
-#pragma unroll
-    for (int u = 0; u < ROUTE_PER; ++u) {
-      score[u] = score[u] / z;
-      x[u] = t + ROUTE_T * u < E ? score[u] : -INFINITY;  // choose by probability
-    }
-  } else if (mode == 2) {
-#pragma unroll
-    for (int u = 0; u < ROUTE_PER; ++u) {
-      const int e = t + ROUTE_T * u;
-      score[u] = e < E ? 1.f / (1.f + __expf(-x[u])) : 0.f;
-      x[u] = e < E ? score[u] + corr[e] : -INFINITY;
-    }
-    // group scores: the sum of each group's two best choices (thread g < n_group scans it)
-    const int per = E / n_group;
-    __syncthreads();
-    __shared__ float s_choice[1024];
-#pragma unroll
-    for (int u = 0; u < ROUTE_PER; ++u) {
-      const int e = t + ROUTE_T * u;
-      if (e < E) s_choice[e] = x[u];
-    }
-    __syncthreads();
-    if (t < n_group) {
-      float a = -INFINITY, b = -INFINITY;
-      for (int j = 0; j < per; ++j) {
-        const float c = s_choice[t * per + j];
-        if (c > a) {
-          b = a;
-          a = c;
-        } else if (c > b) {
-          b = c;
-        }
-      }
-      gscore[t] = per >= 2 ? a + b : a;
-      gkeep[t] = 0;
-    }
-    __syncthreads();
-    if (t == 0) {
-      for (int r = 0; r < topk_group; ++r) {
-        int bi = -1;
-        for (int g = 0; g < n_group; ++g) {
-          if (!gkeep[g] && (bi < 0 || gscore[g] > gscore[bi])) bi = g;
-        }
-        gkeep[bi] = 1;
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int u = 0; u < ROUTE_PER; ++u) {
-      const int e = t + ROUTE_T * u;
-      if (e < E && !gkeep[e / per]) x[u] = -INFINITY;
-    }
-  } else {
-#pragma unroll
-    for (int u = 0; u < ROUTE_PER; ++u) score[u] = x[u];
-  }
-  // top-k, largest first, ties to the lower index
-  for (int r = 0; r < k; ++r) {
-    block_argmax(x, E, s_val, s_idx, &best_v, &best_i);
-    const int e = best_i;
-    if (t == 0) chosen[r] = e;
-#pragma unroll
-    for (int u = 0; u < ROUTE_PER; ++u) {
-      if (t + ROUTE_T * u == e) {
-        chosen_w[r] = score[u];
-        x[u] = -INFINITY;
-      }
-    }
-    __syncthreads();
-  }
-  if (t == 0) {
-    float sum = 0.f;
-    if (mode == 1) {
-      const float m = chosen_w[0];
-      for (int r = 0; r < k; ++r) {
-        chosen_w[r] = __expf(chosen_w[r] - m);
-        sum += chosen_w[r];
-      }
-    } else {
-      for (int r = 0; r < k; ++r) sum += chosen_w[r];
-      if (mode == 2) sum += 1e-20f;
-    }
-    const bool div = mode == 1 || renorm;
-    for (int r = 0; r < k; ++r) {
-      const int e = chosen[r];
-      float wt = div ? chosen_w[r] / sum : chosen_w[r];
-      if (pe_scale != nullptr && e >= 0) wt *= pe_scale[e];
-      wt *= scale;
-      ids[(size_t)row * k + r] = e < 0 ? 0 : e;
-      w[(size_t)row * k + r] = e < 0 ? 0.f : wt;
     }
   }
 }
@@ -314,22 +121,21 @@ __device__ void build_union(const int* ids, int npairs, int E, int nslots, int* 
   if (t == 0) slots[nslots * SLOT_W] = count;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    moe_union(const int* __restrict__ ids, int npairs, int E, int nslots, int* __restrict__ slots) {
-  build_union(ids, npairs, E, nslots, slots);
-}
-
 // ---------------------------------------------------------------------------------------
 // Routing and the union in one launch (one block of 8 warps for all n <= 16 rows): warp w
 // routes rows w and w + 8, each lane holding experts lane + 32u (u < PER, E <= 32 PER), the
 // top-k found by k warp-wide argmax rounds (shuffles, no block barrier); then the block builds
-// the union from the chosen ids in shared memory as moe_union does. A row's arithmetic (its
+// the union from the chosen ids in shared memory (build_union). A row's arithmetic (its
 // softmax sums in lane order, its choices) depends on its logits and E alone.
 
 #define RU_WARPS 8
 
-// One row's routing by one warp (modes as moe_route); the chosen ids / weights to ids_out /
-// w_out [k] (global) and ids_sh [k] (shared). s_choice: this warp's E floats of shared memory.
+// One row's routing by one warp. mode 0: softmax over all, top-k, renormalized iff renorm;
+// 1: top-k logits, softmax over them; 2: sigmoid scores, choice = score + corr, the best
+// topk_group of n_group groups (each scored by its two best choices), top-k within them;
+// weights = scores (renormalized iff renorm). Then w *= pe_scale[e] (if given) * scale. The
+// chosen ids / weights to ids_out / w_out [k] (global) and ids_sh [k] (shared). s_choice:
+// this warp's E floats of shared memory.
 template <int PER>
 __device__ void route_row(const void* __restrict__ logits_in, int logits_bf16, int row, int E, int k, int mode,
                           int renorm, const float* __restrict__ corr, int n_group, int topk_group,
@@ -493,7 +299,7 @@ __device__ void route_row(const void* __restrict__ logits_in, int logits_bf16, i
   }
 }
 
-// Routing of all n rows, then the union (slots as moe_union). ids [n, k], w [n, k].
+// Routing of all n rows, then the union (slots as build_union). ids [n, k], w [n, k].
 template <int PER>
 __device__ void route_union_impl(const void* __restrict__ logits_in, int logits_bf16, int n, int E, int k,
                                  int mode, int renorm, const float* __restrict__ corr, int n_group,
@@ -774,8 +580,8 @@ __device__ __forceinline__ void slot_product(const uint4* const (&wp)[2 * A], co
 
 // As gate_up_impl, on the tensor cores: grid (slots, ceil(I / 8A)); block y takes units
 // [8Ay, 8Ay + 8A). A = 2: m16 tile 0 holds gate units j0..j0+15, tile 1 the same units' up rows;
-// A = 1 (one or few rows: twice the blocks, half the work each): the tile holds gate units
-// j0..j0+7 (rows 0-7) and their up rows (8-15). H % 32 == 0.
+// A = 1 (twice the blocks, half the work each; not instantiated, see MOE_MMA): the tile holds
+// gate units j0..j0+7 (rows 0-7) and their up rows (8-15). H % 32 == 0.
 template <int A, int T, int U>
 __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ slots, int nslots, int k,
                             const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter,
@@ -852,9 +658,10 @@ __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slo
   }
 }
 
-// moe_{gate_up,down}_mma_t{T}: tiles of 16 units / 32 output rows (A = 2), 2 chunks in flight;
-// moe_{gate_up,down}_mma_n1: one row's tile (T = 1) at A = 1 (8 units / 16 output rows, twice
-// the blocks of the t1 kernel) with 4 chunks in flight (the same bytes in flight per warp).
+// moe_{gate_up,down}_mma_t{T}: tiles of 16 units / 32 output rows (A = 2), 2 chunks in flight.
+// (Tiles of 8 units / 16 rows at one row, A = 1 with 4 chunks in flight, ran on the H200 in
+// session 24 no faster: qwen3_moe 18.1 + 13.6 us a layer vs 19.0 + 13.1, gpt_oss 44.0 + 24.2 vs
+// 42.0 + 25.1; docs/perf.md.)
 #define MOE_MMA(NAME, A, T, U, MINB)                                                                   \
   extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_gate_up_mma_##NAME(              \
       const bf16* x, const int* slots, int nslots, int k, const bf16* gate_up, const bf16* bias,       \
@@ -868,7 +675,6 @@ __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slo
   }
 MOE_MMA(t1, 2, 1, 2, 2)
 MOE_MMA(t2, 2, 2, 2, 2)
-MOE_MMA(n1, 1, 1, 4, 2)
 
 // out[r, c] = bf16(sum_{s < k} w[r, s] * y[r * k + s, c]), slots in order. grid (n, ceil(H / 256)).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, int k,

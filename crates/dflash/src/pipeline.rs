@@ -91,7 +91,11 @@ pub fn parse_device(s: Option<&str>) -> Result<Device> {
                     .map_err(|_| Error::input(format!("--device {d}: expected cuda:N")))?,
                 None => 0,
             };
-            Device::new_cuda(n).map_err(|e| {
+            #[cfg(feature = "cuda")]
+            let dev = crate::nn::cuda::open_device(n);
+            #[cfg(not(feature = "cuda"))]
+            let dev = Device::new_cuda(n);
+            dev.map_err(|e| {
                 Error::input(format!(
                     "--device {d}: {e}; build with `--features cuda` on a machine with an NVIDIA GPU, or use --device cpu"
                 ))

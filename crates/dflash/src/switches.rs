@@ -11,7 +11,8 @@
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 GGUF matrices kept as stored on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
-//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name: `route_union,moe_narrow` (or `all`); see [`Trial`] |
+//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
+//! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`) |
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -75,28 +76,19 @@ impl Part {
 /// CUDA paths that are written and compiled but not yet run on a GPU: off unless named in
 /// `DFLASH_TRY`, so a build between two GPU sessions keeps the proven kernels. Each becomes the
 /// default (and leaves this list) once the H200 tests and benchmarks of docs/perf.md pass.
-/// Session 22's three (`attention_fill`, `moe_mma`, `route_bf16`) passed in session 23 and are
-/// the default now.
+/// None at present: session 22's three (`attention_fill`, `moe_mma`, `route_bf16`) passed in
+/// session 23, session 23's `route_union` in session 24 (all the default now); `moe_narrow`
+/// ran no faster and was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trial {
-    /// Routing and the union of chosen experts in one launch, a warp per row
-    /// (`kernels/moe.cu` `moe_route_union_e*`; was `moe_route` + `moe_union`).
-    RouteUnion,
-    /// At one row, the tensor-core expert GEMMs in tiles of 8 units / 16 output rows
-    /// (`moe_*_mma_n1`: twice the blocks of `_t1`, the same per-output arithmetic).
-    MoeNarrow,
-}
+pub enum Trial {}
 
 impl Trial {
-    pub const ALL: [Trial; 2] = [Trial::RouteUnion, Trial::MoeNarrow];
+    pub const ALL: [Trial; 0] = [];
     pub fn name(self) -> &'static str {
-        match self {
-            Trial::RouteUnion => "route_union",
-            Trial::MoeNarrow => "moe_narrow",
-        }
+        match self {}
     }
     fn bit(self) -> u8 {
-        1 << (self as u8)
+        match self {}
     }
 }
 
@@ -118,6 +110,8 @@ pub struct Switches {
     pub q4: bool,
     pub q8_scalar: bool,
     pub profile: Profile,
+    /// cudarc's event tracking on every device buffer (`DFLASH_CUDA_EVENTS=1`).
+    pub cuda_events: bool,
     /// Bits of [`Trial`] named by `DFLASH_TRY`.
     trials: u8,
 }
@@ -149,6 +143,7 @@ impl Switches {
             q8: !off("DFLASH_Q8"),
             q4: !off("DFLASH_Q4"),
             q8_scalar: on("DFLASH_Q8_SCALAR"),
+            cuda_events: on("DFLASH_CUDA_EVENTS"),
             trials: get("DFLASH_TRY")
                 .map(|v| {
                     v.split(',')
@@ -257,6 +252,7 @@ pub fn describe() -> Vec<(&'static str, String)> {
         ("q8", b(s.q8)),
         ("q4", b(s.q4)),
         ("q8_scalar", b(s.q8_scalar)),
+        ("cuda_events", b(s.cuda_events)),
         ("try", {
             let on: Vec<&str> = Trial::ALL
                 .into_iter()
@@ -297,7 +293,7 @@ mod tests {
     #[test]
     fn defaults_and_opt_outs() {
         let d = parse(&[]);
-        assert!(d.fused && d.q8 && d.q4 && !d.q8_scalar);
+        assert!(d.fused && d.q8 && d.q4 && !d.q8_scalar && !d.cuda_events);
         assert_eq!(d.batch_invariant_env, None);
         assert_eq!((d.gemv_rows, d.profile), (1, Profile::Off));
         let s = parse(&[
@@ -308,8 +304,9 @@ mod tests {
             ("DFLASH_Q4", "0"),
             ("DFLASH_Q8_SCALAR", "1"),
             ("DFLASH_PROFILE", "gpu"),
+            ("DFLASH_CUDA_EVENTS", "1"),
         ]);
-        assert!(!s.fused && !s.q8 && !s.q4 && s.q8_scalar);
+        assert!(!s.fused && !s.q8 && !s.q4 && s.q8_scalar && s.cuda_events);
         assert_eq!(s.batch_invariant_env, Some(false));
         assert_eq!((s.gemv_rows, s.profile), (GEMV_MAX_ROWS, Profile::Gpu));
         assert_eq!(
@@ -319,9 +316,10 @@ mod tests {
         let p = parse(&[("DFLASH_FUSED_OFF", "moe, delta,bogus")]);
         assert_eq!(p.fused_off, Part::Moe.bit() | Part::Delta.bit());
         assert_eq!(d.trials, 0);
-        // unknown names (former trials included) are ignored
-        let t = parse(&[("DFLASH_TRY", "moe_narrow, moe_mma, bogus")]);
-        assert_eq!(t.trials, Trial::MoeNarrow.bit());
-        assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, 0b11);
+        // names that are not trials (former ones included) are ignored
+        let t = parse(&[("DFLASH_TRY", "moe_narrow, route_union, bogus")]);
+        assert_eq!(t.trials, 0);
+        let all = Trial::ALL.iter().fold(0u8, |b, t| b | t.bit());
+        assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, all);
     }
 }

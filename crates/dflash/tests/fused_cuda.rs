@@ -20,7 +20,7 @@ use dflash::nn::{
 };
 
 fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
+    match dflash::nn::cuda::open_device(0) {
         Ok(d) => Some(d),
         Err(e) => {
             eprintln!("no CUDA device ({e}); fused kernel tests skipped");

@@ -74,6 +74,21 @@ fn block_for(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
+/// Open CUDA device `ordinal` for dflash. Everything dflash launches goes to the device's one
+/// stream, so cudarc's event tracking (two CUDA events created with every device buffer and
+/// destroyed with it, recorded and waited on only once a second stream exists) is host time
+/// spent for nothing on every tensor a forward makes; it is switched off before the first
+/// buffer unless `DFLASH_CUDA_EVENTS=1` (switches). dflash never creates a second stream.
+pub fn open_device(ordinal: usize) -> candle_core::Result<candle_core::Device> {
+    let dev = candle_core::Device::new_cuda(ordinal)?;
+    if !crate::switches::get().cuda_events {
+        // SAFETY: one stream: no buffer is used on a stream other than the one that made it,
+        // so no cross-stream synchronization is needed (the events' only purpose).
+        unsafe { dev.as_cuda_device()?.disable_event_tracking() };
+    }
+    Ok(dev)
+}
+
 // ---------------------------------------------------------------------------------------
 // Timing helper for the micro bench: how long a piece of work takes on the GPU when the host
 // is not what it waits for.

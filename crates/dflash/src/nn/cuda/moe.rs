@@ -10,10 +10,10 @@ const MOE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
 pub const MOE_MAX_ROWS: usize = 16;
 /// Most experts the routing kernel handles (256 threads x 4).
 pub const MOE_MAX_EXPERTS: usize = 1024;
-/// Ints per union slot of `moe_union`: expert, pair count, up to 16 pairs.
+/// Ints per union slot (kernels/moe.cu `build_union`): expert, pair count, up to 16 pairs.
 const SLOT_W: usize = MOE_MAX_ROWS + 2;
 
-/// How the router scores (kernels/moe.cu's `moe_route` modes).
+/// How the router scores (kernels/moe.cu's `route_row` modes).
 #[derive(Clone, Debug)]
 pub enum RouteMode {
     Softmax {
@@ -108,7 +108,7 @@ impl CustomOp1 for MoeOp {
         let x = view(xs, xl, "rows")?;
         let hl = Held::new(&self.logits);
         let logits_bf16 = self.logits.dtype() == DType::BF16;
-        // The router's output as it is: bf16 (read so by moe_route, no cast launch) or f32.
+        // The router's output as it is: bf16 (read so by the routing kernel, no cast launch) or f32.
         let logits_b = logits_bf16.then(|| hl.view("router logits")).transpose()?;
         let logits_f = (!logits_bf16)
             .then(|| f32_view(&hl, "router logits"))
@@ -149,7 +149,7 @@ impl CustomOp1 for MoeOp {
             .map(|h| f32_view(h, "correction bias"))
             .transpose()?;
         let npairs = n * k;
-        // SAFETY: moe_route writes every id and weight; moe_gate_up writes h for every pair
+        // SAFETY: moe_route_union writes every id and weight; moe_gate_up writes h for every pair
         // (each pair's expert has a block for every tile), moe_down every y; combine all out.
         let ids = unsafe { dev.alloc::<u32>(npairs)? };
         // the union of chosen experts: per slot (expert, pair count, pairs), then the count
@@ -171,25 +171,18 @@ impl CustomOp1 for MoeOp {
             c.scale,
         );
         let lb_i = logits_bf16 as i32;
-        let (np_i, ns_i) = (i(npairs), i(nslots));
-        // 1. routing (+ 2. the union in the same launch with route_union: one block, a warp
-        // per row; else a block per row, then moe_union)
-        let fused_union = crate::switches::trial(crate::switches::Trial::RouteUnion);
-        let (name, grid) = if fused_union {
-            // 32 x `per` experts a warp (E <= MOE_MAX_EXPERTS = 32 x 32)
-            let name = match e_count {
-                0..=128 => "moe_route_union_e4",
-                129..=256 => "moe_route_union_e8",
-                257..=512 => "moe_route_union_e16",
-                _ => "moe_route_union_e32",
-            };
-            (name, 1)
-        } else {
-            ("moe_route", n as u32)
+        let ns_i = i(nslots);
+        // 1. routing and 2. the union of chosen experts, in one launch (one block, a warp per
+        // row; 32 x `per` experts a warp, E <= MOE_MAX_EXPERTS = 32 x 32)
+        let name = match e_count {
+            0..=128 => "moe_route_union_e4",
+            129..=256 => "moe_route_union_e8",
+            257..=512 => "moe_route_union_e16",
+            _ => "moe_route_union_e32",
         };
         let func = dev.get_or_load_custom_func(name, "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
+            grid_dim: (1, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -201,9 +194,7 @@ impl CustomOp1 for MoeOp {
             b.arg(v);
         }
         b.arg(&lb_i);
-        if fused_union {
-            b.arg(&n_i);
-        }
+        b.arg(&n_i);
         b.arg(&e_i);
         b.arg(&k_i);
         b.arg(&mode);
@@ -221,28 +212,10 @@ impl CustomOp1 for MoeOp {
         b.arg(&scale);
         b.arg(&ids);
         b.arg(&wts);
-        if fused_union {
-            b.arg(&ns_i);
-            b.arg(&slots);
-        }
+        b.arg(&ns_i);
+        b.arg(&slots);
         // SAFETY: argument types match the kernel; shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
-        if !fused_union {
-            let func = dev.get_or_load_custom_func("moe_union", "dflash_moe", MOE_PTX)?;
-            let cfg = LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = func.builder();
-            b.arg(&ids);
-            b.arg(&np_i);
-            b.arg(&e_i);
-            b.arg(&ns_i);
-            b.arg(&slots);
-            // SAFETY: as above.
-            unsafe { b.launch(cfg) }.w()?;
-        }
         // At most one pair of a row per expert: P accumulators cover every expert's pairs.
         let p = n.next_power_of_two().min(16);
         let grid_x = nslots as u32;
@@ -256,26 +229,30 @@ impl CustomOp1 for MoeOp {
         // shapes alone, so a row always meets the same arithmetic), tiles of 8 rows for the
         // pairs one expert can have (at most one per row).
         let mma = hidden % 32 == 0 && inter % 32 == 0;
-        let t = if n <= 8 { 1 } else { 2 };
-        // one row: the narrow tensor-core tiles (8 units / 16 output rows a block)
-        let narrow = mma && n == 1 && crate::switches::trial(crate::switches::Trial::MoeNarrow);
-        let tiles = match (narrow, t) {
-            (true, _) => "n1",
-            (false, 1) => "t1",
-            _ => "t2",
-        };
+        let t2 = n > 8;
+        // the FMA kernels' accumulators per weight row
+        let pi = p.trailing_zeros() as usize;
 
-        // 3. gate/up of every chosen expert: 16 or 8 (tensor cores) or 8 units per block
+        // 3. gate/up of every chosen expert: 16 (tensor cores) or 8 units per block
         const UNITS: usize = 8;
         let (name, units) = if mma {
-            (
-                format!("moe_gate_up_mma_{tiles}"),
-                if narrow { 8 } else { 16 },
-            )
+            let name = if t2 {
+                "moe_gate_up_mma_t2"
+            } else {
+                "moe_gate_up_mma_t1"
+            };
+            (name, 16)
         } else {
-            (format!("moe_gate_up_p{p}"), UNITS)
+            const NAMES: [&str; 5] = [
+                "moe_gate_up_p1",
+                "moe_gate_up_p2",
+                "moe_gate_up_p4",
+                "moe_gate_up_p8",
+                "moe_gate_up_p16",
+            ];
+            (NAMES[pi], UNITS)
         };
-        let func = dev.get_or_load_custom_func(&name, "dflash_moe", MOE_PTX)?;
+        let func = dev.get_or_load_custom_func(name, "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (grid_x, inter.div_ceil(units) as u32, 1),
             block_dim: (256, 1, 1),
@@ -304,17 +281,26 @@ impl CustomOp1 for MoeOp {
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
 
-        // 4. down projections: 32 or 16 (tensor cores) or 16 output rows per block
+        // 4. down projections: 32 (tensor cores) or 16 output rows per block
         const ROWS: usize = 16;
         let (name, rows) = if mma {
-            (
-                format!("moe_down_mma_{tiles}"),
-                if narrow { 16 } else { 32 },
-            )
+            let name = if t2 {
+                "moe_down_mma_t2"
+            } else {
+                "moe_down_mma_t1"
+            };
+            (name, 32)
         } else {
-            (format!("moe_down_p{p}"), ROWS)
+            const NAMES: [&str; 5] = [
+                "moe_down_p1",
+                "moe_down_p2",
+                "moe_down_p4",
+                "moe_down_p8",
+                "moe_down_p16",
+            ];
+            (NAMES[pi], ROWS)
         };
-        let func = dev.get_or_load_custom_func(&name, "dflash_moe", MOE_PTX)?;
+        let func = dev.get_or_load_custom_func(name, "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (grid_x, hidden.div_ceil(rows) as u32, 1),
             block_dim: (256, 1, 1),
