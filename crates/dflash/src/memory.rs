@@ -196,10 +196,7 @@ pub fn weight_bytes(
                     let cpu = device.is_cpu() && !keep_quant;
                     match cpu_target(dt, cols).filter(|_| cpu) {
                         Some(to) => n / to.block_size() as u64 * to.type_size() as u64,
-                        // Kept Q4 for the own product, at its in-memory size.
-                        None if cpu && crate::nn::q8::keeps_q4(dt, cols) => {
-                            n / 32 * crate::nn::q8::Q4_BLOCK_BYTES as u64
-                        }
+                        // kept as stored (the own int8 product holds the stored bytes too)
                         None => stored,
                     }
                 }

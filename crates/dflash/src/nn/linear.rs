@@ -297,11 +297,13 @@ mod tests {
             * (1.0 + seed as f64))
             .unwrap();
         let q = QTensor::quantize(&w, dt).unwrap();
-        Linear::Quant {
-            weight: QMatMul::from_qtensor(q).unwrap(),
-            bias: bias.then(|| Tensor::rand(-1f32, 1f32, rows, &Device::Cpu).unwrap()),
-            out_features: rows,
-        }
+        // as a loaded weight becomes one: dflash's own product where it applies (Q8_0)
+        Linear::quant(
+            QMatMul::from_qtensor(q).unwrap(),
+            bias.then(|| Tensor::rand(-1f32, 1f32, rows, &Device::Cpu).unwrap()),
+            rows,
+        )
+        .unwrap()
     }
 
     /// Quantized parts stacked as bytes give, column for column, exactly the separate parts'
