@@ -139,21 +139,23 @@ pub fn attend(
                 *a = b * scale;
             }
             scores.clear();
-            let mut m = sinks.as_ref().map_or(f32::NEG_INFINITY, |s| s[h]);
-            for j in lo..hi {
-                let s = simd::dot(simd, &qrow, kv_k.row(g, j, d));
-                m = m.max(s);
-                scores.push(s);
+            // eight keys at a time (each key's dot in the one fixed order of `simd::dot`)
+            let mut j = lo;
+            while j + 8 <= hi {
+                let keys: [&[f32]; 8] = std::array::from_fn(|t| kv_k.row(g, j + t, d));
+                scores.extend_from_slice(&simd::dot8(simd, &qrow, &keys));
+                j += 8;
             }
-            let mut sum = sinks.as_ref().map_or(0f32, |s| (s[h] - m).exp());
-            for s in scores.iter_mut() {
-                *s = (*s - m).exp();
-                sum += *s;
+            for j in j..hi {
+                scores.push(simd::dot(simd, &qrow, kv_k.row(g, j, d)));
             }
-            acc.fill(0.0);
-            for (j, &w) in (lo..hi).zip(scores.iter()) {
-                simd::axpy(simd, w, kv_v.row(g, j, dv), &mut acc);
-            }
+            let m = scores.iter().fold(
+                sinks.as_ref().map_or(f32::NEG_INFINITY, |s| s[h]),
+                |m, &s| m.max(s),
+            );
+            let sink = sinks.as_ref().map_or(0f32, |s| simd::exp(s[h] - m));
+            let sum = sink + simd::exp_sum(simd, &mut scores, m);
+            simd::weighted_sum(simd, &scores, |t| kv_v.row(g, lo + t, dv), &mut acc);
             let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
             let base = i * heads * dv + h * dv;
             for (c, a) in acc.iter().enumerate() {
@@ -215,8 +217,202 @@ mod simd {
         }
     }
 
+    // expf in the Cephes form (max error ~1 ulp): x = n ln 2 + r, e^r by a degree-6
+    // polynomial, 2^n through the exponent bits. The same operations in the scalar and AVX2
+    // forms, so both give the same bits (libm's expf, 20 ns a call, was most of a 16-row
+    // verify's attention time on the CPU).
+    const EXP_HI: f32 = 88.0;
+    const EXP_LO: f32 = -87.336_55; // 2^-126: the smallest normal result
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
+
+    /// e^x (see above).
+    pub fn exp(x: f32) -> f32 {
+        let x = x.clamp(EXP_LO, EXP_HI);
+        let n = x.mul_add(LOG2E, 0.5).floor();
+        let r = x - n * LN2_HI;
+        let r = r - n * LN2_LO;
+        let mut y = P[0];
+        for &c in &P[1..] {
+            y = y.mul_add(r, c);
+        }
+        let y = y.mul_add(r * r, r) + 1.0;
+        y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    }
+
+    /// `s[j] = e^(s[j] - m)` for every j, and their sum: eight lanes (element j in lane j % 8
+    /// of the leading multiple of 8), the lanes summed in a fixed order, then the rest.
+    pub fn exp_sum(simd: bool, s: &mut [f32], m: f32) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: as in `dot`.
+            return unsafe { exp_sum_avx2(s, m) };
+        }
+        let _ = simd;
+        let n8 = s.len() / 8 * 8;
+        let mut lanes = [0f32; 8];
+        for c in (0..n8).step_by(8) {
+            for t in 0..8 {
+                s[c + t] = exp(s[c + t] - m);
+                lanes[t] += s[c + t];
+            }
+        }
+        let mut sum = reduce8(&lanes);
+        for v in &mut s[n8..] {
+            *v = exp(*v - m);
+            sum += *v;
+        }
+        sum
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_sum_avx2(s: &mut [f32], m: f32) -> f32 {
+        use std::arch::x86_64::*;
+        let n8 = s.len() / 8 * 8;
+        let mv = _mm256_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        let mut c = 0;
+        while c < n8 {
+            let p = s.as_mut_ptr().add(c);
+            let x = _mm256_sub_ps(_mm256_loadu_ps(p), mv);
+            let x = _mm256_min_ps(
+                _mm256_max_ps(x, _mm256_set1_ps(EXP_LO)),
+                _mm256_set1_ps(EXP_HI),
+            );
+            let n = _mm256_floor_ps(_mm256_fmadd_ps(
+                x,
+                _mm256_set1_ps(LOG2E),
+                _mm256_set1_ps(0.5),
+            ));
+            let r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI)));
+            let r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+            let mut y = _mm256_set1_ps(P[0]);
+            for &k in &P[1..] {
+                y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(k));
+            }
+            let y = _mm256_add_ps(
+                _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r),
+                _mm256_set1_ps(1.0),
+            );
+            let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvttps_epi32(n),
+                _mm256_set1_epi32(127),
+            ));
+            let y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+            _mm256_storeu_ps(p, y);
+            acc = _mm256_add_ps(acc, y);
+            c += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        let mut sum = reduce8(&lanes);
+        for v in &mut s[n8..] {
+            *v = exp(*v - m);
+            sum += *v;
+        }
+        sum
+    }
+
+    /// The lanes summed in the order of [`dot8`]'s horizontal adds.
     fn reduce8(l: &[f32; 8]) -> f32 {
-        ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+        ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+    }
+
+    /// [`dot`] of `a` with eight rows at once (the same bits as eight calls).
+    pub fn dot8(simd: bool, a: &[f32], rows: &[&[f32]; 8]) -> [f32; 8] {
+        #[cfg(target_arch = "x86_64")]
+        if simd && a.len().is_multiple_of(8) && rows.iter().all(|r| r.len() == a.len()) {
+            // SAFETY: as in `dot`; every row is a.len() long.
+            return unsafe { dot8_avx2(a, rows) };
+        }
+        std::array::from_fn(|t| dot(simd, a, rows[t]))
+    }
+
+    /// `out = sum_j w[j] * row(j)` over j in order, one fma per element and key (the same bits
+    /// as `axpy` per key into a zeroed `out`), the sums kept in registers 64 columns at a time.
+    pub fn weighted_sum<'r>(
+        simd: bool,
+        w: &[f32],
+        row: impl Fn(usize) -> &'r [f32],
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: as in `dot`.
+            return unsafe { weighted_sum_avx2(w, row, out) };
+        }
+        out.fill(0.0);
+        for (j, &wj) in w.iter().enumerate() {
+            axpy(simd, wj, row(j), out);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot8_avx2(a: &[f32], rows: &[&[f32]; 8]) -> [f32; 8] {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut c = 0;
+        while c < a.len() {
+            let x = _mm256_loadu_ps(a.as_ptr().add(c));
+            for t in 0..8 {
+                acc[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[t].as_ptr().add(c)), acc[t]);
+            }
+            c += 8;
+        }
+        // lanes (0+1), (2+3), ... then ((0+1)+(2+3)) and ((4+5)+(6+7)), then their sum: reduce8
+        let t0 = _mm256_hadd_ps(acc[0], acc[1]);
+        let t1 = _mm256_hadd_ps(acc[2], acc[3]);
+        let t2 = _mm256_hadd_ps(acc[4], acc[5]);
+        let t3 = _mm256_hadd_ps(acc[6], acc[7]);
+        let t4 = _mm256_hadd_ps(t0, t1);
+        let t5 = _mm256_hadd_ps(t2, t3);
+        let r = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(t4, t5),
+            _mm256_permute2f128_ps::<0x31>(t4, t5),
+        );
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), r);
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weighted_sum_avx2<'r>(w: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let n = out.len();
+        let mut c = 0;
+        while c + 64 <= n {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (j, &wj) in w.iter().enumerate() {
+                let wv = _mm256_set1_ps(wj);
+                let p = row(j).as_ptr().add(c);
+                for (u, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.add(8 * u)), *a);
+                }
+            }
+            for (u, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * u), *a);
+            }
+            c += 64;
+        }
+        if c < n {
+            let rest = &mut out[c..];
+            rest.fill(0.0);
+            for (j, &wj) in w.iter().enumerate() {
+                axpy_avx2(wj, &row(j)[c..], rest);
+            }
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -280,6 +476,53 @@ mod simd {
             super::axpy(super::available(), 0.37, &a, &mut x);
             super::axpy(false, 0.37, &a, &mut y);
             assert_eq!(x, y);
+            let rows: Vec<Vec<f32>> = (0..8)
+                .map(|t| a.iter().map(|v| v * (t as f32 - 3.5)).collect())
+                .collect();
+            for len in [64, 77] {
+                let r: [&[f32]; 8] = std::array::from_fn(|t| &rows[t][..len]);
+                let want: Vec<f32> = r.iter().map(|r| super::dot(false, &a[..len], r)).collect();
+                assert_eq!(
+                    super::dot8(super::available(), &a[..len], &r).to_vec(),
+                    want
+                );
+                assert_eq!(super::dot8(false, &a[..len], &r).to_vec(), want);
+                let w = [0.3f32, -1.25, 2.0, 0.0, 7.5, -0.01, 1.0, 3.0];
+                let mut want = vec![0f32; len];
+                for (j, &wj) in w.iter().enumerate() {
+                    super::axpy(false, wj, r[j], &mut want);
+                }
+                for simd in [super::available(), false] {
+                    let mut got = vec![9f32; len];
+                    super::weighted_sum(simd, &w, |j| r[j], &mut got);
+                    assert_eq!(got, want, "len {len} simd {simd}");
+                }
+            }
+            let (mut x, mut y) = (b.clone(), b.clone());
+            let m = 14.0;
+            let sx = super::exp_sum(super::available(), &mut x, m);
+            let sy = super::exp_sum(false, &mut y, m);
+            assert_eq!((x, sx), (y, sy));
+        }
+
+        /// The polynomial e^x against the f64 exponential, over the range softmax uses (and
+        /// past its clamp, where it returns about the smallest normal value).
+        #[test]
+        fn exp_is_within_two_ulp() {
+            let mut worst = 0f64;
+            for i in 0..=200_000 {
+                let x = -87.0 + 87.5 * i as f32 / 200_000.0;
+                let want = (x as f64).exp();
+                let ulp = (want as f32).to_bits();
+                let got = super::exp(x);
+                let err = (got as f64 - want).abs()
+                    / (f32::from_bits(ulp + 1) as f64 - want as f32 as f64).abs();
+                worst = worst.max(err);
+            }
+            assert!(worst <= 2.0, "{worst} ulp");
+            let tiny = super::exp(-1000.0);
+            assert!(tiny > 0.0 && tiny < 1.2e-38, "{tiny}");
+            assert_eq!(super::exp(0.0), 1.0);
         }
     }
 }
