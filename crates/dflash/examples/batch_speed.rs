@@ -52,7 +52,7 @@ fn main() -> dflash::Result<()> {
     let mut same = true;
     let mut tokens = 0;
     for rep in 0..repeat {
-        let mut run_seq = || {
+        let run_seq = || {
             let t = Instant::now();
             let o: Vec<Vec<u32>> = reqs
                 .iter()

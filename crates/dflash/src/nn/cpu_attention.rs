@@ -323,9 +323,8 @@ mod simd {
         sum
     }
 
-    /// The lanes summed in the order of [`dot8`]'s horizontal adds.
     fn reduce8(l: &[f32; 8]) -> f32 {
-        ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+        ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
     }
 
     /// [`dot`] of `a` with eight rows at once (the same bits as eight calls).
@@ -370,17 +369,16 @@ mod simd {
             }
             c += 8;
         }
-        // lanes (0+1), (2+3), ... then ((0+1)+(2+3)) and ((4+5)+(6+7)), then their sum: reduce8
-        let t0 = _mm256_hadd_ps(acc[0], acc[1]);
-        let t1 = _mm256_hadd_ps(acc[2], acc[3]);
-        let t2 = _mm256_hadd_ps(acc[4], acc[5]);
-        let t3 = _mm256_hadd_ps(acc[6], acc[7]);
-        let t4 = _mm256_hadd_ps(t0, t1);
-        let t5 = _mm256_hadd_ps(t2, t3);
-        let r = _mm256_add_ps(
-            _mm256_permute2f128_ps::<0x20>(t4, t5),
-            _mm256_permute2f128_ps::<0x31>(t4, t5),
-        );
+        // reduce8's order for all eight: b = (l0+l4, l1+l5, l2+l6, l3+l7) per key (keys k and
+        // k+4 share a register), reordered to (b0, b2, b1, b3), then two rounds of pairwise
+        // adds: (b0+b2) and (b1+b3), then their sum. Lanes end as keys 0..8.
+        let half = |k: usize| {
+            let lo = _mm256_permute2f128_ps::<0x20>(acc[k], acc[k + 4]);
+            let hi = _mm256_permute2f128_ps::<0x31>(acc[k], acc[k + 4]);
+            _mm256_permute_ps::<0b11_01_10_00>(_mm256_add_ps(lo, hi))
+        };
+        let (s0, s1, s2, s3) = (half(0), half(1), half(2), half(3));
+        let r = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
         let mut out = [0f32; 8];
         _mm256_storeu_ps(out.as_mut_ptr(), r);
         out
