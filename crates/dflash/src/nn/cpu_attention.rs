@@ -153,8 +153,11 @@ pub fn attend(
                 sinks.as_ref().map_or(f32::NEG_INFINITY, |s| s[h]),
                 |m, &s| m.max(s),
             );
-            let sink = sinks.as_ref().map_or(0f32, |s| simd::exp(s[h] - m));
-            let sum = sink + simd::exp_sum(simd, &mut scores, m);
+            let mut sum = sinks.as_ref().map_or(0f32, |s| (s[h] - m).exp());
+            for s in scores.iter_mut() {
+                *s = (*s - m).exp();
+                sum += *s;
+            }
             simd::weighted_sum(simd, &scores, |t| kv_v.row(g, lo + t, dv), &mut acc);
             let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
             let base = i * heads * dv + h * dv;
@@ -215,112 +218,6 @@ mod simd {
         for (a, b) in acc.iter_mut().zip(x) {
             *a = w.mul_add(*b, *a);
         }
-    }
-
-    // expf in the Cephes form (max error ~1 ulp): x = n ln 2 + r, e^r by a degree-6
-    // polynomial, 2^n through the exponent bits. The same operations in the scalar and AVX2
-    // forms, so both give the same bits (libm's expf, 20 ns a call, was most of a 16-row
-    // verify's attention time on the CPU).
-    const EXP_HI: f32 = 88.0;
-    const EXP_LO: f32 = -87.336_55; // 2^-126: the smallest normal result
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const P: [f32; 6] = [
-        1.987_569_1e-4,
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ];
-
-    /// e^x (see above).
-    pub fn exp(x: f32) -> f32 {
-        let x = x.clamp(EXP_LO, EXP_HI);
-        let n = x.mul_add(LOG2E, 0.5).floor();
-        let r = x - n * LN2_HI;
-        let r = r - n * LN2_LO;
-        let mut y = P[0];
-        for &c in &P[1..] {
-            y = y.mul_add(r, c);
-        }
-        let y = y.mul_add(r * r, r) + 1.0;
-        y * f32::from_bits(((n as i32 + 127) as u32) << 23)
-    }
-
-    /// `s[j] = e^(s[j] - m)` for every j, and their sum: eight lanes (element j in lane j % 8
-    /// of the leading multiple of 8), the lanes summed in a fixed order, then the rest.
-    pub fn exp_sum(simd: bool, s: &mut [f32], m: f32) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: as in `dot`.
-            return unsafe { exp_sum_avx2(s, m) };
-        }
-        let _ = simd;
-        let n8 = s.len() / 8 * 8;
-        let mut lanes = [0f32; 8];
-        for c in (0..n8).step_by(8) {
-            for t in 0..8 {
-                s[c + t] = exp(s[c + t] - m);
-                lanes[t] += s[c + t];
-            }
-        }
-        let mut sum = reduce8(&lanes);
-        for v in &mut s[n8..] {
-            *v = exp(*v - m);
-            sum += *v;
-        }
-        sum
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp_sum_avx2(s: &mut [f32], m: f32) -> f32 {
-        use std::arch::x86_64::*;
-        let n8 = s.len() / 8 * 8;
-        let mv = _mm256_set1_ps(m);
-        let mut acc = _mm256_setzero_ps();
-        let mut c = 0;
-        while c < n8 {
-            let p = s.as_mut_ptr().add(c);
-            let x = _mm256_sub_ps(_mm256_loadu_ps(p), mv);
-            let x = _mm256_min_ps(
-                _mm256_max_ps(x, _mm256_set1_ps(EXP_LO)),
-                _mm256_set1_ps(EXP_HI),
-            );
-            let n = _mm256_floor_ps(_mm256_fmadd_ps(
-                x,
-                _mm256_set1_ps(LOG2E),
-                _mm256_set1_ps(0.5),
-            ));
-            let r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI)));
-            let r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
-            let mut y = _mm256_set1_ps(P[0]);
-            for &k in &P[1..] {
-                y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(k));
-            }
-            let y = _mm256_add_ps(
-                _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r),
-                _mm256_set1_ps(1.0),
-            );
-            let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-                _mm256_cvttps_epi32(n),
-                _mm256_set1_epi32(127),
-            ));
-            let y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-            _mm256_storeu_ps(p, y);
-            acc = _mm256_add_ps(acc, y);
-            c += 8;
-        }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        let mut sum = reduce8(&lanes);
-        for v in &mut s[n8..] {
-            *v = exp(*v - m);
-            sum += *v;
-        }
-        sum
     }
 
     fn reduce8(l: &[f32; 8]) -> f32 {
@@ -496,31 +393,6 @@ mod simd {
                     assert_eq!(got, want, "len {len} simd {simd}");
                 }
             }
-            let (mut x, mut y) = (b.clone(), b.clone());
-            let m = 14.0;
-            let sx = super::exp_sum(super::available(), &mut x, m);
-            let sy = super::exp_sum(false, &mut y, m);
-            assert_eq!((x, sx), (y, sy));
-        }
-
-        /// The polynomial e^x against the f64 exponential, over the range softmax uses (and
-        /// past its clamp, where it returns about the smallest normal value).
-        #[test]
-        fn exp_is_within_two_ulp() {
-            let mut worst = 0f64;
-            for i in 0..=200_000 {
-                let x = -87.0 + 87.5 * i as f32 / 200_000.0;
-                let want = (x as f64).exp();
-                let ulp = (want as f32).to_bits();
-                let got = super::exp(x);
-                let err = (got as f64 - want).abs()
-                    / (f32::from_bits(ulp + 1) as f64 - want as f32 as f64).abs();
-                worst = worst.max(err);
-            }
-            assert!(worst <= 2.0, "{worst} ulp");
-            let tiny = super::exp(-1000.0);
-            assert!(tiny > 0.0 && tiny < 1.2e-38, "{tiny}");
-            assert_eq!(super::exp(0.0), 1.0);
         }
     }
 }
