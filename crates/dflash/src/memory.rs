@@ -196,7 +196,10 @@ pub fn weight_bytes(
                     let cpu = device.is_cpu() && !keep_quant;
                     match cpu_target(dt, cols).filter(|_| cpu) {
                         Some(to) => n / to.block_size() as u64 * to.type_size() as u64,
-                        // kept as stored (the own int8 product holds the stored bytes too)
+                        // kept for the own int8 product, at its in-memory size
+                        None if cpu && crate::nn::q8::keeps_as_stored(dt, cols) => {
+                            n / 32 * crate::nn::q8::kept_block_bytes(dt) as u64
+                        }
                         None => stored,
                     }
                 }

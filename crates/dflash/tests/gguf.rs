@@ -67,7 +67,7 @@ fn tiny_gguf_gives_the_safetensors_logits() {
                 let keep = all_logits(g.as_ref(), &toks);
                 let rq = load_gguf(&path, false);
                 let q = rq.info().quantization.clone().unwrap();
-                if dflash::nn::q8::keeps_q4(dt, spec.hidden) {
+                if dflash::nn::q8::keeps_as_stored(dt, spec.hidden) {
                     assert!(q.contains("Q4_1 x") && !q.contains("Q4_1->"), "{q}");
                 } else {
                     assert!(q.contains("Q4_1->Q8_0"), "{q}");

@@ -175,17 +175,23 @@ fn greedy_dflash_equals_plain_decoding_with_quantized_targets() {
             "gguf Q4_1 default load llama",
             target(TinyTarget::llama(302), true),
             Target::Gguf(q4_1, false),
-            if dflash::nn::q8::keeps_q4(GgmlDType::Q4_1, 64) {
+            if dflash::nn::q8::keeps_as_stored(GgmlDType::Q4_1, 64) {
                 "Q4_1 x"
             } else {
                 "Q4_1->Q8_0"
             },
         ),
         (
-            "gguf Q5_0 requantized llama",
+            // Q5_0's stored weights in the own product's Q8 layout where the CPU has VNNI,
+            // else requantized to Q8_0
+            "gguf Q5_0 default load llama",
             target(TinyTarget::llama(307), true),
             Target::Gguf(q5_0, false),
-            "Q5_0->Q8_0",
+            if dflash::nn::q8::keeps_as_stored(GgmlDType::Q5_0, 64) {
+                "Q5_0 x"
+            } else {
+                "Q5_0->Q8_0"
+            },
         ),
         (
             "gguf Q4_1 kept llama",

@@ -89,6 +89,8 @@ impl QMatrix {
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
         let (kind, block) = match q.dtype() {
             GgmlDType::Q8_0 => (Kind::Q8, 2 + QK),
+            // Q5_0's `(q - 16) * d` with q < 32 is a Q8_0 block with the same scale: exact
+            GgmlDType::Q5_0 => (Kind::Q8, 2 + 4 + QK / 2),
             GgmlDType::Q4_0 => (Kind::Q4 { s16: false }, 2 + QK / 2),
             GgmlDType::Q4_1 => (Kind::Q4 { s16: true }, 4 + QK / 2),
             _ => return Ok(None),
@@ -108,10 +110,27 @@ impl QMatrix {
             return Ok(None);
         }
         let h = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]);
+        let q5 = q.dtype() == GgmlDType::Q5_0;
         Ok(Some(Self::build(rows, cols, kind, |row, b| {
             let raw = &data[(row * kb + b) * block..][..block];
             let mut q = [0u8; QK];
             match kind {
+                Kind::Q8 if q5 => {
+                    // ggml: d, 32 high bits, then byte j: element j (low nibble) and j + 16
+                    let qh = u32::from_le_bytes([raw[2], raw[3], raw[4], raw[5]]);
+                    for (j, &byte) in raw[6..].iter().enumerate() {
+                        let lo = (byte & 15) as u32 | ((qh >> j) & 1) << 4;
+                        let hi = (byte >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
+                        // (v - 16) + 128
+                        q[j] = (lo + 112) as u8;
+                        q[j + QK / 2] = (hi + 112) as u8;
+                    }
+                    Block {
+                        q,
+                        d: h(raw, 0),
+                        m: f16::ZERO,
+                    }
+                }
                 Kind::Q8 => {
                     for (o, &v) in q.iter_mut().zip(&raw[2..]) {
                         *o = v ^ 0x80; // i8 v + 128
@@ -425,16 +444,27 @@ fn tile_rows_scalar(
     }
 }
 
-/// Whether a GGUF matrix of type `dt` and width `cols` stays Q4 on the CPU (multiplied by
-/// [`QMatrix`] as stored) instead of being requantized to Q8_0: Q4_0 / Q4_1, a width this
-/// product is preferred for ([`QMatrix::preferred_for`]), the VNNI path available (the
-/// scalar one is a reference, not a fast path), and neither `DFLASH_Q8=0` nor `DFLASH_Q4=0`.
-pub fn keeps_q4(dt: GgmlDType, cols: usize) -> bool {
+/// Whether a GGUF matrix of type `dt` and width `cols` keeps its stored weights on the CPU
+/// (multiplied by [`QMatrix`]) instead of being requantized to Q8_0: Q4_0 / Q4_1 (as
+/// stored), Q5_0 (its exact values in the Q8 layout: 34 bytes a block instead of 22, see
+/// [`kept_block_bytes`]), a width this product is preferred for
+/// ([`QMatrix::preferred_for`]), the VNNI path available (the scalar one is a reference, not a
+/// fast path), and neither `DFLASH_Q8=0` nor `DFLASH_Q4=0`.
+pub fn keeps_as_stored(dt: GgmlDType, cols: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1)
+    matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0)
         && QMatrix::preferred_for(cols)
         && enabled()
         && *ON.get_or_init(|| simd_available() && crate::switches::get().q4)
+}
+
+/// Bytes a block of 32 weights of GGUF type `dt` takes once loaded by [`QMatrix`] (the stored
+/// size, except Q5_0 held in the Q8 layout).
+pub fn kept_block_bytes(dt: GgmlDType) -> usize {
+    match dt {
+        GgmlDType::Q5_0 => 2 + QK,
+        dt => dt.type_size() * QK / dt.block_size(),
+    }
 }
 
 /// Whether `Linear` uses this product at all (`DFLASH_Q8=0` keeps candle's for every type).
@@ -706,12 +736,37 @@ mod tests {
     /// projections), where candle's Q8_0 kernel quantizes activations differently.
     #[test]
     fn tiles_round_trip_and_stack() {
-        for dt in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1] {
+        for dt in [
+            GgmlDType::Q8_0,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+        ] {
             for (rows, cols) in [(40, 1536), (17, 256), (3, 64)] {
                 let w = Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).unwrap();
                 let q = QTensor::quantize(&w, dt).unwrap();
                 let ours = QMatrix::from_qtensor(&q).unwrap().unwrap();
                 let label = format!("{dt:?} {rows}x{cols}");
+                // the layout holds exactly the stored weights
+                let deq = q
+                    .dequantize(&Device::Cpu)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                for (r, row) in deq.iter().enumerate() {
+                    for b in 0..cols / QK {
+                        let blk = ours.block(r, b);
+                        let (d, m) = (blk.d.to_f32(), blk.m.to_f32());
+                        for (i, &want) in row[b * QK..(b + 1) * QK].iter().enumerate() {
+                            let got = match ours.kind {
+                                Kind::Q8 => (blk.q[i] as f32 - 128.0) * d,
+                                Kind::Q4 { s16: true } => blk.q[i] as f32 * d + m,
+                                Kind::Q4 { s16: false } => (blk.q[i] as f32 - 8.0) * d,
+                            };
+                            assert_eq!(got, want, "{label}: row {r} element {}", b * QK + i);
+                        }
+                    }
+                }
                 let x = Tensor::randn(0f32, 1.0, (6, cols), &Device::Cpu).unwrap();
                 assert_near_dequantized(&ours, &q, &x, &label);
                 assert_scalar_equals_simd(&ours, &x);

@@ -3,8 +3,8 @@
 //! kept and which are requantized, and `Linear` then multiplies them.
 //!
 //! CPU: types without a fast multi-row kernel are requantized to Q8_0 at load (see
-//! [`requant_target`]), except the Q4_0 / Q4_1 widths dflash's own int8 product multiplies as
-//! stored ([`cpu_target`]); `keep_quant` keeps everything as stored. CUDA: kept as stored
+//! [`requant_target`]), except the Q4_0 / Q4_1 / Q5_0 matrices dflash's own int8 product
+//! multiplies with their stored weights ([`cpu_target`]); `keep_quant` keeps everything as stored. CUDA: kept as stored
 //! (candle's quantized CUDA kernels).
 
 use crate::Result;
@@ -42,10 +42,11 @@ pub fn requant_target(dt: GgmlDType) -> Option<GgmlDType> {
 }
 
 /// What a stored GGUF matrix of width `cols` becomes on the CPU: [`requant_target`], except
-/// the Q4_0 / Q4_1 matrices that dflash's own int8 product multiplies as stored
-/// ([`crate::nn::q8::keeps_q4`]): 0.75 bytes a weight instead of Q8_0's 1.125.
+/// the Q4_0 / Q4_1 / Q5_0 matrices whose stored weights dflash's own int8 product multiplies
+/// ([`crate::nn::q8::keeps_as_stored`]): Q4 at 0.56-0.63 bytes a weight instead of Q8_0's
+/// 1.06, Q5_0 exactly (requantizing it to Q8_0 re-rounds every weight).
 pub fn cpu_target(dt: GgmlDType, cols: usize) -> Option<GgmlDType> {
-    if crate::nn::q8::keeps_q4(dt, cols) {
+    if crate::nn::q8::keeps_as_stored(dt, cols) {
         None
     } else {
         requant_target(dt)
