@@ -547,23 +547,9 @@ fn client_disconnect_cancels_a_non_streaming_generation() {
 /// (only the address and the model id are substituted).
 #[test]
 fn docs_serve_examples_work() {
-    let doc =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md"))
-            .unwrap();
-    let block = |lang: &str, needle: &str| -> String {
-        doc.split(&format!("```{lang}\n"))
-            .skip(1)
-            .map(|b| b.split("```").next().unwrap().to_string())
-            .find(|b| b.contains(needle))
-            .unwrap_or_else(|| panic!("no {lang} block with {needle}"))
-    };
     let m = model();
     let s = Server::start(&m, false, &[]);
-    let fix = |b: String| {
-        b.replace("http://127.0.0.1:8000", &format!("http://{}", s.addr))
-            .replace("Qwen/Qwen3-8B", "tiny")
-    };
-    let curl = fix(block("sh", "curl"));
+    let curl = serve_md_block("sh", &["curl"], &s);
     let o = Command::new("sh").args(["-c", &curl]).output().unwrap();
     assert!(o.status.success(), "{curl}");
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -575,14 +561,34 @@ fn docs_serve_examples_work() {
         );
         return;
     };
-    let script = fix(block("python", "OpenAI"));
-    let o = Command::new(py).args(["-c", &script]).output().unwrap();
+    let out = run_python(py, &serve_md_block("python", &["OpenAI"], &s));
+    assert!(out.contains("completion_tokens"), "{out}");
+}
+
+/// The first ```{lang} block of docs/serve.md that contains every one of `needles`, as
+/// written except for the address and the model id (those of the test server `s`).
+fn serve_md_block(lang: &str, needles: &[&str], s: &Server) -> String {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md"))
+            .unwrap();
+    doc.split(&format!("```{lang}\n"))
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .find(|b| needles.iter().all(|n| b.contains(n)))
+        .unwrap_or_else(|| panic!("docs/serve.md has no {lang} block with {needles:?}"))
+        .replace("http://127.0.0.1:8000", &format!("http://{}", s.addr))
+        .replace("Qwen/Qwen3-8B", "tiny")
+}
+
+/// `py -c script`, which must succeed (else the script and its stderr); its stdout.
+fn run_python(py: &str, script: &str) -> String {
+    let o = Command::new(py).args(["-c", script]).output().unwrap();
     assert!(
         o.status.success(),
         "{script}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    assert!(String::from_utf8_lossy(&o.stdout).contains("completion_tokens"));
+    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 #[test]
@@ -2553,48 +2559,19 @@ fn tool_calls_and_reasoning_round_trip() {
     run_sdk_script(py, &script, &s.url("/v1"));
     // docs/serve.md's tool loop, as written (the address and model id substituted; this model
     // calls again every turn, so the loop's bound ends it)
-    let doc =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md"))
-            .unwrap();
-    let block = doc
-        .split("```python\n")
-        .skip(1)
-        .map(|b| b.split("```").next().unwrap())
-        .find(|b| b.contains("tool_calls"))
-        .expect("a tool loop in docs/serve.md")
-        .replace("http://127.0.0.1:8000", &format!("http://{}", s.addr))
-        .replace("Qwen/Qwen3-8B", "tiny");
-    let o = Command::new(py).args(["-c", &block]).output().unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{block}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let out = run_python(py, &serve_md_block("python", &["tool_calls"], &s));
     assert!(
         out.contains("thought: I will look up the weather.")
             && out.contains("called get_weather {\"city\":\"Paris\"} -> {'city': 'Paris'"),
         "{out}"
     );
     // ... and its reasoning stream (it uses the `client` of the block before it)
-    let block = doc
-        .split("```python\n")
-        .skip(1)
-        .map(|b| b.split("```").next().unwrap())
-        .find(|b| b.contains("delta") && b.contains("reasoning_content"))
-        .expect("a reasoning stream in docs/serve.md")
-        .replace("Qwen/Qwen3-8B", "tiny");
+    let block = serve_md_block("python", &["delta", "reasoning_content"], &s);
     let script = format!(
         "from openai import OpenAI\nclient = OpenAI(base_url=\"http://{}/v1\", api_key=\"unused\")\n{block}",
         s.addr
     );
-    let o = Command::new(py).args(["-c", &script]).output().unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{script}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let out = run_python(py, &script);
     assert!(
         out.starts_with("I will look up the weather.<tool_call>"),
         "{out}"
@@ -2912,24 +2889,7 @@ fn structured_output_through_the_server() {
         );
         return;
     };
-    let doc =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md"))
-            .unwrap();
-    let script = doc
-        .split("```python\n")
-        .skip(1)
-        .map(|b| b.split("```").next().unwrap().to_string())
-        .find(|b| b.contains("json_schema"))
-        .expect("docs/serve.md has a python json_schema example")
-        .replace("http://127.0.0.1:8000", &format!("http://{}", s.addr))
-        .replace("Qwen/Qwen3-8B", "tiny");
-    let o = Command::new(py).args(["-c", &script]).output().unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{script}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let out = run_python(py, &serve_md_block("python", &["json_schema"], &s));
     let last = out.lines().last().unwrap_or("");
     let v: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{out}: {e}"));
     assert!(v["name"].is_string() && v["count"].is_i64(), "{out}");
