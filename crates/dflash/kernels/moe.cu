@@ -41,11 +41,7 @@ typedef __nv_bfloat16 bf16;
 
 __device__ __forceinline__ float rb(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+#include "reduce.cuh"
 
 // ---------------------------------------------------------------------------------------
 // Routing.

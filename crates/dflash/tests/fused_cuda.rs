@@ -996,6 +996,108 @@ fn dflash2_kernels_match_the_portable_path() {
     check_top_k(&few.zeros_like().unwrap(), 32, "all equal");
 }
 
+/// The trial `dflash2_fuse` kernels against the launches they replace: the finishing
+/// convolution fused with the residual add + RMSNorm == `dyn_conv` then `add_rms_norm` bit for
+/// bit (blocks shorter than the kernel included), and the selector's walk on the device ==
+/// the host walk over the same scores, except where the host's two best scores are a near tie
+/// (the device sums the pair scores in another order).
+#[test]
+fn dflash2_fused_conv_norm_and_device_walk_match() {
+    use dflash::nn::cuda::dflash2 as k2;
+    let Some(dev) = gpu() else { return };
+    for &(n, h, k, group, block) in &[
+        (15, 4096, 2, 16, 15),
+        (16, 5120, 3, 16, 8),
+        (6, 256, 4, 4, 3),
+        (2, 512, 4, 512, 2),
+        (3, 1536, 2, 16, 1),
+    ] {
+        let g = h / group;
+        let y = randn(&[n, h], 1.0, &dev);
+        let res = randn(&[n, h], 2.0, &dev);
+        let w = randn(&[h], 1.0, &dev);
+        let proj = randn(&[n, 2 * k * g], 0.5, &dev);
+        let base = randn(&[k, h], 0.5, &dev);
+        let d = proj.narrow(1, k * g, k * g).unwrap();
+        let (s1, n1) = k2::dyn_conv_add_norm(&y, &d, &base, group, block, &res, &w, 1e-6)
+            .unwrap()
+            .expect("the fused kernel applies");
+        let c = k2::dyn_conv(&y, &d, &base, group, block).unwrap().unwrap();
+        let (s2, n2) = dflash::nn::cuda::add_rms_norm(&res, &c, &w, 1e-6)
+            .unwrap()
+            .unwrap();
+        let bits = |t: &Tensor| -> Vec<u16> {
+            t.flatten_all()
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_bits())
+                .collect()
+        };
+        assert_eq!(bits(&s1), bits(&s2), "sum n{n} h{h} k{k} block {block}");
+        assert_eq!(bits(&n1), bits(&n2), "norm n{n} h{h} k{k} block {block}");
+    }
+    let mut near_ties = 0;
+    let mut rows = 0;
+    for (case, &(n, hd, v, r, k)) in [
+        (15usize, 4096usize, 151_936usize, 256usize, 16usize),
+        (7, 512, 5000, 64, 32),
+        (1, 256, 100, 32, 4),
+        (16, 1024, 40_000, 128, 8),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let pred = randn(&[v, r], 1.0, &dev);
+        let succ = randn(&[v, r], 1.0, &dev);
+        let proj = Linear::dense(randn(&[r, hd], 0.05, &dev), None);
+        let sel = dflash::draft::Selector::from_parts(pred.clone(), succ.clone(), proj.clone(), k);
+        let hidden = randn(&[n, hd], 1.0, &dev);
+        let logits = Tensor::randn(0f32, 2f32, (n, v), &dev).unwrap();
+        let anchor = (case * 37 % v) as u32;
+        let tk = k2::top_k_raw(&logits, k).unwrap().unwrap();
+        let hp = proj.forward(&hidden).unwrap();
+        let dev_ids: Vec<u32> = k2::selector_walk(&tk, &hp, &pred, &succ, anchor)
+            .unwrap()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        // Given the device's choice at the row before, its choice at each row is the host's
+        // first best over the same scores, or within a near tie of it.
+        let scores = sel.scores(&hidden, &logits, anchor).unwrap();
+        let mut prev = None;
+        for (p, &id) in dev_ids.iter().enumerate() {
+            let row = scores.row(p, prev);
+            let j = scores.cand[p * k..(p + 1) * k]
+                .iter()
+                .position(|&c| c == id)
+                .expect("the device picked one of the row's candidates");
+            let mut best = 0;
+            for (i, &x) in row.iter().enumerate() {
+                if x > row[best] {
+                    best = i;
+                }
+            }
+            if j != best {
+                assert!(
+                    row[best] - row[j] <= 1e-3 * row[best].abs().max(1.0),
+                    "case {case} row {p}: device chose {id} scoring {} against the best {}",
+                    row[j],
+                    row[best]
+                );
+                near_ties += 1;
+            }
+            prev = Some(j);
+            rows += 1;
+        }
+    }
+    eprintln!("selector walk on the device: {rows} rows, {near_ties} near-tie differences");
+    assert!(near_ties * 20 <= rows, "{near_ties} of {rows} rows differ");
+}
+
 fn check_top_k(logits: &Tensor, k: usize, what: &str) {
     let n = logits.dim(0).unwrap();
     {

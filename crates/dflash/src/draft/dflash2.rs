@@ -83,6 +83,19 @@ impl DynConv {
         dyn_conv(y, d1, &self.base[1], self.group, block)
     }
 
+    /// [`Self::finish`] added to the residual `res` and normed by `norm`: `(res + out,
+    /// norm(res + out))` (one kernel on CUDA, see [`crate::nn::dyn_conv::dyn_conv_add_norm`]).
+    pub fn finish_add_norm(
+        &self,
+        y: &Tensor,
+        d1: &Tensor,
+        block: usize,
+        res: &Tensor,
+        norm: &crate::nn::RmsNorm,
+    ) -> Result<(Tensor, Tensor)> {
+        crate::nn::dyn_conv::dyn_conv_add_norm(y, d1, &self.base[1], self.group, block, res, norm)
+    }
+
     pub fn weight_bytes(&self) -> usize {
         2 * crate::nn::tensor_bytes(&self.base[0]) + self.proj.weight_bytes()
     }
@@ -163,8 +176,47 @@ impl Selector {
     /// The greedy walk: one id per row of `hidden [n, H]` (the draft's final-normed rows) with
     /// `logits [n, V]` f32, starting from `anchor`.
     pub fn walk(&self, hidden: &Tensor, logits: &Tensor, anchor: u32) -> Result<Vec<u32>> {
+        #[cfg(feature = "cuda")]
+        if logits.device().is_cuda()
+            && crate::nn::fused::allowed_part(crate::switches::Part::Dflash2)
+            && crate::switches::trial(crate::switches::Trial::Dflash2Fuse)
+        {
+            if let Some(ids) = self.walk_on_device(hidden, logits, anchor)? {
+                return Ok(ids);
+            }
+        }
         let s = self.scores(hidden, logits, anchor)?;
         Ok(s.path())
+    }
+
+    /// The walk in one kernel after the top-k (`selector_walk`): the same scores as
+    /// [`Self::scores`] (summed in another order, so a near-tie may pick the other candidate:
+    /// a proposal, never the output) and one download of the ids. None where the kernels do not
+    /// apply.
+    #[cfg(feature = "cuda")]
+    fn walk_on_device(
+        &self,
+        hidden: &Tensor,
+        logits: &Tensor,
+        anchor: u32,
+    ) -> Result<Option<Vec<u32>>> {
+        use crate::nn::cuda::dflash2 as k;
+        if anchor as usize >= self.pred.dim(0)? {
+            return Ok(None);
+        }
+        let Some(tk) = k::top_k_raw(logits, self.top_k)? else {
+            return Ok(None);
+        };
+        let hp = self.proj.forward(hidden)?;
+        let hp = if hp.is_contiguous() {
+            hp
+        } else {
+            hp.contiguous()?
+        };
+        match k::selector_walk(&tk, &hp, &self.pred, &self.succ, anchor)? {
+            Some(ids) => Ok(Some(ids.to_vec1::<u32>()?)),
+            None => Ok(None),
+        }
     }
 
     /// Everything the walk needs, computed on the logits' device with one download at the
