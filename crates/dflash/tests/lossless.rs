@@ -323,17 +323,25 @@ const DOM: f64 = 1.5;
 
 #[test]
 fn sampling_is_reproducible_and_matches_the_target_distribution() {
-    sampling_matches_the_target(false);
+    sampling_matches_the_target(false, false);
+}
+
+/// The same distribution test through the batched loop (`Engine::generate_batch`, 8 sequences
+/// a batch, each with its own seed, draft block and verify rows): every sequence's output is
+/// still a sample of the target's distribution.
+#[test]
+fn sampling_through_the_batched_loop_matches_the_target_distribution() {
+    sampling_matches_the_target(false, true);
 }
 
 /// At T > 0 a DFlash2 draft's proposal is its selector's greedy walk, verified by
 /// sample-and-compare like every proposal: the output is distributed as the target's.
 #[test]
 fn dflash2_sampling_matches_the_target_distribution() {
-    sampling_matches_the_target(true);
+    sampling_matches_the_target(true, false);
 }
 
-fn sampling_matches_the_target(dflash2: bool) {
+fn sampling_matches_the_target(dflash2: bool, batched: bool) {
     let mut t = TinyTarget::qwen3(31);
     t.dominant = vec![(3, DOM), (5, DOM)];
     let mut d = TinyDraft::for_target(&t, 1, vec![2], 8, 5);
@@ -368,10 +376,25 @@ fn sampling_matches_the_target(dflash2: bool) {
         r.block_size = Some(block);
         e.generate(&r, &mut |_| Flow::Continue).unwrap().output_ids
     };
+    let outputs: Vec<Vec<u32>> = if batched {
+        let reqs: Vec<GenerateRequest> = (0..n)
+            .map(|seed| {
+                let mut r = GenerateRequest::new(prompt.clone(), 2);
+                r.sampling = params(1000 + seed);
+                r.block_size = Some(8);
+                r
+            })
+            .collect();
+        reqs.chunks(8)
+            .flat_map(|b| e.generate_batch(b, &mut |_, _| Flow::Continue))
+            .map(|o| o.unwrap().output_ids)
+            .collect()
+    } else {
+        (0..n).map(|seed| run(1000 + seed, 8)).collect()
+    };
     let mut counts = vec![0usize; t.vocab];
     let mut n_cond = 0;
-    for seed in 0..n {
-        let o = run(1000 + seed, 8);
+    for o in &outputs {
         if o[0] == first {
             counts[o[1] as usize] += 1;
             n_cond += 1;
