@@ -216,7 +216,8 @@ pub fn weight_bytes(
 /// [`cpu_target`]) unless `keep_quant`, or at its in-memory size where dflash's int8 product
 /// keeps it; off the CPU, the token embedding in the compute dtype (it is dequantized there),
 /// and with `affine` ([`crate::nn::quant::keeps_gguf_affine`]) the matrices rewritten as affine
-/// weights at that layout's size ([`crate::nn::gguf_affine::kept_bytes`]).
+/// weights ([`crate::nn::quant::gguf_affine_type`]) at that layout's size
+/// ([`crate::nn::gguf_affine::kept_bytes`]).
 pub fn gguf_tensor_bytes(
     name: &str,
     dt: GgmlDType,
@@ -235,7 +236,7 @@ pub fn gguf_tensor_bytes(
         return n * el;
     }
     let cols = dims.last().copied().unwrap_or(0);
-    if affine && dims.len() == 2 {
+    if affine && dims.len() == 2 && crate::nn::quant::gguf_affine_type(dt, keep_quant) {
         if let Some(b) = crate::nn::gguf_affine::kept_bytes(dt, dims[0], cols) {
             return b;
         }
@@ -383,6 +384,13 @@ mod tests {
         // not mapped: as stored
         assert_eq!(b(m, Q4_0, &[64, 96], false, true), 64 * 3 * 18);
         assert_eq!(b(m, Q6K, &[64, 256], false, true), 64 * 210);
+        assert_eq!(b(m, Q4K, &[64, 256], false, true), 64 * 8 * 20);
+        assert_eq!(b(m, Q5K, &[64, 256], false, true), 64 * 8 * 36);
+        // K-quants under --keep-quant stay as stored
+        assert_eq!(
+            gguf_tensor_bytes(m, Q4K, &[64, 256], DType::BF16, false, true, true),
+            64 * 144
+        );
         assert_eq!(b(m, Q5_0, &[64, 256], false, false), 64 * 8 * 22);
         // the embedding off the CPU: dense bf16
         assert_eq!(

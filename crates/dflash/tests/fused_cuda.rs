@@ -1426,9 +1426,11 @@ fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
 }
 
 /// A type per tensor of a tiny GGUF target: every GGUF type that maps onto the affine layout
-/// (nn::gguf_affine), at in-widths 128 and 256.
+/// (nn::gguf_affine), at in-widths 128 and 256 (K-quants: 256).
 fn gguf_affine_mix(name: &str) -> candle_core::quantized::GgmlDType {
     use candle_core::quantized::GgmlDType::*;
+    // q/k at 4 bits, v at 8: they still stack into one weight (the 4-bit parts widened,
+    // `AffineWeight::concat`), so the fused attention path runs
     if name.contains("q_proj") || name.contains("k_proj") {
         Q4_0
     } else if name.contains("v_proj") || name.contains("o_proj") {
@@ -1437,17 +1439,21 @@ fn gguf_affine_mix(name: &str) -> candle_core::quantized::GgmlDType {
         Q4_1
     } else if name.contains("up_proj") {
         Q5_0
+    } else if name.contains("layers.0.mlp.down_proj") {
+        Q5K
+    } else if name.contains("down_proj") {
+        Q4K
     } else {
-        Q8_0 // down_proj, lm_head, the embedding
+        Q8_0 // lm_head, the embedding
     }
 }
 
-/// GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 blocks rewritten as affine weights
+/// GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K blocks rewritten as affine weights
 /// (`nn::gguf_affine::from_gguf`) on the affine kernels: the device dequantization equals the
-/// host's (which is candle's GGUF dequantization, CPU unit tests) rounded to bf16 bit for bit;
-/// the skinny kernel (1, 5, 16 rows, each blocking N selects) and the prefill path (40 rows)
-/// match the f32 product with candle's dequantized weights; a row alone equals its bits among
-/// 16.
+/// host's rounded to bf16 bit for bit, and for the exact types that is candle's GGUF
+/// dequantization rounded to bf16 (up to the sign of zero); the skinny kernel (1, 5, 16 rows,
+/// each blocking N selects) and the prefill path (40 rows) match the f32 product with
+/// candle's dequantized weights; a row alone equals its bits among 16.
 #[test]
 fn gguf_blocks_run_on_the_affine_kernels() {
     use candle_core::quantized::{GgmlDType, QTensor};
@@ -1459,6 +1465,8 @@ fn gguf_blocks_run_on_the_affine_kernels() {
         GgmlDType::Q8_0,
         GgmlDType::Q5_0,
         GgmlDType::Q5_1,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
     ] {
         for &(n, k) in &[(48usize, 256usize), (20000, 256), (12288, 1024)] {
             let w = (Tensor::randn(0f32, 1f32, (n, k), &Device::Cpu).unwrap() * 0.05).unwrap();
@@ -1476,11 +1484,23 @@ fn gguf_blocks_run_on_the_affine_kernels() {
                     .map(|b| if b == 0x8000_0000 { 0 } else { b })
                     .collect()
             };
+            let on_host = Tensor::from_vec(a.dequantize_host().unwrap(), (n, k), &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
+            let on_device = a.dequantize(DType::BF16).unwrap();
             assert_eq!(
-                unsigned_zeros(&a.dequantize(DType::BF16).unwrap()),
-                unsigned_zeros(&deq.to_dtype(DType::BF16).unwrap()),
+                u32s_of(&on_device),
+                u32s_of(&on_host),
                 "{what}: device dequantization"
             );
+            if dflash::nn::gguf_affine::exact(dt) {
+                assert_eq!(
+                    unsigned_zeros(&on_device),
+                    unsigned_zeros(&deq.to_dtype(DType::BF16).unwrap()),
+                    "{what}: the stored weights"
+                );
+            }
             let host = deq.to_device(&dev).unwrap();
             let x16 = randn(&[16, k], 1.0, &dev);
             for m in [1, 5, 16] {
@@ -1508,8 +1528,9 @@ fn gguf_blocks_run_on_the_affine_kernels() {
     }
 }
 
-/// A GGUF target on the GPU with bf16 compute keeps its Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1
-/// matrices as affine weights: the load report names every matrix as affine, they hold less
+/// A GGUF target on the GPU with bf16 compute keeps its Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 /
+/// Q4_K / Q5_K matrices as affine weights: the load report names every matrix as affine (the
+/// K-quants with rounded scales), they hold less
 /// than the bf16 twin, the logits follow the twin holding candle's dequantized weights,
 /// verify rows with rollbacks equal the decode steps bit for bit, and greedy DFlash == plain
 /// decoding.
@@ -1551,7 +1572,7 @@ fn gguf_checkpoint_on_the_gpu_runs_as_affine() {
     for part in info.split(", ") {
         assert!(part.contains("->affine"), "{part} in {info}");
     }
-    for dt in ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"] {
+    for dt in ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4K", "Q5K"] {
         assert!(info.contains(&format!("{dt}->affine")), "{dt}: {info}");
     }
     assert!(

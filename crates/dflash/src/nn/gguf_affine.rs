@@ -22,9 +22,17 @@
 //! as stored; Q5_1's offset `m + 128 d` and the 4-bit types' `b - 128 s` round in f32 as for
 //! any MLX affine checkpoint.
 //!
-//! Q5_0 / Q5_1 take 36 bytes a block in this form (22 / 24 stored), Q4_0 20 (18), Q4_1 20
-//! (20), Q8_0 36 (34). K-quants (scales `d * sc` from 6-bit integers, not f16 values) and
-//! Q6_K (16-value scales) are not mapped.
+//! K-quants, not exactly: a Q4_K / Q5_K super-block of 256 holds f16 `d`, `dmin` and per
+//! sub-block of 32 6-bit integers `sc`, `m`, with weights `d * sc * q - dmin * m` (q 4 or 5
+//! bits). They map to 4-bit / 8-bit g32 with u = q, scale = f16(d * sc), bias = f16(-dmin *
+//! m): the products are exact in f32 (11 x 6 bits) and then rounded to f16 (to nearest even),
+//! an error of at most 2^-11 of |d * sc| and |dmin * m| (half an f16 ulp; below 2^-14, in
+//! f16's subnormal range, at most 2^-25 absolute). Where the products fit f16 (d and dmin
+//! with at most 5 significant bits, say) the weights are the stored ones exactly.
+//!
+//! Q5_0 / Q5_1 take 36 bytes a block of 32 in this form (22 / 24 stored), Q4_0 20 (18), Q4_1
+//! 20 (20), Q8_0 36 (34), Q4_K 20 (18), Q5_K 36 (22). Q6_K (a scale per 16 values) does not
+//! fit groups of 32 and is not mapped, nor are Q2_K, Q3_K, Q8_1.
 
 use super::AffineWeight;
 use crate::Result;
@@ -35,7 +43,7 @@ use half::f16;
 /// What [`from_gguf`] made of a matrix.
 #[derive(Debug)]
 pub enum GgufAffine {
-    /// Rewritten as an affine weight with exactly the stored weights.
+    /// Rewritten as an affine weight (exactly the stored weights where [`exact`]).
     Kept(AffineWeight),
     /// A block type this module does not map.
     NotMapped,
@@ -46,10 +54,16 @@ pub enum GgufAffine {
 /// The affine width a GGUF block type maps to, None for types that are not mapped.
 pub fn affine_bits(dt: GgmlDType) -> Option<usize> {
     match dt {
-        GgmlDType::Q4_0 | GgmlDType::Q4_1 => Some(4),
-        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q5_1 => Some(8),
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K => Some(4),
+        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q5K => Some(8),
         _ => None,
     }
+}
+
+/// Whether the affine form of `dt` holds exactly the stored weights (all mapped types but the
+/// K-quants, whose scales and mins are rounded to f16).
+pub fn exact(dt: GgmlDType) -> bool {
+    !matches!(dt, GgmlDType::Q4K | GgmlDType::Q5K)
 }
 
 /// Bytes an `[n, k]` matrix of `dt` takes as an affine weight (packed words + one f16 scale
@@ -89,8 +103,27 @@ fn q4(qs: &[u8]) -> [u8; 32] {
     std::array::from_fn(|i| if i < 16 { qs[i] & 0xF } else { qs[i - 16] >> 4 })
 }
 
+/// The 6-bit scale and min of sub-block `j` (0..8) of a K-quant block's 12 scale bytes
+/// (llama.cpp's `get_scale_min_k4`).
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// `v` rounded to f16 (to nearest, ties to even), None when it overflows.
+fn round16(v: f32) -> Option<f16> {
+    Some(f16::from_f32(v)).filter(|h| h.is_finite())
+}
+
 /// Rewrite the stored blocks of an `[n, k]` GGUF matrix (`data`: `n` rows of `k / 32` blocks
-/// of `dt`) as an [`AffineWeight`] on `device`, see the module docs.
+/// of `dt`, or `k / 256` super-blocks for the K-quants) as an [`AffineWeight`] on `device`,
+/// see the module docs.
 pub fn from_gguf(
     dt: GgmlDType,
     data: &[u8],
@@ -101,7 +134,9 @@ pub fn from_gguf(
     let Some(bits) = affine_bits(dt) else {
         return Ok(GgufAffine::NotMapped);
     };
-    if !AffineWeight::supported(bits, 32, k, candle_core::DType::F16) {
+    if !AffineWeight::supported(bits, 32, k, candle_core::DType::F16)
+        || !k.is_multiple_of(dt.block_size())
+    {
         return Ok(GgufAffine::Refused(if bits == 4 {
             "width not a multiple of 128"
         } else {
@@ -109,7 +144,7 @@ pub fn from_gguf(
         }));
     }
     let bsize = dt.type_size();
-    let blocks = n * (k / 32);
+    let blocks = n * (k / dt.block_size());
     if data.len() != blocks * bsize {
         return Err(crate::Error::input(format!(
             "GGUF {dt:?} matrix [{n}, {k}]: {} bytes, expected {} ({blocks} blocks of {bsize})",
@@ -117,27 +152,20 @@ pub fn from_gguf(
             blocks * bsize
         )));
     }
-    let mut packed = Vec::with_capacity(blocks * 32 * bits / 8);
-    let mut scales = Vec::with_capacity(blocks);
-    let mut biases = Vec::with_capacity(blocks);
-    for b in data.chunks_exact(bsize) {
-        let d = half_at(b, 0);
-        let (u, bias): ([u8; 32], Option<f16>) = match dt {
-            GgmlDType::Q4_0 => (q4(&b[2..18]), times(d, -8.0)),
-            GgmlDType::Q4_1 => (q4(&b[4..20]), Some(half_at(b, 2))),
-            GgmlDType::Q8_0 => (
-                std::array::from_fn(|i| (b[2 + i] as i8 as i16 + 128) as u8),
-                times(d, -128.0),
-            ),
-            GgmlDType::Q5_0 => (q5(&b[2..6], &b[6..22]).map(|q| q + 112), times(d, -128.0)),
-            GgmlDType::Q5_1 => (q5(&b[4..8], &b[8..24]), Some(half_at(b, 2))),
-            _ => unreachable!("affine_bits maps only the types above"),
+    let groups = n * (k / 32);
+    let mut packed = Vec::with_capacity(groups * 32 * bits / 8);
+    let mut scales = Vec::with_capacity(groups);
+    let mut biases = Vec::with_capacity(groups);
+    // one group of 32: its values, scale and bias (None: not finite in f16)
+    let mut push = |u: [u8; 32], s: Option<f16>, b: Option<f16>| -> bool {
+        let (Some(s), Some(b)) = (s, b) else {
+            return false;
         };
-        let Some(bias) = bias.filter(|m| m.is_finite() && d.is_finite()) else {
-            return Ok(GgufAffine::Refused("scale out of f16 range"));
-        };
-        scales.push(d);
-        biases.push(bias);
+        if !s.is_finite() || !b.is_finite() {
+            return false;
+        }
+        scales.push(s);
+        biases.push(b);
         if bits == 4 {
             // value i at bits 4 * (i % 8) of word i / 8
             for w in u.chunks_exact(8) {
@@ -149,6 +177,49 @@ pub fn from_gguf(
             }
         } else {
             packed.extend_from_slice(&u);
+        }
+        true
+    };
+    for b in data.chunks_exact(bsize) {
+        let d = half_at(b, 0);
+        let ok = match dt {
+            GgmlDType::Q4_0 => push(q4(&b[2..18]), Some(d), times(d, -8.0)),
+            GgmlDType::Q4_1 => push(q4(&b[4..20]), Some(d), Some(half_at(b, 2))),
+            GgmlDType::Q8_0 => push(
+                std::array::from_fn(|i| (b[2 + i] as i8 as i16 + 128) as u8),
+                Some(d),
+                times(d, -128.0),
+            ),
+            GgmlDType::Q5_0 => push(
+                q5(&b[2..6], &b[6..22]).map(|q| q + 112),
+                Some(d),
+                times(d, -128.0),
+            ),
+            GgmlDType::Q5_1 => push(q5(&b[4..8], &b[8..24]), Some(d), Some(half_at(b, 2))),
+            GgmlDType::Q4K | GgmlDType::Q5K => {
+                // d, dmin, 12 scale bytes, [Q5K: 32 bytes of fifth bits], 128 bytes of nibbles:
+                // sub-block 2c the low nibbles of bytes 32c.., 2c + 1 their high nibbles
+                let (d, dmin) = (d.to_f32(), half_at(b, 2).to_f32());
+                let five = dt == GgmlDType::Q5K;
+                let qs = if five { 48 } else { 16 };
+                (0..8).all(|j| {
+                    let (sc, m) = scale_min_k4(j, &b[4..16]);
+                    let u = std::array::from_fn(|i| {
+                        let byte = b[qs + 32 * (j / 2) + i];
+                        let nib = if j % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                        if five {
+                            nib | ((b[16 + i] >> j) & 1) << 4
+                        } else {
+                            nib
+                        }
+                    });
+                    push(u, round16(d * sc as f32), round16(-(dmin * m as f32)))
+                })
+            }
+            _ => unreachable!("affine_bits maps only the types above"),
+        };
+        if !ok {
+            return Ok(GgufAffine::Refused("scale out of f16 range"));
         }
     }
     let side = |v: Vec<f16>| Tensor::from_vec(v, (n, k / 32), &Device::Cpu);
@@ -301,6 +372,84 @@ mod tests {
         }
     }
 
+    /// `n * k / 256` random K-quant super-blocks (Q4_K / Q5_K); d and dmin from `half`.
+    fn k_blocks(
+        dt: GgmlDType,
+        n: usize,
+        k: usize,
+        rng: &mut crate::testing::Rng,
+        half: &mut dyn FnMut(&mut crate::testing::Rng) -> f16,
+    ) -> Vec<u8> {
+        let mut out = Vec::new();
+        for _ in 0..n * k / 256 {
+            let mut b: Vec<u8> = (0..dt.type_size())
+                .map(|_| (rng.uniform() * 256.0) as u8)
+                .collect();
+            let (d, dmin) = (half(rng), half(rng));
+            b[0..2].copy_from_slice(&d.to_bits().to_le_bytes());
+            b[2..4].copy_from_slice(&dmin.to_bits().to_le_bytes());
+            out.extend(b);
+        }
+        out
+    }
+
+    /// Q4_K / Q5_K: where d * sc and dmin * m fit f16 (d, dmin with at most 5 significant
+    /// bits, normal products), the affine weight dequantizes to exactly candle's weights; for
+    /// any d, dmin within the stated rounding: |error| <= 2^-11 (|d| 63 qmax + |dmin| 63).
+    #[test]
+    fn k_quants_map_with_f16_rounded_scales() {
+        let mut rng = crate::testing::Rng::new(21);
+        for dt in [GgmlDType::Q4K, GgmlDType::Q5K] {
+            assert!(!exact(dt));
+            let qmax = if dt == GgmlDType::Q4K { 15.0 } else { 31.0 };
+            for &(n, k) in &[(1usize, 256usize), (3, 512), (2, 1024)] {
+                // exact: a 5-bit integer times 2^e, products at least 2^-14
+                let mut short = |r: &mut crate::testing::Rng| {
+                    let m = 1 + r.below(31) as i32;
+                    let e = -12 - r.below(4) as i32;
+                    let sign = if r.uniform() < 0.5 { -1.0 } else { 1.0 };
+                    f16::from_f32(sign * m as f32 * 2f32.powi(e))
+                };
+                let data = k_blocks(dt, n, k, &mut rng, &mut short);
+                let want = candle_dequant(dt, &data, n, k);
+                let w = kept(from_gguf(dt, &data, n, k, &Device::Cpu).unwrap());
+                assert_eq!(w.bits, affine_bits(dt).unwrap());
+                assert_eq!(w.bytes() as u64, kept_bytes(dt, n, k).unwrap());
+                let got = w.dequantize_host().unwrap();
+                for (e, (g, x)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        g == x,
+                        "{dt:?} [{n}, {k}] exact scales, element {e}: {g:e} vs {x:e}"
+                    );
+                }
+                // any d, dmin: within the rounding bound, per super-block
+                let mut any =
+                    |r: &mut crate::testing::Rng| f16::from_f64((r.uniform() - 0.5) * 0.02);
+                let data = k_blocks(dt, n, k, &mut rng, &mut any);
+                let want = candle_dequant(dt, &data, n, k);
+                let got = kept(from_gguf(dt, &data, n, k, &Device::Cpu).unwrap())
+                    .dequantize_host()
+                    .unwrap();
+                let (mut rounded, bsize) = (0, dt.type_size());
+                for (e, (g, x)) in got.iter().zip(&want).enumerate() {
+                    let b = &data[e / 256 * bsize..];
+                    let (d, dmin) = (half_at(b, 0).to_f32().abs(), half_at(b, 2).to_f32().abs());
+                    let bound = (d * 63.0 * qmax + dmin * 63.0) * 2f32.powi(-11) + 2f32.powi(-24);
+                    assert!((g - x).abs() <= bound, "{dt:?} element {e}: {g:e} vs {x:e}");
+                    rounded += (g != x) as usize;
+                }
+                assert!(rounded > 0, "{dt:?}: the random scales never rounded");
+            }
+        }
+        // a product beyond f16 is refused
+        let mut big = |_: &mut crate::testing::Rng| f16::from_f32(60000.0);
+        let data = k_blocks(GgmlDType::Q4K, 1, 256, &mut rng, &mut big);
+        assert!(matches!(
+            from_gguf(GgmlDType::Q4K, &data, 1, 256, &Device::Cpu).unwrap(),
+            GgufAffine::Refused("scale out of f16 range")
+        ));
+    }
+
     /// The packing is MLX's: 4-bit value i at bits 4 * (i % 8) of word i / 8, 8-bit value i
     /// at byte i; checked on one Q4_0 block with values 0..16 and one Q8_0 block.
     #[test]
@@ -364,7 +513,7 @@ mod tests {
             assert!(refused(from_gguf(dt, &data, 2, k, &Device::Cpu).unwrap()).starts_with("width"));
             assert_eq!(kept_bytes(dt, 2, k), None);
         }
-        for dt in [Q4K, Q5K, Q6K, Q8_1, F16] {
+        for dt in [Q2K, Q3K, Q6K, Q8_1, F16] {
             let data = vec![0u8; dt.type_size() * 256 / dt.block_size()];
             assert!(matches!(
                 from_gguf(dt, &data, 1, 256, &Device::Cpu).unwrap(),

@@ -6,8 +6,9 @@
 //! [`requant_target`]), except the Q4_0 / Q4_1 / Q5_0 matrices dflash's own int8 product
 //! multiplies with their stored weights ([`cpu_target`]); `keep_quant` keeps everything as stored. CUDA: kept as stored;
 //! with bf16 compute the Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 matrices the affine kernels take are
-//! rewritten as affine weights with exactly the stored weights ([`keeps_gguf_affine`],
-//! [`crate::nn::gguf_affine`]: batch-invariant), the others go to candle's quantized CUDA
+//! rewritten as affine weights with exactly the stored weights, Q4_K / Q5_K ones with their
+//! scales rounded to f16 unless `keep_quant` ([`keeps_gguf_affine`], [`gguf_affine_type`],
+//! [`crate::nn::gguf_affine`]: batch-invariant); the others go to candle's quantized CUDA
 //! kernels.
 
 use crate::nn::gguf_affine::{self, GgufAffine};
@@ -70,13 +71,20 @@ pub enum Placed {
     Affine(AffineWeight),
 }
 
-/// Whether GGUF matrices of the types [`gguf_affine`] maps (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, at
-/// widths the kernels take) become affine weights: where MLX affine ones stay as stored
-/// ([`keeps_affine`]: CUDA with bf16 compute), whatever `keep_quant` says (the weights are
-/// the stored ones). candle's quantized CUDA kernels are not batch-invariant (a verify row's
-/// bits differ from a decode step's); the affine kernels are.
+/// Whether GGUF matrices of the types [`gguf_affine`] maps ([`gguf_affine_type`], at widths
+/// the kernels take) become affine weights: where MLX affine ones stay as stored
+/// ([`keeps_affine`]: CUDA with bf16 compute). candle's quantized CUDA kernels are not
+/// batch-invariant (a verify row's bits differ from a decode step's); the affine kernels are.
 pub fn keeps_gguf_affine(device: &Device, dtype: DType) -> bool {
     keeps_affine(device, dtype)
+}
+
+/// Whether a GGUF matrix of type `dt` becomes an affine weight where [`keeps_gguf_affine`]
+/// holds (and the kernels take its width): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 always (exactly the
+/// stored weights); Q4_K and Q5_K, whose scales and mins are then rounded to f16, unless
+/// `keep_quant` (which keeps them for candle's kernels, exact but not batch-invariant).
+pub fn gguf_affine_type(dt: GgmlDType, keep_quant: bool) -> bool {
+    gguf_affine::affine_bits(dt).is_some() && (gguf_affine::exact(dt) || !keep_quant)
 }
 
 /// Place a stored quantized matrix on `device` per the policy above; `note` gets one line per
@@ -112,11 +120,15 @@ fn place_as(
     }
     // why a mapped type stays on the quantized path, for the report
     let mut refused = None;
-    if affine {
+    if affine && gguf_affine_type(dt, keep_quant) {
         if let [n, k] = *q.shape().dims() {
             match gguf_affine::from_gguf(dt, &q.data()?, n, k, device)? {
                 GgufAffine::Kept(w) => {
-                    note(format!("{dt:?}->affine {}-bit g32", w.bits));
+                    let rounded = match gguf_affine::exact(dt) {
+                        true => "",
+                        false => " (scales rounded to f16)",
+                    };
+                    note(format!("{dt:?}->affine {}-bit g32{rounded}", w.bits));
                     return Ok(Placed::Affine(w));
                 }
                 GgufAffine::Refused(why) => refused = Some(why),
@@ -168,9 +180,10 @@ mod tests {
     }
 
     /// Where GGUF matrices become affine weights (the CUDA bf16 choice, forced here on the
-    /// CPU), each mapped type at a width the kernels take does, with its note, whatever
-    /// `keep_quant`; a width they do not take stays quantized and the note says why; other
-    /// types and float types are untouched. Without the choice (the CPU) nothing is affine.
+    /// CPU), each exactly mapped type at a width the kernels take does, with its note and the
+    /// stored weights, whatever `keep_quant`; K-quants unless `keep_quant`, noted as rounded;
+    /// a width the kernels do not take stays quantized and the note says why; other types
+    /// and float types are untouched. Without the choice (the CPU) nothing is affine.
     #[test]
     fn gguf_affine_policy() {
         use GgmlDType::*;
@@ -194,6 +207,18 @@ mod tests {
             // the CPU policy (affine off) is today's: kept or requantized, never affine
             let (p, _) = placed(stored(dt, 4, k), false, false);
             assert!(matches!(p, Placed::Quant(_)), "{dt:?} on the CPU: {p:?}");
+        }
+        // K-quants: affine with rounded scales, or for candle's kernels under keep_quant
+        for (dt, note) in [
+            (Q4K, "Q4K->affine 4-bit g32 (scales rounded to f16)"),
+            (Q5K, "Q5K->affine 8-bit g32 (scales rounded to f16)"),
+        ] {
+            let (p, notes) = placed(stored(dt, 4, 512), true, false);
+            assert!(matches!(p, Placed::Affine(_)), "{dt:?}: {p:?}");
+            assert_eq!(notes, [note]);
+            let (p, notes) = placed(stored(dt, 4, 512), true, true);
+            assert!(matches!(p, Placed::Quant(_)), "{dt:?} keep_quant: {p:?}");
+            assert_eq!(notes, [format!("{dt:?}")]);
         }
         let (p, notes) = placed(stored(Q4_0, 4, 96), true, true);
         assert!(matches!(p, Placed::Quant(_)), "{p:?}");
