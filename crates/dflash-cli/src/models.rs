@@ -23,6 +23,14 @@ fn q4_bytes(f: &Footprint) -> u64 {
     f.params * 9 / 16
 }
 
+/// Weight bytes as dflash holds a 4-bit / 8-bit quantized checkpoint on CUDA (bf16 compute):
+/// affine weights with an f16 scale and bias per 32 weights, 5 / 9 bits a weight (GGUF Q4_0,
+/// Q4_1, Q4_K / Q8_0, Q5_0, Q5_1, Q5_K rewritten at load, `nn::gguf_affine`; MLX 4- / 8-bit
+/// g32 as stored).
+fn affine_bytes(f: &Footprint, bits: u64) -> u64 {
+    f.params * (bits + 1) / 8
+}
+
 /// Whether weights of `bytes` plus the cache of [`FIT_CONTEXT`] tokens fit `gpu` bytes
 /// (5% kept for activations and the runtime).
 fn fits(f: &Footprint, bytes: u64, gpu: u64) -> bool {
@@ -51,6 +59,8 @@ pub fn run(json: bool) -> Result<()> {
                             "bf16": fits(&f, f.loaded_bytes_bf16, *b),
                             "as_published": f.stored_bytes.map(|s| fits(&f, s, *b)),
                             "q4": fits(&f, q4_bytes(&f), *b),
+                            "cuda_affine_4bit": fits(&f, affine_bytes(&f, 4), *b),
+                            "cuda_affine_8bit": fits(&f, affine_bytes(&f, 8), *b),
                         })).collect::<Vec<_>>(),
                     })),
                 })
@@ -128,7 +138,7 @@ pub fn run(json: bool) -> Result<()> {
         );
     }
     println!(
-        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / ~4.5 bits a weight (Q4_K_M, MLX 4-bit).\nOn CUDA today GGUF matrices stay as stored; MLX, MXFP4 and int4 are dequantized to bf16 (issue 21)."
+        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / ~4.5 bits a weight (Q4_K_M, MLX 4-bit g64) / 4-bit and 8-bit GGUF or MLX on CUDA (5 and 9 bits a weight).\nOn CUDA with bf16, GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q5_1/Q5_K matrices become affine weights (f16 scale and bias per 32), other GGUF types stay as stored, MLX 4/8-bit stays as stored; MXFP4 and int4 experts are dequantized to bf16."
     );
     let yn = |b: bool| if b { "yes" } else { "no" };
     for e in DRAFT_REGISTRY {
@@ -137,10 +147,12 @@ pub fn run(json: bool) -> Result<()> {
             .iter()
             .map(|(name, b)| {
                 format!(
-                    "{name}: {} / {} / {}",
+                    "{name}: {} / {} / {} / {} {}",
                     yn(fits(&f, f.loaded_bytes_bf16, *b)),
                     f.stored_bytes.map_or("?", |s| yn(fits(&f, s, *b))),
-                    yn(fits(&f, q4_bytes(&f), *b))
+                    yn(fits(&f, q4_bytes(&f), *b)),
+                    yn(fits(&f, affine_bytes(&f, 4), *b)),
+                    yn(fits(&f, affine_bytes(&f, 8), *b))
                 )
             })
             .collect();

@@ -303,6 +303,12 @@ fn models_lists_the_seed_rows_and_dflash2_rows_and_names_missing_families() {
     assert_eq!(fit("Qwen3.5-27B", 1, "bf16"), false);
     assert_eq!(fit("Qwen3.5-27B", 1, "q4"), true);
     assert_eq!(fit("Kimi-K2.5", 0, "q4"), false);
+    // on CUDA at 5 / 9 bits a weight (GGUF Q4_* / Q8_0, Q5_* as affine weights)
+    assert_eq!(fit("Qwen3-8B", 1, "cuda_affine_8bit"), true);
+    assert_eq!(fit("Qwen3.5-27B", 1, "cuda_affine_4bit"), true);
+    assert_eq!(fit("Qwen3.5-27B", 1, "cuda_affine_8bit"), false);
+    assert_eq!(fit("Qwen3.5-122B-A10B", 0, "cuda_affine_8bit"), false);
+    assert_eq!(fit("Qwen3.5-122B-A10B", 0, "cuda_affine_4bit"), true);
     let d2 = rows.iter().find(|r| r["arch"] == "DFlash2").unwrap();
     assert_eq!(
         (

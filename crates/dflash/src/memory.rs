@@ -174,8 +174,8 @@ fn cuda_free(_device: &Device) -> Option<Available> {
 
 /// Bytes the weights of `src` will occupy once loaded in `dtype` on `device`: float
 /// tensors in the compute dtype, integer tensors as stored; GGUF quantized matrices as
-/// stored, or requantized (see [`cpu_target`]) on the CPU unless `keep_quant`. An
-/// estimate from the headers (tensors a family does not use are counted too).
+/// [`gguf_tensor_bytes`] says. An estimate from the headers (tensors a family does not use
+/// are counted too).
 pub fn weight_bytes(
     src: &ModelSource,
     dtype: DType,
@@ -185,25 +185,17 @@ pub fn weight_bytes(
     let el = dtype.size_in_bytes() as u64;
     let mut total = 0u64;
     if let Some(g) = src.gguf_file()? {
-        for t in g.content.tensor_infos.values() {
-            let n = t.shape.elem_count() as u64;
-            let dt = t.ggml_dtype;
-            let stored = n / dt.block_size() as u64 * dt.type_size() as u64;
-            total += match dt {
-                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => n * el,
-                _ => {
-                    let cols = t.shape.dims().last().copied().unwrap_or(0);
-                    let cpu = device.is_cpu() && !keep_quant;
-                    match cpu_target(dt, cols).filter(|_| cpu) {
-                        Some(to) => n / to.block_size() as u64 * to.type_size() as u64,
-                        // kept for the own int8 product, at its in-memory size
-                        None if cpu && crate::nn::q8::keeps_as_stored(dt, cols) => {
-                            n / 32 * crate::nn::q8::kept_block_bytes(dt) as u64
-                        }
-                        None => stored,
-                    }
-                }
-            };
+        let affine = crate::nn::quant::keeps_gguf_affine(device, dtype);
+        for (name, t) in &g.content.tensor_infos {
+            total += gguf_tensor_bytes(
+                name,
+                t.ggml_dtype,
+                t.shape.dims(),
+                dtype,
+                device.is_cpu(),
+                affine,
+                keep_quant,
+            );
         }
         return Ok(total);
     }
@@ -217,6 +209,47 @@ pub fn weight_bytes(
         }
     }
     Ok(total)
+}
+
+/// Bytes one GGUF tensor (`dims` row-major, the input dimension last) takes once loaded: a
+/// float type in the compute dtype; a quantized one as stored, or requantized on the CPU (see
+/// [`cpu_target`]) unless `keep_quant`, or at its in-memory size where dflash's int8 product
+/// keeps it; off the CPU, the token embedding in the compute dtype (it is dequantized there),
+/// and with `affine` ([`crate::nn::quant::keeps_gguf_affine`]) the matrices rewritten as affine
+/// weights ([`crate::nn::quant::gguf_affine_type`]) at that layout's size
+/// ([`crate::nn::gguf_affine::kept_bytes`]).
+pub fn gguf_tensor_bytes(
+    name: &str,
+    dt: GgmlDType,
+    dims: &[usize],
+    dtype: DType,
+    on_cpu: bool,
+    affine: bool,
+    keep_quant: bool,
+) -> u64 {
+    let n: u64 = dims.iter().map(|&d| d as u64).product();
+    let el = dtype.size_in_bytes() as u64;
+    let stored = n / dt.block_size() as u64 * dt.type_size() as u64;
+    if matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+        || (!on_cpu && name == "token_embd.weight")
+    {
+        return n * el;
+    }
+    let cols = dims.last().copied().unwrap_or(0);
+    if affine && dims.len() == 2 && crate::nn::quant::gguf_affine_type(dt, keep_quant) {
+        if let Some(b) = crate::nn::gguf_affine::kept_bytes(dt, dims[0], cols) {
+            return b;
+        }
+    }
+    let cpu = on_cpu && !keep_quant;
+    match cpu_target(dt, cols).filter(|_| cpu) {
+        Some(to) => n / to.block_size() as u64 * to.type_size() as u64,
+        // kept for the own int8 product, at its in-memory size
+        None if cpu && crate::nn::q8::keeps_as_stored(dt, cols) => {
+            n / 32 * crate::nn::q8::kept_block_bytes(dt) as u64
+        }
+        None => stored,
+    }
 }
 
 /// KV cache bytes per token of context of an attention-only decoder with `cfg`'s shape (K and
@@ -330,6 +363,50 @@ pub fn plan_context(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GGUF tensors once loaded: on the CPU as the CPU policy says (unchanged); on CUDA with
+    /// bf16 compute the mapped types at the affine layout's size (20 bytes a block of 32 at 4
+    /// bits, 36 at 8), others and widths the kernels do not take as stored; the token
+    /// embedding off the CPU in the compute dtype.
+    #[test]
+    fn gguf_tensors_at_their_loaded_size() {
+        use GgmlDType::*;
+        let b = |name: &str, dt, dims: &[usize], cpu, affine| {
+            gguf_tensor_bytes(name, dt, dims, DType::BF16, cpu, affine, false)
+        };
+        let m = "blk.0.attn_q.weight";
+        // CUDA, bf16: affine
+        assert_eq!(b(m, Q4_0, &[64, 256], false, true), 64 * 8 * 20);
+        assert_eq!(b(m, Q4_1, &[64, 256], false, true), 64 * 8 * 20);
+        assert_eq!(b(m, Q8_0, &[64, 256], false, true), 64 * 8 * 36);
+        assert_eq!(b(m, Q5_0, &[64, 256], false, true), 64 * 8 * 36);
+        assert_eq!(b(m, Q5_1, &[64, 256], false, true), 64 * 8 * 36);
+        // not mapped: as stored
+        assert_eq!(b(m, Q4_0, &[64, 96], false, true), 64 * 3 * 18);
+        assert_eq!(b(m, Q6K, &[64, 256], false, true), 64 * 210);
+        assert_eq!(b(m, Q4K, &[64, 256], false, true), 64 * 8 * 20);
+        assert_eq!(b(m, Q5K, &[64, 256], false, true), 64 * 8 * 36);
+        // K-quants under --keep-quant stay as stored
+        assert_eq!(
+            gguf_tensor_bytes(m, Q4K, &[64, 256], DType::BF16, false, true, true),
+            64 * 144
+        );
+        assert_eq!(b(m, Q5_0, &[64, 256], false, false), 64 * 8 * 22);
+        // the embedding off the CPU: dense bf16
+        assert_eq!(
+            b("token_embd.weight", Q4_0, &[64, 256], false, true),
+            64 * 256 * 2
+        );
+        // the CPU: the own int8 product's layout (Q5_0 in the Q8 layout), as before
+        assert_eq!(
+            b(m, Q5_0, &[64, 256], true, false),
+            64 * 8 * crate::nn::q8::kept_block_bytes(Q5_0) as u64
+        );
+        assert_eq!(
+            b("token_embd.weight", F16, &[64, 256], true, false),
+            64 * 256 * 2
+        );
+    }
 
     #[test]
     fn sizes_parse_and_print() {

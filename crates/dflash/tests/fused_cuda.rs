@@ -1526,3 +1526,196 @@ fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
         eprintln!("ok mlx {bits}-bit g{group} on CUDA: {info}");
     }
 }
+
+/// A type per tensor of a tiny GGUF target: every GGUF type that maps onto the affine layout
+/// (nn::gguf_affine), at in-widths 128 and 256 (K-quants: 256).
+fn gguf_affine_mix(name: &str) -> candle_core::quantized::GgmlDType {
+    use candle_core::quantized::GgmlDType::*;
+    // q/k at 4 bits, v at 8: they still stack into one weight (the 4-bit parts widened,
+    // `AffineWeight::concat`), so the fused attention path runs
+    if name.contains("q_proj") || name.contains("k_proj") {
+        Q4_0
+    } else if name.contains("v_proj") || name.contains("o_proj") {
+        Q5_1
+    } else if name.contains("gate_proj") {
+        Q4_1
+    } else if name.contains("up_proj") {
+        Q5_0
+    } else if name.contains("layers.0.mlp.down_proj") {
+        Q5K
+    } else if name.contains("down_proj") {
+        Q4K
+    } else {
+        Q8_0 // lm_head, the embedding
+    }
+}
+
+/// GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K blocks rewritten as affine weights
+/// (`nn::gguf_affine::from_gguf`) on the affine kernels: the device dequantization equals the
+/// host's rounded to bf16 bit for bit, and for the exact types that is candle's GGUF
+/// dequantization rounded to bf16 (up to the sign of zero); the skinny kernel (1, 5, 16 rows,
+/// each blocking N selects) and the prefill path (40 rows) match the f32 product with
+/// candle's dequantized weights; a row alone equals its bits among 16.
+#[test]
+fn gguf_blocks_run_on_the_affine_kernels() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use dflash::nn::gguf_affine::{from_gguf, GgufAffine};
+    let Some(dev) = gpu() else { return };
+    for dt in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+    ] {
+        for &(n, k) in &[(48usize, 256usize), (20000, 256), (12288, 1024)] {
+            let w = (Tensor::randn(0f32, 1f32, (n, k), &Device::Cpu).unwrap() * 0.05).unwrap();
+            let q = QTensor::quantize(&w, dt).unwrap();
+            let deq = q.dequantize(&Device::Cpu).unwrap();
+            let a = match from_gguf(dt, &q.data().unwrap(), n, k, &dev).unwrap() {
+                GgufAffine::Kept(a) => a,
+                other => panic!("{dt:?} [{n}, {k}]: {other:?}"),
+            };
+            let what = format!("{dt:?} [{n}, {k}]");
+            // (as values: `d * 8 - 8 d` is +0 where GGUF's `d * (8 - 8)` is -0 for d < 0)
+            let unsigned_zeros = |t: &Tensor| -> Vec<u32> {
+                u32s_of(t)
+                    .into_iter()
+                    .map(|b| if b == 0x8000_0000 { 0 } else { b })
+                    .collect()
+            };
+            let on_host = Tensor::from_vec(a.dequantize_host().unwrap(), (n, k), &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
+            let on_device = a.dequantize(DType::BF16).unwrap();
+            assert_eq!(
+                u32s_of(&on_device),
+                u32s_of(&on_host),
+                "{what}: device dequantization"
+            );
+            if dflash::nn::gguf_affine::exact(dt) {
+                assert_eq!(
+                    unsigned_zeros(&on_device),
+                    unsigned_zeros(&deq.to_dtype(DType::BF16).unwrap()),
+                    "{what}: the stored weights"
+                );
+            }
+            let host = deq.to_device(&dev).unwrap();
+            let x16 = randn(&[16, k], 1.0, &dev);
+            for m in [1, 5, 16] {
+                let x = x16.narrow(0, 0, m).unwrap().contiguous().unwrap();
+                let y = dflash::nn::cuda::affine_matmul(&x, &a)
+                    .unwrap()
+                    .expect("the kernel applies");
+                let e = rel_err(&y, &f32_product(&x, &host));
+                assert!(e < 1e-2, "{what}, {m} rows: rel err {e}");
+            }
+            let y16 = a.forward(&x16).unwrap();
+            for i in [0, 7, 15] {
+                let alone = a.forward(&x16.narrow(0, i, 1).unwrap()).unwrap();
+                assert_eq!(
+                    u32s_of(&alone),
+                    u32s_of(&y16.narrow(0, i, 1).unwrap()),
+                    "{what}: row {i} alone vs among 16"
+                );
+            }
+            let x40 = randn(&[40, k], 1.0, &dev);
+            let e = rel_err(&a.forward(&x40).unwrap(), &f32_product(&x40, &host));
+            assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
+            eprintln!("ok gguf {what} on the affine kernels");
+        }
+    }
+}
+
+/// A GGUF target on the GPU with bf16 compute keeps its Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 /
+/// Q4_K / Q5_K matrices as affine weights: the load report names every matrix as affine (the
+/// K-quants with rounded scales), they hold less
+/// than the bf16 twin, the logits follow the twin holding candle's dequantized weights,
+/// verify rows with rollbacks equal the decode steps bit for bit, and greedy DFlash == plain
+/// decoding.
+#[test]
+fn gguf_checkpoint_on_the_gpu_runs_as_affine() {
+    use candle_core::quantized::QTensor;
+    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::source::ModelSource;
+    use dflash::testing::{write_gguf_with, TinyDraft, TinyTarget};
+    let Some(dev) = gpu() else { return };
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let t = TinyTarget {
+        hidden: 128,
+        intermediate: 256,
+        ..TinyTarget::qwen3(63)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (gdir, twin) = (dir.path().join("t"), dir.path().join("twin"));
+    t.write(&gdir).unwrap();
+    let gguf = write_gguf_with(&t, &gdir, gguf_affine_mix).unwrap();
+    // the twin: the same checkpoint with every 2-D weight replaced by its GGUF dequantization
+    t.write(&twin).unwrap();
+    let st = twin.join("model.safetensors");
+    let mut ws = candle_core::safetensors::load(&st, &Device::Cpu).unwrap();
+    for (name, w) in ws.iter_mut() {
+        if w.rank() == 2 {
+            let q = QTensor::quantize(w, gguf_affine_mix(name)).unwrap();
+            *w = q.dequantize(&Device::Cpu).unwrap();
+        }
+    }
+    candle_core::safetensors::save(&ws, &st).unwrap();
+    let (cfg, q) = load_target(&ModelSource::from_gguf("t", &gguf), &opts).unwrap();
+    let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
+    let info = q.info().quantization.clone().unwrap();
+    for part in info.split(", ") {
+        assert!(part.contains("->affine"), "{part} in {info}");
+    }
+    for dt in ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4K", "Q5K"] {
+        assert!(info.contains(&format!("{dt}->affine")), "{dt}: {info}");
+    }
+    assert!(
+        (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * 0.6,
+        "{} bytes held vs {} for bf16",
+        q.info().weight_bytes,
+        f.info().weight_bytes
+    );
+    let toks = common::ids(9, 30, t.vocab);
+    let logits = |m: &dyn dflash::archs::TargetModel| {
+        let mut c = m.new_cache(64).unwrap();
+        m.forward(&toks, 0, &mut c, &[], Logits::All)
+            .unwrap()
+            .logits
+            .unwrap()
+    };
+    let e = rel_err(&logits(q.as_ref()), &logits(f.as_ref()));
+    assert!(
+        e < 5e-2,
+        "gguf: logits vs the dequantized twin: rel err {e}"
+    );
+    for steps in [2, 7, 16] {
+        common::assert_verify_with_rollback_equals_decode_steps(
+            q.as_ref(),
+            &toks,
+            30,
+            steps,
+            steps as u64,
+            "gguf affine on CUDA",
+        );
+    }
+    let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 64);
+    d.write(&dir.path().join("d"), t.vocab).unwrap();
+    let draft = dflash::draft::load_draft(
+        &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+        &cfg,
+        "t",
+        &opts,
+    )
+    .unwrap();
+    let engine = dflash::engine::Engine::new(q, Some(draft));
+    common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "gguf on CUDA");
+    eprintln!("ok gguf on CUDA: {info}");
+}

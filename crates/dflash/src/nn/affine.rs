@@ -164,25 +164,71 @@ impl AffineWeight {
         Ok(out)
     }
 
+    /// The same weights at 8 bits: each 4-bit value becomes a byte, scales and biases are
+    /// unchanged, so `s * q + b` is exactly the same (itself at 8 bits).
+    pub fn widened(&self) -> Result<AffineWeight> {
+        if self.bits == 8 {
+            return Ok(self.clone());
+        }
+        let q = self.q.flatten_all()?.to_vec1::<u32>()?;
+        let (n, k, words) = (self.n, self.k, self.k * self.bits / 32);
+        let per = 32 / self.bits;
+        let mask = (1u32 << self.bits) - 1;
+        let mut values = vec![0u8; n * k];
+        for r in 0..n {
+            for i in 0..words {
+                let (w, k0) = (q[r * words + i], stored_index(i, self.bits) * per);
+                for j in 0..per {
+                    values[r * k + k0 + j] = ((w >> (self.bits * j)) & mask) as u8;
+                }
+            }
+        }
+        let words8 = k / 4;
+        let mut q8 = vec![0u32; n * words8];
+        for r in 0..n {
+            for (i, out) in q8[r * words8..(r + 1) * words8].iter_mut().enumerate() {
+                let j = r * k + stored_index(i, 8) * 4;
+                *out = u32::from_le_bytes([values[j], values[j + 1], values[j + 2], values[j + 3]]);
+            }
+        }
+        Ok(AffineWeight {
+            q: Tensor::from_vec(q8, (n, words8), self.q.device())?,
+            bits: 8,
+            ..self.clone()
+        })
+    }
+
     /// Several matrices with the same inputs as one (rows stacked), None when their storage
-    /// differs.
+    /// differs. Parts of 4 and 8 bits (a mixed-precision MLX recipe, GGUF q/k/v of a 4-bit
+    /// and an 8-bit type) stack at 8 bits ([`Self::widened`], exact), so that q/k/v still
+    /// form one weight (the fused attention path takes only that).
     pub fn concat(parts: &[&AffineWeight]) -> Result<Option<AffineWeight>> {
         let Some(first) = parts.first() else {
             return Ok(None);
         };
         if parts
             .iter()
-            .any(|p| (p.bits, p.group, p.k, p.f16) != (first.bits, first.group, first.k, first.f16))
+            .any(|p| (p.group, p.k, p.f16) != (first.group, first.k, first.f16))
         {
             return Ok(None);
         }
+        let widened: Vec<AffineWeight>;
+        let parts: Vec<&AffineWeight> = if parts.iter().all(|p| p.bits == first.bits) {
+            parts.to_vec()
+        } else {
+            if !Self::supported(8, first.group, first.k, DType::F16) {
+                return Ok(None);
+            }
+            widened = parts.iter().map(|p| p.widened()).collect::<Result<_>>()?;
+            widened.iter().collect()
+        };
         let qs: Vec<&Tensor> = parts.iter().map(|p| &p.q).collect();
         let sbs: Vec<&Tensor> = parts.iter().map(|p| &p.sb).collect();
         Ok(Some(AffineWeight {
             q: Tensor::cat(&qs, 0)?,
             sb: Tensor::cat(&sbs, 0)?,
             n: parts.iter().map(|p| p.n).sum(),
-            ..(*first).clone()
+            ..parts[0].clone()
         }))
     }
 
@@ -276,6 +322,40 @@ mod tests {
                 }
             }
         }
+        // 4 and 8 bits stack at 8 bits, exactly
+        let mut part = |bits: usize, n: usize| {
+            let k = 256;
+            let packed: Vec<u8> = (0..n * k * bits / 8)
+                .map(|_| (rng.uniform() * 256.0) as u8)
+                .collect();
+            let side = |rng: &mut crate::testing::Rng| {
+                let v: Vec<f32> = (0..n * k / 32)
+                    .map(|_| (rng.uniform() - 0.5) as f32)
+                    .collect();
+                Tensor::from_vec(v, (n, k / 32), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F16)
+                    .unwrap()
+            };
+            let (s, b) = (side(&mut rng), side(&mut rng));
+            AffineWeight::from_stored(&packed, &s, &b, bits, 32, n, k, &Device::Cpu).unwrap()
+        };
+        let (a, b, c) = (part(4, 6), part(8, 3), part(4, 2));
+        let wide = a.widened().unwrap();
+        assert_eq!(
+            (wide.bits, wide.bytes()),
+            (8, a.bytes() + a.q.elem_count() * 4)
+        );
+        assert_eq!(
+            wide.dequantize_host().unwrap(),
+            a.dequantize_host().unwrap()
+        );
+        let abc = AffineWeight::concat(&[&a, &b, &c]).unwrap().unwrap();
+        assert_eq!((abc.bits, abc.n), (8, 11));
+        let mut want = a.dequantize_host().unwrap();
+        want.extend(b.dequantize_host().unwrap());
+        want.extend(c.dequantize_host().unwrap());
+        assert_eq!(abc.dequantize_host().unwrap(), want);
         // shapes the kernels do not take are refused with the reason
         let s = Tensor::zeros((1, 2), DType::F32, &Device::Cpu).unwrap();
         let e = AffineWeight::from_stored(&[0; 64], &s, &s, 4, 64, 1, 128, &Device::Cpu)

@@ -15,6 +15,7 @@ pub mod dyn_conv;
 pub mod embedding;
 pub mod fused;
 pub mod gated_delta;
+pub mod gguf_affine;
 pub mod kv_cache;
 pub mod latent_cache;
 pub mod linear;

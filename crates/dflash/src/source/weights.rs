@@ -2,8 +2,9 @@
 //!
 //! Family loaders ask for HF tensor names (`model.layers.{i}.self_attn.q_proj.weight`); a
 //! GGUF source maps them to llama.cpp names, un-permutes llama Q/K rows, and hands out
-//! quantized matrices as [`Linear::Quant`], placed by the policy in [`crate::nn::quant`]
-//! (requantized at load to a type with a fast CPU kernel unless `keep_quant`). Every tensor is checked for presence and shape. Names that
+//! quantized matrices as stored to the policy in [`crate::nn::quant`], which places them
+//! (requantized at load to a type with a fast CPU kernel unless `keep_quant`; on CUDA with
+//! bf16 compute, the types that map exactly onto the affine layout as [`Linear::Affine`]). Every tensor is checked for presence and shape. Names that
 //! were read are recorded so a loader can list the tensors a checkpoint carries that the
 //! model did not use, and a GGUF load keeps a report of what it did to each tensor type.
 //! MLX affine-quantized safetensors (packed `uint32` + `scales` + `biases`) are dequantized
@@ -11,9 +12,10 @@
 
 use super::gguf::{gguf_name, unpermute_qk, GgufFile};
 use super::mlx::{AffineParams, MlxQuant};
+use crate::nn::quant::Placed;
 use crate::nn::{Embedding, Linear};
 use crate::{Error, Result};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{safetensors::MmapedSafetensors, DType, Device, Shape, Tensor};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -321,7 +323,7 @@ impl Weights {
     }
 
     /// A linear layer `{prefix}.weight [out, in]` (+ `{prefix}.bias [out]`): dense for float
-    /// weights, [`Linear::Quant`] for quantized GGUF weights.
+    /// weights, quantized GGUF weights as [`crate::nn::quant::place`] decides.
     pub fn linear(
         &self,
         prefix: &str,
@@ -346,9 +348,13 @@ impl Weights {
             });
         }
         let q = self.qtensor(&name, &shape)?;
-        Ok(match self.matmul_weight(Arc::new(q))? {
-            Some(weight) => Linear::quant(weight, bias, out_dim)?,
-            None => Linear::Dense {
+        Ok(match self.matmul_weight(Arc::new(q), &name)? {
+            Placed::Quant(weight) => Linear::quant(weight, bias, out_dim)?,
+            Placed::Affine(weight) => Linear::Affine {
+                weight: Arc::new(weight),
+                bias,
+            },
+            Placed::Float => Linear::Dense {
                 weight: self.get(&name, shape)?,
                 bias,
             },
@@ -403,15 +409,16 @@ impl Weights {
         }))
     }
 
-    /// A quantized matmul weight placed by [`crate::nn::quant::place`] (the policy: which
-    /// stored types are requantized for which device); None for float types (the caller loads
-    /// those dense).
-    fn matmul_weight(&self, q: Arc<QTensor>) -> Result<Option<QMatMul>> {
+    /// A GGUF matmul weight `name` placed by [`crate::nn::quant::place`] (the policy: which
+    /// stored types are requantized, or become affine weights, for which device and dtype);
+    /// [`Placed::Float`] for float types (the caller loads those dense).
+    fn matmul_weight(&self, q: Arc<QTensor>, name: &str) -> Result<Placed> {
         let Backend::Gguf(g) = &self.backend else {
-            return Ok(None);
+            return Ok(Placed::Float);
         };
         let mut note = |k: String| *g.report.borrow_mut().entry(k).or_default() += 1;
-        crate::nn::quant::place(q, &self.device, g.keep_quant, &mut note)
+        crate::nn::quant::place(q, &self.device, self.dtype, g.keep_quant, &mut note)
+            .map_err(|e| Error::weights(self.file_desc(), format!("tensor `{name}`: {e}")))
     }
 
     /// The token embedding table `[vocab, hidden]`. Quantized GGUF tables stay quantized
@@ -439,9 +446,13 @@ impl Weights {
             Embedding::Dense(t) => Linear::dense(t.clone(), None),
             Embedding::Quant { table, .. } => {
                 let out_features = table.shape().dims()[0];
-                match self.matmul_weight(table.clone())? {
-                    Some(weight) => Linear::quant(weight, None, out_features)?,
-                    None => Linear::dense(emb.table_dense()?, None),
+                match self.matmul_weight(table.clone(), "lm_head.weight (tied)")? {
+                    Placed::Quant(weight) => Linear::quant(weight, None, out_features)?,
+                    Placed::Affine(weight) => Linear::Affine {
+                        weight: Arc::new(weight),
+                        bias: None,
+                    },
+                    Placed::Float => Linear::dense(emb.table_dense()?, None),
                 }
             }
         })
