@@ -3,15 +3,15 @@
 //
 //   dyn_conv     the grouped dynamic causal convolution over each block's rows (one launch
 //                instead of ~6 candle ops per kernel offset)
-//   dyn_conv_add_rmsnorm
-//                the convolution after a sublayer fused with the residual add + RMSNorm that
-//                follows it (bit-identical to dyn_conv then add_rmsnorm_bf16)
 //   top_k_part   the k largest logits of each row and their ids (the selector's candidates),
 //                in two stages (row parts over the whole GPU, then a merge), so the logits
 //                never leave the device
-//   selector_walk
-//                the selector's left-to-right walk over those candidates, on the device (one
-//                block), so a proposal is one download of n ids
+//   top_k_warp   the same stages with a warp-held list (trial dflash2_fuse): a ballot against
+//                the list's last entry passes the few candidates that can enter it
+//   selector_pairs, selector_walk
+//                the selector on the device (trial dflash2_fuse): every row's pair scores from
+//                each candidate of the row before in parallel, then the left-to-right walk
+//                over that table in one small block, so a proposal is one download of n ids
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -45,35 +45,6 @@ extern "C" __global__ void dyn_conv(const bf16* __restrict__ x, const bf16* __re
   const int i = idx / h, c = idx % h;
   const float acc = conv_at(x, dyn, dyn_stride, base, i, c, h, K, group, block);
   out[idx] = __float2bfloat16(acc);
-}
-
-// out_sum[i] = bf16(res[i] + bf16(conv(y)[i])), out_norm[i] = bf16(out_sum[i] * rsqrt(mean(
-// out_sum[i]^2) + eps) * w): dyn_conv then add_rmsnorm_bf16 (fused.cu) in one launch. One block
-// per row with add_rmsnorm_bf16's block size (the caller's block_for(min(h, 1024))), columns
-// strided over the threads as there and the same block_sum, so every rounding and the sum's
-// order are those of the two launches: the outputs are bit-identical.
-extern "C" __global__ void dyn_conv_add_rmsnorm(const bf16* __restrict__ y, const bf16* __restrict__ dyn,
-                                                long long dyn_stride, const bf16* __restrict__ base,
-                                                const bf16* __restrict__ res, const bf16* __restrict__ w,
-                                                int h, int K, int group, int block, float eps,
-                                                bf16* __restrict__ out_sum, bf16* __restrict__ out_norm) {
-  __shared__ float scratch[32];
-  const int i = blockIdx.x;
-  const bf16* a = res + (size_t)i * h;
-  bf16* s = out_sum + (size_t)i * h;
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < h; c += blockDim.x) {
-    const float v = __bfloat162float(__float2bfloat16(conv_at(y, dyn, dyn_stride, base, i, c, h, K, group, block)));
-    const bf16 t = __float2bfloat16(__bfloat162float(a[c]) + v);
-    s[c] = t;
-    const float f = __bfloat162float(t);
-    ss += f * f;
-  }
-  const float inv = rsqrtf(block_sum(ss, scratch) / h + eps);
-  bf16* o = out_norm + (size_t)i * h;
-  for (int c = threadIdx.x; c < h; c += blockDim.x) {
-    o[c] = __float2bfloat16(__bfloat162float(s[c]) * inv * __bfloat162float(w[c]));
-  }
 }
 
 #define TK_THREADS 128
@@ -151,46 +122,138 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
   }
 }
 
-#define WALK_THREADS 256
+// ---------------------------------------------------------------------------------------
+// top_k_warp: the stages of top_k_part (same arguments, same output layout and order) with
+// each warp holding a sorted list of the K best it has seen, one entry per lane (lane t < K
+// holds the t-th; lanes >= K hold nothing). 32 candidates at a time are tested against the
+// list's last entry with one ballot; the few that pass are inserted one by one (the entries
+// before a candidate are a prefix, so its place is a popcount, and the lanes after it shift
+// down by one shuffle). Then warp 0 merges the warps' lists the same way. The order is
+// tk_before's total order (ids are unique), so the result does not depend on the order the
+// candidates arrive in.
+#define FULL 0xffffffffu
 
-// The selector's greedy walk (draft::dflash2::Selector, one block). tk: top_k_part's output for
-// n rows of k candidates (the values [n * k], then the ids as floats [n * k]); hp [n, rank]
-// (rows hp_stride apart) the projected hidden rows; pred, succ [vocab, rank] the codebooks.
-// From prev = anchor, row p scores candidate j as tk[p, j] + sum_r (succ[c_j, r] * hp[p, r]) *
-// pred[prev, r] in f32, takes the first best (strictly greater replaces, as the host walk) and
-// its id becomes prev. out[p] = the chosen ids.
-extern "C" __global__ void __launch_bounds__(WALK_THREADS)
-    selector_walk(const float* __restrict__ tk, const bf16* __restrict__ hp, long long hp_stride,
-                  const bf16* __restrict__ pred, const bf16* __restrict__ succ, int n, int k, int rank,
-                  unsigned anchor, unsigned* __restrict__ out) {
-  __shared__ float score[TK_MAX];
-  __shared__ unsigned chosen;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, nw = blockDim.x / 32;
+__device__ __forceinline__ void wl_insert(float& lv, unsigned& li, float cv, unsigned ci, int K,
+                                          int lane) {
+  const unsigned m = __ballot_sync(FULL, lane < K && tk_before(lv, li, cv, ci));
+  const int pos = __popc(m);
+  if (pos >= K) return;
+  const float uv = __shfl_up_sync(FULL, lv, 1);
+  const unsigned ui = __shfl_up_sync(FULL, li, 1);
+  if (lane > pos) {
+    lv = uv;
+    li = ui;
+  } else if (lane == pos) {
+    lv = cv;
+    li = ci;
+  }
+}
+
+// Offer the lane's candidate (ok: it exists) to the warp's list.
+__device__ __forceinline__ void wl_offer(float& lv, unsigned& li, float v, unsigned id, bool ok,
+                                         int K, int lane) {
+  const float tv = __shfl_sync(FULL, lv, K - 1);
+  const unsigned ti = __shfl_sync(FULL, li, K - 1);
+  unsigned m = __ballot_sync(FULL, ok && tk_before(v, id, tv, ti));
+  while (m) {
+    const int src = __ffs(m) - 1;
+    m &= m - 1;
+    const float cv = __shfl_sync(FULL, v, src);
+    const unsigned ci = __shfl_sync(FULL, id, src);
+    wl_insert(lv, li, cv, ci, K, lane);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(TK_THREADS)
+    top_k_warp(const float* __restrict__ vals, const float* __restrict__ ids, int has_ids, int len,
+               long long row_stride, int chunk, int K, float* __restrict__ out) {
+  const int row = blockIdx.x, part = blockIdx.y, parts = gridDim.y, n = gridDim.x;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = TK_THREADS / 32;
+  const float* x = vals + (size_t)row * row_stride;
+  const float* xi = ids + (size_t)row * row_stride;
+  const int j0 = part * chunk;
+  const int j1 = min(len, j0 + chunk);
+  float lv = -INFINITY;
+  unsigned li = TK_PAD;
+  for (int b = j0 + warp * 32; b < j1; b += nw * 32) {
+    const int j = b + lane;
+    const bool ok = j < j1;
+    float v = ok ? x[j] : -INFINITY;
+    if (v != v) v = -INFINITY;
+    const unsigned id = ok ? (has_ids ? (unsigned)xi[j] : (unsigned)j) : TK_PAD;
+    wl_offer(lv, li, v, id, ok, K, lane);
+  }
+  __shared__ float sv[TK_THREADS / 32][32];
+  __shared__ unsigned si[TK_THREADS / 32][32];
+  sv[warp][lane] = lv;
+  si[warp][lane] = li;
+  __syncthreads();
+  if (warp != 0) return;
+  lv = -INFINITY;
+  li = TK_PAD;
+  for (int w = 0; w < nw; ++w) wl_offer(lv, li, sv[w][lane], si[w][lane], lane < K, K, lane);
+  if (lane < K) {
+    const size_t base = ((size_t)row * parts + part) * K;
+    out[base + lane] = lv;
+    out[(size_t)n * parts * K + base + lane] = (float)li;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The selector (draft::dflash2::Selector) on the device. tk: a top-k output for n rows of k
+// candidates (the values [n * k], then the ids as floats [n * k]); hp [n, rank] the projected
+// hidden rows; pred, succ [vocab, rank] the codebooks.
+//
+// selector_pairs: grid n, block p fills tab[p, i, j] = tk[p, j] + sum_r pred[q_i, r] * (succ[
+// c_pj, r] * hp[p, r]) in f32 for the predecessors q_i: the anchor (i = 0 only) for row 0, the
+// k candidates of row p - 1 for the others. One warp per (i, j) pair at a time.
+extern "C" __global__ void __launch_bounds__(256)
+    selector_pairs(const float* __restrict__ tk, const bf16* __restrict__ hp, long long hp_stride,
+                   const bf16* __restrict__ pred, const bf16* __restrict__ succ, int n, int k,
+                   int rank, unsigned anchor, float* __restrict__ tab) {
+  const int p = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
   const float* ids = tk + (size_t)n * k;
-  unsigned prev = anchor;
+  const bf16* hr = hp + (size_t)p * hp_stride;
+  const int npred = p == 0 ? 1 : k;
+  for (int pair = warp; pair < npred * k; pair += nw) {
+    const int i = pair / k, j = pair % k;
+    const unsigned q = p == 0 ? anchor : (unsigned)ids[(size_t)(p - 1) * k + i];
+    const unsigned c = (unsigned)ids[(size_t)p * k + j];
+    const bf16* pr = pred + (size_t)q * rank;
+    const bf16* sr = succ + (size_t)c * rank;
+    float acc = 0.f;
+    for (int r = lane; r < rank; r += 32) {
+      const float wv = __bfloat162float(sr[r]) * __bfloat162float(hr[r]);
+      acc += wv * __bfloat162float(pr[r]);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) tab[((size_t)p * k + i) * k + j] = tk[(size_t)p * k + j] + acc;
+  }
+}
+
+// selector_walk: one warp. From the anchor's slot (i = 0 at row 0), row p takes the first best
+// of tab[p, i, :] (a later candidate replaces it only when strictly greater, as the host walk)
+// and that candidate's slot is the next row's i. The table is read into shared memory first
+// when it fits (smem_floats >= n * k * k), else from global memory. out[p] = the chosen ids.
+extern "C" __global__ void selector_walk(const float* __restrict__ tk, const float* __restrict__ tab,
+                                         int n, int k, int smem_floats, unsigned* __restrict__ out) {
+  extern __shared__ float st[];
+  const int lane = threadIdx.x;
+  const size_t total = (size_t)n * k * k;
+  const bool in_smem = total <= (size_t)smem_floats;
+  if (in_smem)
+    for (size_t e = lane; e < total; e += blockDim.x) st[e] = tab[e];
+  __syncwarp();
+  if (lane != 0) return;
+  const float* t = in_smem ? st : tab;
+  const float* ids = tk + (size_t)n * k;
+  int i = 0;
   for (int p = 0; p < n; ++p) {
-    const bf16* hr = hp + (size_t)p * hp_stride;
-    const bf16* pr = pred + (size_t)prev * rank;
-    for (int j = warp; j < k; j += nw) {
-      const unsigned c = (unsigned)ids[(size_t)p * k + j];
-      const bf16* sr = succ + (size_t)c * rank;
-      float acc = 0.f;
-      for (int r = lane; r < rank; r += 32) {
-        const float wv = __bfloat162float(sr[r]) * __bfloat162float(hr[r]);
-        acc += wv * __bfloat162float(pr[r]);
-      }
-      acc = warp_sum(acc);
-      if (lane == 0) score[j] = tk[(size_t)p * k + j] + acc;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      int best = 0;
-      for (int j = 1; j < k; ++j)
-        if (score[j] > score[best]) best = j;
-      chosen = (unsigned)ids[(size_t)p * k + best];
-      out[p] = chosen;
-    }
-    __syncthreads();
-    prev = chosen;
+    const float* row = t + ((size_t)p * k + i) * k;
+    int best = 0;
+    for (int j = 1; j < k; ++j)
+      if (row[j] > row[best]) best = j;
+    out[p] = (unsigned)ids[(size_t)p * k + best];
+    i = best;
   }
 }

@@ -83,9 +83,8 @@ impl Part {
 /// dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Trial {
-    /// DFlash2 draft: the finishing convolutions fused with the residual add + RMSNorm after
-    /// them, and the selector's walk on the device (`kernels/dflash2.cu`
-    /// `dyn_conv_add_rmsnorm`, `selector_walk`).
+    /// DFlash2 draft: the selector's top-k with a warp-held list and its walk on the device
+    /// (`kernels/dflash2.cu` `top_k_warp`, `selector_pairs`, `selector_walk`).
     Dflash2Fuse,
 }
 

@@ -83,19 +83,6 @@ impl DynConv {
         dyn_conv(y, d1, &self.base[1], self.group, block)
     }
 
-    /// [`Self::finish`] added to the residual `res` and normed by `norm`: `(res + out,
-    /// norm(res + out))` (one kernel on CUDA, see [`crate::nn::dyn_conv::dyn_conv_add_norm`]).
-    pub fn finish_add_norm(
-        &self,
-        y: &Tensor,
-        d1: &Tensor,
-        block: usize,
-        res: &Tensor,
-        norm: &crate::nn::RmsNorm,
-    ) -> Result<(Tensor, Tensor)> {
-        crate::nn::dyn_conv::dyn_conv_add_norm(y, d1, &self.base[1], self.group, block, res, norm)
-    }
-
     pub fn weight_bytes(&self) -> usize {
         2 * crate::nn::tensor_bytes(&self.base[0]) + self.proj.weight_bytes()
     }

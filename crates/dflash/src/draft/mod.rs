@@ -50,20 +50,6 @@ impl DraftLayer {
             _ => Ok(y),
         }
     }
-    /// The attention output `y` (convolved for DFlash2) added to the residual `h` and normed
-    /// by the post-attention norm: `(h1, xm)`.
-    fn attn_residual(
-        &self,
-        h: &Tensor,
-        y: Tensor,
-        d: Option<Tensor>,
-        block: usize,
-    ) -> Result<(Tensor, Tensor)> {
-        match (&self.attn_conv, d) {
-            (Some(c), Some(d)) => c.finish_add_norm(&y, &d, block, h, &self.post_attn_norm),
-            _ => self.post_attn_norm.add_forward(h, &y),
-        }
-    }
     /// The MLP on its normed input, between the DFlash2 convolutions.
     fn mlp(&self, x: &Tensor, block: usize) -> Result<Tensor> {
         match &self.mlp_conv {
@@ -72,23 +58,6 @@ impl DraftLayer {
                 c.finish(&self.mlp.forward(&xc)?, &d, block)
             }
             None => self.mlp.forward(x),
-        }
-    }
-    /// The MLP of `xm` added to the residual `h1` and normed by `next` (the next layer's input
-    /// norm, or the final norm): `(h, x)` for the next layer.
-    fn mlp_residual(
-        &self,
-        h1: &Tensor,
-        xm: &Tensor,
-        block: usize,
-        next: &RmsNorm,
-    ) -> Result<(Tensor, Tensor)> {
-        match &self.mlp_conv {
-            Some(c) => {
-                let (xc, d) = c.prepare(xm, block)?;
-                c.finish_add_norm(&self.mlp.forward(&xc)?, &d, block, h1, next)
-            }
-            None => next.add_forward(h1, &self.mlp.forward(xm)?),
         }
     }
 }
@@ -770,13 +739,16 @@ impl DraftModel {
             kv.truncate(start);
             // Residual updates fused with the next norm: post-attention norm, then the
             // MLP's residual with the next layer's input norm (the final norm after the last).
-            let (h1, xm) = layer.attn_residual(&h, y, dk, q)?;
+            let (h1, xm) = layer
+                .post_attn_norm
+                .add_forward(&h, &layer.post_attn(y, dk, q)?)?;
             prof.mark("attention");
+            let m = layer.mlp(&xm, q)?;
             let next_norm = match self.layers.get(i + 1) {
                 Some(nl) => &nl.input_norm,
                 None => &self.norm,
             };
-            (h, x) = layer.mlp_residual(&h1, &xm, q, next_norm)?;
+            (h, x) = next_norm.add_forward(&h1, &m)?;
             prof.mark("mlp");
         }
         prof.finish();

@@ -44,44 +44,6 @@ pub fn dyn_conv(
     portable(x, dynk, base, group, block)
 }
 
-/// The convolution of `y` (see [`dyn_conv`]) added to the residual `res` and normed: `(res +
-/// conv, norm(res + conv))`, as the draft layer needs it after a sublayer. On CUDA (trial
-/// `dflash2_fuse`) one kernel with the same roundings as the two steps; else the two steps.
-#[allow(clippy::too_many_arguments)]
-pub fn dyn_conv_add_norm(
-    y: &Tensor,
-    dynk: &Tensor,
-    base: &Tensor,
-    group: usize,
-    block: usize,
-    res: &Tensor,
-    norm: &crate::nn::RmsNorm,
-) -> Result<(Tensor, Tensor)> {
-    #[cfg(feature = "cuda")]
-    if y.device().is_cuda()
-        && crate::nn::fused::allowed_part(crate::switches::Part::Dflash2)
-        && crate::nn::fused::allowed_part(crate::switches::Part::Norm)
-        && crate::switches::trial(crate::switches::Trial::Dflash2Fuse)
-        && !y.track_op()
-        && !res.track_op()
-    {
-        if let Some(r) = crate::nn::cuda::dflash2::dyn_conv_add_norm(
-            y,
-            dynk,
-            base,
-            group,
-            block,
-            res,
-            &norm.weight,
-            norm.eps,
-        )? {
-            return Ok(r);
-        }
-    }
-    let c = dyn_conv(y, dynk, base, group, block)?;
-    norm.add_forward(res, &c)
-}
-
 /// The convolution as candle ops, in the reference's order of rounding: per offset, the base
 /// term, then the dynamic term.
 pub fn portable(

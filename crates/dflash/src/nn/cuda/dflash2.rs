@@ -1,6 +1,6 @@
-//! DFlash2 on the device (`kernels/dflash2.cu`): the grouped dynamic causal convolution (alone,
-//! and fused with the residual add + RMSNorm after a sublayer), the selector's per-row top-k and
-//! its walk. `nn::dyn_conv` and `draft::dflash2` decide when they run.
+//! DFlash2 on the device (`kernels/dflash2.cu`): the grouped dynamic causal convolution, the
+//! selector's per-row top-k and its walk. `nn::dyn_conv` and `draft::dflash2` decide when they
+//! run.
 
 use super::sampling::{logit_rows, logit_rows_apply};
 use super::*;
@@ -111,142 +111,6 @@ pub fn dyn_conv(
     })?))
 }
 
-/// The finishing convolution fused with the residual add + RMSNorm after it (see
-/// `dyn_conv_add_rmsnorm` in kernels/dflash2.cu: bit-identical to [`dyn_conv`] then
-/// [`super::add_rms_norm`]). The op's input is `y`; the rest is held.
-struct DynConvAddNorm {
-    dynk: Tensor,
-    base: Tensor,
-    res: Tensor,
-    w: Tensor,
-    group: usize,
-    block: usize,
-    eps: f32,
-}
-
-impl CustomOp1 for DynConvAddNorm {
-    fn name(&self) -> &'static str {
-        "dflash-dyn-conv-add-rmsnorm"
-    }
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        no_cpu(self.name())
-    }
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (n, h) = l.shape().dims2()?;
-        let (k, hb) = self.base.dims2()?;
-        let g = h / self.group;
-        let dl = self.dynk.layout();
-        if hb != h
-            || self.dynk.dims2()? != (n, k * g)
-            || dl.stride()[1] != 1
-            || self.res.dims2()? != (n, h)
-            || self.w.dims1()? != h
-        {
-            candle_core::bail!(
-                "{}: y {:?} dynamic {:?} base {:?} residual {:?} weight {:?}",
-                self.name(),
-                l.shape(),
-                self.dynk.shape(),
-                self.base.shape(),
-                self.res.shape(),
-                self.w.shape()
-            );
-        }
-        let dev = s.device();
-        let y = view(s, l, "conv input")?;
-        let (hb_, hr, hw) = (
-            Held::new(&self.base),
-            Held::new(&self.res),
-            Held::new(&self.w),
-        );
-        let (base, res, w) = (
-            hb_.view("conv base kernel")?,
-            hr.view("residual")?,
-            hw.view("norm weight")?,
-        );
-        let hd = Held::new(&self.dynk);
-        let dyn_all = match &*hd.0 {
-            Storage::Cuda(ds) => ds.as_cuda_slice::<bf16>()?,
-            _ => candle_core::bail!("{}: dynamic kernel is not on the device", self.name()),
-        };
-        let dyn_v = dyn_all.slice(dl.start_offset()..);
-        let stride = dl.stride()[0] as i64;
-        // SAFETY: the kernel writes every element of both halves.
-        let out = unsafe { dev.alloc::<bf16>(2 * n * h)? };
-        let (sum, norm) = (out.slice(0..n * h), out.slice(n * h..2 * n * h));
-        let func =
-            dev.get_or_load_custom_func("dyn_conv_add_rmsnorm", "dflash_dflash2", DFLASH2_PTX)?;
-        // add_rmsnorm_bf16's block size: the same column striding and sum order.
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (block_for(h.min(1024)), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (h_i, k_i, g_i, b_i, eps) = (
-            h as i32,
-            k as i32,
-            self.group as i32,
-            self.block as i32,
-            self.eps,
-        );
-        let mut b = func.builder();
-        b.arg(&y);
-        b.arg(&dyn_v);
-        b.arg(&stride);
-        b.arg(&base);
-        b.arg(&res);
-        b.arg(&w);
-        b.arg(&h_i);
-        b.arg(&k_i);
-        b.arg(&g_i);
-        b.arg(&b_i);
-        b.arg(&eps);
-        b.arg(&sum);
-        b.arg(&norm);
-        // SAFETY: argument types match the kernel; shapes checked above.
-        unsafe { b.launch(cfg) }.w()?;
-        drop((sum, norm));
-        Ok((
-            CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from((2, n, h)),
-        ))
-    }
-}
-
-/// `(res + conv(y), rms_norm(res + conv(y)) * w)` with `conv` as [`dyn_conv`], in one launch.
-/// None when the kernel does not apply (not bf16 CUDA, a strided operand).
-#[allow(clippy::too_many_arguments)]
-pub fn dyn_conv_add_norm(
-    y: &Tensor,
-    dynk: &Tensor,
-    base: &Tensor,
-    group: usize,
-    block: usize,
-    res: &Tensor,
-    w: &Tensor,
-    eps: f32,
-) -> crate::Result<Option<(Tensor, Tensor)>> {
-    if !is_bf16_cuda(&[y, base, res, w])
-        || dynk.dtype() != DType::BF16
-        || !dynk.device().is_cuda()
-        || dynk.rank() != 2
-        || dynk.layout().stride()[1] != 1
-        || y.rank() != 2
-    {
-        return Ok(None);
-    }
-    let out = y.apply_op1_no_bwd(&DynConvAddNorm {
-        dynk: dynk.clone(),
-        base: base.clone(),
-        res: res.clone(),
-        w: w.clone(),
-        group,
-        block,
-        eps,
-    })?;
-    Ok(Some((out.get(0)?, out.get(1)?)))
-}
-
 struct TopK {
     k: usize,
 }
@@ -265,7 +129,13 @@ impl CustomOp1 for TopK {
             candle_core::bail!("{}: k {k} for {vocab} columns", self.name());
         }
         let dev = s.device();
-        let func = dev.get_or_load_custom_func("top_k_part", "dflash_dflash2", DFLASH2_PTX)?;
+        // trial dflash2_fuse: the warp-list kernel (same arguments, layout and order)
+        let name = if crate::switches::trial(crate::switches::Trial::Dflash2Fuse) {
+            "top_k_warp"
+        } else {
+            "top_k_part"
+        };
+        let func = dev.get_or_load_custom_func(name, "dflash_dflash2", DFLASH2_PTX)?;
         // Stage one: each row in parts of ~4096 logits (32 per thread), so a verify-sized
         // block fills the GPU instead of one block per row; stage two merges the parts.
         let parts = vocab.div_ceil(4096).clamp(1, 64);
@@ -350,9 +220,9 @@ pub fn top_k(logits: &Tensor, k: usize) -> crate::Result<Option<(Tensor, Tensor)
     Ok(Some((vals, ids)))
 }
 
-/// The selector's walk (`selector_walk` in kernels/dflash2.cu) over [`top_k_raw`]'s output:
-/// `hp [n, rank]` bf16, `pred` / `succ [vocab, rank]` bf16. Returns the `[n]` u32 ids on the
-/// device; None when the kernel does not apply.
+/// The selector's walk (`selector_pairs` then `selector_walk` in kernels/dflash2.cu) over
+/// [`top_k_raw`]'s output: `hp [n, rank]` bf16, `pred` / `succ [vocab, rank]` bf16; the op's
+/// output is the `[n]` u32 ids on the device.
 struct Walk {
     hp: Tensor,
     pred: Tensor,
@@ -403,17 +273,19 @@ impl CustomOp1 for Walk {
             hp_.view("predecessor codebook")?,
             hs.view("successor codebook")?,
         );
-        // SAFETY: the kernel writes every element.
+        // SAFETY: selector_pairs writes every entry the walk reads (row 0: i = 0 only), the
+        // walk every element of out.
+        let tab = unsafe { dev.alloc::<f32>(n * k * k)? };
         let out = unsafe { dev.alloc::<u32>(n)? };
-        let func = dev.get_or_load_custom_func("selector_walk", "dflash_dflash2", DFLASH2_PTX)?;
+        let pairs = dev.get_or_load_custom_func("selector_pairs", "dflash_dflash2", DFLASH2_PTX)?;
         let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
+            grid_dim: (n as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let (hp_stride, n_i, k_i, r_i, anchor) =
             (rank as i64, n as i32, k as i32, rank as i32, self.anchor);
-        let mut b = func.builder();
+        let mut b = pairs.builder();
         b.arg(&tk);
         b.arg(&hp);
         b.arg(&hp_stride);
@@ -423,9 +295,32 @@ impl CustomOp1 for Walk {
         b.arg(&k_i);
         b.arg(&r_i);
         b.arg(&anchor);
-        b.arg(&out);
+        b.arg(&tab);
         // SAFETY: argument types match the kernel; shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
+        // The table in shared memory when it fits the default 48 KB.
+        let smem = if n * k * k * 4 <= 48 * 1024 {
+            n * k * k
+        } else {
+            0
+        };
+        let walk = dev.get_or_load_custom_func("selector_walk", "dflash_dflash2", DFLASH2_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: (smem * 4) as u32,
+        };
+        let smem_i = smem as i32;
+        let mut b = walk.builder();
+        b.arg(&tk);
+        b.arg(&tab);
+        b.arg(&n_i);
+        b.arg(&k_i);
+        b.arg(&smem_i);
+        b.arg(&out);
+        // SAFETY: argument types match the kernel.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(tab);
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from(n),
