@@ -10,8 +10,8 @@
 //                the list's last entry passes the few candidates that can enter it
 //   selector_pairs, selector_walk
 //                the selector on the device (trial dflash2_fuse): every row's pair scores from
-//                each candidate of the row before in parallel, then the left-to-right walk
-//                over that table in one small block, so a proposal is one download of n ids
+//                each candidate of the row before, all at once, then the left-to-right walk
+//                over that table in one block, so a proposal is one download of n ids
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -204,47 +204,47 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
 // candidates (the values [n * k], then the ids as floats [n * k]); hp [n, rank] the projected
 // hidden rows; pred, succ [vocab, rank] the codebooks.
 //
-// selector_pairs: grid n, block p fills tab[p, i, j] = tk[p, j] + sum_r pred[q_i, r] * (succ[
-// c_pj, r] * hp[p, r]) in f32 for the predecessors q_i: the anchor (i = 0 only) for row 0, the
-// k candidates of row p - 1 for the others. One warp per (i, j) pair at a time.
-extern "C" __global__ void __launch_bounds__(256)
-    selector_pairs(const float* __restrict__ tk, const bf16* __restrict__ hp, long long hp_stride,
-                   const bf16* __restrict__ pred, const bf16* __restrict__ succ, int n, int k,
-                   int rank, unsigned anchor, float* __restrict__ tab) {
-  const int p = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+// selector_pairs: grid (n, k), block 32 * k threads: warp j of block (p, i) writes tab[p, i, j]
+// = tk[p, j] + sum_r pred[q_i, r] * (succ[c_pj, r] * hp[p, r]) in f32, for the predecessor q_i:
+// the anchor for row 0 (block i = 0 only), candidate i of row p - 1 for the others. One pair a
+// warp, every pair at once (the loads of a pair are a short dependent chain: latency, not
+// bytes, is what this costs).
+extern "C" __global__ void selector_pairs(const float* __restrict__ tk, const bf16* __restrict__ hp,
+                                          long long hp_stride, const bf16* __restrict__ pred,
+                                          const bf16* __restrict__ succ, int n, int k, int rank,
+                                          unsigned anchor, float* __restrict__ tab) {
+  const int p = blockIdx.x, i = blockIdx.y, lane = threadIdx.x % 32, j = threadIdx.x / 32;
+  if ((p == 0 && i > 0) || j >= k) return;
   const float* ids = tk + (size_t)n * k;
+  const unsigned q = p == 0 ? anchor : (unsigned)ids[(size_t)(p - 1) * k + i];
+  const unsigned c = (unsigned)ids[(size_t)p * k + j];
   const bf16* hr = hp + (size_t)p * hp_stride;
-  const int npred = p == 0 ? 1 : k;
-  for (int pair = warp; pair < npred * k; pair += nw) {
-    const int i = pair / k, j = pair % k;
-    const unsigned q = p == 0 ? anchor : (unsigned)ids[(size_t)(p - 1) * k + i];
-    const unsigned c = (unsigned)ids[(size_t)p * k + j];
-    const bf16* pr = pred + (size_t)q * rank;
-    const bf16* sr = succ + (size_t)c * rank;
-    float acc = 0.f;
-    for (int r = lane; r < rank; r += 32) {
-      const float wv = __bfloat162float(sr[r]) * __bfloat162float(hr[r]);
-      acc += wv * __bfloat162float(pr[r]);
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) tab[((size_t)p * k + i) * k + j] = tk[(size_t)p * k + j] + acc;
+  const bf16* pr = pred + (size_t)q * rank;
+  const bf16* sr = succ + (size_t)c * rank;
+  float acc = 0.f;
+#pragma unroll 4
+  for (int r = lane; r < rank; r += 32) {
+    const float wv = __bfloat162float(sr[r]) * __bfloat162float(hr[r]);
+    acc += wv * __bfloat162float(pr[r]);
   }
+  acc = warp_sum(acc);
+  if (lane == 0) tab[((size_t)p * k + i) * k + j] = tk[(size_t)p * k + j] + acc;
 }
 
-// selector_walk: one warp. From the anchor's slot (i = 0 at row 0), row p takes the first best
-// of tab[p, i, :] (a later candidate replaces it only when strictly greater, as the host walk)
-// and that candidate's slot is the next row's i. The table is read into shared memory first
-// when it fits (smem_floats >= n * k * k), else from global memory. out[p] = the chosen ids.
+// selector_walk: one block. From the anchor's slot (i = 0 at row 0), row p takes the first
+// best of tab[p, i, :] (a later candidate replaces it only when strictly greater, as the host
+// walk) and that candidate's slot is the next row's i. The block copies the table into shared
+// memory first when it fits (smem_floats >= n * k * k), then one thread walks it (else it
+// walks global memory). out[p] = the chosen ids.
 extern "C" __global__ void selector_walk(const float* __restrict__ tk, const float* __restrict__ tab,
                                          int n, int k, int smem_floats, unsigned* __restrict__ out) {
   extern __shared__ float st[];
-  const int lane = threadIdx.x;
   const size_t total = (size_t)n * k * k;
   const bool in_smem = total <= (size_t)smem_floats;
   if (in_smem)
-    for (size_t e = lane; e < total; e += blockDim.x) st[e] = tab[e];
-  __syncwarp();
-  if (lane != 0) return;
+    for (size_t e = threadIdx.x; e < total; e += blockDim.x) st[e] = tab[e];
+  __syncthreads();
+  if (threadIdx.x != 0) return;
   const float* t = in_smem ? st : tab;
   const float* ids = tk + (size_t)n * k;
   int i = 0;

@@ -279,8 +279,8 @@ impl CustomOp1 for Walk {
         let out = unsafe { dev.alloc::<u32>(n)? };
         let pairs = dev.get_or_load_custom_func("selector_pairs", "dflash_dflash2", DFLASH2_PTX)?;
         let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
+            grid_dim: (n as u32, k as u32, 1),
+            block_dim: (32 * k as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let (hp_stride, n_i, k_i, r_i, anchor) =
@@ -307,7 +307,7 @@ impl CustomOp1 for Walk {
         let walk = dev.get_or_load_custom_func("selector_walk", "dflash_dflash2", DFLASH2_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
-            block_dim: (32, 1, 1),
+            block_dim: (1024, 1, 1),
             shared_mem_bytes: (smem * 4) as u32,
         };
         let smem_i = smem as i32;
