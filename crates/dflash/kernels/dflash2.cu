@@ -3,15 +3,14 @@
 //
 //   dyn_conv     the grouped dynamic causal convolution over each block's rows (one launch
 //                instead of ~6 candle ops per kernel offset)
-//   top_k_part   the k largest logits of each row and their ids (the selector's candidates),
+//   top_k_warp   the k largest logits of each row and their ids (the selector's candidates),
 //                in two stages (row parts over the whole GPU, then a merge), so the logits
-//                never leave the device
-//   top_k_warp   the same stages with a warp-held list (trial dflash2_fuse): a ballot against
-//                the list's last entry passes the few candidates that can enter it
+//                never leave the device; each warp holds a sorted list, and a ballot against
+//                its last entry passes the few candidates that can enter it
 //   selector_pairs, selector_walk
-//                the selector on the device (trial dflash2_fuse): every row's pair scores from
-//                each candidate of the row before, all at once, then the left-to-right walk
-//                over that table in one block, so a proposal is one download of n ids
+//                the selector on the device: every row's pair scores from each candidate of
+//                the row before, all at once, then the left-to-right walk over that table in
+//                one block, so a proposal is one download of n ids
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -57,74 +56,14 @@ __device__ __forceinline__ bool tk_before(float av, unsigned ai, float bv, unsig
 
 #define TK_PAD 0xffffffu  // the id of an empty slot: above every vocab id (< 2^24)
 
-// One stage of the per-row top-K (largest value first; equal values: lower id first; NaN
-// counts as -inf). Row r's candidates j < len have value vals[r * row_stride + j] and id j
-// (has_ids == 0: the logits) or ids[r * row_stride + j] (floats, exact below 2^24: an
-// earlier stage's output). grid (n, parts): part p takes the candidates
-// [p * chunk, (p + 1) * chunk); each thread keeps the K best of its strided slice, then K
-// rounds of a block-wide argmax over the threads' list heads. out holds the values of every
-// (row, part) then their ids: out[(r * parts + p) * K + t] and out[n * parts * K + (r * parts
-// + p) * K + t]. Stage one splits each row over many parts (the GPU fills up); stage two
-// merges the parts' lists (parts = 1).
-extern "C" __global__ void __launch_bounds__(TK_THREADS)
-    top_k_part(const float* __restrict__ vals, const float* __restrict__ ids, int has_ids,
-               int len, long long row_stride, int chunk, int K, float* __restrict__ out) {
-  const int row = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
-  const int n = gridDim.x;
-  const float* x = vals + (size_t)row * row_stride;
-  const float* xi = ids + (size_t)row * row_stride;
-  const int j0 = part * chunk;
-  const int j1 = min(len, j0 + chunk);
-  float lv[TK_MAX];
-  unsigned li[TK_MAX];
-  for (int t = 0; t < TK_MAX; ++t) {
-    lv[t] = -INFINITY;
-    li[t] = TK_PAD;
-  }
-  for (int j = j0 + tid; j < j1; j += TK_THREADS) {
-    float v = x[j];
-    if (v != v) v = -INFINITY;
-    const unsigned id = has_ids ? (unsigned)xi[j] : (unsigned)j;
-    if (!tk_before(v, id, lv[K - 1], li[K - 1])) continue;
-    int p = K - 1;
-    while (p > 0 && tk_before(v, id, lv[p - 1], li[p - 1])) {
-      lv[p] = lv[p - 1];
-      li[p] = li[p - 1];
-      --p;
-    }
-    lv[p] = v;
-    li[p] = id;
-  }
-  __shared__ float sv[TK_THREADS];
-  __shared__ unsigned si[TK_THREADS];
-  __shared__ int sw[TK_THREADS];
-  int head = 0;
-  const size_t base = ((size_t)row * parts + part) * K;
-  for (int r = 0; r < K; ++r) {
-    sv[tid] = head < K ? lv[head] : -INFINITY;
-    si[tid] = head < K ? li[head] : TK_PAD;
-    sw[tid] = tid;
-    __syncthreads();
-    for (int s = TK_THREADS / 2; s > 0; s >>= 1) {
-      if (tid < s && tk_before(sv[tid + s], si[tid + s], sv[tid], si[tid])) {
-        sv[tid] = sv[tid + s];
-        si[tid] = si[tid + s];
-        sw[tid] = sw[tid + s];
-      }
-      __syncthreads();
-    }
-    if (tid == 0) {
-      out[base + r] = sv[0];
-      out[(size_t)n * parts * K + base + r] = (float)si[0];
-    }
-    if (tid == sw[0]) ++head;
-    __syncthreads();
-  }
-}
-
 // ---------------------------------------------------------------------------------------
-// top_k_warp: the stages of top_k_part (same arguments, same output layout and order) with
-// each warp holding a sorted list of the K best it has seen, one entry per lane (lane t < K
+// top_k_warp: one stage of the per-row top-K (largest value first; equal values: lower id
+// first; NaN counts as -inf). grid (n, parts): part p takes the candidates [p * chunk, (p + 1)
+// * chunk) of its row, with value vals[r * row_stride + j] and id j (has_ids == 0: the logits)
+// or ids[r * row_stride + j] (floats, exact below 2^24: the first stage's output); out holds
+// the values of every (row, part), then their ids: out[(r * parts + p) * K + t] and out[n *
+// parts * K + (r * parts + p) * K + t]. Stage one splits each row over many parts, stage two
+// merges the parts' lists (parts = 1). Each warp holds a sorted list of the K best it has seen, one entry per lane (lane t < K
 // holds the t-th; lanes >= K hold nothing). 32 candidates at a time are tested against the
 // list's last entry with one ballot; the few that pass are inserted one by one (the entries
 // before a candidate are a prefix, so its place is a popcount, and the lanes after it shift

@@ -11,7 +11,7 @@
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 / Q5_0 GGUF matrices keep their stored weights on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
-//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name: `dflash2_fuse` (or `all`); see [`Trial`] |
+//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
 //! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals |
 
@@ -78,25 +78,20 @@ impl Part {
 /// CUDA paths that are written and compiled but not yet run on a GPU: off unless named in
 /// `DFLASH_TRY`, so a build between two GPU sessions keeps the proven kernels. Each becomes the
 /// default (and leaves this list) once the H200 tests and benchmarks of docs/perf.md pass.
-/// Proven and promoted earlier: session 22's three (`attention_fill`, `moe_mma`, `route_bf16`)
-/// in session 23, session 23's `route_union` in session 24; `moe_narrow` ran no faster and was
-/// dropped.
+/// None at present. Proven and promoted: session 22's three (`attention_fill`, `moe_mma`,
+/// `route_bf16`) in session 23, session 23's `route_union` in session 24, session 25's
+/// `dflash2_fuse` (the selector's warp-list top-k, pair scores and walk on the device) in session
+/// 25; `moe_narrow` ran no faster and was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trial {
-    /// DFlash2 draft: the selector's top-k with a warp-held list and its walk on the device
-    /// (`kernels/dflash2.cu` `top_k_warp`, `selector_pairs`, `selector_walk`).
-    Dflash2Fuse,
-}
+pub enum Trial {}
 
 impl Trial {
-    pub const ALL: [Trial; 1] = [Trial::Dflash2Fuse];
+    pub const ALL: [Trial; 0] = [];
     pub fn name(self) -> &'static str {
-        match self {
-            Trial::Dflash2Fuse => "dflash2_fuse",
-        }
+        match self {}
     }
     fn bit(self) -> u8 {
-        1 << (self as u8)
+        match self {}
     }
 }
 
@@ -327,10 +322,8 @@ mod tests {
         assert_eq!(p.fused_off, Part::Moe.bit() | Part::Delta.bit());
         assert_eq!(d.trials, 0);
         // names that are not trials (former ones included) are ignored
-        let t = parse(&[("DFLASH_TRY", "moe_narrow, route_union, bogus")]);
+        let t = parse(&[("DFLASH_TRY", "moe_narrow, route_union, dflash2_fuse, bogus")]);
         assert_eq!(t.trials, 0);
-        let t = parse(&[("DFLASH_TRY", "route_union, dflash2_fuse")]);
-        assert_eq!(t.trials, Trial::Dflash2Fuse.bit());
         let all = Trial::ALL.iter().fold(0u8, |b, t| b | t.bit());
         assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, all);
     }

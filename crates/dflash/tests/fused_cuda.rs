@@ -996,18 +996,14 @@ fn dflash2_kernels_match_the_portable_path() {
     check_top_k(&few.zeros_like().unwrap(), 32, "all equal");
 }
 
-/// The trial `dflash2_fuse` selector kernels: the warp-list top-k (`top_k_warp`) equals the
+/// The selector's kernels: the warp-list top-k (`top_k_warp`) equals the
 /// host's top-k exactly (ties by id, all-equal and NaN rows), and the walk on the device equals
 /// the host walk over the same scores, except where the host's two best scores are a near tie
-/// (the device sums the pair scores in another order). Run with `DFLASH_TRY=dflash2_fuse`.
+/// (the device sums the pair scores in another order).
 #[test]
 fn dflash2_device_selector_matches_the_host() {
     use dflash::nn::cuda::dflash2 as k2;
     let Some(dev) = gpu() else { return };
-    if !dflash::switches::trial(dflash::switches::Trial::Dflash2Fuse) {
-        eprintln!("DFLASH_TRY=dflash2_fuse not set: the trial's kernels are not under test");
-        return;
-    }
     for &(n, v, k) in &[
         (15, 151_936, 16),
         (7, 248_320, 32),

@@ -166,7 +166,6 @@ impl Selector {
         #[cfg(feature = "cuda")]
         if logits.device().is_cuda()
             && crate::nn::fused::allowed_part(crate::switches::Part::Dflash2)
-            && crate::switches::trial(crate::switches::Trial::Dflash2Fuse)
         {
             if let Some(ids) = self.walk_on_device(hidden, logits, anchor)? {
                 return Ok(ids);
@@ -176,10 +175,10 @@ impl Selector {
         Ok(s.path())
     }
 
-    /// The walk in one kernel after the top-k (`selector_walk`): the same scores as
-    /// [`Self::scores`] (summed in another order, so a near-tie may pick the other candidate:
-    /// a proposal, never the output) and one download of the ids. None where the kernels do not
-    /// apply.
+    /// The walk on the device after the top-k (`selector_pairs`, `selector_walk`): the same
+    /// scores as [`Self::scores`] (summed in another order, so a near-tie may pick the other
+    /// candidate: a proposal, never the output) and one download of the ids. None where the
+    /// kernels do not apply.
     #[cfg(feature = "cuda")]
     fn walk_on_device(
         &self,

@@ -129,13 +129,7 @@ impl CustomOp1 for TopK {
             candle_core::bail!("{}: k {k} for {vocab} columns", self.name());
         }
         let dev = s.device();
-        // trial dflash2_fuse: the warp-list kernel (same arguments, layout and order)
-        let name = if crate::switches::trial(crate::switches::Trial::Dflash2Fuse) {
-            "top_k_warp"
-        } else {
-            "top_k_part"
-        };
-        let func = dev.get_or_load_custom_func(name, "dflash_dflash2", DFLASH2_PTX)?;
+        let func = dev.get_or_load_custom_func("top_k_warp", "dflash_dflash2", DFLASH2_PTX)?;
         // Stage one: each row in parts of ~4096 logits (32 per thread), so a verify-sized
         // block fills the GPU instead of one block per row; stage two merges the parts.
         let parts = vocab.div_ceil(4096).clamp(1, 64);
