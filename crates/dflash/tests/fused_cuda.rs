@@ -1408,32 +1408,38 @@ fn affine_kernels_match_the_dequantized_weights() {
                 u32s_of(&host.to_dtype(DType::BF16).unwrap()),
                 "{what}: device dequantization"
             );
-            let host = host.to_device(&dev).unwrap();
-            let x16 = randn(&[16, k], 1.0, &dev);
-            for m in [1, 5, 16] {
-                let x = x16.narrow(0, 0, m).unwrap().contiguous().unwrap();
-                let y = dflash::nn::cuda::affine_matmul(&x, &w)
-                    .unwrap()
-                    .expect("the kernel applies");
-                let e = rel_err(&y, &f32_product(&x, &host));
-                assert!(e < 1e-2, "{what}, {m} rows: rel err {e}");
-            }
-            let y16 = w.forward(&x16).unwrap();
-            for i in [0, 7, 15] {
-                let alone = w.forward(&x16.narrow(0, i, 1).unwrap()).unwrap();
-                assert_eq!(
-                    u32s_of(&alone),
-                    u32s_of(&y16.narrow(0, i, 1).unwrap()),
-                    "{what}: row {i} alone vs among 16"
-                );
-            }
-            // more than 16 rows: dequantized, then the dense product
-            let x40 = randn(&[40, k], 1.0, &dev);
-            let e = rel_err(&w.forward(&x40).unwrap(), &f32_product(&x40, &host));
-            assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
+            check_affine_product(&w, &host.to_device(&dev).unwrap(), &what);
             eprintln!("ok affine {what}");
         }
     }
+}
+
+/// An affine weight's products against the f32 product with its dequantized weights `host`
+/// (on the device): 1 / 5 / 16 rows through the kernel, rows alone == among 16 bit for bit, and
+/// 40 rows (dequantized, then the dense product).
+fn check_affine_product(w: &dflash::nn::AffineWeight, host: &Tensor, what: &str) {
+    let (dev, k) = (host.device().clone(), host.dim(1).unwrap());
+    let x16 = randn(&[16, k], 1.0, &dev);
+    for m in [1, 5, 16] {
+        let x = x16.narrow(0, 0, m).unwrap().contiguous().unwrap();
+        let y = dflash::nn::cuda::affine_matmul(&x, w)
+            .unwrap()
+            .expect("the kernel applies");
+        let e = rel_err(&y, &f32_product(&x, host));
+        assert!(e < 1e-2, "{what}, {m} rows: rel err {e}");
+    }
+    let y16 = w.forward(&x16).unwrap();
+    for i in [0, 7, 15] {
+        let alone = w.forward(&x16.narrow(0, i, 1).unwrap()).unwrap();
+        assert_eq!(
+            u32s_of(&alone),
+            u32s_of(&y16.narrow(0, i, 1).unwrap()),
+            "{what}: row {i} alone vs among 16"
+        );
+    }
+    let x40 = randn(&[40, k], 1.0, &dev);
+    let e = rel_err(&w.forward(&x40).unwrap(), &f32_product(&x40, host));
+    assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
 }
 
 fn u32s_of(t: &Tensor) -> Vec<u32> {
@@ -1598,28 +1604,7 @@ fn gguf_blocks_run_on_the_affine_kernels() {
                     "{what}: the stored weights"
                 );
             }
-            let host = deq.to_device(&dev).unwrap();
-            let x16 = randn(&[16, k], 1.0, &dev);
-            for m in [1, 5, 16] {
-                let x = x16.narrow(0, 0, m).unwrap().contiguous().unwrap();
-                let y = dflash::nn::cuda::affine_matmul(&x, &a)
-                    .unwrap()
-                    .expect("the kernel applies");
-                let e = rel_err(&y, &f32_product(&x, &host));
-                assert!(e < 1e-2, "{what}, {m} rows: rel err {e}");
-            }
-            let y16 = a.forward(&x16).unwrap();
-            for i in [0, 7, 15] {
-                let alone = a.forward(&x16.narrow(0, i, 1).unwrap()).unwrap();
-                assert_eq!(
-                    u32s_of(&alone),
-                    u32s_of(&y16.narrow(0, i, 1).unwrap()),
-                    "{what}: row {i} alone vs among 16"
-                );
-            }
-            let x40 = randn(&[40, k], 1.0, &dev);
-            let e = rel_err(&a.forward(&x40).unwrap(), &f32_product(&x40, &host));
-            assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
+            check_affine_product(&a, &deq.to_device(&dev).unwrap(), &what);
             eprintln!("ok gguf {what} on the affine kernels");
         }
     }
