@@ -735,14 +735,12 @@ impl DraftModel {
                 masks: &masks,
             };
             let (xa, dk) = layer.pre_attn(x, q)?;
-            let y = a.forward(&xa, &site, kv)?;
+            let attn_out = layer.post_attn(a.forward(&xa, &site, kv)?, dk, q)?;
             kv.truncate(start);
+            prof.mark("attention");
             // Residual updates fused with the next norm: post-attention norm, then the
             // MLP's residual with the next layer's input norm (the final norm after the last).
-            let (h1, xm) = layer
-                .post_attn_norm
-                .add_forward(&h, &layer.post_attn(y, dk, q)?)?;
-            prof.mark("attention");
+            let (h1, xm) = layer.post_attn_norm.add_forward(&h, &attn_out)?;
             let m = layer.mlp(&xm, q)?;
             let next_norm = match self.layers.get(i + 1) {
                 Some(nl) => &nl.input_norm,
