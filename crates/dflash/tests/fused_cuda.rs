@@ -1442,6 +1442,38 @@ fn check_affine_product(w: &dflash::nn::AffineWeight, host: &Tensor, what: &str)
     assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
 }
 
+/// A quantized target `q` against its twin `f` holding the dequantized weights: logits over
+/// `toks` within 5e-2, and verify with rollbacks == decode steps for blocks of 2 / 7 / 16.
+fn check_against_twin(
+    q: &dyn dflash::archs::TargetModel,
+    f: &dyn dflash::archs::TargetModel,
+    toks: &[u32],
+    what: &str,
+) {
+    let logits = |m: &dyn dflash::archs::TargetModel| {
+        let mut c = m.new_cache(64).unwrap();
+        m.forward(toks, 0, &mut c, &[], dflash::archs::Logits::All)
+            .unwrap()
+            .logits
+            .unwrap()
+    };
+    let e = rel_err(&logits(q), &logits(f));
+    assert!(
+        e < 5e-2,
+        "{what}: logits vs the dequantized twin: rel err {e}"
+    );
+    for steps in [2, 7, 16] {
+        common::assert_verify_with_rollback_equals_decode_steps(
+            q,
+            toks,
+            30,
+            steps,
+            steps as u64,
+            what,
+        );
+    }
+}
+
 fn u32s_of(t: &Tensor) -> Vec<u32> {
     t.to_dtype(DType::F32)
         .unwrap()
@@ -1460,7 +1492,7 @@ fn u32s_of(t: &Tensor) -> Vec<u32> {
 #[test]
 fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
     use common::mlx::{write_mlx, Layout};
-    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::archs::{load_target, LoadOptions};
     use dflash::source::ModelSource;
     use dflash::testing::{TinyDraft, TinyTarget};
     let Some(dev) = gpu() else { return };
@@ -1491,28 +1523,12 @@ fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
             f.info().weight_bytes
         );
         let toks = common::ids(7, 30, t.vocab);
-        let logits = |m: &dyn dflash::archs::TargetModel| {
-            let mut c = m.new_cache(64).unwrap();
-            m.forward(&toks, 0, &mut c, &[], Logits::All)
-                .unwrap()
-                .logits
-                .unwrap()
-        };
-        let e = rel_err(&logits(q.as_ref()), &logits(f.as_ref()));
-        assert!(
-            e < 5e-2,
-            "{bits}-bit: logits vs the dequantized twin: rel err {e}"
+        check_against_twin(
+            q.as_ref(),
+            f.as_ref(),
+            &toks,
+            &format!("mlx {bits}-bit on CUDA"),
         );
-        for steps in [2, 7, 16] {
-            common::assert_verify_with_rollback_equals_decode_steps(
-                q.as_ref(),
-                &toks,
-                30,
-                steps,
-                steps as u64,
-                &format!("mlx {bits}-bit on CUDA"),
-            );
-        }
         let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 62);
         d.write(&dir.path().join("d"), t.vocab).unwrap();
         let draft = dflash::draft::load_draft(
@@ -1619,7 +1635,7 @@ fn gguf_blocks_run_on_the_affine_kernels() {
 #[test]
 fn gguf_checkpoint_on_the_gpu_runs_as_affine() {
     use candle_core::quantized::QTensor;
-    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::archs::{load_target, LoadOptions};
     use dflash::source::ModelSource;
     use dflash::testing::{write_gguf_with, TinyDraft, TinyTarget};
     let Some(dev) = gpu() else { return };
@@ -1664,28 +1680,7 @@ fn gguf_checkpoint_on_the_gpu_runs_as_affine() {
         f.info().weight_bytes
     );
     let toks = common::ids(9, 30, t.vocab);
-    let logits = |m: &dyn dflash::archs::TargetModel| {
-        let mut c = m.new_cache(64).unwrap();
-        m.forward(&toks, 0, &mut c, &[], Logits::All)
-            .unwrap()
-            .logits
-            .unwrap()
-    };
-    let e = rel_err(&logits(q.as_ref()), &logits(f.as_ref()));
-    assert!(
-        e < 5e-2,
-        "gguf: logits vs the dequantized twin: rel err {e}"
-    );
-    for steps in [2, 7, 16] {
-        common::assert_verify_with_rollback_equals_decode_steps(
-            q.as_ref(),
-            &toks,
-            30,
-            steps,
-            steps as u64,
-            "gguf affine on CUDA",
-        );
-    }
+    check_against_twin(q.as_ref(), f.as_ref(), &toks, "gguf affine on CUDA");
     let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 64);
     d.write(&dir.path().join("d"), t.vocab).unwrap();
     let draft = dflash::draft::load_draft(
