@@ -25,7 +25,7 @@
 #   SHAPE=tiny DEV=cpu DTYPE=float32 BIN=target/release/dflash PY=/work/pyenv-sweep/bin/python \
 #     RAYON_NUM_THREADS=1 tools/gpu-bench/families.sh      # ~40 s on the 2-core box; the engine as built
 # Options (env): FAMILIES="qwen3 gpt_oss ..." (default: all 8), RES (default /tmp/families),
-# MODELS, KEEP_MODELS, AB_INVARIANT ("fam ...": micro again with DFLASH_BATCH_INVARIANT=0), PROFILE ("fam ..." also timed per section, DFLASH_PROFILE=gpu), CTX (128), QS (1,4,8,16), ITERS (20), FAM_TIMEOUT (engine, s, 120),
+# MODELS, KEEP_MODELS, AB_INVARIANT ("fam ...": micro again with DFLASH_BATCH_INVARIANT=0), AB_GRAPHS ("fam ...": again with DFLASH_CUDA_GRAPHS=0), PROFILE ("fam ..." also timed per section, DFLASH_PROFILE=gpu), CTX (128), QS (1,4,8,16), ITERS (20), FAM_TIMEOUT (engine, s, 120),
 # BUILD_TIMEOUT (s, 240), DEADLINE (s after start past which no family starts, 430; the engine
 # runs are cut to end by DEADLINE + 60 s),
 # DTYPE (bfloat16 | float32 | float16; engine dtype follows), DEV (cuda | cpu), TAU (6.5).
@@ -128,6 +128,14 @@ for fam in $FAMILIES; do
       --device "$DEV" --dtype "$ours" --micro-context "$CTX" --micro-q 1,16 --micro-iters "$ITERS" --out "$d/micro-noninvariant" \
       > "$d/micro-noninvariant.out" 2>&1
     log "$fam: batch-invariant off: $(grep -E '^\| (verify forward|draft forward)' "$d/micro-noninvariant.out" | awk -F'|' '{sub(/^ *verify forward /,"v",$2); sub(/^ *draft forward /,"draft ",$2); sub(/ *$/,"",$2); printf "%s %.2fms  ", $2, $5/1000}')" ;;
+  esac
+  # AB_GRAPHS="fam ...": the same micro with CUDA graphs off (what they save)
+  case " ${AB_GRAPHS:-} " in *" $fam "*)
+    DFLASH_CUDA_GRAPHS=0 timeout -k 5 60 "$BIN" bench --micro --model "$MODELS/$fam/target" --draft "$MODELS/$fam/draft" \
+      --device "$DEV" --dtype "$ours" --micro-context "$CTX" --micro-q 1,4,16 --micro-iters "$ITERS" --out "$d/micro-nographs" \
+      > "$d/micro-nographs.out" 2>&1
+    log "$fam: graphs off: $(grep -E '^\| (verify forward|draft forward)' "$d/micro-nographs.out" | awk -F'|' '{sub(/^ *verify forward /,"v",$2); sub(/^ *draft forward /,"draft ",$2); sub(/ *$/,"",$2); printf "%s %.2fms  ", $2, $5/1000}')"
+    log "$fam: graphs on:  $(grep -h 'CUDA graphs' "$d/micro.out")" ;;
   esac
   # PROFILE="fam ...": per-section GPU times (DFLASH_PROFILE=gpu) of a decode step (Q=1 verify)
   case " ${PROFILE:-} " in *" $fam "*)

@@ -271,8 +271,20 @@ fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
     let res = run_micro(&p, &o)?;
     let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
     let machine = Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase());
+    let g = p.engine.target.graph_report();
+    let graphs = if dflash::switches::cuda_graphs() && p.engine.target.info().device.is_cuda() {
+        format!(
+            "\nCUDA graphs (target): {} warm-up forwards, {} captures, {} replays{}\n",
+            g.warmups,
+            g.captures,
+            g.replays,
+            g.off.map(|w| format!("; off: {w}")).unwrap_or_default()
+        )
+    } else {
+        String::new()
+    };
     let md = format!(
-        "Microbenchmarks: {} (draft {}), context {}, {} iterations; {}\n\n{}",
+        "Microbenchmarks: {} (draft {}), context {}, {} iterations; {}\n\n{}{graphs}",
         a.model.as_deref().unwrap_or("?"),
         a.draft.as_deref().unwrap_or("none"),
         o.context,

@@ -133,18 +133,24 @@ extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ src, int src_s
 #define SEG_ROW0 3
 #define SEG_N 4
 #define SEG_GRP0 5
+// pos0s (or null): the segments' first positions on the device, read instead of SEG_POS0 (a
+// CUDA graph replays the launch at other positions). cs_by_pos: cs is a table over absolute
+// positions (row p for position p) instead of one row per source row.
 extern "C" __global__ void kv_write_seg_bf16(const bf16* __restrict__ src, int src_stride, int k_off, int k_hs,
                                              int v_off, int v_hs, int v_unit, const bf16* __restrict__ kw,
                                              float eps, const bf16* __restrict__ cs, int rot,
-                                             const long long* __restrict__ meta, int nseg, int kvh, int d) {
+                                             const long long* __restrict__ meta, int nseg, int kvh, int d,
+                                             const long long* __restrict__ pos0s, int cs_by_pos) {
   __shared__ float scratch[32];
   extern __shared__ float xs[];
   const int i = blockIdx.y;
-  const long long* m = meta + SEG_META * meta[SEG_META * nseg + i];
+  const long long seg = meta[SEG_META * nseg + i];
+  const long long* m = meta + SEG_META * seg;
   bf16* kv = reinterpret_cast<bf16*>(m[SEG_PTR]);
-  const int pos = (int)(m[SEG_POS0] + i - m[SEG_ROW0]);
-  kv_write_row(src + (size_t)i * src_stride, k_off, k_hs, v_off, v_hs, v_unit, kw, eps, cs + (size_t)i * rot,
-               rot, kv, kvh, m[SEG_CAP], pos, d, xs, scratch);
+  const long long pos0 = pos0s != nullptr ? pos0s[seg] : m[SEG_POS0];
+  const int pos = (int)(pos0 + i - m[SEG_ROW0]);
+  kv_write_row(src + (size_t)i * src_stride, k_off, k_hs, v_off, v_hs, v_unit, kw, eps,
+               cs + (size_t)(cs_by_pos ? pos : i) * rot, rot, kv, kvh, m[SEG_CAP], pos, d, xs, scratch);
 }
 
 // Attention of query rows (q at columns q_off + head * q_hs of src [n, src_stride], normed with
@@ -377,13 +383,17 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
   extern "C" __global__ void __launch_bounds__(128) NAME##_seg(                                           \
       const bf16* src, int src_stride, int q_off, int q_hs, const bf16* qw, float eps, const bf16* cs,    \
       int rot, float scale, const long long* meta, int nseg, int total, int kvh, int rep, int causal,     \
-      int window, int chunk, const bf16* sinks, int gate_off, bf16* out, float* part) {                   \
-    const long long* m = meta + SEG_META * meta[SEG_META * nseg + total + blockIdx.z];                    \
+      int window, int chunk, const bf16* sinks, int gate_off, bf16* out, float* part,                     \
+      const long long* pos0s, int cs_by_pos) {                                                            \
+    const long long seg = meta[SEG_META * nseg + total + blockIdx.z];                                     \
+    const long long* m = meta + SEG_META * seg;                                                           \
     const bf16* kp = reinterpret_cast<const bf16*>(m[SEG_PTR]);                                           \
     const long long cap = m[SEG_CAP];                                                                     \
-    const int pos0 = (int)m[SEG_POS0], row0 = (int)m[SEG_ROW0], n = (int)m[SEG_N];                        \
+    const int pos0 = (int)(pos0s != nullptr ? pos0s[seg] : m[SEG_POS0]);                                  \
+    const int row0 = (int)m[SEG_ROW0], n = (int)m[SEG_N];                                                 \
     attn_rows_block<DK, DV, P>(src + (size_t)row0 * src_stride, src_stride, q_off, q_hs, qw, eps,        \
-                               cs + (size_t)row0 * rot, rot, scale, kp, kp + kvh * cap * DK, cap * DK,    \
+                               cs + (size_t)(cs_by_pos ? pos0 : row0) * rot, rot, scale, kp,              \
+                               kp + kvh * cap * DK, cap * DK,                                             \
                                DK, kvh, pos0 + n, rep, pos0, causal, window, chunk, n, sinks, gate_off,   \
                                out + (size_t)row0 * kvh * rep * DV, part, blockIdx.z - (int)m[SEG_GRP0],  \
                                total, row0);                                                              \

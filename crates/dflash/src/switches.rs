@@ -12,6 +12,7 @@
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 / Q5_0 GGUF matrices keep their stored weights on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
 //! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
+//! | `DFLASH_CUDA_GRAPHS` | on | decode / verify forwards (1-16 rows) of models whose layers all replay (attention + dense or MoE feed-forward) run as CUDA graphs (`archs::graphs`); `0` runs them eagerly |
 //! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals |
 
@@ -81,7 +82,9 @@ impl Part {
 /// None at present. Proven and promoted: session 22's three (`attention_fill`, `moe_mma`,
 /// `route_bf16`) in session 23, session 23's `route_union` in session 24, session 25's
 /// `dflash2_fuse` (the selector's warp-list top-k, pair scores and walk on the device) in session
-/// 25; `moe_narrow` ran no faster and was dropped.
+/// 25; `moe_narrow` ran no faster and was dropped; session 26's `mma_split` (narrow weights'
+/// K over a cluster of blocks) passed the H200 tests but gained 10-20% on a few narrow
+/// products only, and was dropped (the lab keeps it: tools/gpu-bench/skinny).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Trial {}
 
@@ -117,6 +120,8 @@ pub struct Switches {
     pub cuda_events: bool,
     /// Bits of [`Trial`] named by `DFLASH_TRY`.
     trials: u8,
+    /// CUDA graphs for decode / verify forwards (on unless `DFLASH_CUDA_GRAPHS=0`).
+    pub cuda_graphs: bool,
 }
 
 /// The most rows the GEMV kernel takes (one accumulator per row).
@@ -147,6 +152,7 @@ impl Switches {
             q4: !off("DFLASH_Q4"),
             q8_scalar: on("DFLASH_Q8_SCALAR"),
             cuda_events: on("DFLASH_CUDA_EVENTS"),
+            cuda_graphs: !off("DFLASH_CUDA_GRAPHS"),
             trials: get("DFLASH_TRY")
                 .map(|v| {
                     v.split(',')
@@ -215,6 +221,23 @@ pub fn set_fused_off(parts: &[Part]) {
     PARTS_OVERRIDE.store(b, Ordering::Relaxed);
 }
 
+static GRAPHS_OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// CUDA graphs for the decode / verify forwards of models whose every layer can be replayed
+/// (`archs::graphs`): on unless `DFLASH_CUDA_GRAPHS=0` or [`set_cuda_graphs`]`(false)`.
+pub fn cuda_graphs() -> bool {
+    match GRAPHS_OVERRIDE.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => get().cuda_graphs,
+    }
+}
+
+/// Override CUDA graphs for the process (tests compare graphs with eager forwards).
+pub fn set_cuda_graphs(on: bool) {
+    GRAPHS_OVERRIDE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
 /// Batch-invariant kernels on CUDA: on unless `DFLASH_BATCH_INVARIANT=0` or
 /// [`set_batch_invariant`]`(false)`. With them a Q-row verify computes every row exactly as a
 /// one-row decode step would, so greedy DFlash equals plain greedy decoding on the GPU (the
@@ -257,6 +280,7 @@ pub fn describe() -> Vec<(&'static str, String)> {
         ("q4", b(s.q4)),
         ("q8_scalar", b(s.q8_scalar)),
         ("cuda_events", b(s.cuda_events)),
+        ("cuda_graphs", b(cuda_graphs())),
         ("try", {
             let on: Vec<&str> = Trial::ALL
                 .into_iter()
@@ -326,5 +350,8 @@ mod tests {
         assert_eq!(t.trials, 0);
         let all = Trial::ALL.iter().fold(0u8, |b, t| b | t.bit());
         assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, all);
+        assert!(d.cuda_graphs);
+        assert!(!parse(&[("DFLASH_CUDA_GRAPHS", "0")]).cuda_graphs);
+        assert!(parse(&[("DFLASH_CUDA_GRAPHS", "1")]).cuda_graphs);
     }
 }

@@ -114,6 +114,15 @@ fn mma_matches_f32_product() {
         (11, 8200, 64),
         (16, 10240, 4096),
         (1, 10240, 4096),
+        // narrow weights (DFlash2's kernel projection, MoE routers, a 30B-A3B o_proj), K
+        // split unevenly over the warps (90 chunks)
+        (16, 1024, 4096),
+        (1, 1024, 4096),
+        (16, 2048, 4096),
+        (5, 128, 4096),
+        (7, 128, 2048),
+        (3, 32, 2880),
+        (16, 17, 1024),
     ]);
     let configs: std::collections::BTreeSet<_> = cases
         .iter()
@@ -171,6 +180,10 @@ fn mma_rows_are_batch_invariant() {
         (4096, 12288),
         (10240, 4096),
         (8200, 64),
+        (1024, 4096),
+        (128, 2048),
+        (128, 4096),
+        (32, 2880),
     ] {
         let x = randn(&[16, k], 1.0, &dev);
         let w = randn(&[n, k], 0.05, &dev);
@@ -363,6 +376,7 @@ fn check(c: &Case, dev: &Device) {
         tables: &t,
         vis: c.vis,
         masks: &masks,
+        step: None,
     };
     dflash::switches::set_fused(true);
     let got = a.forward(&x, &site, &mut fused_cache).unwrap();
@@ -1322,6 +1336,7 @@ fn batched_attention_equals_each_sequence_alone() {
                 tables: &t,
                 vis: c.vis,
                 masks: &masks,
+                step: None,
             };
             alone.push(a.forward(&x, &site, &mut c1).unwrap());
             caches.push((c1, c2));
@@ -1340,6 +1355,7 @@ fn batched_attention_equals_each_sequence_alone() {
                 tables: t,
                 vis: c.vis,
                 masks: m,
+                step: None,
             })
             .collect();
         let x = Tensor::cat(&xs, 0).unwrap();
@@ -1693,4 +1709,119 @@ fn gguf_checkpoint_on_the_gpu_runs_as_affine() {
     let engine = dflash::engine::Engine::new(q, Some(draft));
     common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "gguf on CUDA");
     eprintln!("ok gguf on CUDA: {info}");
+}
+
+/// CUDA graphs (`archs::graphs`) on every family model (`DFLASH_FAMILY_MODELS`): the same
+/// sequence of forwards (a 230-token prompt, then decode steps and 7-row verify blocks with
+/// taps, each block cut back to its first row as a rejection would, crossing the graphs' key
+/// bound at position 256) gives the same logits and taps bit for bit with graphs as without;
+/// the families whose layers replay did replay, the others never captured; and greedy DFlash
+/// == plain decoding with graphs on.
+#[test]
+fn graphs_replay_the_eager_forwards() {
+    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::draft::load_draft;
+    use dflash::engine::Engine;
+    use dflash::source::ModelSource;
+    let Some(dev) = gpu() else { return };
+    let Some(dirs) = common::family_models() else {
+        eprintln!("DFLASH_FAMILY_MODELS not set; family models skipped");
+        return;
+    };
+    dflash::switches::set_batch_invariant(true);
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let bits = |t: &Option<Tensor>| -> Vec<u32> {
+        t.as_ref()
+            .map(|t| {
+                t.to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut graphed = vec![];
+    for dir in &dirs {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let tsrc = ModelSource::from_dir("t", &dir.join("target")).unwrap();
+        let (cfg, target) = load_target(&tsrc, &opts).unwrap();
+        let vocab = target.info().vocab_size.min(1000);
+        let layers = target.info().num_layers;
+        let taps = [0, layers - 1];
+        let run = |graphs: bool| {
+            dflash::switches::set_cuda_graphs(graphs);
+            let mut c = target.new_cache(512).unwrap();
+            let prompt = common::ids(11, 230, vocab);
+            let mut out = vec![];
+            let p = target
+                .forward(&prompt, 0, &mut c, &taps, Logits::Last)
+                .unwrap();
+            out.push(bits(&p.logits));
+            let mut pos = prompt.len();
+            for step in 0..48u64 {
+                if step % 8 == 7 {
+                    let block = common::ids(100 + step, 7, vocab);
+                    let v = target
+                        .forward(&block, pos, &mut c, &taps, Logits::All)
+                        .unwrap();
+                    out.push(bits(&v.logits));
+                    out.push(bits(&v.taps));
+                    c.truncate(pos + 1).unwrap();
+                    pos += 1;
+                } else {
+                    let t = common::ids(200 + step, 1, vocab);
+                    let d = target.forward(&t, pos, &mut c, &[], Logits::Last).unwrap();
+                    out.push(bits(&d.logits));
+                    pos += 1;
+                }
+            }
+            dflash::switches::set_cuda_graphs(false);
+            out
+        };
+        let eager = run(false);
+        let before = target.graph_report();
+        let with = run(true);
+        let report = target.graph_report();
+        for (i, (a, b)) in eager.iter().zip(&with).enumerate() {
+            assert!(
+                a == b,
+                "{name}: forward output {i} differs with CUDA graphs"
+            );
+        }
+        assert_eq!(before, Default::default(), "{name}: graphs ran while off");
+        assert!(
+            report.off.is_none(),
+            "{name}: graphs switched off: {:?}",
+            report.off
+        );
+        if report.replays > 0 {
+            graphed.push(name.clone());
+        } else {
+            assert_eq!(report.captures, 0, "{name}: captured but never replayed");
+        }
+        eprintln!("{name}: {report:?}");
+        // Greedy DFlash == plain with graphs on (the verify blocks and decode steps replayed).
+        dflash::switches::set_cuda_graphs(true);
+        let dsrc = ModelSource::from_dir("d", &dir.join("draft")).unwrap();
+        let draft = load_draft(&dsrc, &cfg, "t", &opts).unwrap();
+        let engine = Engine::new(target, Some(draft));
+        common::assert_greedy_dflash_equals_plain(&engine, vocab, &[2, 8, 16], &name);
+        dflash::switches::set_cuda_graphs(false);
+    }
+    // qwen3 (dense), qwen3_moe and gpt_oss have only attention layers.
+    for want in ["qwen3", "qwen3_moe", "gpt_oss"] {
+        assert!(
+            graphed.iter().any(|g| g == want),
+            "{want} did not replay graphs (replayed: {graphed:?})"
+        );
+    }
 }

@@ -21,6 +21,132 @@
 #include "../../../crates/dflash/kernels/gemv.cu"
 #include "../../../crates/dflash/kernels/mma.cu"
 
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
+
+// ---------------------------------------------------------------------------------------
+// Candidate (session 26): narrow weights with K split over a cluster of S blocks, the block
+// partials summed by block 0 through distributed shared memory. Measured: 10-20% faster than
+// the production w8u2 on 64-tile weights at 1 row, slower at 16 rows for S >= 4, and no faster
+// than one block of 16 warps a tile (reg W16 U2 B16); not adopted (docs/perf.md, session 26).
+// The main loop of one warp (production gemm_rows's, with the chunk range given): the products of its weight rows n0 .. n0 + 16 TN (clamped to N)
+// with the x rows over the 32-wide chunks [c0, c1) of k, into acc (zeroed here).
+template <int T, int U, int TN>
+__device__ __forceinline__ void warp_products(const __nv_bfloat16* __restrict__ x,
+                                              const __nv_bfloat16* __restrict__ w, int m_rows,
+                                              int n_rows, int k, int n0, int c0, int c1,
+                                              float (&acc)[TN][T][4]) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, c = lane % 4;
+  // Rows past N are clamped on load and skipped on store; x rows past M are 0.
+  const uint4* wp[2 * TN];
+#pragma unroll
+  for (int j = 0; j < 2 * TN; ++j)
+    wp[j] = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + 8 * j + g, n_rows - 1) * k) + c;
+  const uint4* xp[T];
+  bool xok[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    const int xr = 8 * t + g;
+    xok[t] = xr < m_rows;
+    xp[t] = reinterpret_cast<const uint4*>(x + (size_t)(xok[t] ? xr : 0) * k) + c;
+  }
+#pragma unroll
+  for (int a = 0; a < TN; ++a)
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[a][t][j] = 0.f;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 wv[U][2 * TN], xv[U][T];
+  // Chunks past c1 are clamped (loaded again, never multiplied).
+  auto load = [&](int ch) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < 2 * TN; ++j) wv[u][j] = load_weight(wp[j] + min(ch + u, c1 - 1) * 4);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int t = 0; t < T; ++t)
+        xv[u][t] = xok[t] ? __ldg(xp[t] + min(ch + u, c1 - 1) * 4) : zero;
+  };
+  if (c0 < c1) load(c0);
+  for (int ch = c0; ch < c1; ch += U) {
+    uint4 cw[U][2 * TN], cx[U][T];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int j = 0; j < 2 * TN; ++j) cw[u][j] = wv[u][j];
+#pragma unroll
+      for (int t = 0; t < T; ++t) cx[u][t] = xv[u][t];
+    }
+    if (ch + U < c1) load(ch + U);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (ch + u < c1)
+#pragma unroll
+        for (int a = 0; a < TN; ++a)
+#pragma unroll
+          for (int t = 0; t < T; ++t)
+            mma_chunk(acc[a][t], cw[u][2 * a], cw[u][2 * a + 1], cx[u][t]);
+  }
+}
+
+// Narrow weights (few 16-row tiles, e.g. N = 1,024 at K = 4,096: 64 tiles, about 1 MB of
+// weight bytes in flight with one block a tile, where the H200 needs several): a cluster of S
+// blocks shares one tile, block r of the cluster taking the chunks [r C / S, (r + 1) C / S)
+// of k and its 8 warps splitting that range again. Each block sums its warps in warp order in
+// shared memory; block 0 of the cluster then sums the S block partials in rank order through
+// distributed shared memory and writes y. The split depends on N and K only (the caller picks
+// S from them), so a row's bits do not depend on the other rows: batch-invariant. Grid x =
+// tiles * S (consecutive blocks form a cluster), grid y = batch, 256 threads.
+template <int S, int T, int U>
+__device__ __forceinline__ void gemm_rows_split(const __nv_bfloat16* __restrict__ x,
+                                                const __nv_bfloat16* __restrict__ w,
+                                                __nv_bfloat16* __restrict__ y, int m_rows,
+                                                int n_rows, int k) {
+  constexpr int W = 8, R = 16;
+  __shared__ float red[W][R][8 * T];
+  __shared__ float part[R * 8 * T];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank();
+  x += (size_t)blockIdx.y * m_rows * k;
+  w += (size_t)blockIdx.y * n_rows * k;
+  y += (size_t)blockIdx.y * m_rows * n_rows;
+  const int warp = threadIdx.x / 32;
+  const int n0 = (blockIdx.x / S) * R;
+  const int chunks = k / 32;
+  const int b0 = rank * chunks / S, b1 = (rank + 1) * chunks / S;
+  const int c0 = b0 + warp * (b1 - b0) / W, c1 = b0 + (warp + 1) * (b1 - b0) / W;
+  float acc[1][T][4];
+  warp_products<T, U, 1>(x, w, m_rows, n_rows, k, n0, c0, c1, acc);
+  stage_rows<T, 1>(acc, red);
+  // part[m * R + r]: this block's sum over its warps, in warp order.
+  for (int i = threadIdx.x; i < R * 8 * T; i += blockDim.x) {
+    const int r = i % R, m = i / R;
+    float s = 0.f;
+#pragma unroll
+    for (int v = 0; v < W; ++v) s += red[v][r][m];
+    part[i] = s;
+  }
+  cluster.sync();
+  if (rank == 0) {
+    for (int i = threadIdx.x; i < R * 8 * T; i += blockDim.x) {
+      const int r = i % R, m = i / R, n = n0 + r;
+      if (m < m_rows && n < n_rows) {
+        float s = 0.f;
+#pragma unroll
+        for (int q = 0; q < S; ++q) s += cluster.map_shared_rank(part, q)[i];
+        y[(size_t)m * n_rows + n] = __float2bfloat16(s);
+      }
+    }
+  }
+  // Keep every block's shared memory alive until block 0 has read it.
+  cluster.sync();
+}
+
+
 #define CK(x)                                                                         \
   do {                                                                                \
     cudaError_t e = (x);                                                              \
@@ -173,6 +299,14 @@ __global__ void __launch_bounds__(32 * BW, MINB)
   gemm_rows<W, T, U, BW, TN>(x, w, y, m_rows, n_rows, k);
 }
 
+// The cluster split-K of narrow weights (kernels/mma.cu gemm_rows_split) at other S / U.
+template <int S, int T, int U>
+__global__ void __cluster_dims__(S, 1, 1) __launch_bounds__(256)
+    lab_split(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+              __nv_bfloat16* __restrict__ y, int m_rows, int n_rows, int k) {
+  gemm_rows_split<S, T, U>(x, w, y, m_rows, n_rows, k);
+}
+
 // f32 reference: one thread per output.
 __global__ void ref_kernel(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y, int m_rows,
                            int n_rows, int k) {
@@ -205,6 +339,7 @@ struct Cand {
   int rows_per_block;  // weight rows per block (grid = ceil(N / rows_per_block))
   int threads;
   int smem1, smem2;  // dynamic shared memory for t1 / t2
+  int split = 1;     // blocks per 16-row tile (a cluster; grid = tiles * split)
 };
 
 template <int W, int S, int BW, bool H, bool XS = true>
@@ -223,6 +358,15 @@ Cand reg_cand() {
   snprintf(b, sizeof b, "reg W%d U%d B%d m%d TN%d", W, U, BW, MINB, TN);
   return Cand{b, lab_gemm<W, 1, U, BW, MINB, TN>, lab_gemm<W, 2, U, BW, MINB, TN>,
               16 * TN * (BW / W), 32 * BW, 0, 0};
+}
+
+template <int S, int U>
+Cand split_cand() {
+  char b[64];
+  snprintf(b, sizeof b, "split S%d U%d", S, U);
+  Cand c{b, lab_split<S, 1, U>, lab_split<S, 2, U>, 16, 256, 0, 0};
+  c.split = S;
+  return c;
 }
 
 struct Shape {
@@ -255,11 +399,21 @@ int main(int argc, char** argv) {
       {"lm 151936x4096", 151936, 4096},   {"ctx-kv 10240x4096", 10240, 4096},
       {"fc 4096x20480", 4096, 20480},     {"smol qkv 960x576", 960, 576},
       {"smol gu 3072x576", 3072, 576},    {"smol lm 49152x576", 49152, 576},
+      // narrow weights: DFlash2 kernel projection, MoE routers, a 30B-A3B o_proj
+      {"dyn-k 1024x4096", 1024, 4096},     {"router 128x2048", 128, 2048},
+      {"router 512x2048", 512, 2048},      {"router 32x2880", 32, 2880},
+      {"o 2048x4096", 2048, 4096},         {"kv 1024x2048", 1024, 2048},
   };
   std::vector<Cand> cands;
   cands.push_back(Cand{"prod w8u2", gemm_w8u2_t1, gemm_w8u2_t2, 16, 256, 0, 0});
   cands.push_back(Cand{"prod w1u4", gemm_w1u4_t1, gemm_w1u4_t2, 64, 128, 0, 0});
   cands.push_back(Cand{"prod w4u2n2", gemm_w4u2n2_t1, gemm_w4u2n2_t2, 32, 128, 0, 0});
+  cands.push_back(split_cand<2, 2>());
+  cands.push_back(split_cand<4, 2>());
+  cands.push_back(split_cand<8, 2>());
+  cands.push_back(split_cand<2, 4>());
+  cands.push_back(split_cand<4, 4>());
+  cands.push_back(split_cand<8, 1>());
   cands.push_back(async_cand<4, 8, 8, false>());
   // TN = 1: 16 weight rows per warp
   cands.push_back(reg_cand<1, 4, 4, 1, 1>());
@@ -378,7 +532,8 @@ int main(int argc, char** argv) {
         if (sh.k % 32 != 0) continue;
         KFn f = m <= 8 ? cd.t1 : cd.t2;
         const int smem = m <= 8 ? cd.smem1 : cd.smem2;
-        const int grid = (sh.n + cd.rows_per_block - 1) / cd.rows_per_block;
+        const int grid = (sh.n + cd.rows_per_block - 1) / cd.rows_per_block * cd.split;
+        if (cd.split > 1 && sh.k / 32 < cd.split * 8) continue;  // fewer than a chunk a warp
         auto run = [&](const __nv_bfloat16* wp) {
           f<<<grid, cd.threads, smem>>>(x, wp, y, m, sh.n, sh.k);
         };

@@ -10,6 +10,7 @@ pub mod footprint;
 pub mod gemma3;
 pub mod gemma4;
 pub mod gpt_oss;
+pub mod graphs;
 pub mod hybrid;
 pub mod llama;
 pub mod qwen2;
@@ -273,6 +274,11 @@ pub trait TargetModel: Send + Sync {
     fn verify_bytes(&self, rows: usize) -> f64 {
         let _ = rows;
         self.info().weight_bytes as f64
+    }
+
+    /// What the model's CUDA graphs did (`archs::graphs`; all zero where none run).
+    fn graph_report(&self) -> graphs::GraphReport {
+        graphs::GraphReport::default()
     }
 }
 

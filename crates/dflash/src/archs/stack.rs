@@ -55,6 +55,10 @@ pub struct Frame<'m> {
     /// The prologue's output (gemma4: per-layer inputs `[n, layers, dim]`).
     pub extra: Option<Tensor>,
     prof: RefCell<SectionTimer>,
+    /// The positions live on the device (a CUDA graph step, `archs::graphs`): attention reads
+    /// them from here and the rope rows by position from `position_tables` (one per rope).
+    pub step: Option<crate::nn::fused::DeviceStep>,
+    position_tables: Vec<Tensor>,
 }
 
 impl<'m> Frame<'m> {
@@ -79,6 +83,48 @@ impl<'m> Frame<'m> {
             chunk_masks: OnceCell::new(),
             extra: None,
             prof: RefCell::new(SectionTimer::start(what, device)),
+            step: None,
+            position_tables: vec![],
+        })
+    }
+
+    /// A forward whose inputs live on the device, so that a CUDA graph of it can be replayed
+    /// at other positions: the ids `[n]` (u32), `step` (the first position, the key bound)
+    /// and, per rope of the model, its table by position (`Rope::position_table`). `start` is
+    /// this run's position (the host's bookkeeping).
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_device(
+        ids: Tensor,
+        start: usize,
+        ropes: &'m [Rope],
+        position_tables: Vec<Tensor>,
+        step: crate::nn::fused::DeviceStep,
+        dtype: DType,
+        device: &Device,
+        what: &'static str,
+    ) -> Result<Self> {
+        let n = ids.dim(0)?;
+        if position_tables.len() != ropes.len() {
+            return Err(crate::Error::input(format!(
+                "graph step: {} position tables for {} ropes",
+                position_tables.len(),
+                ropes.len()
+            )));
+        }
+        Ok(Self {
+            start,
+            n,
+            ids,
+            device: device.clone(),
+            dtype,
+            ropes,
+            tables: ropes.iter().map(|_| OnceCell::new()).collect(),
+            masks: Masks::new(n, start, dtype, device),
+            chunk_masks: OnceCell::new(),
+            extra: None,
+            prof: RefCell::new(SectionTimer::start(what, device)),
+            step: Some(step),
+            position_tables,
         })
     }
 
@@ -87,7 +133,10 @@ impl<'m> Frame<'m> {
         if let Some(t) = self.tables[r].get() {
             return Ok(t);
         }
-        let t = self.ropes[r].tables(self.start, self.n, &self.device, self.dtype)?;
+        let t = match self.step {
+            Some(_) => RopeTables::by_position(self.position_tables[r].clone(), self.n),
+            None => self.ropes[r].tables(self.start, self.n, &self.device, self.dtype)?,
+        };
         Ok(self.tables[r].get_or_init(|| t))
     }
 
@@ -101,6 +150,11 @@ impl<'m> Frame<'m> {
         if let Some(m) = self.chunk_masks.get() {
             return Ok(m);
         }
+        if self.step.is_some() {
+            return Err(crate::Error::input(
+                "a Gated DeltaNet layer ran in a CUDA graph step (its state is not replayable); run with DFLASH_CUDA_GRAPHS=0 and report this",
+            ));
+        }
         let m = ChunkMasks::new(self.n, &self.device)?;
         Ok(self.chunk_masks.get_or_init(|| m))
     }
@@ -112,6 +166,7 @@ impl<'m> Frame<'m> {
             tables: self.tables(r)?,
             vis,
             masks: &self.masks,
+            step: self.step.as_ref(),
         })
     }
 
@@ -290,6 +345,13 @@ pub trait Layer: Send + Sync {
         r.replace(Tensor::cat(&parts, 0)?);
         Ok(())
     }
+    /// Whether a forward of this layer can be captured into a CUDA graph and replayed at
+    /// other positions (`archs::graphs`): everything it reads that changes between steps
+    /// comes from the frame's device step (attention through `nn::Attention`), and it keeps
+    /// no state but KV rows written in place. Default: no.
+    fn graph_safe(&self) -> bool {
+        false
+    }
     /// Bytes of weights held (fused copies included).
     fn weight_bytes(&self) -> usize;
     /// Bytes of weights a forward of `rows` rows reads: all of them, but for a MoE block only
@@ -394,6 +456,8 @@ pub struct Stack<L> {
     /// and scores stay `piece x context`); None = one pass.
     pub piece: Option<usize>,
     pub prologue: Option<Box<dyn Prologue>>,
+    /// Its CUDA graphs (`archs::graphs`).
+    pub graphs: super::graphs::Graphs,
 }
 
 /// `x` rounded to `dtype` (how transformers multiplies by a python float cast to the weights'
@@ -428,6 +492,7 @@ impl<L: Layer> Stack<L> {
             caches,
             piece: None,
             prologue: None,
+            graphs: Default::default(),
         }
     }
 
@@ -452,7 +517,7 @@ impl<L: Layer> Stack<L> {
         taps: &[usize],
         logits: Logits,
     ) -> Result<ForwardOutput> {
-        let mut f = Frame::new(
+        let f = Frame::new(
             tokens,
             start,
             &self.ropes,
@@ -460,6 +525,18 @@ impl<L: Layer> Stack<L> {
             &self.info.device,
             "target",
         )?;
+        self.run_frame(f, cache, taps, logits)
+    }
+
+    /// One forward of the frame's rows: embedding, prologue, every layer, head. The KV slots
+    /// advance; the cache's own length is the caller's (`checked_forward`).
+    pub(crate) fn run_frame(
+        &self,
+        mut f: Frame,
+        cache: &mut TargetCache,
+        taps: &[usize],
+        logits: Logits,
+    ) -> Result<ForwardOutput> {
         let mut h = self.embed.forward(&f.ids)?;
         if let Some(s) = self.embed_scale {
             h = (h * s)?;
@@ -656,6 +733,12 @@ impl<L: Layer> TargetModel for Stack<L> {
                 self.caches.len()
             )));
         }
+        if let Some(out) = self
+            .graphs
+            .forward(self, tokens, start, cache, taps, logits)?
+        {
+            return Ok(out);
+        }
         checked_forward(
             tokens,
             start,
@@ -665,6 +748,10 @@ impl<L: Layer> TargetModel for Stack<L> {
             self.vocab_limit,
             |c| self.forward_pieces(tokens, start, c, taps, logits),
         )
+    }
+
+    fn graph_report(&self) -> super::graphs::GraphReport {
+        self.graphs.report()
     }
 
     fn forward_batch(

@@ -604,6 +604,7 @@ impl DraftModel {
                     tables: &t_blk[k],
                     vis: layer.vis,
                     masks: &masks[k],
+                    step: None,
                 })
                 .collect();
             let mut kvs: Vec<&mut KvCache> =
@@ -733,6 +734,7 @@ impl DraftModel {
                 tables: &t_blk,
                 vis: layer.vis,
                 masks: &masks,
+                step: None,
             };
             let (xa, dk) = layer.pre_attn(x, q)?;
             let attn_out = layer.post_attn(a.forward(&xa, &site, kv)?, dk, q)?;

@@ -156,6 +156,9 @@ pub struct Site<'a> {
     pub tables: &'a RopeTables,
     pub vis: Visibility,
     pub masks: &'a Masks,
+    /// The forward's positions live on the device (a CUDA graph step): only the fused
+    /// kernels can run, reading them from there.
+    pub step: Option<&'a fused::DeviceStep>,
 }
 
 /// The additive masks of one forward (`n` query rows at positions `start ..` over keys
@@ -530,6 +533,9 @@ impl Attention {
     /// everything cached, as `at.vis` allows. The one entry point of every family's attention
     /// layers and the draft's; see the module docs for how it runs.
     pub fn forward(&self, x: &Tensor, at: &Site, cache: &mut KvCache) -> Result<Tensor> {
+        if let Some(step) = at.step {
+            return self.forward_device_step(x, at, step, cache);
+        }
         if let Some(o) = self.forward_fused(x, at, cache)? {
             return Ok(o);
         }
@@ -625,6 +631,71 @@ impl Attention {
             _ => o,
         };
         self.o_proj.forward(&o)
+    }
+
+    /// [`Self::forward`] of a forward whose positions live on the device (`step`; a CUDA
+    /// graph replays it at later positions): the batched kernels with one segment, reading
+    /// the first position from `step.pos0` and the rope rows from the by-position table.
+    /// They give the bits the one-sequence kernels give (tests/fused_cuda.rs). Anything else
+    /// cannot run such a forward, so where they do not apply this is an error, not a
+    /// fallback.
+    fn forward_device_step(
+        &self,
+        x: &Tensor,
+        at: &Site,
+        step: &fused::DeviceStep,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let declined = || {
+            crate::Error::input(format!(
+                "attention (heads {}, head dim {}): the fused kernels declined a CUDA graph step; run with DFLASH_CUDA_GRAPHS=0 and report this",
+                self.spec.heads, self.spec.head_dim
+            ))
+        };
+        let Some(table) = at.tables.packed.as_ref().filter(|_| at.tables.by_position) else {
+            return Err(declined());
+        };
+        if !self.fusable(cache, at.tables) {
+            return Err(declined());
+        }
+        let y = match &self.qkv {
+            Some(f) => f.forward(x)?,
+            None => self.q_proj.forward(x)?,
+        };
+        let n = y.dim(0)?;
+        let joint = cache.joint().cloned().ok_or_else(declined)?;
+        let pos0 = if self.spec.shared_kv {
+            cache.len().checked_sub(n).ok_or_else(|| {
+                crate::Error::input("attention: a KV-shared layer ran before its owner")
+            })?
+        } else {
+            cache.check_room(n)?;
+            cache.len()
+        };
+        let segs = [fused::Segment {
+            kv: &joint,
+            pos0,
+            n,
+        }];
+        if !self.spec.shared_kv {
+            let (kc, vc) = self.kv_columns();
+            let k = self.head_source(kc, &self.k_norm, at.rope);
+            let v = self.value_source(vc);
+            if !fused::kv_write_segments(&y, table, &k, &v, &segs, Some(step))? {
+                return Err(declined());
+            }
+            cache.append_in_place(n, |_, _| Ok(true))?;
+        }
+        let call = self.fused_call(at, 0, 0);
+        match fused::attention_segments(&y, table, &segs, &call, Some(step))? {
+            Some(o) => Ok(self.o_proj.forward(&o)?),
+            None => {
+                if !self.spec.shared_kv {
+                    cache.truncate(pos0);
+                }
+                Err(declined())
+            }
+        }
     }
 
     /// [`Self::forward`] through the fused kernels: one projection, one K/V write, one
@@ -731,7 +802,7 @@ impl Attention {
         let (kc, vc) = self.kv_columns();
         let k = self.head_source(kc, &self.k_norm, at.rope);
         let v = self.value_source(vc);
-        if !fused::kv_write_segments(y, &tables, &k, &v, &segs)? {
+        if !fused::kv_write_segments(y, &tables, &k, &v, &segs, None)? {
             return Ok(None);
         }
         let pos0: Vec<usize> = segs.iter().map(|s| s.pos0).collect();
@@ -740,7 +811,7 @@ impl Attention {
         }
         // kv_len / q_pos0 are per segment in a batched call
         let call = self.fused_call(at, 0, 0);
-        match fused::attention_segments(y, &tables, &segs, &call)? {
+        match fused::attention_segments(y, &tables, &segs, &call, None)? {
             Some(o) => Ok(Some(o)),
             None => {
                 // The kernel checks what `fusable` and the write checked: a bug, not an input.

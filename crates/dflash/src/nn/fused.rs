@@ -173,6 +173,25 @@ pub struct Segment<'a> {
     pub n: usize,
 }
 
+/// A forward whose positions live on the device, so that a CUDA graph of it can be replayed
+/// at later positions (`archs::graphs`): `pos0 [segments]` (i64) holds each segment's first
+/// position, the rope tables are indexed by absolute position, and attention covers
+/// `kv_bound` keys (at least every segment's `pos0 + n`; the chunks past a segment's keys
+/// are empty).
+#[derive(Clone, Debug)]
+pub struct DeviceStep {
+    pub pos0: Tensor,
+    pub kv_bound: usize,
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_step(step: Option<&DeviceStep>) -> Option<super::cuda::DevStep> {
+    step.map(|s| super::cuda::DevStep {
+        pos0: s.pos0.clone(),
+        kv_bound: s.kv_bound,
+    })
+}
+
 #[cfg(feature = "cuda")]
 fn cuda_segments(segs: &[Segment]) -> Vec<super::cuda::Segment> {
     segs.iter()
@@ -185,13 +204,15 @@ fn cuda_segments(segs: &[Segment]) -> Vec<super::cuda::Segment> {
 }
 
 /// [`kv_write`] for several sequences in one launch: `src` and `tables` hold the segments'
-/// rows back to back; each segment's rows go to its own cache. False when nothing was written.
+/// rows back to back (with `step`: `tables` by absolute position, positions on the device);
+/// each segment's rows go to its own cache. False when nothing was written.
 pub fn kv_write_segments(
     src: &Tensor,
     tables: &Tensor,
     k: &HeadSource,
     v: &HeadSource,
     segs: &[Segment],
+    step: Option<&DeviceStep>,
 ) -> Result<bool> {
     if !usable(crate::switches::Part::Attention, &[src, tables]) {
         return Ok(false);
@@ -204,11 +225,12 @@ pub fn kv_write_segments(
             k,
             v,
             &cuda_segments(segs),
+            cuda_step(step).as_ref(),
         )?)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (k, v, segs);
+        let _ = (k, v, segs, step);
         Ok(false)
     }
 }
@@ -221,6 +243,7 @@ pub fn attention_segments(
     tables: &Tensor,
     segs: &[Segment],
     call: &AttentionCall,
+    step: Option<&DeviceStep>,
 ) -> Result<Option<Tensor>> {
     if !usable(crate::switches::Part::Attention, &[src, tables]) {
         return Ok(None);
@@ -232,11 +255,12 @@ pub fn attention_segments(
             tables,
             &cuda_segments(segs),
             call,
+            cuda_step(step).as_ref(),
         )?)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (segs, call);
+        let _ = (segs, call, step);
         Ok(None)
     }
 }

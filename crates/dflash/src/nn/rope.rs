@@ -29,6 +29,9 @@ pub struct RopeTables {
     /// `[len, rotary_dim]` = `cos | sin` per row in the compute dtype, for the fused CUDA
     /// kernels (built only where they can run).
     pub packed: Option<Tensor>,
+    /// `packed` is a table over absolute positions (row p for position p), for a forward
+    /// whose positions live on the device (`nn::fused::DeviceStep`); there are no host rows.
+    pub by_position: bool,
 }
 
 impl RopeTables {
@@ -41,10 +44,29 @@ impl RopeTables {
         self.len == 0
     }
 
+    /// Tables for `len` rows whose positions live on the device: `table` is
+    /// [`Rope::position_table`]'s.
+    pub fn by_position(table: Tensor, len: usize) -> Self {
+        Self {
+            host: std::sync::Arc::new((vec![], vec![])),
+            len,
+            device: table.device().clone(),
+            dtype: table.dtype(),
+            cos_sin: std::sync::OnceLock::new(),
+            packed: Some(table),
+            by_position: true,
+        }
+    }
+
     /// The `(cos, sin)` tensors in the compute dtype.
     pub fn cos_sin(&self) -> Result<&(Tensor, Tensor)> {
         if let Some(cs) = self.cos_sin.get() {
             return Ok(cs);
+        }
+        if self.by_position {
+            return Err(crate::Error::input(
+                "rope: a forward with positions on the device (a CUDA graph step) reached a path other than the fused kernels; run with DFLASH_CUDA_GRAPHS=0 and report this",
+            ));
         }
         let half = self.host.0.len() / self.len.max(1);
         let up = |v: &Vec<f32>| -> Result<Tensor> {
@@ -116,7 +138,21 @@ impl Rope {
             dtype,
             cos_sin: std::sync::OnceLock::new(),
             packed,
+            by_position: false,
         })
+    }
+
+    /// The fused kernels' packed table (`cos | sin`) of positions `0 .. len`, row p for
+    /// position p: each row is the one [`Self::tables`] makes for that position (the same
+    /// products in f32, the same rounding), so a step that reads its rows from here by position
+    /// gives the same bits. None where the fused kernels do not run.
+    pub fn position_table(
+        &self,
+        len: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Option<Tensor>> {
+        Ok(self.tables(0, len, device, dtype)?.packed)
     }
 
     /// Rotate `x [heads, len, head_dim]` (contiguous) by the tables of its positions. When

@@ -424,6 +424,25 @@ fn attn_variants(dk: usize, dv: usize) -> Option<&'static [(&'static str, usize)
     })
 }
 
+/// The batched (`_seg`) form of an attention kernel of [`attn_variants`] (a static name: no
+/// string is built per launch).
+fn seg_name(name: &str) -> &'static str {
+    match name {
+        "attn_bf16_d64" => "attn_bf16_d64_seg",
+        "attn_bf16_d64_p2" => "attn_bf16_d64_p2_seg",
+        "attn_bf16_d64_p1" => "attn_bf16_d64_p1_seg",
+        "attn_bf16_d128" => "attn_bf16_d128_seg",
+        "attn_bf16_d128_p2" => "attn_bf16_d128_p2_seg",
+        "attn_bf16_d128_p1" => "attn_bf16_d128_p1_seg",
+        "attn_bf16_d256" => "attn_bf16_d256_seg",
+        "attn_bf16_d256_p1" => "attn_bf16_d256_p1_seg",
+        "attn_bf16_d512" => "attn_bf16_d512_seg",
+        "attn_bf16_d512_p1" => "attn_bf16_d512_p1_seg",
+        "attn_bf16_k576_v512" => "attn_bf16_k576_v512_seg",
+        _ => "attn_bf16_k576_v512_p1_seg",
+    }
+}
+
 /// The attention kernel for a launch of `blocks` (KV head, key chunk) blocks over `pairs`
 /// (row, head) pairs per KV head: the most pairs per block (each block reads its key chunk
 /// once for all its pairs) whose grid still gives every multiprocessor a block, else one pair
@@ -543,6 +562,71 @@ pub struct Segment {
     pub n: usize,
 }
 
+/// Positions that live on the device (a CUDA graph replays the launch at other positions):
+/// `pos0 [nseg]` i64 holds every segment's first position, the rope table is indexed by
+/// absolute position, and attention covers `kv_bound` keys (every segment's `pos0 + n` is at
+/// most that; the splits past a segment's keys are empty). `Segment::pos0` then only serves
+/// the host's checks.
+#[derive(Clone, Debug)]
+pub struct DevStep {
+    pub pos0: Tensor,
+    pub kv_bound: usize,
+}
+
+/// The i64 view of a device step's positions, checked against the segment count.
+fn pos0_view<'a>(h: &'a Held<'a>, nseg: usize) -> candle_core::Result<CudaView<'a, i64>> {
+    match &*h.0 {
+        Storage::Cuda(s) => {
+            let Some((o, e)) = h.1.contiguous_offsets() else {
+                candle_core::bail!("dflash batched attention: step positions must be contiguous");
+            };
+            if e - o != nseg {
+                candle_core::bail!(
+                    "dflash batched attention: {} step positions for {nseg} segments",
+                    e - o
+                );
+            }
+            Ok(s.as_cuda_slice::<i64>()?.slice(o..e))
+        }
+        _ => candle_core::bail!("dflash batched attention: step positions are not on the device"),
+    }
+}
+
+/// Metadata tables of device-step launches, uploaded once per distinct content and kept: a
+/// graph's launches read them at every replay, and nothing may be uploaded while a graph is
+/// captured (its warm-up run, outside the capture, fills this). Their content is the cache
+/// pointers and geometry only (positions come from the step), so a model holds one per layer
+/// and row count.
+fn static_meta(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    meta: Vec<i64>,
+) -> candle_core::Result<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaSlice<i64>>>
+{
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+    type Table = HashMap<
+        (candle_core::cuda_backend::DeviceId, Vec<i64>),
+        Arc<candle_core::cuda_backend::cudarc::driver::CudaSlice<i64>>,
+    >;
+    static TABLES: OnceLock<Mutex<Table>> = OnceLock::new();
+    let key = (dev.id(), meta);
+    let mut t = TABLES
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("dflash static metadata table poisoned".into()))?;
+    if let Some(m) = t.get(&key) {
+        return Ok(m.clone());
+    }
+    if super::graph::capturing(dev) {
+        candle_core::bail!(
+            "dflash batched attention: a metadata table not seen in the warm-up run was asked for while a CUDA graph is captured"
+        );
+    }
+    let slice = Arc::new(dev.clone_htod(&key.1)?);
+    t.insert(key, slice.clone());
+    Ok(slice)
+}
+
 /// Number of i64 per segment in the metadata table (`SEG_META` in kernels/fused.cu).
 const SEG_META: usize = 6;
 
@@ -553,6 +637,7 @@ const SEG_META: usize = 6;
 /// attention blocks.
 fn seg_table(
     segs: &[Segment],
+    dev_pos: bool,
     kvh: usize,
     d: usize,
     stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
@@ -589,7 +674,9 @@ fn seg_table(
         head.extend_from_slice(&[
             ptr as i64,
             cap as i64,
-            s.pos0 as i64,
+            // With device positions the table holds none (so its content does not change
+            // with the step).
+            if dev_pos { 0 } else { s.pos0 as i64 },
             row0 as i64,
             s.n as i64,
             grp0 as i64,
@@ -609,6 +696,34 @@ struct KvWriteSegs {
     v: HeadSource,
     segs: Vec<Segment>,
     tables: Tensor,
+    step: Option<DevStep>,
+}
+
+/// The metadata table on the device: uploaded for this launch, or (device steps) the kept
+/// copy of the same content.
+enum Meta {
+    Fresh(candle_core::cuda_backend::cudarc::driver::CudaSlice<i64>),
+    Kept(std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaSlice<i64>>),
+}
+
+impl Meta {
+    fn upload(
+        dev: &candle_core::cuda_backend::CudaDevice,
+        meta: Vec<i64>,
+        kept: bool,
+    ) -> candle_core::Result<Self> {
+        Ok(if kept {
+            Meta::Kept(static_meta(dev, meta)?)
+        } else {
+            Meta::Fresh(dev.clone_htod(&meta)?)
+        })
+    }
+    fn slice(&self) -> &candle_core::cuda_backend::cudarc::driver::CudaSlice<i64> {
+        match self {
+            Meta::Fresh(m) => m,
+            Meta::Kept(m) => m,
+        }
+    }
 }
 
 impl InplaceOp1 for KvWriteSegs {
@@ -624,11 +739,12 @@ impl InplaceOp1 for KvWriteSegs {
         let (_, kvh, _, d) = self.segs[0].kv.dims4()?;
         let (tab_rows, rot_cols) = self.tables.dims2()?;
         let last = |h: &HeadSource| h.offset + (kvh - 1) * h.head_stride + d;
-        if tab_rows != n
-            || self.k.rot != rot_cols
-            || last(&self.k) > stride
-            || last(&self.v) > stride
-        {
+        // One table row per source row, or (device steps) per position up to the bound.
+        let rows_ok = match &self.step {
+            None => tab_rows == n,
+            Some(st) => tab_rows >= st.kv_bound,
+        };
+        if !rows_ok || self.k.rot != rot_cols || last(&self.k) > stride || last(&self.v) > stride {
             candle_core::bail!(
                 "dflash-kv-write-segments: src {:?} tables {:?}",
                 sl.shape(),
@@ -637,11 +753,18 @@ impl InplaceOp1 for KvWriteSegs {
         }
         let dev = ss.device().clone();
         let stream = dev.cuda_stream();
-        let (meta, total, _) = seg_table(&self.segs, kvh, d, &stream, |_| 0)?;
+        let (meta, total, _) = seg_table(&self.segs, self.step.is_some(), kvh, d, &stream, |_| 0)?;
         if total != n {
             candle_core::bail!("dflash-kv-write-segments: segments of {total} rows for {n}");
         }
-        let meta = dev.clone_htod(&meta)?;
+        let meta = Meta::upload(&dev, meta, self.step.is_some())?;
+        let meta = meta.slice();
+        let hp = self.step.as_ref().map(|st| Held::new(&st.pos0));
+        let pos0s = hp
+            .as_ref()
+            .map(|h| pos0_view(h, self.segs.len()))
+            .transpose()?;
+        let cs_by_pos = self.step.is_some() as i32;
         let src = {
             let Some((o, e)) = sl.contiguous_offsets() else {
                 candle_core::bail!("dflash-kv-write-segments: projection must be contiguous");
@@ -682,10 +805,15 @@ impl InplaceOp1 for KvWriteSegs {
         b.arg(&eps);
         b.arg(&tab);
         b.arg(&rot);
-        b.arg(&meta);
+        b.arg(meta);
         b.arg(&nseg);
         b.arg(&kvh_i);
         b.arg(&d_i);
+        match &pos0s {
+            Some(p) => b.arg(p),
+            None => b.arg(&null),
+        };
+        b.arg(&cs_by_pos);
         // SAFETY: argument types match the kernel; every segment's rows fit its cache
         // (seg_table checked), shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
@@ -702,6 +830,7 @@ pub fn kv_write_segments(
     k: &HeadSource,
     v: &HeadSource,
     segs: &[Segment],
+    step: Option<&DevStep>,
 ) -> candle_core::Result<bool> {
     let mut ts = vec![src, tables];
     ts.extend(segs.iter().map(|s| &s.kv));
@@ -720,6 +849,7 @@ pub fn kv_write_segments(
         v: v.clone(),
         segs: segs.to_vec(),
         tables: tables.clone(),
+        step: step.cloned(),
     })?;
     Ok(true)
 }
@@ -727,6 +857,7 @@ pub fn kv_write_segments(
 struct AttendSegs {
     call: AttentionCall,
     segs: Vec<Segment>,
+    step: Option<DevStep>,
 }
 
 impl CustomOp2 for AttendSegs {
@@ -755,13 +886,21 @@ impl CustomOp2 for AttendSegs {
         let (tab_rows, rot_cols) = cl.shape().dims2()?;
         let heads = c.heads;
         let q_last = c.q.offset + (heads - 1) * c.q.head_stride + d + c.gate_offset.unwrap_or(0);
-        let Some((name, pairs_per_block)) = attn_kernel(d, d) else {
-            candle_core::bail!("dflash-attention-segments: head dim {d}");
+        // The same fixed key chunks as `Attend` (a row's arithmetic depends on its position
+        // only, so a sequence's rows give the bits they give alone); the split count is the
+        // longest segment's (or the device step's bound), and a shorter segment's extra splits
+        // are empty.
+        let chunk = ATTN_CHUNK;
+        let longest = match &self.step {
+            Some(st) => st.kv_bound,
+            None => self.segs.iter().map(|s| s.pos0 + s.n).max().unwrap_or(1),
         };
-        if heads % kvh != 0
-            || tab_rows != n
-            || (c.q.rot != 0 && c.q.rot != rot_cols)
-            || q_last > stride
+        let splits = longest.div_ceil(chunk).max(1);
+        let rows_ok = match &self.step {
+            None => tab_rows == n,
+            Some(st) => tab_rows >= st.kv_bound,
+        };
+        if heads % kvh != 0 || !rows_ok || (c.q.rot != 0 && c.q.rot != rot_cols) || q_last > stride
         {
             candle_core::bail!(
                 "dflash-attention-segments: src {:?} tables {:?} heads {heads}",
@@ -771,31 +910,32 @@ impl CustomOp2 for AttendSegs {
         }
         let rep = heads / kvh;
         let dev = ss.device();
+        // As `Attend` picks (a pair's arithmetic does not depend on its block's other pairs).
+        let Some((name, pairs_per_block)) = attn_pick(dev, d, d, kvh * splits, n * rep) else {
+            candle_core::bail!("dflash-attention-segments: head dim {d}");
+        };
         let stream = dev.cuda_stream();
-        let (meta, total, blocks) = seg_table(&self.segs, kvh, d, &stream, |rows| {
+        let dev_pos = self.step.is_some();
+        let (meta, total, blocks) = seg_table(&self.segs, dev_pos, kvh, d, &stream, |rows| {
             (rows * rep).div_ceil(pairs_per_block)
         })?;
         if total != n {
             candle_core::bail!("dflash-attention-segments: segments of {total} rows for {n}");
         }
-        let meta = dev.clone_htod(&meta)?;
+        let meta = Meta::upload(dev, meta, dev_pos)?;
+        let meta = meta.slice();
+        let hp = self.step.as_ref().map(|st| Held::new(&st.pos0));
+        let pos0s = hp
+            .as_ref()
+            .map(|h| pos0_view(h, self.segs.len()))
+            .transpose()?;
+        let cs_by_pos = dev_pos as i32;
         let src = view(ss, sl, "projection")?;
         let tab = view(cs, cl, "rope tables")?;
         let held_q = c.q.norm.as_ref().map(Held::new);
         let qw = opt_view(&held_q, "head norm weight")?;
         let held_s = c.sinks.as_ref().map(Held::new);
         let sinks = opt_view(&held_s, "sinks")?;
-        // The same fixed key chunks as `Attend` (a row's arithmetic depends on its position
-        // only, so a sequence's rows give the bits they give alone); the split count is the
-        // longest segment's, and a shorter segment's extra splits are empty.
-        let chunk = ATTN_CHUNK;
-        let splits = self
-            .segs
-            .iter()
-            .map(|s| (s.pos0 + s.n).div_ceil(chunk))
-            .max()
-            .unwrap_or(1)
-            .max(1);
         let rows = heads * n;
         // SAFETY: every element is written (by attn with one split, else by attn_combine).
         let out = unsafe { dev.alloc::<bf16>(n * heads * d)? };
@@ -806,8 +946,7 @@ impl CustomOp2 for AttendSegs {
                 1
             })?
         };
-        let func =
-            dev.get_or_load_custom_func(&format!("{name}_seg"), "dflash_fused", FUSED_PTX)?;
+        let func = dev.get_or_load_custom_func(seg_name(name), "dflash_fused", FUSED_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (kvh as u32, splits as u32, blocks as u32),
             block_dim: (128, 1, 1),
@@ -840,7 +979,7 @@ impl CustomOp2 for AttendSegs {
         b.arg(&tab);
         b.arg(&rot);
         b.arg(&scale);
-        b.arg(&meta);
+        b.arg(meta);
         b.arg(&nseg);
         b.arg(&total_i);
         b.arg(&kvh_i);
@@ -852,6 +991,11 @@ impl CustomOp2 for AttendSegs {
         b.arg(&gate_off);
         b.arg(&out);
         b.arg(&part);
+        match &pos0s {
+            Some(p) => b.arg(p),
+            None => b.arg(&null),
+        };
+        b.arg(&cs_by_pos);
         // SAFETY: argument types match the kernel; seg_table checked every segment's cache.
         unsafe { b.launch(cfg) }.w()?;
         if splits > 1 {
@@ -880,6 +1024,7 @@ pub fn attention_segments(
     tables: &Tensor,
     segs: &[Segment],
     call: &AttentionCall,
+    step: Option<&DevStep>,
 ) -> candle_core::Result<Option<Tensor>> {
     let mut ts = vec![src, tables];
     ts.extend(segs.iter().map(|s| &s.kv));
@@ -910,6 +1055,7 @@ pub fn attention_segments(
         &AttendSegs {
             call: call.clone(),
             segs: segs.to_vec(),
+            step: step.cloned(),
         },
     )?))
 }

@@ -21,6 +21,7 @@ mod attention;
 mod delta;
 pub mod dflash2;
 mod fused;
+pub mod graph;
 mod matmul;
 mod moe;
 mod sampling;

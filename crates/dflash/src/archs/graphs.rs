@@ -1,0 +1,352 @@
+//! CUDA graphs for a [`Stack`]'s decode and verify forwards (on by default on CUDA;
+//! `DFLASH_CUDA_GRAPHS=0` runs them eagerly).
+//!
+//! A MoE decode step launches ~15 kernels a layer, and through candle each launch costs the
+//! host ~10 us: at hidden 2048 the host, not the GPU, sets the step's time (docs/perf.md,
+//! session 22: 1.1-1.9 ms to enqueue 12 layers whose kernels take 1.3 ms). A graph replays
+//! the whole forward with one launch.
+//!
+//! A forward of `n <= 16` rows whose every layer is [`Layer::graph_safe`] runs "on the
+//! device": its token ids and first position are written into device buffers owned by the
+//! graph entry, the attention kernels read the position from there and the rope rows from a
+//! table by position (`Frame::on_device`, `nn::fused::DeviceStep`), so the same launches are
+//! right at every position. Entries are keyed by the cache (its buffers' addresses are in the
+//! launches), the row count, the logits and taps asked for, and the key bound (the attention
+//! splits, in steps of [`BOUND_STEP`] positions). The first forward of a key runs eagerly in
+//! that form (it fills the parameter caches the capture needs), the second is captured and
+//! launched, later ones only write the inputs and launch. What a replay returns is copied
+//! out of the graph's buffers (the next replay reuses them).
+//!
+//! Exactness: the on-device forward gives the bits of the ordinary one
+//! (`tests/fused_cuda.rs`: graphs vs eager, greedy DFlash == plain with graphs). If a capture
+//! fails (some kernel on the path needs the host), graphs are switched off for the model, the
+//! reason is kept ([`Graphs::report`], `dflash bench`) and the forward runs eagerly.
+
+use super::stack::{Layer, Stack};
+use super::{ForwardOutput, Logits, TargetCache};
+use crate::Result;
+
+/// The key bound's step: a graph covers the positions up to the next multiple of this (its
+/// attention launches cover that many keys; chunks past a row's keys are empty).
+pub const BOUND_STEP: usize = 256;
+
+/// Most rows a graphed forward has (decode, verify and draft-sized blocks).
+pub const MAX_ROWS: usize = 16;
+
+/// What the graphs of a model did, for reports.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GraphReport {
+    /// Forwards run on the device form eagerly (the first of each key).
+    pub warmups: u64,
+    pub captures: u64,
+    pub replays: u64,
+    /// Why graphs are off for this model (the first capture that failed), if they are.
+    pub off: Option<String>,
+}
+
+/// A model's graphs (empty and never used without `--features cuda`).
+#[derive(Default)]
+pub struct Graphs {
+    #[cfg(feature = "cuda")]
+    state: std::sync::Mutex<imp::State>,
+}
+
+impl Graphs {
+    pub fn report(&self) -> GraphReport {
+        #[cfg(feature = "cuda")]
+        {
+            match self.state.lock() {
+                Ok(s) => s.report.clone(),
+                Err(_) => GraphReport {
+                    off: Some("graph state poisoned by a panic".into()),
+                    ..Default::default()
+                },
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            GraphReport::default()
+        }
+    }
+
+    /// Run the forward through a graph when one applies; None when the caller runs it eagerly
+    /// (graphs off, a shape or layer they do not cover, or a capture that just failed).
+    pub fn forward<L: Layer>(
+        &self,
+        m: &Stack<L>,
+        tokens: &[u32],
+        start: usize,
+        cache: &mut TargetCache,
+        taps: &[usize],
+        logits: Logits,
+    ) -> Result<Option<ForwardOutput>> {
+        #[cfg(feature = "cuda")]
+        {
+            if !imp::eligible(m, tokens.len(), cache) {
+                return Ok(None);
+            }
+            let mut st = self.state.lock().map_err(|_| {
+                crate::Error::input(
+                    "graph state poisoned by an earlier panic; run with DFLASH_CUDA_GRAPHS=0",
+                )
+            })?;
+            st.forward(m, tokens, start, cache, taps, logits)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (m, tokens, start, cache, taps, logits);
+            Ok(None)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use super::*;
+    use crate::archs::{check_forward, LayerCache};
+    use crate::nn::cuda::graph;
+    use crate::nn::fused::DeviceStep;
+    use candle_core::{DType, Tensor};
+
+    /// Graphs kept per model (least recently used dropped first).
+    const MAX_ENTRIES: usize = 16;
+
+    #[derive(Clone, PartialEq, Eq)]
+    struct Key {
+        /// The cache's first KV buffer: its addresses are in the captured launches.
+        cache: candle_core::TensorId,
+        n: usize,
+        logits: Logits,
+        taps: Vec<usize>,
+        bound: usize,
+    }
+
+    struct Captured {
+        graph: graph::Graph,
+        /// What the captured forward returned: the graph's own buffers.
+        out: ForwardOutput,
+        /// Cache slots the forward appends `n` rows to.
+        advanced: Vec<usize>,
+    }
+
+    struct Entry {
+        key: Key,
+        used: u64,
+        ids: Tensor,
+        pos0: Tensor,
+        warm: bool,
+        captured: Option<Captured>,
+    }
+
+    #[derive(Default)]
+    pub(super) struct State {
+        pub(super) report: GraphReport,
+        /// The position tables (one per rope) and their rows.
+        tables: Option<(usize, Vec<Tensor>)>,
+        entries: Vec<Entry>,
+        clock: u64,
+    }
+
+    /// Whether a forward of `n` rows of `m` over `cache` can be graphed at all.
+    pub(super) fn eligible<L: Layer>(m: &Stack<L>, n: usize, cache: &TargetCache) -> bool {
+        crate::switches::cuda_graphs()
+            && (1..=MAX_ROWS).contains(&n)
+            && m.info.dtype == DType::BF16
+            && graph::supported(&m.info.device)
+            && crate::nn::fused::allowed_part(crate::switches::Part::Attention)
+            && !crate::stats::SectionTimer::enabled()
+            && m.layers.iter().all(|l| l.graph_safe())
+            && first_kv(cache).is_some()
+    }
+
+    fn first_kv(cache: &TargetCache) -> Option<candle_core::TensorId> {
+        cache.layers.iter().find_map(|l| match l {
+            LayerCache::Kv(kv) => kv.joint().map(|j| j.id()),
+            _ => None,
+        })
+    }
+
+    fn slot_lens(cache: &TargetCache) -> Vec<usize> {
+        cache
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Kv(kv) => kv.len(),
+                LayerCache::Latent(c) => c.len(),
+                LayerCache::Recurrent(_) => 0,
+            })
+            .collect()
+    }
+
+    fn restore(cache: &mut TargetCache, lens: &[usize]) {
+        for (l, &len) in cache.layers.iter_mut().zip(lens) {
+            match l {
+                LayerCache::Kv(kv) => kv.truncate(len),
+                LayerCache::Latent(c) => c.truncate(len),
+                LayerCache::Recurrent(_) => {}
+            }
+        }
+    }
+
+    fn copied(out: &ForwardOutput) -> Result<ForwardOutput> {
+        Ok(ForwardOutput {
+            logits: out.logits.as_ref().map(|t| t.copy()).transpose()?,
+            taps: out.taps.as_ref().map(|t| t.copy()).transpose()?,
+        })
+    }
+
+    impl State {
+        pub(super) fn forward<L: Layer>(
+            &mut self,
+            m: &Stack<L>,
+            tokens: &[u32],
+            start: usize,
+            cache: &mut TargetCache,
+            taps: &[usize],
+            logits: Logits,
+        ) -> Result<Option<ForwardOutput>> {
+            if self.report.off.is_some() {
+                return Ok(None);
+            }
+            check_forward(tokens, start, cache, taps, m.layers.len(), m.vocab_limit)?;
+            let n = tokens.len();
+            let dev = m.info.device.clone();
+            let Some(cache_id) = first_kv(cache) else {
+                return Ok(None);
+            };
+            let key = Key {
+                cache: cache_id,
+                n,
+                logits,
+                taps: taps.to_vec(),
+                bound: (start + n).div_ceil(BOUND_STEP) * BOUND_STEP,
+            };
+            // Position tables covering every bound this cache can reach.
+            let rows = cache.capacity().div_ceil(BOUND_STEP).max(1) * BOUND_STEP;
+            if self.tables.as_ref().map(|t| t.0) != Some(rows) {
+                let mut ts = Vec::with_capacity(m.ropes.len());
+                for r in &m.ropes {
+                    match r.position_table(rows, &dev, m.info.dtype)? {
+                        Some(t) => ts.push(t),
+                        None => return Ok(None),
+                    }
+                }
+                self.tables = Some((rows, ts));
+            }
+            let tables = self
+                .tables
+                .as_ref()
+                .map(|t| t.1.clone())
+                .unwrap_or_default();
+            self.clock += 1;
+            let clock = self.clock;
+            let at = match self.entries.iter().position(|e| e.key == key) {
+                Some(i) => i,
+                None => {
+                    if self.entries.len() >= MAX_ENTRIES {
+                        let lru = (0..self.entries.len())
+                            .min_by_key(|&i| self.entries[i].used)
+                            .unwrap_or(0);
+                        self.entries.swap_remove(lru);
+                    }
+                    self.entries.push(Entry {
+                        key: key.clone(),
+                        used: clock,
+                        ids: Tensor::zeros(n, DType::U32, &dev)?,
+                        pos0: Tensor::zeros(1, DType::I64, &dev)?,
+                        warm: false,
+                        captured: None,
+                    });
+                    self.entries.len() - 1
+                }
+            };
+            let e = &mut self.entries[at];
+            e.used = clock;
+            graph::write_u32(&e.ids, tokens)?;
+            graph::write_i64(&e.pos0, &[start as i64])?;
+            if let Some(c) = &e.captured {
+                c.graph.launch()?;
+                for &slot in &c.advanced {
+                    if let LayerCache::Kv(kv) = &mut cache.layers[slot] {
+                        kv.append_in_place(n, |_, _| Ok(true))?;
+                    }
+                }
+                cache.advance(n);
+                self.report.replays += 1;
+                return Ok(Some(copied(&c.out)?));
+            }
+            let step = DeviceStep {
+                pos0: e.pos0.clone(),
+                kv_bound: key.bound,
+            };
+            let (ids, warm) = (e.ids.clone(), e.warm);
+            let before = slot_lens(cache);
+            let run = |cache: &mut TargetCache| -> Result<ForwardOutput> {
+                let f = super::super::stack::Frame::on_device(
+                    ids.clone(),
+                    start,
+                    &m.ropes,
+                    tables.clone(),
+                    step.clone(),
+                    m.info.dtype,
+                    &dev,
+                    "target",
+                )?;
+                m.run_frame(f, cache, taps, logits)
+            };
+            if !warm {
+                // The first forward of this key, eagerly in the on-device form: it makes
+                // every upload the capture will ask for (candle's shape parameters, the
+                // attention metadata tables).
+                let _cache = graph::param_cache(&dev)?;
+                return match run(cache) {
+                    Ok(out) => {
+                        cache.advance(n);
+                        self.entries[at].warm = true;
+                        self.report.warmups += 1;
+                        Ok(Some(out))
+                    }
+                    Err(err) => {
+                        restore(cache, &before);
+                        Err(err)
+                    }
+                };
+            }
+            match graph::capture(&dev, || run(cache)) {
+                Ok((out, g)) => {
+                    let after = slot_lens(cache);
+                    let mut advanced = vec![];
+                    for (slot, (&b, &a)) in before.iter().zip(&after).enumerate() {
+                        if a == b + n {
+                            advanced.push(slot);
+                        } else if a != b {
+                            restore(cache, &before);
+                            return Err(crate::Error::input(format!(
+                                "CUDA graph capture: cache slot {slot} went from {b} to {a} rows in a forward of {n}"
+                            )));
+                        }
+                    }
+                    g.launch()?;
+                    cache.advance(n);
+                    let ret = copied(&out)?;
+                    self.entries[at].captured = Some(Captured {
+                        graph: g,
+                        out,
+                        advanced,
+                    });
+                    self.report.captures += 1;
+                    Ok(Some(ret))
+                }
+                Err(err) => {
+                    // Nothing captured ran: the cache holds what it held before.
+                    restore(cache, &before);
+                    let why = format!("{err}");
+                    tracing::warn!("CUDA graphs off for this model: {why}");
+                    self.report.off = Some(why);
+                    self.entries.clear();
+                    Ok(None)
+                }
+            }
+        }
+    }
+}
