@@ -181,11 +181,11 @@ impl Layer for DecoderLayer {
         (self.weight_bytes() - self.ffn.weight_bytes()) as f64 + self.ffn.read_bytes(rows)
     }
 
-    /// Attention layers (dense or MoE feed-forward) replay; MLA (its latent kernels take the
-    /// position as an argument) and Gated DeltaNet (a recurrent state replaced every step)
-    /// do not yet.
+    /// Attention layers (dense or MoE feed-forward) that the fused kernels take replay; MLA
+    /// (its latent kernels take the position as an argument) and Gated DeltaNet (a recurrent
+    /// state replaced every step) do not yet.
     fn graph_safe(&self) -> bool {
-        matches!(self.mixer, Mixer::Attention { .. })
+        matches!(&self.mixer, Mixer::Attention { attn, .. } if attn.runs_device_steps())
     }
 
     fn weight_bytes(&self) -> usize {

@@ -297,9 +297,13 @@ mod imp {
             if !warm {
                 // The first forward of this key, eagerly in the on-device form: it makes
                 // every upload the capture will ask for (candle's shape parameters, the
-                // attention metadata tables).
-                let _cache = graph::param_cache(&dev)?;
-                return match run(cache) {
+                // attention metadata tables). If that form cannot run (a kernel declined
+                // it), graphs go off for the model and the caller runs the ordinary forward.
+                let warmed = {
+                    let _cache = graph::param_cache(&dev)?;
+                    run(cache)
+                };
+                return match warmed {
                     Ok(out) => {
                         cache.advance(n);
                         self.entries[at].warm = true;
@@ -308,7 +312,8 @@ mod imp {
                     }
                     Err(err) => {
                         restore(cache, &before);
-                        Err(err)
+                        self.switch_off(format!("the on-device forward failed: {err}"));
+                        Ok(None)
                     }
                 };
             }
@@ -340,13 +345,17 @@ mod imp {
                 Err(err) => {
                     // Nothing captured ran: the cache holds what it held before.
                     restore(cache, &before);
-                    let why = format!("{err}");
-                    tracing::warn!("CUDA graphs off for this model: {why}");
-                    self.report.off = Some(why);
-                    self.entries.clear();
+                    self.switch_off(format!("capture failed: {err}"));
                     Ok(None)
                 }
             }
+        }
+
+        /// Graphs off for this model from now on, and why (reported by `graph_report`).
+        fn switch_off(&mut self, why: String) {
+            tracing::warn!("CUDA graphs off for this model: {why}");
+            self.report.off = Some(why);
+            self.entries.clear();
         }
     }
 }

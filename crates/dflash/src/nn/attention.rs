@@ -457,11 +457,21 @@ impl Attention {
     /// alone for KV-shared layers, dense; a joint cache; a head dim the kernel has; packed
     /// tables); the kernels then check device, dtype and shapes.
     fn fusable(&self, cache: &KvCache, t: &RopeTables) -> bool {
+        self.fusable_layer() && cache.joint().is_some() && t.packed.is_some()
+    }
+
+    /// The layer's part of [`Self::fusable`]: its projections and head dim.
+    fn fusable_layer(&self) -> bool {
         let proj_ok = self.qkv.is_some() || (self.spec.shared_kv && self.q_proj.is_dense());
-        proj_ok
-            && cache.joint().is_some()
-            && t.packed.is_some()
-            && fused::attention_supports(self.spec.head_dim)
+        proj_ok && fused::attention_supports(self.spec.head_dim)
+    }
+
+    /// Whether a forward with its positions on the device (a CUDA graph step, see
+    /// [`Site::step`]) can run this layer: the fused kernels take it (its projections are
+    /// stacked, its head dim is one the kernel has; its cache, made from the same head dim
+    /// for keys and values, has the joint buffer they write).
+    pub fn runs_device_steps(&self) -> bool {
+        self.fusable_layer()
     }
 
     /// Write the keys/values of already projected rows `y` (k at `kc`, v at `vc`) into the
