@@ -56,10 +56,11 @@ pub fn run(m: crate::flags::ModelFlags) -> Result<()> {
         candle_core::utils::get_num_threads()
     );
     println!(
-        "cpu simd: avx {}, f16c {}, neon {}",
+        "cpu simd: avx {}, f16c {}, neon {}; dflash's int8 product (GGUF Q8_0 / Q4 / Q5_0): {}",
         yes(candle_core::utils::with_avx()),
         yes(candle_core::utils::with_f16c()),
-        yes(candle_core::utils::with_neon())
+        yes(candle_core::utils::with_neon()),
+        dflash::nn::q8::simd_level().name()
     );
     let cuda = if cfg!(feature = "cuda") {
         match candle_core::Device::new_cuda(0) {

@@ -10,8 +10,9 @@
 //! decode step there (docs/perf.md). Here the scales are converted to f32 once at load, the
 //! activation is quantized once per call with the same rule as ggml (`d = amax / 127`, `q =
 //! round(x / d)`, `d` kept as f16), and the int8 products go through AVX-512 VNNI
-//! (`vpdpbusd`) where the CPU has it, on weights repacked at load into tiles of 16 rows
-//! (see [`QMatrix`]): one loaded tile block serves up to four activation rows.
+//! (`vpdpbusd`) where the CPU has it, else AVX2 (`vpmaddubsw` + `vpmaddwd`; e.g. AMD Zen 2/3),
+//! on weights repacked at load into tiles of 16 rows (see [`QMatrix`]): one loaded tile block
+//! serves up to four activation rows. Every path gives the reference's bits ([`Simd`]).
 //!
 //! Batch invariance: a row of the output is computed by the same code, in the same order,
 //! whatever the number of rows of x, so a verify's logits equal the decode steps' bit for bit
@@ -280,7 +281,7 @@ impl QMatrix {
         let n = self.rows;
         let mut out = vec![0f32; m * n];
         let out_ptr = out.as_mut_ptr() as usize;
-        let simd = simd_available();
+        let simd = simd_level();
         candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(TR), |range| {
             let out = out_ptr as *mut f32;
             let mut tile = [[0f32; TR]; ROWS_PER_PASS];
@@ -329,14 +330,21 @@ fn quantize_rows(x: &[f32], k: usize) -> QRows {
         s: vec![0f32; nb],
         sum: vec![0i32; nb],
     };
-    #[cfg(target_arch = "x86_64")]
-    if simd_available() {
-        // SAFETY: the CPU has AVX-512 F/BW (simd_available); the buffers hold nb blocks.
-        unsafe { x86::quantize_blocks(x, &mut r) };
-        return r;
-    }
-    quantize_blocks_scalar(x, &mut r);
+    quantize_blocks_with(simd_level(), x, &mut r);
     r
+}
+
+/// [`quantize_rows`]'s blocks with the given path (every path gives the same bits).
+fn quantize_blocks_with(simd: Simd, x: &[f32], r: &mut QRows) {
+    #[cfg(target_arch = "x86_64")]
+    match simd {
+        // SAFETY: the level is one the CPU has (simd_level / simd_levels); r holds the blocks.
+        Simd::Avx512 => return unsafe { x86::quantize_blocks(x, r) },
+        Simd::Avx2 => return unsafe { x86::quantize_blocks_avx2(x, r) },
+        Simd::Scalar => {}
+    }
+    let _ = simd;
+    quantize_blocks_scalar(x, r)
 }
 
 /// One block's scale from its largest magnitude: (`d` rounded to f16, `1 / d` before rounding).
@@ -364,9 +372,9 @@ fn quantize_blocks_scalar(x: &[f32], r: &mut QRows) {
 
 /// Tile `t` of `w` times activation rows `r0..r0 + nx` of `x` (nx <= ROWS_PER_PASS): `out[r][j]`
 /// = row `t * 16 + j` of the product for activation row `r0 + r` (padding rows give 0). `simd`
-/// from [`simd_available`].
+/// from [`simd_level`].
 fn tile_rows(
-    simd: bool,
+    simd: Simd,
     w: &QMatrix,
     t: usize,
     x: &QRows,
@@ -375,21 +383,28 @@ fn tile_rows(
     out: &mut [[f32; TR]; ROWS_PER_PASS],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` says the CPU has the features; t < tiles, r0 + nx <= x's rows.
-        unsafe {
-            match (w.kind, nx) {
-                (Kind::Q8, 1) => x86::tile_rows::<false, 1>(w, t, x, r0, out),
-                (Kind::Q8, 2) => x86::tile_rows::<false, 2>(w, t, x, r0, out),
-                (Kind::Q8, 3) => x86::tile_rows::<false, 3>(w, t, x, r0, out),
-                (Kind::Q8, _) => x86::tile_rows::<false, 4>(w, t, x, r0, out),
-                (Kind::Q4 { .. }, 1) => x86::tile_rows::<true, 1>(w, t, x, r0, out),
-                (Kind::Q4 { .. }, 2) => x86::tile_rows::<true, 2>(w, t, x, r0, out),
-                (Kind::Q4 { .. }, 3) => x86::tile_rows::<true, 3>(w, t, x, r0, out),
-                (Kind::Q4 { .. }, _) => x86::tile_rows::<true, 4>(w, t, x, r0, out),
-            }
+    {
+        macro_rules! by_rows {
+            ($f:ident) => {
+                match (w.kind, nx) {
+                    (Kind::Q8, 1) => x86::$f::<false, 1>(w, t, x, r0, out),
+                    (Kind::Q8, 2) => x86::$f::<false, 2>(w, t, x, r0, out),
+                    (Kind::Q8, 3) => x86::$f::<false, 3>(w, t, x, r0, out),
+                    (Kind::Q8, _) => x86::$f::<false, 4>(w, t, x, r0, out),
+                    (Kind::Q4 { .. }, 1) => x86::$f::<true, 1>(w, t, x, r0, out),
+                    (Kind::Q4 { .. }, 2) => x86::$f::<true, 2>(w, t, x, r0, out),
+                    (Kind::Q4 { .. }, 3) => x86::$f::<true, 3>(w, t, x, r0, out),
+                    (Kind::Q4 { .. }, _) => x86::$f::<true, 4>(w, t, x, r0, out),
+                }
+            };
         }
-        return;
+        // SAFETY: the level is one the CPU has (simd_level / simd_levels); t < tiles,
+        // r0 + nx <= x's rows.
+        match simd {
+            Simd::Avx512 => return unsafe { by_rows!(tile_rows) },
+            Simd::Avx2 => return unsafe { by_rows!(tile_rows_avx2) },
+            Simd::Scalar => {}
+        }
     }
     let _ = simd;
     tile_rows_scalar(w, t, x, r0, nx, out)
@@ -448,14 +463,14 @@ fn tile_rows_scalar(
 /// (multiplied by [`QMatrix`]) instead of being requantized to Q8_0: Q4_0 / Q4_1 (as
 /// stored), Q5_0 (its exact values in the Q8 layout: 34 bytes a block instead of 22, see
 /// [`kept_block_bytes`]), a width this product is preferred for
-/// ([`QMatrix::preferred_for`]), the VNNI path available (the scalar one is a reference, not a
-/// fast path), and neither `DFLASH_Q8=0` nor `DFLASH_Q4=0`.
+/// ([`QMatrix::preferred_for`]), a SIMD path available (AVX-512 VNNI or AVX2; the scalar one
+/// is a reference, not a fast path), and neither `DFLASH_Q8=0` nor `DFLASH_Q4=0`.
 pub fn keeps_as_stored(dt: GgmlDType, cols: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0)
         && QMatrix::preferred_for(cols)
         && enabled()
-        && *ON.get_or_init(|| simd_available() && crate::switches::get().q4)
+        && *ON.get_or_init(|| simd_level() != Simd::Scalar && crate::switches::get().q4)
 }
 
 /// Bytes a block of 32 weights of GGUF type `dt` takes once loaded by [`QMatrix`] (the stored
@@ -472,22 +487,60 @@ pub fn enabled() -> bool {
     crate::switches::get().q8
 }
 
-/// Whether the AVX-512 VNNI path runs (checked once; `DFLASH_Q8_SCALAR=1` forces the scalar
-/// path, which gives the same bits).
-fn simd_available() -> bool {
+/// The instruction sets the int8 product runs on. Every path gives the same bits (exact
+/// int32 block sums, then the same f32 operations in the same order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    /// The reference (also what runs where neither below is available).
+    Scalar,
+    /// AVX2 + FMA + F16C: `vpmaddubsw` / `vpmaddwd` on 8 rows a register (Q8 by the sign trick:
+    /// `|w| * sign(x, w)`, no saturation), two registers a tile.
+    Avx2,
+    /// AVX-512 F/BW/VNNI + FMA: `vpdpbusd` on the 16 rows of a tile.
+    Avx512,
+}
+
+impl Simd {
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Scalar => "scalar",
+            Simd::Avx2 => "avx2",
+            Simd::Avx512 => "avx512-vnni",
+        }
+    }
+}
+
+/// The fastest path this CPU has (checked once; `DFLASH_Q8_SCALAR=1` forces the scalar one).
+pub fn simd_level() -> Simd {
+    static L: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+    *L.get_or_init(|| {
+        if crate::switches::get().q8_scalar {
+            return Simd::Scalar;
+        }
+        *simd_levels().last().unwrap_or(&Simd::Scalar)
+    })
+}
+
+/// Every path this CPU can run, slowest first (tests compare them all with the reference).
+fn simd_levels() -> Vec<Simd> {
+    let mut v = vec![Simd::Scalar];
     #[cfg(target_arch = "x86_64")]
     {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| {
-            !crate::switches::get().q8_scalar
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("fma")
-        })
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            v.push(Simd::Avx2);
+        }
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("fma")
+        {
+            v.push(Simd::Avx512);
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    v
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -610,6 +663,168 @@ mod x86 {
             _mm512_storeu_ps(out[r].as_mut_ptr(), v);
         }
     }
+
+    /// [`quantize_blocks`] with AVX2, 8 values a register: the same max, products and
+    /// rounding (truncate, then step away from zero where the remainder is at least one half).
+    ///
+    /// # Safety
+    /// AVX2; `r` holds `x.len() / 32` blocks.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn quantize_blocks_avx2(x: &[f32], r: &mut QRows) {
+        let sign = _mm256_set1_ps(-0.0);
+        let half = _mm256_set1_ps(0.5);
+        let one = _mm256_set1_ps(1.0);
+        // _mm256_packs_epi32 / _epi16 interleave the 128-bit lanes: this puts them back.
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for b in 0..x.len() / QK {
+            let p = x.as_ptr().add(b * QK);
+            let v = [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ];
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+            );
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+            let (dd, id) = block_scale(amax);
+            let idv = _mm256_set1_ps(id);
+            let mut q = [_mm256_setzero_si256(); 4];
+            let mut sum = _mm256_setzero_si256();
+            for (h, v) in v.into_iter().enumerate() {
+                let y = _mm256_mul_ps(v, idv);
+                let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(y, t));
+                let away = _mm256_cmp_ps::<_CMP_GE_OQ>(frac, half);
+                let step = _mm256_and_ps(away, _mm256_or_ps(_mm256_and_ps(y, sign), one));
+                q[h] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+                sum = _mm256_add_epi32(sum, q[h]);
+            }
+            let w16 = _mm256_packs_epi32(q[0], q[1]);
+            let w16b = _mm256_packs_epi32(q[2], q[3]);
+            let w8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), order);
+            _mm256_storeu_si256(r.q.as_mut_ptr().add(b * QK) as *mut __m256i, w8);
+            let s4 = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256(sum, 1),
+            );
+            let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+            let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1));
+            let sum = _mm_cvtsi128_si32(s1);
+            r.d[b] = dd;
+            r.s[b] = dd * sum as f32;
+            r.sum[b] = sum;
+        }
+    }
+
+    /// [`tile_rows`] with AVX2: the 16 rows of a tile as two registers of 8. Per block and
+    /// group of 4 weights, each activation row's 4 bytes broadcast against the rows' bytes
+    /// (`vpmaddubsw` then `vpmaddwd` against ones: the exact sum of the 4 products per row;
+    /// Q4 nibbles are unsigned, Q8 weights `q + 128` are turned back into `q` and multiplied
+    /// as `|q| * sign(x, q)`, which keeps every pair sum within an i16), then per block one
+    /// conversion and one fma per row, as the other paths.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; as [`tile_rows`] otherwise.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_rows_avx2<const Q4: bool, const R: usize>(
+        w: &QMatrix,
+        t: usize,
+        x: &QRows,
+        r0: usize,
+        out: &mut [[f32; TR]; ROWS_PER_PASS],
+    ) {
+        let kb = w.cols / QK;
+        let tbb = w.kind.tile_block_bytes();
+        let mins = !w.m.is_empty();
+        let lo = _mm256_set1_epi8(0x0f);
+        let flip = _mm256_set1_epi8(-128);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut macc = [[_mm256_setzero_ps(); 2]; R];
+        let qp = w.q.as_ptr();
+        let xq = x.q.as_ptr();
+        for b in 0..kb {
+            let tb = t * kb + b;
+            let p = qp.add(tb * tbb);
+            // Q4: the pair sums of all 8 groups add up in i16 (at most 16 * 15 * 127 = 30480),
+            // so one vpmaddwd a block; Q8's pairs reach 32512, so one a group.
+            let mut s = [[_mm256_setzero_si256(); 2]; R];
+            for c in 0..8 {
+                // Group c of the 16 rows: rows 0..8 and 8..16, 32 bytes each.
+                let g = [0, 1].map(|h| {
+                    if Q4 {
+                        let v = _mm256_loadu_si256(p.add(64 * (c % 4) + 32 * h) as *const _);
+                        let v = if c < 4 { v } else { _mm256_srli_epi16(v, 4) };
+                        _mm256_and_si256(v, lo)
+                    } else {
+                        _mm256_xor_si256(
+                            _mm256_loadu_si256(p.add(64 * c + 32 * h) as *const _),
+                            flip,
+                        )
+                    }
+                });
+                let ga = if Q4 { g } else { g.map(|v| _mm256_abs_epi8(v)) };
+                for (r, sr) in s.iter_mut().enumerate() {
+                    let xb = (r0 + r) * kb + b;
+                    let xv =
+                        _mm256_set1_epi32((xq.add(xb * QK) as *const i32).add(c).read_unaligned());
+                    for h in 0..2 {
+                        if Q4 {
+                            sr[h] = _mm256_add_epi16(sr[h], _mm256_maddubs_epi16(ga[h], xv));
+                        } else {
+                            let p16 = _mm256_maddubs_epi16(ga[h], _mm256_sign_epi8(xv, g[h]));
+                            sr[h] = _mm256_add_epi32(sr[h], _mm256_madd_epi16(p16, ones));
+                        }
+                    }
+                }
+            }
+            if Q4 {
+                for sr in s.iter_mut() {
+                    for v in sr.iter_mut() {
+                        *v = _mm256_madd_epi16(*v, ones);
+                    }
+                }
+            }
+            for h in 0..2 {
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(
+                    w.d.as_ptr().add(tb * TR + 8 * h) as *const _
+                ));
+                let mv = if !Q4 {
+                    _mm256_setzero_ps()
+                } else if mins {
+                    _mm256_cvtph_ps(_mm_loadu_si128(
+                        w.m.as_ptr().add(tb * TR + 8 * h) as *const _
+                    ))
+                } else {
+                    _mm256_mul_ps(dv, _mm256_set1_ps(-8.0)) // Q4_0: exact
+                };
+                for r in 0..R {
+                    let xb = (r0 + r) * kb + b;
+                    let sc = _mm256_mul_ps(dv, _mm256_set1_ps(*x.d.get_unchecked(xb)));
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), sc, acc[r][h]);
+                    if Q4 {
+                        macc[r][h] =
+                            _mm256_fmadd_ps(mv, _mm256_set1_ps(*x.s.get_unchecked(xb)), macc[r][h]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for h in 0..2 {
+                let v = if Q4 {
+                    _mm256_add_ps(acc[r][h], macc[r][h])
+                } else {
+                    acc[r][h]
+                };
+                _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * h), v);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -624,7 +839,7 @@ mod tests {
     /// Against candle's own Q8_0 product on the widths this kernel is used for (not a
     /// multiple of 256: there candle quantizes activations to Q8_0 the same way; for
     /// multiples of 256 its tiled kernel uses Q8_K activations): equal up to f32 summation
-    /// order; the scalar and VNNI paths give the same bits; a row of x gives the same bits
+    /// order; the scalar and SIMD paths give the same bits; a row of x gives the same bits
     /// alone and among 16 rows.
     #[test]
     fn q8_product_matches_candle_and_is_row_invariant() {
@@ -693,13 +908,73 @@ mod tests {
         quantize_blocks_scalar(&xv, &mut xs);
         assert!(xs.q == xr.q && xs.d == xr.d && xs.s == xr.s && xs.sum == xr.sum);
         w.round_sums(&mut xr.s);
-        for t in 0..w.rows.div_ceil(TR) {
-            for nx in 1..=ROWS_PER_PASS.min(m) {
-                let (mut a, mut b) = ([[0f32; TR]; ROWS_PER_PASS], [[1f32; TR]; ROWS_PER_PASS]);
-                tile_rows_scalar(w, t, &xr, m - nx, nx, &mut a);
-                tile_rows(simd_available(), w, t, &xr, m - nx, nx, &mut b);
-                assert_eq!(a[..nx], b[..nx], "{}x{cols} tile {t}, {nx} rows", w.rows);
+        for simd in simd_levels() {
+            let mut xl = QRows {
+                q: vec![1; xv.len()],
+                d: vec![1.0; xr.d.len()],
+                s: vec![1.0; xr.d.len()],
+                sum: vec![1; xr.d.len()],
+            };
+            quantize_blocks_with(simd, &xv, &mut xl);
+            let same = xl.q == xs.q && xl.d == xs.d && xl.s == xs.s && xl.sum == xs.sum;
+            assert!(
+                same,
+                "{simd:?} activation quantization differs from the scalar one"
+            );
+            for t in 0..w.rows.div_ceil(TR) {
+                for nx in 1..=ROWS_PER_PASS.min(m) {
+                    let (mut a, mut b) = ([[0f32; TR]; ROWS_PER_PASS], [[1f32; TR]; ROWS_PER_PASS]);
+                    tile_rows_scalar(w, t, &xr, m - nx, nx, &mut a);
+                    tile_rows(simd, w, t, &xr, m - nx, nx, &mut b);
+                    assert_eq!(
+                        a[..nx],
+                        b[..nx],
+                        "{simd:?} {}x{cols} tile {t}, {nx} rows",
+                        w.rows
+                    );
+                }
             }
+        }
+    }
+
+    /// Which paths the scalar == SIMD checks below covered on this CPU (the test log says).
+    #[test]
+    fn simd_paths_of_this_cpu() {
+        let levels = simd_levels();
+        eprintln!(
+            "int8 product paths here: {levels:?}; used: {:?}",
+            simd_level()
+        );
+        assert_eq!(levels[0], Simd::Scalar);
+    }
+
+    /// Weights and activations at the ends of their ranges (Q8 weight -128 and 127, activation
+    /// -127 and 127, every Q4 nibble): the SIMD paths' i16 pair sums must not saturate.
+    #[test]
+    fn extreme_quants_give_the_scalar_bits() {
+        let cols = 64;
+        for kind in [Kind::Q8, Kind::Q4 { s16: true }, Kind::Q4 { s16: false }] {
+            let rows = 19;
+            let w = QMatrix::build(rows, cols, kind, |row, b| {
+                let mut q = [0u8; QK];
+                for (i, v) in q.iter_mut().enumerate() {
+                    *v = match kind {
+                        // stored as q + 128: 0 is q = -128, 255 is q = 127
+                        Kind::Q8 => [0u8, 255, 1, 254][(row + i + b) % 4],
+                        Kind::Q4 { .. } => ((row * 7 + i + b) % 16) as u8,
+                    };
+                }
+                Block {
+                    q,
+                    d: f16::from_f32(0.5 + row as f32 * 0.01),
+                    m: f16::from_f32(-0.25),
+                }
+            });
+            let x: Vec<f32> = (0..4 * cols)
+                .map(|i| [1.0f32, -1.0, 0.999, -0.5][i % 4] * if i % 7 == 0 { 127.0 } else { 3.0 })
+                .collect();
+            let x = Tensor::from_vec(x, (4, cols), &Device::Cpu).unwrap();
+            assert_scalar_equals_simd(&w, &x);
         }
     }
 
