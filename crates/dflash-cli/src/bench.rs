@@ -271,15 +271,21 @@ fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
     let res = run_micro(&p, &o)?;
     let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
     let machine = Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase());
-    let g = p.engine.target.graph_report();
     let graphs = if dflash::switches::cuda_graphs() && p.engine.target.info().device.is_cuda() {
-        format!(
-            "\nCUDA graphs (target): {} warm-up forwards, {} captures, {} replays{}\n",
-            g.warmups,
-            g.captures,
-            g.replays,
-            g.off.map(|w| format!("; off: {w}")).unwrap_or_default()
-        )
+        let line = |what: &str, g: dflash::archs::graphs::GraphReport| {
+            format!(
+                "CUDA graphs ({what}): {} warm-up passes, {} captures, {} replays{}\n",
+                g.warmups,
+                g.captures,
+                g.replays,
+                g.off.map(|w| format!("; off: {w}")).unwrap_or_default()
+            )
+        };
+        let mut s = format!("\n{}", line("target", p.engine.target.graph_report()));
+        if let Some(d) = &p.engine.draft {
+            s += &line("draft", d.graph_report());
+        }
+        s
     } else {
         String::new()
     };

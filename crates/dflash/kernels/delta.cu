@@ -18,16 +18,25 @@ typedef __nv_bfloat16 bf16;
 
 __device__ __forceinline__ float rb(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-// out[i, c] = bf16(silu(bf16(sum_j inputs[i + j, c] * w[j, c]))), inputs [K - 1 + n, cd] (the
-// cached window, then the new rows), w [K, cd] f32. One thread per (row, channel).
-extern "C" __global__ void delta_conv(const bf16* __restrict__ inputs, const float* __restrict__ w, int K,
-                                      int cd, int n, bf16* __restrict__ out) {
+// The conv inputs are the cached window `window [K - 1, cd]`, then the new rows' mixed columns
+// (`proj [n, pstride]`, columns 0 .. cd): row r of them is window[r] for r < K - 1, else proj[r -
+// (K - 1)].
+__device__ __forceinline__ const bf16* conv_input(const bf16* window, const bf16* proj, int pstride, int K,
+                                                  int cd, int r) {
+  return r < K - 1 ? window + (size_t)r * cd : proj + (size_t)(r - (K - 1)) * pstride;
+}
+
+// out[i, c] = bf16(silu(bf16(sum_j inputs[i + j, c] * w[j, c]))) over the inputs above, w [K, cd]
+// f32. One thread per (row, channel).
+extern "C" __global__ void delta_conv(const bf16* __restrict__ window, const bf16* __restrict__ proj,
+                                      int pstride, const float* __restrict__ w, int K, int cd, int n,
+                                      bf16* __restrict__ out) {
   const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (size_t)n * cd) return;
   const int i = idx / cd, c = idx % cd;
   float acc = 0.f;
   for (int j = 0; j < K; ++j) {
-    const float x = __bfloat162float(inputs[(size_t)(i + j) * cd + c]);
+    const float x = __bfloat162float(conv_input(window, proj, pstride, K, cd, i + j)[c]);
     const float p = __fmul_rn(x, w[(size_t)j * cd + c]);
     acc = j == 0 ? p : __fadd_rn(acc, p);
   }
@@ -42,12 +51,14 @@ extern "C" __global__ void delta_conv(const bf16* __restrict__ inputs, const flo
 
 // grid (hv, dv / 32), block 256. conv [n, cd]: q at [kh * 128], k at [hk * 128 + kh * 128], v at
 // [2 * hk * 128 + vh * dv]; proj [n, pstride]: b at b_off + vh, a at a_off + vh. s_in / s_out
-// [hv, 128, dv] f32; o [n, hv, dv] f32 (null: replay, state only). Rows 0 .. n.
+// [hv, 128, dv] f32 (distinct buffers); o [n, hv, dv] f32 (null: replay, state only). Rows 0 ..
+// n. With win_out, also the conv window after row n: `win_out [K - 1, cd]` := conv inputs n ..
+// n + K - 1 over `win_in` (the window before row 0) and proj (as delta_conv reads them).
 extern "C" __global__ void __launch_bounds__(256)
     delta_rule(const bf16* __restrict__ conv, int cd, const bf16* __restrict__ proj, int pstride, int b_off,
                int a_off, const float* __restrict__ a_neg, const float* __restrict__ dt_bias, int hk, int hv,
                int dv, int n, const float* __restrict__ s_in, float* __restrict__ s_out,
-               float* __restrict__ o) {
+               float* __restrict__ o, const bf16* __restrict__ win_in, int K, bf16* __restrict__ win_out) {
   __shared__ float qs[DR_DK], ks[DR_DK];
   __shared__ float red[DR_GROUPS][DR_COLS];
   __shared__ float ssq[2][4];
@@ -57,6 +68,14 @@ extern "C" __global__ void __launch_bounds__(256)
   const int kh = vh / (hv / hk);
   const int r0 = grp * DR_ROWS;
   const float qscale = rsqrtf((float)DR_DK);
+  if (win_out != nullptr) {
+    // The conv window after row n: inputs n .. n + K - 1 (see conv_input), spread over the grid.
+    const size_t total = (size_t)(K - 1) * cd, step = (size_t)gridDim.x * gridDim.y * blockDim.x;
+    for (size_t e = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + t; e < total; e += step) {
+      const int r = e / cd, c = e % cd;
+      win_out[e] = conv_input(win_in, proj, pstride, K, cd, n + r)[c];
+    }
+  }
   float S[DR_ROWS];
   const float* sb = s_in + (size_t)vh * DR_DK * dv;
 #pragma unroll

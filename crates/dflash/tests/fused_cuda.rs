@@ -1809,16 +1809,61 @@ fn graphs_replay_the_eager_forwards() {
             assert_eq!(report.captures, 0, "{name}: captured but never replayed");
         }
         eprintln!("{name}: {report:?}");
-        // Greedy DFlash == plain with graphs on (the verify blocks and decode steps replayed).
-        dflash::switches::set_cuda_graphs(true);
+        // The draft's block pass (its own graphs): 40 proposals of blocks of 16 and 5 rows
+        // with one new context row each, crossing the key bound at 256, graphs off and on.
         let dsrc = ModelSource::from_dir("d", &dir.join("draft")).unwrap();
         let draft = load_draft(&dsrc, &cfg, "t", &opts).unwrap();
+        let draft_run = |graphs: bool| {
+            let mut c = target.new_cache(512).unwrap();
+            let prompt = common::ids(17, 300, vocab);
+            let p = target
+                .forward(&prompt, 0, &mut c, &draft.taps, Logits::None)
+                .unwrap();
+            let ctx = p.taps.unwrap();
+            dflash::switches::set_cuda_graphs(graphs);
+            let mut dc = draft.new_cache(512).unwrap();
+            let mut out = vec![];
+            let mut start = 230;
+            let mut rows = ctx.narrow(0, 0, start).unwrap();
+            for step in 0..40usize {
+                let q = if step % 3 == 2 { 5 } else { draft.block_size() };
+                let mut block = vec![prompt[start]];
+                block.resize(q, draft.mask_token_id());
+                let l = draft.forward(&*target, &rows, &block, start, &mut dc).unwrap();
+                out.push(bits(&Some(l)));
+                rows = ctx.narrow(0, start, 1).unwrap();
+                start += 1;
+            }
+            dflash::switches::set_cuda_graphs(false);
+            out
+        };
+        let eager = draft_run(false);
+        let with = draft_run(true);
+        for (i, (a, b)) in eager.iter().zip(&with).enumerate() {
+            assert!(a == b, "{name}: draft pass {i} differs with CUDA graphs");
+        }
+        let dr = draft.graph_report();
+        assert!(dr.off.is_none(), "{name}: draft graphs off: {:?}", dr.off);
+        assert!(dr.replays > 0, "{name}: the draft never replayed: {dr:?}");
+        eprintln!("{name} draft: {dr:?}");
+        // Greedy DFlash == plain with graphs on (the verify blocks, decode steps and draft
+        // passes replayed).
+        dflash::switches::set_cuda_graphs(true);
         let engine = Engine::new(target, Some(draft));
         common::assert_greedy_dflash_equals_plain(&engine, vocab, &[2, 8, 16], &name);
         dflash::switches::set_cuda_graphs(false);
     }
-    // qwen3 (dense), qwen3_moe and gpt_oss have only attention layers.
-    for want in ["qwen3", "qwen3_moe", "gpt_oss"] {
+    // qwen3 (dense), qwen3_moe and gpt_oss have only attention layers; the hybrids' Gated
+    // DeltaNet layers replay on their caches' device rings (the 7-row blocks cut back to one
+    // row roll the rings back).
+    for want in [
+        "qwen3",
+        "qwen3_moe",
+        "gpt_oss",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+    ] {
         assert!(
             graphed.iter().any(|g| g == want),
             "{want} did not replay graphs (replayed: {graphed:?})"

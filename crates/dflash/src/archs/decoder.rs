@@ -124,6 +124,7 @@ impl DecoderLayer {
                 _ => return Err(wrong_cache(self.family, self.slot, "latent")),
             },
             Mixer::Delta(d) => match cache.layers.get_mut(self.slot) {
+                Some(LayerCache::Recurrent(rc)) if f.step.is_some() => d.forward_step(x, rc)?,
                 Some(LayerCache::Recurrent(rc)) => d.forward(x, rc, f.chunk_masks()?)?,
                 _ => return Err(wrong_cache(self.family, self.slot, "recurrent")),
             },
@@ -181,11 +182,15 @@ impl Layer for DecoderLayer {
         (self.weight_bytes() - self.ffn.weight_bytes()) as f64 + self.ffn.read_bytes(rows)
     }
 
-    /// Attention layers (dense or MoE feed-forward) that the fused kernels take replay; MLA
-    /// (its latent kernels take the position as an argument) and Gated DeltaNet (a recurrent
-    /// state replaced every step) do not yet.
+    /// Attention layers that the fused kernels take and Gated DeltaNet layers that the device
+    /// kernels take (on the cache's ring) replay, whatever the feed-forward; MLA (its latent
+    /// kernels take the position as an argument) does not yet.
     fn graph_safe(&self) -> bool {
-        matches!(&self.mixer, Mixer::Attention { attn, .. } if attn.runs_device_steps())
+        match &self.mixer {
+            Mixer::Attention { attn, .. } => attn.runs_device_steps(),
+            Mixer::Delta(d) => d.runs_device_steps(),
+            Mixer::Latent { .. } => false,
+        }
     }
 
     fn weight_bytes(&self) -> usize {

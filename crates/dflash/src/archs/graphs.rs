@@ -17,6 +17,11 @@
 //! launched, later ones only write the inputs and launch. What a replay returns is copied
 //! out of the graph's buffers (the next replay reuses them).
 //!
+//! Gated DeltaNet layers replay too: their state lives in the cache's device ring
+//! (`nn::recurrent_cache`), a forward reads one slot and writes the other, so the key also
+//! holds the slot each recurrent layer reads, and a replay commits the rollback record the
+//! capture left (the graph's own buffers, rewritten by every replay).
+//!
 //! Exactness: the on-device forward gives the bits of the ordinary one
 //! (`tests/fused_cuda.rs`: graphs vs eager, greedy DFlash == plain with graphs). If a capture
 //! fails (some kernel on the path needs the host), graphs are switched off for the model, the
@@ -119,6 +124,9 @@ mod imp {
         logits: Logits,
         taps: Vec<usize>,
         bound: usize,
+        /// Each recurrent layer's ring slot read (the captured launches read and write fixed
+        /// slots; a forward flips them).
+        parity: Vec<usize>,
     }
 
     struct Captured {
@@ -127,6 +135,9 @@ mod imp {
         out: ForwardOutput,
         /// Cache slots the forward appends `n` rows to.
         advanced: Vec<usize>,
+        /// Recurrent slots: the ring slot read and the rollback record every replay leaves
+        /// (the graph's own buffers).
+        recurrent: Vec<(usize, usize, crate::nn::recurrent_cache::ReplayChunk)>,
     }
 
     struct Entry {
@@ -173,19 +184,57 @@ mod imp {
             .map(|l| match l {
                 LayerCache::Kv(kv) => kv.len(),
                 LayerCache::Latent(c) => c.len(),
-                LayerCache::Recurrent(_) => 0,
+                LayerCache::Recurrent(r) => r.len(),
             })
             .collect()
     }
 
-    fn restore(cache: &mut TargetCache, lens: &[usize]) {
-        for (l, &len) in cache.layers.iter_mut().zip(lens) {
-            match l {
-                LayerCache::Kv(kv) => kv.truncate(len),
-                LayerCache::Latent(c) => c.truncate(len),
-                LayerCache::Recurrent(_) => {}
+    /// What a failed forward must give back: every slot's length, and the recurrent slots'
+    /// state records (cheap: their tensors are shared; a ring forward wrote only the slot
+    /// the record does not hold).
+    struct Before {
+        lens: Vec<usize>,
+        recurrent: Vec<Option<crate::nn::RecurrentCache>>,
+    }
+
+    fn before(cache: &TargetCache) -> Before {
+        Before {
+            lens: slot_lens(cache),
+            recurrent: cache
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerCache::Recurrent(r) => Some(r.clone()),
+                    _ => None,
+                })
+                .collect(),
+        }
+    }
+
+    fn restore(cache: &mut TargetCache, b: &Before) {
+        for ((l, &len), rec) in cache.layers.iter_mut().zip(&b.lens).zip(&b.recurrent) {
+            match (l, rec) {
+                (LayerCache::Kv(kv), _) => kv.truncate(len),
+                (LayerCache::Latent(c), _) => c.truncate(len),
+                (LayerCache::Recurrent(r), Some(rec)) => *r = rec.clone(),
+                (LayerCache::Recurrent(_), None) => {}
             }
         }
+    }
+
+    /// Every recurrent slot on its device ring (copied there after a forward of the portable
+    /// path), and the ring slot each reads next.
+    fn settle(cache: &mut TargetCache) -> Result<Option<Vec<usize>>> {
+        let mut parity = vec![];
+        for l in cache.layers.iter_mut() {
+            if let LayerCache::Recurrent(r) = l {
+                match r.ring_io()? {
+                    Some(io) => parity.push(io.parity),
+                    None => return Ok(None),
+                }
+            }
+        }
+        Ok(Some(parity))
     }
 
     fn copied(out: &ForwardOutput) -> Result<ForwardOutput> {
@@ -214,12 +263,16 @@ mod imp {
             let Some(cache_id) = first_kv(cache) else {
                 return Ok(None);
             };
+            let Some(parity) = settle(cache)? else {
+                return Ok(None);
+            };
             let key = Key {
                 cache: cache_id,
                 n,
                 logits,
                 taps: taps.to_vec(),
                 bound: (start + n).div_ceil(BOUND_STEP) * BOUND_STEP,
+                parity,
             };
             // Position tables covering every bound this cache can reach.
             let rows = cache.capacity().div_ceil(BOUND_STEP).max(1) * BOUND_STEP;
@@ -271,6 +324,11 @@ mod imp {
                         kv.append_in_place(n, |_, _| Ok(true))?;
                     }
                 }
+                for (slot, parity, chunk) in &c.recurrent {
+                    if let LayerCache::Recurrent(r) = &mut cache.layers[*slot] {
+                        r.commit_ring(n, *parity, chunk.clone())?;
+                    }
+                }
                 cache.advance(n);
                 self.report.replays += 1;
                 return Ok(Some(copied(&c.out)?));
@@ -280,7 +338,7 @@ mod imp {
                 kv_bound: key.bound,
             };
             let (ids, warm) = (e.ids.clone(), e.warm);
-            let before = slot_lens(cache);
+            let before = before(cache);
             let run = |cache: &mut TargetCache| -> Result<ForwardOutput> {
                 let f = super::super::stack::Frame::on_device(
                     ids.clone(),
@@ -320,11 +378,23 @@ mod imp {
             match graph::capture(&dev, || run(cache)) {
                 Ok((out, g)) => {
                     let after = slot_lens(cache);
-                    let mut advanced = vec![];
-                    for (slot, (&b, &a)) in before.iter().zip(&after).enumerate() {
-                        if a == b + n {
-                            advanced.push(slot);
-                        } else if a != b {
+                    let (mut advanced, mut recurrent) = (vec![], vec![]);
+                    for (slot, (&b, &a)) in before.lens.iter().zip(&after).enumerate() {
+                        let kept = match &cache.layers[slot] {
+                            LayerCache::Recurrent(r) => match r.ring_chunk() {
+                                Some((p, c)) if a == b + n => {
+                                    recurrent.push((slot, p, c));
+                                    true
+                                }
+                                _ => false,
+                            },
+                            _ if a == b + n => {
+                                advanced.push(slot);
+                                true
+                            }
+                            _ => a == b,
+                        };
+                        if !kept {
                             restore(cache, &before);
                             return Err(crate::Error::input(format!(
                                 "CUDA graph capture: cache slot {slot} went from {b} to {a} rows in a forward of {n}"
@@ -338,6 +408,7 @@ mod imp {
                         graph: g,
                         out,
                         advanced,
+                        recurrent,
                     });
                     self.report.captures += 1;
                     Ok(Some(ret))

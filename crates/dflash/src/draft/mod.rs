@@ -11,6 +11,7 @@
 //! layers: causal + window). The draft borrows the target's embedding and LM head.
 
 pub mod dflash2;
+pub mod graphs;
 
 use crate::archs::TargetModel;
 use crate::config::draft::DraftConfig;
@@ -84,6 +85,8 @@ pub struct DraftModel {
     ctx_kv: Option<Linear>,
     /// DFlash2: the candidate selector that turns the logits into the proposal.
     selector: Option<Selector>,
+    /// CUDA graphs of the block pass (`draft::graphs`).
+    graphs: graphs::DraftGraphs,
 }
 
 /// One sequence's part of a batched draft call ([`DraftModel::propose_batch`]).
@@ -279,6 +282,7 @@ impl DraftModel {
             None => None,
         };
         let model = Self {
+            graphs: graphs::DraftGraphs::default(),
             selector,
             head,
             d2t,
@@ -354,15 +358,62 @@ impl DraftModel {
         cache: &mut DraftCache,
         guide: Option<&crate::sampling::Sampler>,
     ) -> Result<Vec<u32>> {
-        let rows = self.forward_rows(target, ctx_in, block, start, cache)?;
-        let ids = match guide.filter(|g| g.adjusts()) {
-            Some(g) => {
-                let logits = self.logits(target, &rows, None)?;
-                self.guided_choices(&rows, &logits, block[0], g)?
-            }
-            None => self.propose_from_rows(target, &rows, block[0])?.0,
+        let (rows, logits) = self.rows_and_logits(target, ctx_in, block, start, cache)?;
+        let ids = match (guide.filter(|g| g.adjusts()), &self.selector) {
+            (Some(g), _) => self.guided_choices(&rows, &logits, block[0], g)?,
+            (None, Some(s)) => s.walk(&rows, &logits, block[0])?,
+            (None, None) => crate::sampling::argmax_rows(&logits)?,
         };
         Ok(self.to_target_ids(ids))
+    }
+
+    /// [`Self::forward_rows`] and the logits of those rows; on CUDA the block pass and the
+    /// LM head replay as a graph where they can (`draft::graphs`).
+    fn rows_and_logits(
+        &self,
+        target: &dyn TargetModel,
+        ctx_in: &Tensor,
+        block: &[u32],
+        start: usize,
+        cache: &mut DraftCache,
+    ) -> Result<(Tensor, Tensor)> {
+        self.check_pass(ctx_in, block, start, cache)?;
+        self.write_context(ctx_in, cache)?;
+        if let Some(out) = self.graphs.block(self, target, block, start, cache)? {
+            return Ok(out);
+        }
+        let ids = Tensor::from_slice(block, block.len(), &self.device)?;
+        let rows = self.block_rows(target, &ids, start, None, cache)?;
+        let logits = self.logits(target, &rows, None)?;
+        Ok((rows, logits))
+    }
+
+    /// What the draft's CUDA graphs did (warm-ups, captures, replays, why they are off).
+    pub fn graph_report(&self) -> crate::archs::graphs::GraphReport {
+        self.graphs.report()
+    }
+
+    /// A pass's inputs agree: the context rows end where the block starts, the block has two
+    /// rows at least.
+    fn check_pass(
+        &self,
+        ctx_in: &Tensor,
+        block: &[u32],
+        start: usize,
+        cache: &DraftCache,
+    ) -> Result<()> {
+        let s = ctx_in.dim(0)?;
+        let ctx_start = cache.len();
+        if ctx_start + s != start {
+            return Err(Error::input(format!(
+                "draft: context rows cover positions {ctx_start}..{} but the block starts at {start}",
+                ctx_start + s
+            )));
+        }
+        if block.len() < 2 {
+            return Err(Error::input("draft: a block needs at least 2 positions"));
+        }
+        Ok(())
     }
 
     /// A draft-vocabulary id as a target id (through `d2t` for a narrow head).
@@ -649,8 +700,7 @@ impl DraftModel {
         start: usize,
         cache: &mut DraftCache,
     ) -> Result<Tensor> {
-        let rows = self.forward_rows(target, ctx_in, block, start, cache)?;
-        self.logits(target, &rows, None)
+        Ok(self.rows_and_logits(target, ctx_in, block, start, cache)?.1)
     }
 
     /// The proposal for block rows 1..Q from the draft's output rows: the selector's walk
@@ -683,58 +733,88 @@ impl DraftModel {
         start: usize,
         cache: &mut DraftCache,
     ) -> Result<Tensor> {
-        let q = block.len();
+        self.check_pass(ctx_in, block, start, cache)?;
+        self.write_context(ctx_in, cache)?;
+        let ids = Tensor::from_slice(block, block.len(), &self.device)?;
+        self.block_rows(target, &ids, start, None, cache)
+    }
+
+    /// The context part of a draft pass: new context rows `ctx_in [S, K*H]` (taps of the
+    /// positions `cache.len() ..`) through `fc` and `hidden_norm`, then every layer's keys and
+    /// values of them into `cache`. Nothing here depends on the block, so it runs before the
+    /// block's layers (and outside a CUDA graph of them: its row count varies).
+    fn write_context(&self, ctx_in: &Tensor, cache: &mut DraftCache) -> Result<()> {
         let s = ctx_in.dim(0)?;
-        let ctx_start = cache.len();
-        if ctx_start + s != start {
-            return Err(Error::input(format!(
-                "draft: context rows cover positions {ctx_start}..{} but the block starts at {start}",
-                ctx_start + s
-            )));
-        }
-        if q < 2 {
-            return Err(Error::input("draft: a block needs at least 2 positions"));
+        if s == 0 {
+            return Ok(());
         }
         let dev = &self.device;
-        let mut prof = crate::stats::SectionTimer::start("draft", dev);
+        let ctx_start = cache.len();
+        let mut prof = crate::stats::SectionTimer::start("draft context", dev);
         let ctx = self
             .hidden_norm
             .forward(&self.fc.forward(&ctx_in.to_dtype(self.dtype)?)?)?;
-        let mut h = self.embed_block(target, block)?;
         let t_ctx = self.rope.tables(ctx_start, s, dev, self.dtype)?;
-        let t_blk = self.rope.tables(start, q, dev, self.dtype)?;
+        let ctx_kv = match &self.ctx_kv {
+            Some(l) => Some(l.forward(&ctx)?),
+            None => None,
+        };
+        prof.mark("fc+tables");
+        for (i, (layer, kv)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let a = &layer.attn;
+            let written = match &ctx_kv {
+                Some(y) => a.write_keys_values_from(y, i, &self.rope, &t_ctx, kv)?,
+                None => false,
+            };
+            if !written {
+                a.append_keys_values(&ctx, &self.rope, &t_ctx, kv)?;
+            }
+        }
+        prof.mark("ctx kv");
+        prof.finish();
+        Ok(())
+    }
+
+    /// The block part of a draft pass: the block `ids [Q]` at positions `start ..` (the cache
+    /// holds the context up to `start`) through every layer, each block row attending over
+    /// the cached context and the block (its keys and values dropped after the layer); the
+    /// final-normed rows 1..Q. With `step` the positions live on the device (a CUDA graph of
+    /// this pass, `draft::graphs`): the first position from the step, the rope rows from the
+    /// by-position `table`.
+    fn block_rows(
+        &self,
+        target: &dyn TargetModel,
+        ids: &Tensor,
+        start: usize,
+        step: Option<(&crate::nn::fused::DeviceStep, &Tensor)>,
+        cache: &mut DraftCache,
+    ) -> Result<Tensor> {
+        let q = ids.dim(0)?;
+        let dev = &self.device;
+        let mut prof = crate::stats::SectionTimer::start("draft", dev);
+        let mut h = self.embed_ids(target, ids)?;
+        let t_blk = match step {
+            Some((_, table)) => crate::nn::RopeTables::by_position(table.clone(), q),
+            None => self.rope.tables(start, q, dev, self.dtype)?,
+        };
         // The block sees the whole context and the whole block (no causal mask) except in
         // sliding layers (causal + window) or where `is_causal` says otherwise; masks only if
         // a portable attention asks.
         let masks = Masks::new(q, start, self.dtype, dev);
-        let ctx_kv = match (&self.ctx_kv, s > 0) {
-            (Some(l), true) => Some(l.forward(&ctx)?),
-            _ => None,
-        };
-        prof.mark("fc+embed+tables");
+        prof.mark("embed+tables");
         let mut x = match self.layers.first() {
             Some(l) => l.input_norm.forward(&h)?,
             None => h.clone(),
         };
         for (i, (layer, kv)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             let a = &layer.attn;
-            if s > 0 {
-                let written = match &ctx_kv {
-                    Some(y) => a.write_keys_values_from(y, i, &self.rope, &t_ctx, kv)?,
-                    None => false,
-                };
-                if !written {
-                    a.append_keys_values(&ctx, &self.rope, &t_ctx, kv)?;
-                }
-            }
-            prof.mark("norm+ctx kv");
             // The block's K/V go into the cache only for this call, then are dropped.
             let site = Site {
                 rope: &self.rope,
                 tables: &t_blk,
                 vis: layer.vis,
                 masks: &masks,
-                step: None,
+                step: step.map(|s| s.0),
             };
             let (xa, dk) = layer.pre_attn(x, q)?;
             let attn_out = layer.post_attn(a.forward(&xa, &site, kv)?, dk, q)?;
@@ -759,10 +839,14 @@ impl DraftModel {
     /// The block's input rows: the embeddings of `ids` (the draft's own table, else the
     /// target's), times `input_embedding_scale`.
     fn embed_block(&self, target: &dyn TargetModel, ids: &[u32]) -> Result<Tensor> {
-        let ids = Tensor::from_slice(ids, ids.len(), &self.device)?;
+        self.embed_ids(target, &Tensor::from_slice(ids, ids.len(), &self.device)?)
+    }
+
+    /// [`Self::embed_block`] of ids already on the device.
+    fn embed_ids(&self, target: &dyn TargetModel, ids: &Tensor) -> Result<Tensor> {
         let h = match &self.embed {
-            Some(e) => e.index_select(&ids, 0)?,
-            None => target.embed(&ids)?.to_dtype(self.dtype)?,
+            Some(e) => e.index_select(ids, 0)?,
+            None => target.embed(ids)?.to_dtype(self.dtype)?,
         };
         Ok(if self.cfg.input_embedding_scale != 1.0 {
             (h * self.cfg.input_embedding_scale)?

@@ -287,6 +287,37 @@ impl GatedDeltaNet {
 }
 
 impl GatedDeltaNet {
+    /// Whether a forward whose positions live on the device (a CUDA graph step) can run this
+    /// layer: the device kernels take its shapes (key and value head dims 128, SiLU) and are
+    /// not switched off. Such a forward takes [`Self::forward_step`].
+    pub fn runs_device_steps(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            let s = &self.spec;
+            super::fused::allowed_part(crate::switches::Part::Delta)
+                && s.k_dim == super::cuda::DELTA_HEAD_DIM
+                && s.v_dim == super::cuda::DELTA_HEAD_DIM
+                && s.act == Activation::Silu
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    /// [`Self::forward`] of a CUDA graph step (at most one chunk of rows): the device kernels
+    /// on the cache's ring, never the portable path (it cannot be replayed), so where they
+    /// do not apply this is an error.
+    pub fn forward_step(&self, x: &Tensor, cache: &mut RecurrentCache) -> Result<Tensor> {
+        match self.forward_device(x, cache)? {
+            Some(out) => Ok(out),
+            None => Err(crate::Error::input(format!(
+                "Gated DeltaNet ({} value heads): the device kernels declined a CUDA graph step; run with DFLASH_CUDA_GRAPHS=0 and report this",
+                self.spec.v_heads
+            ))),
+        }
+    }
+
     /// [`Self::forward`] through the device kernels, or None where they do not apply.
     #[cfg(feature = "cuda")]
     fn forward_device(&self, x: &Tensor, cache: &mut RecurrentCache) -> Result<Option<Tensor>> {
@@ -314,22 +345,32 @@ impl GatedDeltaNet {
             b_off: cd + hv * dv,
             a_off: cd + hv * dv + hv,
         };
-        // 1. projections, 2. conv over [window | rows] + SiLU
+        // 1. projections, 2. conv over [window | rows] + SiLU (the window from the cache's
+        //    device ring: the same buffers every step, so a CUDA graph replays this)
         let proj = self.in_proj.forward(x)?.contiguous()?;
-        let inputs = Tensor::cat(&[cache.conv(), &proj.narrow(1, 0, cd)?], 0)?;
-        let Some(conv) = super::cuda::delta_conv(&inputs, &self.conv_w)? else {
+        let Some(io) = cache.ring_io()? else {
             return Ok(None);
         };
-        // 3.-5. norms, gates and the rule, row by row from the cached state
-        let Some((Some(o), state)) = super::cuda::delta_rule(
+        let Some(conv) = super::cuda::delta_conv(&io.window_in, &proj, &self.conv_w)? else {
+            return Ok(None);
+        };
+        // 3.-5. norms, gates and the rule, row by row from the ring's state; the new state
+        //    and conv window go to the ring's other slot
+        let into = super::cuda::RuleInto {
+            state: &io.state_out,
+            window_in: &io.window_in,
+            window_out: &io.window_out,
+        };
+        let Some(Some(o)) = super::cuda::delta_rule_into(
             &conv,
             &proj,
             &self.a_neg,
             &self.dt_bias,
-            cache.state(),
+            &io.state_in,
             &layout,
             n,
             true,
+            into,
         )?
         else {
             return Ok(None);
@@ -340,17 +381,16 @@ impl GatedDeltaNet {
             return Ok(None);
         };
         let out = self.out_proj.forward(&y)?;
-        let kern = s.conv_kernel;
-        let chunk = DeltaChunk::Replay(ReplayChunk {
-            s0: cache.state().clone(),
+        let chunk = ReplayChunk {
+            s0: io.state_in.clone(),
             conv,
             proj,
             a_neg: self.a_neg.clone(),
             dt_bias: self.dt_bias.clone(),
             layout,
-        });
-        let window = inputs.narrow(0, n, kern - 1)?;
-        cache.commit(n, window, state, 0, chunk, inputs);
+            window0: io.window_in.clone(),
+        };
+        cache.commit_ring(n, io.parity, chunk)?;
         Ok(Some(out))
     }
 

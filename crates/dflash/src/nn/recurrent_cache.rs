@@ -29,6 +29,14 @@
 //! Reachable positions after a forward that started at `start`: `start` itself (restored from
 //! the kept state: a failed forward is undone this way) and every position inside its last
 //! chunk. A verify block (<= 64 rows) is always one chunk. Other positions are an error.
+//!
+//! On CUDA the device kernels keep the state in a ring of two slots (state and conv window
+//! each): a forward reads one slot and writes the other, its record keeps the rows, and a
+//! rollback replays the accepted rows from the slot read into the slot written (one launch,
+//! the window with them). The addresses never change, so a CUDA graph of a decode or verify
+//! forward replays with the cache (`archs::graphs`); the slot read is part of the graph's key.
+//! A forward of the portable path (prompts) makes new tensors; the next device forward
+//! copies them into a slot the rollback record does not hold.
 
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -56,6 +64,8 @@ pub struct ReplayChunk {
     pub a_neg: Tensor,
     pub dt_bias: Tensor,
     pub layout: super::cuda::DeltaLayout,
+    /// The conv window at the chunk's start `[kernel - 1, conv_dim]` (a ring buffer).
+    pub window0: Tensor,
 }
 
 impl DeltaChunk {
@@ -145,8 +155,35 @@ struct Undo {
     /// Position of the last chunk's first row.
     chunk_start: usize,
     chunk: DeltaChunk,
-    /// Conv inputs `[kernel - 1 + c, conv_dim]`: the window before the chunk, then its rows.
-    inputs: Tensor,
+    /// Conv inputs `[kernel - 1 + c, conv_dim]`: the window before the chunk, then its rows
+    /// (None for a forward on the device ring: its rollback kernel reads them from the
+    /// chunk's start window and projection).
+    inputs: Option<Tensor>,
+    /// The forward ran on the device ring from its slot `parity`: the start state and
+    /// window are that slot's buffers.
+    parity: Option<usize>,
+}
+
+/// The device ring (CUDA): two state and two conv-window buffers made once per cache. A
+/// forward on the device reads slot `cur` and writes the other, so its reads and writes have
+/// the same addresses every time (a CUDA graph replays them), and the slot it read stays
+/// intact for the rollback until the forward after it.
+#[derive(Debug, Clone)]
+struct Ring {
+    state: [Tensor; 2],
+    window: [Tensor; 2],
+    cur: usize,
+}
+
+/// The buffers of a forward on the device ring ([`RecurrentCache::ring_io`]).
+#[derive(Debug, Clone)]
+pub struct RingIo {
+    pub state_in: Tensor,
+    pub window_in: Tensor,
+    pub state_out: Tensor,
+    pub window_out: Tensor,
+    /// The slot read.
+    pub parity: usize,
 }
 
 /// Conv window + delta-rule state of one layer, with rollback inside the last forward.
@@ -158,6 +195,7 @@ pub struct RecurrentCache {
     /// `[v_heads, k_dim, v_dim]` f32.
     state: Tensor,
     undo: Option<Undo>,
+    ring: Option<Ring>,
 }
 
 impl RecurrentCache {
@@ -176,6 +214,7 @@ impl RecurrentCache {
             conv: Tensor::zeros((kernel - 1, conv_dim), dtype, device)?,
             state: Tensor::zeros((v_heads, k_dim, v_dim), DType::F32, device)?,
             undo: None,
+            ring: None,
         })
     }
 
@@ -187,6 +226,7 @@ impl RecurrentCache {
             conv: self.conv.copy()?,
             state: self.state.copy()?,
             undo: None,
+            ring: None,
         })
     }
 
@@ -227,9 +267,121 @@ impl RecurrentCache {
             state: old_state,
             chunk_start: start + chunk_offset,
             chunk,
-            inputs,
+            inputs: Some(inputs),
+            parity: None,
         });
         self.len = start + n;
+    }
+
+    /// The buffers for a forward on the device ring: it reads the state and window of the
+    /// current slot and writes the other's. The ring is made on first use (CUDA only; None
+    /// elsewhere), and a state that is not in the ring (after a forward of the portable path)
+    /// is copied into a slot the rollback record does not hold. Run it before capturing a
+    /// CUDA graph (a capture must find the cache settled: [`Self::settled`]).
+    pub fn ring_io(&mut self) -> Result<Option<RingIo>> {
+        if !self.state.device().is_cuda() {
+            return Ok(None);
+        }
+        if self.ring.is_none() {
+            let dev = self.state.device();
+            let zs = || Tensor::zeros(self.state.shape(), self.state.dtype(), dev);
+            let zw = || Tensor::zeros(self.conv.shape(), self.conv.dtype(), dev);
+            self.ring = Some(Ring {
+                state: [zs()?, zs()?],
+                window: [zw()?, zw()?],
+                cur: 0,
+            });
+        }
+        if !self.settled() {
+            let held = |t: &Tensor| {
+                self.undo.as_ref().is_some_and(|u| {
+                    u.state.id() == t.id() || u.conv.id() == t.id() || u.chunk.s0().id() == t.id()
+                })
+            };
+            let ring = self.ring.as_ref().expect("made above");
+            let slot = match (0..2).find(|&k| !held(&ring.state[k]) && !held(&ring.window[k])) {
+                Some(k) => k,
+                None => {
+                    return Err(Error::input(
+                        "recurrent state: both ring slots are held by the rollback record",
+                    ))
+                }
+            };
+            ring.state[slot].slice_set(&self.state.contiguous()?, 0, 0)?;
+            ring.window[slot].slice_set(&self.conv.contiguous()?, 0, 0)?;
+            let (st, wi) = (ring.state[slot].clone(), ring.window[slot].clone());
+            self.state = st;
+            self.conv = wi;
+            if let Some(r) = &mut self.ring {
+                r.cur = slot;
+            }
+        }
+        let r = self.ring.as_ref().expect("made above");
+        let (a, b) = (r.cur, 1 - r.cur);
+        Ok(Some(RingIo {
+            state_in: r.state[a].clone(),
+            window_in: r.window[a].clone(),
+            state_out: r.state[b].clone(),
+            window_out: r.window[b].clone(),
+            parity: a,
+        }))
+    }
+
+    /// Whether the state and window are the current ring slot's (a forward on the ring then
+    /// copies nothing first); false without a ring.
+    pub fn settled(&self) -> bool {
+        self.ring.as_ref().is_some_and(|r| {
+            r.state[r.cur].id() == self.state.id() && r.window[r.cur].id() == self.conv.id()
+        })
+    }
+
+    /// The ring slot a forward on the device would read now (None: no ring).
+    pub fn parity(&self) -> Option<usize> {
+        self.ring.as_ref().map(|r| r.cur)
+    }
+
+    /// Record a forward of `n` rows on the device ring that read slot `io.parity` (from
+    /// [`Self::ring_io`]) and wrote the other: the other slot becomes the state, and `chunk`
+    /// (its rows, from the read slot) what rolls it back.
+    #[cfg(feature = "cuda")]
+    pub fn commit_ring(&mut self, n: usize, parity: usize, chunk: ReplayChunk) -> Result<()> {
+        let Some(r) = &mut self.ring else {
+            return Err(Error::input(
+                "recurrent state: a ring forward committed to a cache without a ring",
+            ));
+        };
+        if r.cur != parity {
+            return Err(Error::input(format!(
+                "recurrent state: a forward read ring slot {parity} but the cache is at slot {}",
+                r.cur
+            )));
+        }
+        let start = self.len;
+        r.cur = 1 - parity;
+        self.state = r.state[r.cur].clone();
+        self.conv = r.window[r.cur].clone();
+        self.undo = Some(Undo {
+            start,
+            conv: r.window[parity].clone(),
+            state: r.state[parity].clone(),
+            chunk_start: start,
+            chunk: DeltaChunk::Replay(chunk),
+            inputs: None,
+            parity: Some(parity),
+        });
+        self.len = start + n;
+        Ok(())
+    }
+
+    /// The rollback record of the last forward when it ran on the ring (what a CUDA graph's
+    /// replay commits again: the same buffers every time).
+    #[cfg(feature = "cuda")]
+    pub fn ring_chunk(&self) -> Option<(usize, ReplayChunk)> {
+        let u = self.undo.as_ref()?;
+        match (&u.chunk, u.parity) {
+            (DeltaChunk::Replay(c), Some(p)) => Some((p, c.clone())),
+            _ => None,
+        }
     }
 
     /// After a forward that ran in several steps from the state `before`: make `before`'s
@@ -273,14 +425,26 @@ impl RecurrentCache {
         if len == self.len {
             return Ok(());
         }
-        let u = self.undo.as_ref().expect("checked");
+        let Some(u) = self.undo.as_ref() else {
+            return Err(Error::input("recurrent state: nothing kept to roll back"));
+        };
         let k1 = self.conv.dim(0)?;
         if len == u.start {
             self.conv = u.conv.clone();
             self.state = u.state.clone();
+            if let (Some(p), Some(r)) = (u.parity, &mut self.ring) {
+                r.cur = p;
+            }
+        } else if let Some(p) = u.parity {
+            self.rollback_ring(len - u.chunk_start, p)?;
         } else {
             let j = len - u.chunk_start;
-            self.conv = u.inputs.narrow(0, j, k1)?;
+            let Some(inputs) = &u.inputs else {
+                return Err(Error::input(
+                    "recurrent state: the rollback record lost its conv inputs",
+                ));
+            };
+            self.conv = inputs.narrow(0, j, k1)?;
             self.state = if j == 0 {
                 u.chunk.s0().clone()
             } else {
@@ -292,14 +456,59 @@ impl RecurrentCache {
         Ok(())
     }
 
-    /// Bytes held: the window and state plus what the last forward kept.
+    /// The state after `j >= 1` rows of a ring forward that read slot `p`: the rows replayed
+    /// from that slot into the other (which the forward had written), the conv window with
+    /// them, in one launch.
+    #[cfg(feature = "cuda")]
+    fn rollback_ring(&mut self, j: usize, p: usize) -> Result<()> {
+        let (Some(u), Some(r)) = (&self.undo, &mut self.ring) else {
+            return Err(Error::input("recurrent state: a ring rollback without a ring"));
+        };
+        let DeltaChunk::Replay(c) = &u.chunk else {
+            return Err(Error::input(
+                "recurrent state: a ring forward kept a record of the portable path",
+            ));
+        };
+        let d = 1 - p;
+        let into = super::cuda::RuleInto {
+            state: &r.state[d],
+            window_in: &c.window0,
+            window_out: &r.window[d],
+        };
+        let done = super::cuda::delta_rule_into(
+            &c.conv, &c.proj, &c.a_neg, &c.dt_bias, &c.s0, &c.layout, j, false, into,
+        )?;
+        if done.is_none() {
+            return Err(Error::input(
+                "recurrent state: the replay kernel declined the rows it computed",
+            ));
+        }
+        r.cur = d;
+        self.state = r.state[d].clone();
+        self.conv = r.window[d].clone();
+        Ok(())
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn rollback_ring(&mut self, _: usize, _: usize) -> Result<()> {
+        Err(Error::input("recurrent state: a ring rollback without CUDA"))
+    }
+
+    /// Bytes held: the window and state (both ring slots where there is a ring) plus what the
+    /// last forward kept.
     pub fn bytes(&self) -> usize {
         let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
-        let mut b = t(&self.conv) + t(&self.state);
+        let mut b = match &self.ring {
+            Some(r) => 2 * (t(&r.state[0]) + t(&r.window[0])),
+            None => t(&self.conv) + t(&self.state),
+        };
         if let Some(u) = &self.undo {
-            b += u.chunk.bytes() + t(&u.inputs);
-            // kept states are counted once each (they are shared tensors for a verify)
-            b += t(&u.state);
+            b += u.chunk.bytes() + u.inputs.as_ref().map_or(0, t);
+            // kept states are counted once each (they are shared tensors for a verify; a
+            // ring forward's is the other slot)
+            if u.parity.is_none() {
+                b += t(&u.state);
+            }
         }
         b
     }

@@ -34,7 +34,10 @@ fn f32_slice<'a>(h: &'a Held<'a>, what: &str) -> candle_core::Result<CudaView<'a
 }
 
 struct Conv {
+    proj: Tensor,
     w: Tensor,
+    /// Columns of `proj` the conv reads (its first `cd`).
+    cd: usize,
 }
 
 impl CustomOp1 for Conv {
@@ -45,19 +48,21 @@ impl CustomOp1 for Conv {
         no_cpu(self.name())
     }
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, cd) = l.shape().dims2()?;
+        let (k1, cd) = l.shape().dims2()?;
         let (k, cd2) = self.w.dims2()?;
-        if cd2 != cd || rows < k || k == 0 {
+        let (n, pstride) = self.proj.dims2()?;
+        if cd2 != cd || cd != self.cd || k != k1 + 1 || pstride < cd || n == 0 {
             candle_core::bail!(
-                "dflash-delta-conv: inputs {:?} taps {:?}",
+                "dflash-delta-conv: window {:?} taps {:?} projection {:?}",
                 l.shape(),
-                self.w.shape()
+                self.w.shape(),
+                self.proj.shape()
             );
         }
-        let n = rows - (k - 1);
         let dev = s.device();
-        let x = view(s, l, "conv inputs")?;
-        let hw = Held::new(&self.w);
+        let window = view(s, l, "conv window")?;
+        let (hp, hw) = (Held::new(&self.proj), Held::new(&self.w));
+        let proj = hp.view("projection")?;
         let w = f32_slice(&hw, "conv taps")?;
         // SAFETY: one thread per output element.
         let out = unsafe { dev.alloc::<bf16>(n * cd)? };
@@ -68,9 +73,11 @@ impl CustomOp1 for Conv {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (k_i, cd_i, n_i) = (k as i32, cd as i32, n as i32);
+        let (ps_i, k_i, cd_i, n_i) = (pstride as i32, k as i32, cd as i32, n as i32);
         let mut b = func.builder();
-        b.arg(&x);
+        b.arg(&window);
+        b.arg(&proj);
+        b.arg(&ps_i);
         b.arg(&w);
         b.arg(&k_i);
         b.arg(&cd_i);
@@ -85,17 +92,25 @@ impl CustomOp1 for Conv {
     }
 }
 
-/// `silu(conv)` of the rows after the window: `inputs [K - 1 + n, cd]` bf16 (the cached
-/// window, then the new rows), `w [K, cd]` f32 taps. None when the kernel does not apply.
-pub fn delta_conv(inputs: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
-    if !is_bf16_cuda(&[inputs])
+/// `silu(conv)` of the new rows: the conv inputs are the cached `window [K - 1, cd]` bf16, then
+/// the first `cd` columns of `proj [n, pstride]` (the rows' input projection); `w [K, cd]` f32
+/// taps. `[n, cd]`; None when the kernel does not apply.
+pub fn delta_conv(window: &Tensor, proj: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !is_bf16_cuda(&[window, proj])
         || w.dtype() != DType::F32
         || !w.is_contiguous()
-        || inputs.rank() != 2
+        || !window.is_contiguous()
+        || !proj.is_contiguous()
+        || window.rank() != 2
     {
         return Ok(None);
     }
-    Ok(Some(inputs.apply_op1_no_bwd(&Conv { w: w.clone() })?))
+    let cd = window.dim(1)?;
+    Ok(Some(window.apply_op1_no_bwd(&Conv {
+        proj: proj.clone(),
+        w: w.clone(),
+        cd,
+    })?))
 }
 
 struct Rule {
@@ -108,6 +123,9 @@ struct Rule {
     /// is produced (a rollback's replay).
     rows: usize,
     outputs: bool,
+    /// Where the final state and the conv window after the rows go (see [`RuleInto`]); None:
+    /// the state into the op's own buffer, after the outputs.
+    into: Option<(Tensor, Tensor, Tensor)>,
 }
 
 impl CustomOp1 for Rule {
@@ -122,14 +140,28 @@ impl CustomOp1 for Rule {
         let (crows, cd) = l.shape().dims2()?;
         let (prows, pstride) = self.proj.dims2()?;
         let d = DELTA_HEAD_DIM;
+        let state_shape = (lo.v_heads, d, lo.v_dim);
+        let into_ok = match &self.into {
+            None => true,
+            Some((st, wi, wo)) => {
+                st.dims3()? == state_shape
+                    && st.is_contiguous()
+                    && wi.dims2()? == wo.dims2()?
+                    && wi.dim(1)? == cd
+                    && wi.is_contiguous()
+                    && wo.is_contiguous()
+                    && pstride >= cd
+            }
+        };
         let ok = self.rows <= crows
             && self.rows <= prows
             && cd == 2 * lo.k_heads * d + lo.v_heads * lo.v_dim
             && lo.v_dim == d
             && lo.v_heads % lo.k_heads == 0
-            && self.s_in.dims3()? == (lo.v_heads, d, lo.v_dim)
+            && self.s_in.dims3()? == state_shape
             && lo.a_off + lo.v_heads <= pstride
-            && lo.b_off + lo.v_heads <= pstride;
+            && lo.b_off + lo.v_heads <= pstride
+            && into_ok;
         if !ok {
             candle_core::bail!(
                 "dflash-delta-rule: conv {:?} proj {:?} state {:?} rows {}",
@@ -159,9 +191,12 @@ impl CustomOp1 for Rule {
         } else {
             0
         };
-        // One buffer: the outputs [rows, hv, dv] (if any), then the final state [hv, dk, dv].
+        // One buffer: the outputs [rows, hv, dv] (if any), then the final state [hv, dk, dv]
+        // unless it goes to `into` (then one element at least: the op returns a buffer).
+        let own_state = if self.into.is_some() { 0 } else { state };
+        let len = (outs + own_state).max(1);
         // SAFETY: the kernel writes every output and every state element.
-        let buf = unsafe { dev.alloc::<f32>(outs + state)? };
+        let buf = unsafe { dev.alloc::<f32>(len)? };
         let func = dev.get_or_load_custom_func("delta_rule", "dflash_delta", DELTA_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (lo.v_heads as u32, (lo.v_dim / 32) as u32, 1),
@@ -179,8 +214,24 @@ impl CustomOp1 for Rule {
             i(lo.v_dim),
             i(self.rows),
         );
+        let held_into = self
+            .into
+            .as_ref()
+            .map(|(st, wi, wo)| (Held::new(st), Held::new(wi), Held::new(wo)));
+        let into_views = match &held_into {
+            Some((st, wi, wo)) => Some((
+                f32_slice(st, "state destination")?,
+                wi.view("conv window")?,
+                wo.view("conv window destination")?,
+            )),
+            None => None,
+        };
+        let k = match &self.into {
+            Some((_, wi, _)) => i(wi.dim(0)? + 1),
+            None => 0,
+        };
         let o_view = buf.slice(0..outs);
-        let s_view = buf.slice(outs..outs + state);
+        let s_own = buf.slice(outs..outs + own_state);
         let null = 0u64;
         let mut b = func.builder();
         b.arg(&conv);
@@ -196,20 +247,48 @@ impl CustomOp1 for Rule {
         b.arg(&dv);
         b.arg(&n);
         b.arg(&s_in);
-        b.arg(&s_view);
+        // The ring's buffers are written through their device pointers: outputs of the op
+        // besides the buffer it returns (the caller owns them and reads them after the op).
+        match &into_views {
+            Some((st, _, _)) => b.arg(st),
+            None => b.arg(&s_own),
+        };
         if self.outputs {
             b.arg(&o_view);
         } else {
             b.arg(&null);
         }
+        match &into_views {
+            Some((_, wi, wo)) => {
+                b.arg(wi);
+                b.arg(&k);
+                b.arg(wo);
+            }
+            None => {
+                b.arg(&null);
+                b.arg(&k);
+                b.arg(&null);
+            }
+        }
         // SAFETY: argument types match the kernel; shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
-        drop((o_view, s_view));
+        drop((o_view, s_own, into_views));
+        drop(held_into);
         Ok((
             CudaStorage::wrap_cuda_slice(buf, dev.clone()),
-            Shape::from(outs + state),
+            Shape::from(len),
         ))
     }
+}
+
+/// Where a forward of the device ring (`RecurrentCache`) puts its results: the final state
+/// into `state` (`[hv, 128, dv]` f32, not `s_in`), and the conv window after the rows into
+/// `window_out` (`[K - 1, cd]` bf16): the conv inputs after the rows, over `window_in` (the
+/// window before them) and the projection's first `cd` columns.
+pub struct RuleInto<'a> {
+    pub state: &'a Tensor,
+    pub window_in: &'a Tensor,
+    pub window_out: &'a Tensor,
 }
 
 /// The delta rule over the first `rows` rows of `conv [n, cd]` (the conv outputs) from state
@@ -227,9 +306,57 @@ pub fn delta_rule(
     rows: usize,
     outputs: bool,
 ) -> candle_core::Result<Option<(Option<Tensor>, Tensor)>> {
-    let d = DELTA_HEAD_DIM;
+    let Some((o, buf)) = rule(conv, proj, a_neg, dt_bias, s_in, layout, rows, outputs, None)?
+    else {
+        return Ok(None);
+    };
+    let (hv, dv) = (layout.v_heads, layout.v_dim);
+    let outs = if outputs { rows * hv * dv } else { 0 };
+    let state = buf
+        .narrow(0, outs, hv * DELTA_HEAD_DIM * dv)?
+        .reshape((hv, DELTA_HEAD_DIM, dv))?;
+    Ok(Some((o, state)))
+}
+
+/// [`delta_rule`] with the state and the conv window written into the given buffers: the
+/// outputs (None when `outputs` is false), or None when the kernel does not apply.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_into(
+    conv: &Tensor,
+    proj: &Tensor,
+    a_neg: &Tensor,
+    dt_bias: &Tensor,
+    s_in: &Tensor,
+    layout: &DeltaLayout,
+    rows: usize,
+    outputs: bool,
+    into: RuleInto,
+) -> candle_core::Result<Option<Option<Tensor>>> {
+    if into.state.dtype() != DType::F32 || !is_bf16_cuda(&[into.window_in, into.window_out]) {
+        return Ok(None);
+    }
+    let t = Some((
+        into.state.clone(),
+        into.window_in.clone(),
+        into.window_out.clone(),
+    ));
+    Ok(rule(conv, proj, a_neg, dt_bias, s_in, layout, rows, outputs, t)?.map(|(o, _)| o))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rule(
+    conv: &Tensor,
+    proj: &Tensor,
+    a_neg: &Tensor,
+    dt_bias: &Tensor,
+    s_in: &Tensor,
+    layout: &DeltaLayout,
+    rows: usize,
+    outputs: bool,
+    into: Option<(Tensor, Tensor, Tensor)>,
+) -> candle_core::Result<Option<(Option<Tensor>, Tensor)>> {
     if !is_bf16_cuda(&[conv, proj])
-        || layout.v_dim != d
+        || layout.v_dim != DELTA_HEAD_DIM
         || s_in.dtype() != DType::F32
         || a_neg.dtype() != DType::F32
         || dt_bias.dtype() != DType::F32
@@ -245,15 +372,15 @@ pub fn delta_rule(
         layout: layout.clone(),
         rows,
         outputs,
+        into,
     };
     let buf = conv.apply_op1_no_bwd(&op)?;
     let (hv, dv) = (layout.v_heads, layout.v_dim);
     let outs = if outputs { rows * hv * dv } else { 0 };
-    let state = buf.narrow(0, outs, hv * d * dv)?.reshape((hv, d, dv))?;
     let o = outputs
         .then(|| buf.narrow(0, 0, outs)?.reshape((rows, hv, dv)))
         .transpose()?;
-    Ok(Some((o, state)))
+    Ok(Some((o, buf)))
 }
 
 struct Out {
