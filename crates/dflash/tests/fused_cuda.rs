@@ -1829,7 +1829,9 @@ fn graphs_replay_the_eager_forwards() {
                 let q = if step % 3 == 2 { 5 } else { draft.block_size() };
                 let mut block = vec![prompt[start]];
                 block.resize(q, draft.mask_token_id());
-                let l = draft.forward(&*target, &rows, &block, start, &mut dc).unwrap();
+                let l = draft
+                    .forward(&*target, &rows, &block, start, &mut dc)
+                    .unwrap();
                 out.push(bits(&Some(l)));
                 rows = ctx.narrow(0, start, 1).unwrap();
                 start += 1;

@@ -462,7 +462,9 @@ impl RecurrentCache {
     #[cfg(feature = "cuda")]
     fn rollback_ring(&mut self, j: usize, p: usize) -> Result<()> {
         let (Some(u), Some(r)) = (&self.undo, &mut self.ring) else {
-            return Err(Error::input("recurrent state: a ring rollback without a ring"));
+            return Err(Error::input(
+                "recurrent state: a ring rollback without a ring",
+            ));
         };
         let DeltaChunk::Replay(c) = &u.chunk else {
             return Err(Error::input(
@@ -491,7 +493,9 @@ impl RecurrentCache {
 
     #[cfg(not(feature = "cuda"))]
     fn rollback_ring(&mut self, _: usize, _: usize) -> Result<()> {
-        Err(Error::input("recurrent state: a ring rollback without CUDA"))
+        Err(Error::input(
+            "recurrent state: a ring rollback without CUDA",
+        ))
     }
 
     /// Bytes held: the window and state (both ring slots where there is a ring) plus what the

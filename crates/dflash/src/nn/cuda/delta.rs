@@ -95,7 +95,11 @@ impl CustomOp1 for Conv {
 /// `silu(conv)` of the new rows: the conv inputs are the cached `window [K - 1, cd]` bf16, then
 /// the first `cd` columns of `proj [n, pstride]` (the rows' input projection); `w [K, cd]` f32
 /// taps. `[n, cd]`; None when the kernel does not apply.
-pub fn delta_conv(window: &Tensor, proj: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+pub fn delta_conv(
+    window: &Tensor,
+    proj: &Tensor,
+    w: &Tensor,
+) -> candle_core::Result<Option<Tensor>> {
     if !is_bf16_cuda(&[window, proj])
         || w.dtype() != DType::F32
         || !w.is_contiguous()
@@ -306,7 +310,9 @@ pub fn delta_rule(
     rows: usize,
     outputs: bool,
 ) -> candle_core::Result<Option<(Option<Tensor>, Tensor)>> {
-    let Some((o, buf)) = rule(conv, proj, a_neg, dt_bias, s_in, layout, rows, outputs, None)?
+    let Some((o, buf)) = rule(
+        conv, proj, a_neg, dt_bias, s_in, layout, rows, outputs, None,
+    )?
     else {
         return Ok(None);
     };
