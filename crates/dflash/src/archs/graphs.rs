@@ -61,7 +61,7 @@ impl Graphs {
         #[cfg(feature = "cuda")]
         {
             match self.state.lock() {
-                Ok(s) => s.report.clone(),
+                Ok(s) => s.report(),
                 Err(_) => GraphReport {
                     off: Some("graph state poisoned by a panic".into()),
                     ..Default::default()
@@ -107,14 +107,12 @@ impl Graphs {
 
 #[cfg(feature = "cuda")]
 mod imp {
+    use super::keyed::{Keyed, Names, Ran};
     use super::*;
     use crate::archs::{check_forward, LayerCache};
     use crate::nn::cuda::graph;
     use crate::nn::fused::DeviceStep;
-    use candle_core::{DType, Tensor};
-
-    /// Graphs kept per model (least recently used dropped first).
-    const MAX_ENTRIES: usize = 16;
+    use candle_core::DType;
 
     #[derive(Clone, PartialEq, Eq)]
     struct Key {
@@ -140,22 +138,19 @@ mod imp {
         recurrent: Vec<(usize, usize, crate::nn::recurrent_cache::ReplayChunk)>,
     }
 
-    struct Entry {
-        key: Key,
-        used: u64,
-        ids: Tensor,
-        pos0: Tensor,
-        warm: bool,
-        captured: Option<Captured>,
+    pub(super) struct State {
+        g: Keyed<Key, Captured>,
     }
 
-    #[derive(Default)]
-    pub(super) struct State {
-        pub(super) report: GraphReport,
-        /// The position tables (one per rope) and their rows.
-        tables: Option<(usize, Vec<Tensor>)>,
-        entries: Vec<Entry>,
-        clock: u64,
+    impl Default for State {
+        fn default() -> Self {
+            Self {
+                g: Keyed::new(Names {
+                    owner: "this model",
+                    pass: "forward",
+                }),
+            }
+        }
     }
 
     /// Whether a forward of `n` rows of `m` over `cache` can be graphed at all.
@@ -228,8 +223,8 @@ mod imp {
         let mut parity = vec![];
         for l in cache.layers.iter_mut() {
             if let LayerCache::Recurrent(r) = l {
-                match r.ring_io()? {
-                    Some(io) => parity.push(io.parity),
+                match r.settle()? {
+                    Some(p) => parity.push(p),
                     None => return Ok(None),
                 }
             }
@@ -245,6 +240,10 @@ mod imp {
     }
 
     impl State {
+        pub(super) fn report(&self) -> GraphReport {
+            self.g.report.clone()
+        }
+
         pub(super) fn forward<L: Layer>(
             &mut self,
             m: &Stack<L>,
@@ -254,7 +253,7 @@ mod imp {
             taps: &[usize],
             logits: Logits,
         ) -> Result<Option<ForwardOutput>> {
-            if self.report.off.is_some() {
+            if self.g.report.off.is_some() {
                 return Ok(None);
             }
             check_forward(tokens, start, cache, taps, m.layers.len(), m.vocab_limit)?;
@@ -274,49 +273,16 @@ mod imp {
                 bound: (start + n).div_ceil(BOUND_STEP) * BOUND_STEP,
                 parity,
             };
-            // Position tables covering every bound this cache can reach.
-            let rows = cache.capacity().div_ceil(BOUND_STEP).max(1) * BOUND_STEP;
-            if self.tables.as_ref().map(|t| t.0) != Some(rows) {
-                let mut ts = Vec::with_capacity(m.ropes.len());
-                for r in &m.ropes {
-                    match r.position_table(rows, &dev, m.info.dtype)? {
-                        Some(t) => ts.push(t),
-                        None => return Ok(None),
-                    }
-                }
-                self.tables = Some((rows, ts));
-            }
-            let tables = self
-                .tables
-                .as_ref()
-                .map(|t| t.1.clone())
-                .unwrap_or_default();
-            self.clock += 1;
-            let clock = self.clock;
-            let at = match self.entries.iter().position(|e| e.key == key) {
-                Some(i) => i,
-                None => {
-                    if self.entries.len() >= MAX_ENTRIES {
-                        let lru = (0..self.entries.len())
-                            .min_by_key(|&i| self.entries[i].used)
-                            .unwrap_or(0);
-                        self.entries.swap_remove(lru);
-                    }
-                    self.entries.push(Entry {
-                        key: key.clone(),
-                        used: clock,
-                        ids: Tensor::zeros(n, DType::U32, &dev)?,
-                        pos0: Tensor::zeros(1, DType::I64, &dev)?,
-                        warm: false,
-                        captured: None,
-                    });
-                    self.entries.len() - 1
-                }
+            let bound = key.bound;
+            let ropes: Vec<&crate::nn::Rope> = m.ropes.iter().collect();
+            let Some(tables) =
+                self.g
+                    .position_tables(&ropes, cache.capacity(), &dev, m.info.dtype)?
+            else {
+                return Ok(None);
             };
-            let e = &mut self.entries[at];
-            e.used = clock;
-            graph::write_u32(&e.ids, tokens)?;
-            graph::write_i64(&e.pos0, &[start as i64])?;
+            let at = self.g.entry(key, tokens, start, &dev)?;
+            let e = self.g.get(at);
             if let Some(c) = &e.captured {
                 c.graph.launch()?;
                 for &slot in &c.advanced {
@@ -330,53 +296,45 @@ mod imp {
                     }
                 }
                 cache.advance(n);
-                self.report.replays += 1;
-                return Ok(Some(copied(&c.out)?));
+                let out = copied(&c.out)?;
+                self.g.report.replays += 1;
+                return Ok(Some(out));
             }
             let step = DeviceStep {
                 pos0: e.pos0.clone(),
-                kv_bound: key.bound,
+                kv_bound: bound,
             };
-            let (ids, warm) = (e.ids.clone(), e.warm);
+            let ids = e.ids.clone();
             let before = before(cache);
-            let run = |cache: &mut TargetCache| -> Result<ForwardOutput> {
+            // The first forward of this key runs eagerly in the on-device form: it makes every
+            // upload the capture will ask for (candle's shape parameters, the attention
+            // metadata tables); the second is captured. If either fails (a kernel declined the
+            // form, a capture needed the host), graphs go off for the model and the caller
+            // runs the ordinary forward.
+            let ran = self.g.first_uses(at, &dev, || {
                 let f = super::super::stack::Frame::on_device(
-                    ids.clone(),
+                    ids,
                     start,
                     &m.ropes,
-                    tables.clone(),
-                    step.clone(),
+                    tables,
+                    step,
                     m.info.dtype,
                     &dev,
                     "target",
                 )?;
                 m.run_frame(f, cache, taps, logits)
-            };
-            if !warm {
-                // The first forward of this key, eagerly in the on-device form: it makes
-                // every upload the capture will ask for (candle's shape parameters, the
-                // attention metadata tables). If that form cannot run (a kernel declined
-                // it), graphs go off for the model and the caller runs the ordinary forward.
-                let warmed = {
-                    let _cache = graph::param_cache(&dev)?;
-                    run(cache)
-                };
-                return match warmed {
-                    Ok(out) => {
-                        cache.advance(n);
-                        self.entries[at].warm = true;
-                        self.report.warmups += 1;
-                        Ok(Some(out))
-                    }
-                    Err(err) => {
-                        restore(cache, &before);
-                        self.switch_off(format!("the on-device forward failed: {err}"));
-                        Ok(None)
-                    }
-                };
-            }
-            match graph::capture(&dev, || run(cache)) {
-                Ok((out, g)) => {
+            })?;
+            match ran {
+                Ran::Warm(out) => {
+                    cache.advance(n);
+                    Ok(Some(out))
+                }
+                Ran::Off => {
+                    // (A failed capture ran nothing: the cache holds what it held before.)
+                    restore(cache, &before);
+                    Ok(None)
+                }
+                Ran::Captured(out, g) => {
                     let after = slot_lens(cache);
                     let (mut advanced, mut recurrent) = (vec![], vec![]);
                     for (slot, (&b, &a)) in before.lens.iter().zip(&after).enumerate() {
@@ -404,27 +362,177 @@ mod imp {
                     g.launch()?;
                     cache.advance(n);
                     let ret = copied(&out)?;
-                    self.entries[at].captured = Some(Captured {
+                    self.g.get(at).captured = Some(Captured {
                         graph: g,
                         out,
                         advanced,
                         recurrent,
                     });
-                    self.report.captures += 1;
+                    self.g.report.captures += 1;
                     Ok(Some(ret))
-                }
-                Err(err) => {
-                    // Nothing captured ran: the cache holds what it held before.
-                    restore(cache, &before);
-                    self.switch_off(format!("capture failed: {err}"));
-                    Ok(None)
                 }
             }
         }
+    }
+}
 
-        /// Graphs off for this model from now on, and why (reported by `graph_report`).
+/// What the target's graphs and the draft's share: graphs by key, each entry's input buffers
+/// (token ids, first position), its warm-up and capture, least recently used dropped first;
+/// the rope tables by position; the report.
+#[cfg(feature = "cuda")]
+pub(crate) mod keyed {
+    use super::{GraphReport, BOUND_STEP};
+    use crate::nn::cuda::graph;
+    use crate::nn::Rope;
+    use crate::Result;
+    use candle_core::{DType, Device, Tensor};
+
+    /// Graphs kept per model (least recently used dropped first).
+    const MAX_ENTRIES: usize = 16;
+
+    /// Who the graphs belong to and what one run is called (for the reasons reported).
+    pub(crate) struct Names {
+        pub owner: &'static str,
+        pub pass: &'static str,
+    }
+
+    pub(crate) struct Entry<K, C> {
+        key: K,
+        used: u64,
+        /// The token ids `[n]` (u32) and the first position `[1]` (i64) the graph reads.
+        pub ids: Tensor,
+        pub pos0: Tensor,
+        warm: bool,
+        pub captured: Option<C>,
+    }
+
+    /// How an entry's run went ([`Keyed::first_uses`]).
+    pub(crate) enum Ran<T> {
+        /// Its first use, run eagerly in the on-device form.
+        Warm(T),
+        /// Its second: captured (nothing ran yet: the caller launches the graph).
+        Captured(T, graph::Graph),
+        /// It failed and graphs are off now; the caller puts its cache back and runs eagerly.
+        Off,
+    }
+
+    pub(crate) struct Keyed<K, C> {
+        pub report: GraphReport,
+        names: Names,
+        entries: Vec<Entry<K, C>>,
+        clock: u64,
+        /// The position tables (one per rope) and their rows.
+        tables: Option<(usize, Vec<Tensor>)>,
+    }
+
+    impl<K: PartialEq, C> Keyed<K, C> {
+        pub fn new(names: Names) -> Self {
+            Self {
+                report: GraphReport::default(),
+                names,
+                entries: vec![],
+                clock: 0,
+                tables: None,
+            }
+        }
+
+        /// The ropes' tables by position covering every key bound a cache of `capacity`
+        /// positions reaches (made once per size); None when a rope has no packed table.
+        pub fn position_tables(
+            &mut self,
+            ropes: &[&Rope],
+            capacity: usize,
+            dev: &Device,
+            dtype: DType,
+        ) -> Result<Option<Vec<Tensor>>> {
+            let rows = capacity.div_ceil(BOUND_STEP).max(1) * BOUND_STEP;
+            if self.tables.as_ref().map(|t| t.0) != Some(rows) {
+                let mut ts = Vec::with_capacity(ropes.len());
+                for r in ropes {
+                    match r.position_table(rows, dev, dtype)? {
+                        Some(t) => ts.push(t),
+                        None => return Ok(None),
+                    }
+                }
+                self.tables = Some((rows, ts));
+            }
+            Ok(self.tables.as_ref().map(|t| t.1.clone()))
+        }
+
+        /// The index of `key`'s entry (made, with buffers for `ids.len()` rows, when new), its
+        /// buffers holding `ids` and `start`.
+        pub fn entry(&mut self, key: K, ids: &[u32], start: usize, dev: &Device) -> Result<usize> {
+            self.clock += 1;
+            let at = match self.entries.iter().position(|e| e.key == key) {
+                Some(i) => i,
+                None => {
+                    if self.entries.len() >= MAX_ENTRIES {
+                        let lru = (0..self.entries.len())
+                            .min_by_key(|&i| self.entries[i].used)
+                            .unwrap_or(0);
+                        self.entries.swap_remove(lru);
+                    }
+                    self.entries.push(Entry {
+                        key,
+                        used: 0,
+                        ids: Tensor::zeros(ids.len(), DType::U32, dev)?,
+                        pos0: Tensor::zeros(1, DType::I64, dev)?,
+                        warm: false,
+                        captured: None,
+                    });
+                    self.entries.len() - 1
+                }
+            };
+            let e = &mut self.entries[at];
+            e.used = self.clock;
+            graph::write_u32(&e.ids, ids)?;
+            graph::write_i64(&e.pos0, &[start as i64])?;
+            Ok(at)
+        }
+
+        pub fn get(&mut self, at: usize) -> &mut Entry<K, C> {
+            &mut self.entries[at]
+        }
+
+        /// An entry's first uses: the first runs `f` eagerly in the on-device form (filling
+        /// the parameter caches the capture needs), the second captures it. A failure of
+        /// either switches graphs off with the reason.
+        pub fn first_uses<T>(
+            &mut self,
+            at: usize,
+            dev: &Device,
+            f: impl FnOnce() -> Result<T>,
+        ) -> Result<Ran<T>> {
+            if !self.entries[at].warm {
+                let warmed = {
+                    let _cache = graph::param_cache(dev)?;
+                    f()
+                };
+                return Ok(match warmed {
+                    Ok(out) => {
+                        self.entries[at].warm = true;
+                        self.report.warmups += 1;
+                        Ran::Warm(out)
+                    }
+                    Err(err) => {
+                        let why = format!("the on-device {} failed: {err}", self.names.pass);
+                        self.switch_off(why);
+                        Ran::Off
+                    }
+                });
+            }
+            Ok(match graph::capture(dev, f) {
+                Ok((out, g)) => Ran::Captured(out, g),
+                Err(err) => {
+                    self.switch_off(format!("capture failed: {err}"));
+                    Ran::Off
+                }
+            })
+        }
+
+        /// Graphs off from now on, and why (reported).
         fn switch_off(&mut self, why: String) {
-            tracing::warn!("CUDA graphs off for this model: {why}");
+            tracing::warn!("CUDA graphs off for {}: {why}", self.names.owner);
             self.report.off = Some(why);
             self.entries.clear();
         }

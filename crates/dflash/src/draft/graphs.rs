@@ -30,7 +30,7 @@ impl DraftGraphs {
         #[cfg(feature = "cuda")]
         {
             match self.state.lock() {
-                Ok(s) => s.report.clone(),
+                Ok(s) => s.report(),
                 Err(_) => GraphReport {
                     off: Some("graph state poisoned by a panic".into()),
                     ..Default::default()
@@ -77,13 +77,11 @@ impl DraftGraphs {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
+    use crate::archs::graphs::keyed::{Keyed, Names, Ran};
     use crate::archs::graphs::{BOUND_STEP, MAX_ROWS};
     use crate::nn::cuda::graph;
     use crate::nn::fused::DeviceStep;
     use candle_core::DType;
-
-    /// Graphs kept per draft (least recently used dropped first).
-    const MAX_ENTRIES: usize = 16;
 
     #[derive(Clone, PartialEq, Eq)]
     struct Key {
@@ -93,23 +91,20 @@ mod imp {
         bound: usize,
     }
 
-    struct Entry {
-        key: Key,
-        used: u64,
-        ids: Tensor,
-        pos0: Tensor,
-        warm: bool,
-        /// The graph and what the captured pass returned (its own buffers).
-        captured: Option<(graph::Graph, Tensor, Tensor)>,
+    pub(super) struct State {
+        /// Per key: the graph and what the captured pass returned (its own buffers).
+        g: Keyed<Key, (graph::Graph, Tensor, Tensor)>,
     }
 
-    #[derive(Default)]
-    pub(super) struct State {
-        pub(super) report: GraphReport,
-        /// The rope's table by position, and its rows.
-        table: Option<(usize, Tensor)>,
-        entries: Vec<Entry>,
-        clock: u64,
+    impl Default for State {
+        fn default() -> Self {
+            Self {
+                g: Keyed::new(Names {
+                    owner: "the draft",
+                    pass: "draft pass",
+                }),
+            }
+        }
     }
 
     pub(super) fn eligible(d: &DraftModel, q: usize, cache: &DraftCache) -> bool {
@@ -132,6 +127,10 @@ mod imp {
     }
 
     impl State {
+        pub(super) fn report(&self) -> GraphReport {
+            self.g.report.clone()
+        }
+
         pub(super) fn block(
             &mut self,
             d: &DraftModel,
@@ -140,19 +139,13 @@ mod imp {
             start: usize,
             cache: &mut DraftCache,
         ) -> Result<Option<(Tensor, Tensor)>> {
-            if self.report.off.is_some() {
+            if self.g.report.off.is_some() {
                 return Ok(None);
             }
             let q = block.len();
             let Some(cache_id) = first_layer(cache) else {
                 return Ok(None);
             };
-            if cache.len() != start {
-                return Err(crate::Error::input(format!(
-                    "draft: the cache holds {} positions but the block starts at {start}",
-                    cache.len()
-                )));
-            }
             for kv in &cache.layers {
                 kv.check_room(q)?;
             }
@@ -162,105 +155,51 @@ mod imp {
                 q,
                 bound: (start + q).div_ceil(BOUND_STEP) * BOUND_STEP,
             };
+            let bound = key.bound;
             let dev = d.device.clone();
-            let rows = capacity.div_ceil(BOUND_STEP).max(1) * BOUND_STEP;
-            if self.table.as_ref().map(|t| t.0) != Some(rows) {
-                match d.rope.position_table(rows, &dev, d.dtype)? {
-                    Some(t) => self.table = Some((rows, t)),
-                    None => return Ok(None),
-                }
-            }
-            let table = match &self.table {
-                Some((_, t)) => t.clone(),
-                None => return Ok(None),
+            let Some(table) = self
+                .g
+                .position_tables(&[&d.rope], capacity, &dev, d.dtype)?
+                .and_then(|t| t.into_iter().next())
+            else {
+                return Ok(None);
             };
-            self.clock += 1;
-            let clock = self.clock;
-            let at = match self.entries.iter().position(|e| e.key == key) {
-                Some(i) => i,
-                None => {
-                    if self.entries.len() >= MAX_ENTRIES {
-                        let lru = (0..self.entries.len())
-                            .min_by_key(|&i| self.entries[i].used)
-                            .unwrap_or(0);
-                        self.entries.swap_remove(lru);
-                    }
-                    self.entries.push(Entry {
-                        key: key.clone(),
-                        used: clock,
-                        ids: Tensor::zeros(q, DType::U32, &dev)?,
-                        pos0: Tensor::zeros(1, DType::I64, &dev)?,
-                        warm: false,
-                        captured: None,
-                    });
-                    self.entries.len() - 1
-                }
-            };
-            let e = &mut self.entries[at];
-            e.used = clock;
-            graph::write_u32(&e.ids, block)?;
-            graph::write_i64(&e.pos0, &[start as i64])?;
+            let at = self.g.entry(key, block, start, &dev)?;
+            let e = self.g.get(at);
             if let Some((g, rows, logits)) = &e.captured {
                 g.launch()?;
-                self.report.replays += 1;
-                return Ok(Some(copied(rows, logits)?));
+                let out = copied(rows, logits)?;
+                self.g.report.replays += 1;
+                return Ok(Some(out));
             }
             let step = DeviceStep {
                 pos0: e.pos0.clone(),
-                kv_bound: key.bound,
+                kv_bound: bound,
             };
-            let (ids, warm) = (e.ids.clone(), e.warm);
-            let run = |cache: &mut DraftCache| -> Result<(Tensor, Tensor)> {
+            let ids = e.ids.clone();
+            let ran = self.g.first_uses(at, &dev, || {
                 let rows = d.block_rows(target, &ids, start, Some((&step, &table)), cache)?;
                 let logits = d.logits(target, &rows, None)?;
                 Ok((rows, logits))
-            };
-            // Whatever happens, the block's rows leave the cache (each layer drops them).
-            let restore = |cache: &mut DraftCache| {
-                for kv in cache.layers.iter_mut() {
-                    kv.truncate(start);
-                }
-            };
-            if !warm {
-                // The first pass of this key, eagerly in the on-device form (it makes every
-                // upload the capture will ask for); if that form cannot run, graphs go off.
-                let warmed = {
-                    let _cache = graph::param_cache(&dev)?;
-                    run(cache)
-                };
-                return match warmed {
-                    Ok(out) => {
-                        self.entries[at].warm = true;
-                        self.report.warmups += 1;
-                        Ok(Some(out))
+            })?;
+            match ran {
+                Ran::Warm(out) => Ok(Some(out)),
+                Ran::Off => {
+                    // the block's rows leave the cache (each layer drops them; a failure may
+                    // have left some)
+                    for kv in cache.layers.iter_mut() {
+                        kv.truncate(start);
                     }
-                    Err(err) => {
-                        restore(cache);
-                        self.switch_off(format!("the on-device draft pass failed: {err}"));
-                        Ok(None)
-                    }
-                };
-            }
-            match graph::capture(&dev, || run(cache)) {
-                Ok(((rows, logits), g)) => {
-                    g.launch()?;
-                    let ret = copied(&rows, &logits)?;
-                    self.entries[at].captured = Some((g, rows, logits));
-                    self.report.captures += 1;
-                    Ok(Some(ret))
-                }
-                Err(err) => {
-                    restore(cache);
-                    self.switch_off(format!("capture failed: {err}"));
                     Ok(None)
                 }
+                Ran::Captured((rows, logits), g) => {
+                    g.launch()?;
+                    let ret = copied(&rows, &logits)?;
+                    self.g.get(at).captured = Some((g, rows, logits));
+                    self.g.report.captures += 1;
+                    Ok(Some(ret))
+                }
             }
-        }
-
-        fn switch_off(&mut self, why: String) {
-            tracing::warn!("CUDA graphs off for the draft: {why}");
-            self.report.off = Some(why);
-            self.entries.clear();
         }
     }
 }

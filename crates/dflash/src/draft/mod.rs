@@ -377,13 +377,11 @@ impl DraftModel {
         start: usize,
         cache: &mut DraftCache,
     ) -> Result<(Tensor, Tensor)> {
-        self.check_pass(ctx_in, block, start, cache)?;
-        self.write_context(ctx_in, cache)?;
+        self.write_context(ctx_in, block, start, cache)?;
         if let Some(out) = self.graphs.block(self, target, block, start, cache)? {
             return Ok(out);
         }
-        let ids = Tensor::from_slice(block, block.len(), &self.device)?;
-        let rows = self.block_rows(target, &ids, start, None, cache)?;
+        let rows = self.block_rows_of(target, block, start, cache)?;
         let logits = self.logits(target, &rows, None)?;
         Ok((rows, logits))
     }
@@ -542,19 +540,8 @@ impl DraftModel {
         let dev = &self.device;
         let mut ctx_lens = Vec::with_capacity(items.len());
         for it in items.iter() {
-            let s = it.ctx.dim(0)?;
-            let ctx_start = it.cache.len();
-            if ctx_start + s != it.start {
-                return Err(Error::input(format!(
-                    "draft: context rows cover positions {ctx_start}..{} but the block starts at {}",
-                    ctx_start + s,
-                    it.start
-                )));
-            }
-            if it.block.len() < 2 {
-                return Err(Error::input("draft: a block needs at least 2 positions"));
-            }
-            ctx_lens.push(s);
+            self.check_pass(&it.ctx, it.block, it.start, it.cache)?;
+            ctx_lens.push(it.ctx.dim(0)?);
         }
         let qs: Vec<usize> = items.iter().map(|it| it.block.len()).collect();
         let starts: Vec<usize> = items.iter().map(|it| it.start).collect();
@@ -733,17 +720,35 @@ impl DraftModel {
         start: usize,
         cache: &mut DraftCache,
     ) -> Result<Tensor> {
-        self.check_pass(ctx_in, block, start, cache)?;
-        self.write_context(ctx_in, cache)?;
+        self.write_context(ctx_in, block, start, cache)?;
+        self.block_rows_of(target, block, start, cache)
+    }
+
+    /// [`Self::block_rows`] of host ids, positions on the host (the eager pass).
+    fn block_rows_of(
+        &self,
+        target: &dyn TargetModel,
+        block: &[u32],
+        start: usize,
+        cache: &mut DraftCache,
+    ) -> Result<Tensor> {
         let ids = Tensor::from_slice(block, block.len(), &self.device)?;
         self.block_rows(target, &ids, start, None, cache)
     }
 
     /// The context part of a draft pass: new context rows `ctx_in [S, K*H]` (taps of the
-    /// positions `cache.len() ..`) through `fc` and `hidden_norm`, then every layer's keys and
-    /// values of them into `cache`. Nothing here depends on the block, so it runs before the
-    /// block's layers (and outside a CUDA graph of them: its row count varies).
-    fn write_context(&self, ctx_in: &Tensor, cache: &mut DraftCache) -> Result<()> {
+    /// positions `cache.len() ..`, which must end where `block` starts) through `fc` and
+    /// `hidden_norm`, then every layer's keys and values of them into `cache`. Nothing here
+    /// depends on the block, so it runs before the block's layers (and outside a CUDA graph of
+    /// them: its row count varies).
+    fn write_context(
+        &self,
+        ctx_in: &Tensor,
+        block: &[u32],
+        start: usize,
+        cache: &mut DraftCache,
+    ) -> Result<()> {
+        self.check_pass(ctx_in, block, start, cache)?;
         let s = ctx_in.dim(0)?;
         if s == 0 {
             return Ok(());

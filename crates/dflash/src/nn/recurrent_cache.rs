@@ -68,6 +68,36 @@ pub struct ReplayChunk {
     pub window0: Tensor,
 }
 
+#[cfg(feature = "cuda")]
+impl ReplayChunk {
+    /// The state and conv window after the chunk's first `j >= 1` rows, replayed by the
+    /// row-by-row kernel from the chunk's start into `state` and `window` (one launch).
+    fn replay_into(&self, j: usize, state: &Tensor, window: &Tensor) -> Result<()> {
+        let into = super::cuda::RuleInto {
+            state,
+            window_in: &self.window0,
+            window_out: window,
+        };
+        let done = super::cuda::delta_rule_into(
+            &self.conv,
+            &self.proj,
+            &self.a_neg,
+            &self.dt_bias,
+            &self.s0,
+            &self.layout,
+            j,
+            false,
+            into,
+        )?;
+        match done {
+            Some(_) => Ok(()),
+            None => Err(Error::input(
+                "recurrent state: the replay kernel declined the rows it computed",
+            )),
+        }
+    }
+}
+
 impl DeltaChunk {
     pub fn rows(&self) -> Result<usize> {
         match self {
@@ -84,22 +114,15 @@ impl DeltaChunk {
             DeltaChunk::Replay(c) => &c.s0,
         }
     }
-    /// The state after the chunk's first `j` rows (`1 <= j <= c`).
+    /// The state after the chunk's first `j` rows (`1 <= j <= c`) as a new tensor: the
+    /// portable path's chunks (a device chunk is replayed into its cache's ring instead).
     pub fn state_after(&self, j: usize) -> Result<Tensor> {
         match self {
             DeltaChunk::Wy(c) => c.state_after(j),
             #[cfg(feature = "cuda")]
-            DeltaChunk::Replay(c) => {
-                let out = super::cuda::delta_rule(
-                    &c.conv, &c.proj, &c.a_neg, &c.dt_bias, &c.s0, &c.layout, j, false,
-                )?;
-                match out {
-                    Some((_, state)) => Ok(state),
-                    None => Err(Error::input(
-                        "recurrent state: the replay kernel declined the rows it computed",
-                    )),
-                }
-            }
+            DeltaChunk::Replay(_) => Err(Error::input(
+                "recurrent state: a device chunk is replayed into its cache's ring, not into a new state",
+            )),
         }
     }
     fn bytes(&self) -> usize {
@@ -274,11 +297,29 @@ impl RecurrentCache {
     }
 
     /// The buffers for a forward on the device ring: it reads the state and window of the
-    /// current slot and writes the other's. The ring is made on first use (CUDA only; None
-    /// elsewhere), and a state that is not in the ring (after a forward of the portable path)
-    /// is copied into a slot the rollback record does not hold. Run it before capturing a
-    /// CUDA graph (a capture must find the cache settled: [`Self::settled`]).
+    /// current slot and writes the other's ([`Self::settle`] first; None off CUDA).
     pub fn ring_io(&mut self) -> Result<Option<RingIo>> {
+        let Some(a) = self.settle()? else {
+            return Ok(None);
+        };
+        let Some(r) = &self.ring else {
+            return Ok(None);
+        };
+        let b = 1 - a;
+        Ok(Some(RingIo {
+            state_in: r.state[a].clone(),
+            window_in: r.window[a].clone(),
+            state_out: r.state[b].clone(),
+            window_out: r.window[b].clone(),
+            parity: a,
+        }))
+    }
+
+    /// Put the state on the device ring and return the slot a forward reads next (None off
+    /// CUDA). The ring is made on first use, and a state that is not in the ring (after a
+    /// forward of the portable path) is copied into a slot the rollback record does not hold.
+    /// Run it before capturing a CUDA graph: a capture must find the cache settled.
+    pub fn settle(&mut self) -> Result<Option<usize>> {
         if !self.state.device().is_cuda() {
             return Ok(None);
         }
@@ -316,28 +357,15 @@ impl RecurrentCache {
                 r.cur = slot;
             }
         }
-        let r = self.ring.as_ref().expect("made above");
-        let (a, b) = (r.cur, 1 - r.cur);
-        Ok(Some(RingIo {
-            state_in: r.state[a].clone(),
-            window_in: r.window[a].clone(),
-            state_out: r.state[b].clone(),
-            window_out: r.window[b].clone(),
-            parity: a,
-        }))
+        Ok(self.ring.as_ref().map(|r| r.cur))
     }
 
     /// Whether the state and window are the current ring slot's (a forward on the ring then
     /// copies nothing first); false without a ring.
-    pub fn settled(&self) -> bool {
+    fn settled(&self) -> bool {
         self.ring.as_ref().is_some_and(|r| {
             r.state[r.cur].id() == self.state.id() && r.window[r.cur].id() == self.conv.id()
         })
-    }
-
-    /// The ring slot a forward on the device would read now (None: no ring).
-    pub fn parity(&self) -> Option<usize> {
-        self.ring.as_ref().map(|r| r.cur)
     }
 
     /// Record a forward of `n` rows on the device ring that read slot `io.parity` (from
@@ -472,19 +500,7 @@ impl RecurrentCache {
             ));
         };
         let d = 1 - p;
-        let into = super::cuda::RuleInto {
-            state: &r.state[d],
-            window_in: &c.window0,
-            window_out: &r.window[d],
-        };
-        let done = super::cuda::delta_rule_into(
-            &c.conv, &c.proj, &c.a_neg, &c.dt_bias, &c.s0, &c.layout, j, false, into,
-        )?;
-        if done.is_none() {
-            return Err(Error::input(
-                "recurrent state: the replay kernel declined the rows it computed",
-            ));
-        }
+        c.replay_into(j, &r.state[d], &r.window[d])?;
         r.cur = d;
         self.state = r.state[d].clone();
         self.conv = r.window[d].clone();

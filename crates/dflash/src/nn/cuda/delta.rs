@@ -124,12 +124,13 @@ struct Rule {
     s_in: Tensor,
     layout: DeltaLayout,
     /// Rows to run (the conv rows' first `rows`); with `outputs` false only the final state
-    /// is produced (a rollback's replay).
+    /// and window are produced (a rollback's replay).
     rows: usize,
     outputs: bool,
-    /// Where the final state and the conv window after the rows go (see [`RuleInto`]); None:
-    /// the state into the op's own buffer, after the outputs.
-    into: Option<(Tensor, Tensor, Tensor)>,
+    /// Where the final state, and the conv window after the rows, go (see [`RuleInto`]).
+    state_out: Tensor,
+    window_in: Tensor,
+    window_out: Tensor,
 }
 
 impl CustomOp1 for Rule {
@@ -145,18 +146,7 @@ impl CustomOp1 for Rule {
         let (prows, pstride) = self.proj.dims2()?;
         let d = DELTA_HEAD_DIM;
         let state_shape = (lo.v_heads, d, lo.v_dim);
-        let into_ok = match &self.into {
-            None => true,
-            Some((st, wi, wo)) => {
-                st.dims3()? == state_shape
-                    && st.is_contiguous()
-                    && wi.dims2()? == wo.dims2()?
-                    && wi.dim(1)? == cd
-                    && wi.is_contiguous()
-                    && wo.is_contiguous()
-                    && pstride >= cd
-            }
-        };
+        let (wi, wo) = (&self.window_in, &self.window_out);
         let ok = self.rows <= crows
             && self.rows <= prows
             && cd == 2 * lo.k_heads * d + lo.v_heads * lo.v_dim
@@ -165,7 +155,13 @@ impl CustomOp1 for Rule {
             && self.s_in.dims3()? == state_shape
             && lo.a_off + lo.v_heads <= pstride
             && lo.b_off + lo.v_heads <= pstride
-            && into_ok;
+            && self.state_out.dims3()? == state_shape
+            && self.state_out.is_contiguous()
+            && wi.dims2()? == wo.dims2()?
+            && wi.dim(1)? == cd
+            && wi.is_contiguous()
+            && wo.is_contiguous()
+            && pstride >= cd;
         if !ok {
             candle_core::bail!(
                 "dflash-delta-rule: conv {:?} proj {:?} state {:?} rows {}",
@@ -189,17 +185,20 @@ impl CustomOp1 for Rule {
             f32_slice(&hd, "dt bias")?,
             f32_slice(&hs, "state")?,
         );
-        let state = lo.v_heads * d * lo.v_dim;
+        let (hso, hwi, hwo) = (Held::new(&self.state_out), Held::new(wi), Held::new(wo));
+        let (s_out, w_in, w_out) = (
+            f32_slice(&hso, "state destination")?,
+            hwi.view("conv window")?,
+            hwo.view("conv window destination")?,
+        );
+        // The outputs [rows, hv, dv] if any (one element at least: the op returns a buffer).
         let outs = if self.outputs {
             self.rows * lo.v_heads * lo.v_dim
         } else {
             0
         };
-        // One buffer: the outputs [rows, hv, dv] (if any), then the final state [hv, dk, dv]
-        // unless it goes to `into` (then one element at least: the op returns a buffer).
-        let own_state = if self.into.is_some() { 0 } else { state };
-        let len = (outs + own_state).max(1);
-        // SAFETY: the kernel writes every output and every state element.
+        let len = outs.max(1);
+        // SAFETY: the kernel writes every output (and every state and window element).
         let buf = unsafe { dev.alloc::<f32>(len)? };
         let func = dev.get_or_load_custom_func("delta_rule", "dflash_delta", DELTA_PTX)?;
         let cfg = LaunchConfig {
@@ -208,7 +207,7 @@ impl CustomOp1 for Rule {
             shared_mem_bytes: 0,
         };
         let i = |x: usize| x as i32;
-        let (cd_i, ps_i, b_off, a_off, hk, hv, dv, n) = (
+        let (cd_i, ps_i, b_off, a_off, hk, hv, dv, n, k) = (
             i(cd),
             i(pstride),
             i(lo.b_off),
@@ -217,25 +216,9 @@ impl CustomOp1 for Rule {
             i(lo.v_heads),
             i(lo.v_dim),
             i(self.rows),
+            i(wi.dim(0)? + 1),
         );
-        let held_into = self
-            .into
-            .as_ref()
-            .map(|(st, wi, wo)| (Held::new(st), Held::new(wi), Held::new(wo)));
-        let into_views = match &held_into {
-            Some((st, wi, wo)) => Some((
-                f32_slice(st, "state destination")?,
-                wi.view("conv window")?,
-                wo.view("conv window destination")?,
-            )),
-            None => None,
-        };
-        let k = match &self.into {
-            Some((_, wi, _)) => i(wi.dim(0)? + 1),
-            None => 0,
-        };
         let o_view = buf.slice(0..outs);
-        let s_own = buf.slice(outs..outs + own_state);
         let null = 0u64;
         let mut b = func.builder();
         b.arg(&conv);
@@ -253,31 +236,18 @@ impl CustomOp1 for Rule {
         b.arg(&s_in);
         // The ring's buffers are written through their device pointers: outputs of the op
         // besides the buffer it returns (the caller owns them and reads them after the op).
-        match &into_views {
-            Some((st, _, _)) => b.arg(st),
-            None => b.arg(&s_own),
-        };
+        b.arg(&s_out);
         if self.outputs {
             b.arg(&o_view);
         } else {
             b.arg(&null);
         }
-        match &into_views {
-            Some((_, wi, wo)) => {
-                b.arg(wi);
-                b.arg(&k);
-                b.arg(wo);
-            }
-            None => {
-                b.arg(&null);
-                b.arg(&k);
-                b.arg(&null);
-            }
-        }
+        b.arg(&w_in);
+        b.arg(&k);
+        b.arg(&w_out);
         // SAFETY: argument types match the kernel; shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
-        drop((o_view, s_own, into_views));
-        drop(held_into);
+        drop((o_view, s_out, w_in, w_out));
         Ok((
             CudaStorage::wrap_cuda_slice(buf, dev.clone()),
             Shape::from(len),
@@ -296,36 +266,10 @@ pub struct RuleInto<'a> {
 }
 
 /// The delta rule over the first `rows` rows of `conv [n, cd]` (the conv outputs) from state
-/// `s_in [hv, 128, dv]` f32, with the gates of `proj`: the outputs `[rows, hv, dv]` f32 (None
-/// when `outputs` is false) and the state after the last row. None when the kernel does not
-/// apply (not CUDA, not bf16, head dims other than 128).
-#[allow(clippy::too_many_arguments)]
-pub fn delta_rule(
-    conv: &Tensor,
-    proj: &Tensor,
-    a_neg: &Tensor,
-    dt_bias: &Tensor,
-    s_in: &Tensor,
-    layout: &DeltaLayout,
-    rows: usize,
-    outputs: bool,
-) -> candle_core::Result<Option<(Option<Tensor>, Tensor)>> {
-    let Some((o, buf)) = rule(
-        conv, proj, a_neg, dt_bias, s_in, layout, rows, outputs, None,
-    )?
-    else {
-        return Ok(None);
-    };
-    let (hv, dv) = (layout.v_heads, layout.v_dim);
-    let outs = if outputs { rows * hv * dv } else { 0 };
-    let state = buf
-        .narrow(0, outs, hv * DELTA_HEAD_DIM * dv)?
-        .reshape((hv, DELTA_HEAD_DIM, dv))?;
-    Ok(Some((o, state)))
-}
-
-/// [`delta_rule`] with the state and the conv window written into the given buffers: the
-/// outputs (None when `outputs` is false), or None when the kernel does not apply.
+/// `s_in [hv, 128, dv]` f32, with the gates of `proj`, the final state and conv window into
+/// `into`: the outputs `[rows, hv, dv]` f32 (None when `outputs` is false: a rollback's
+/// replay), or None when the kernel does not apply (not CUDA, not bf16, head dims other than
+/// 128).
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule_into(
     conv: &Tensor,
@@ -338,34 +282,11 @@ pub fn delta_rule_into(
     outputs: bool,
     into: RuleInto,
 ) -> candle_core::Result<Option<Option<Tensor>>> {
-    if into.state.dtype() != DType::F32 || !is_bf16_cuda(&[into.window_in, into.window_out]) {
-        return Ok(None);
-    }
-    let t = Some((
-        into.state.clone(),
-        into.window_in.clone(),
-        into.window_out.clone(),
-    ));
-    Ok(rule(conv, proj, a_neg, dt_bias, s_in, layout, rows, outputs, t)?.map(|(o, _)| o))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn rule(
-    conv: &Tensor,
-    proj: &Tensor,
-    a_neg: &Tensor,
-    dt_bias: &Tensor,
-    s_in: &Tensor,
-    layout: &DeltaLayout,
-    rows: usize,
-    outputs: bool,
-    into: Option<(Tensor, Tensor, Tensor)>,
-) -> candle_core::Result<Option<(Option<Tensor>, Tensor)>> {
-    if !is_bf16_cuda(&[conv, proj])
+    if !is_bf16_cuda(&[conv, proj, into.window_in, into.window_out])
         || layout.v_dim != DELTA_HEAD_DIM
-        || s_in.dtype() != DType::F32
-        || a_neg.dtype() != DType::F32
-        || dt_bias.dtype() != DType::F32
+        || [s_in, a_neg, dt_bias, into.state]
+            .iter()
+            .any(|t| t.dtype() != DType::F32)
         || rows == 0
     {
         return Ok(None);
@@ -378,15 +299,16 @@ fn rule(
         layout: layout.clone(),
         rows,
         outputs,
-        into,
+        state_out: into.state.clone(),
+        window_in: into.window_in.clone(),
+        window_out: into.window_out.clone(),
     };
     let buf = conv.apply_op1_no_bwd(&op)?;
     let (hv, dv) = (layout.v_heads, layout.v_dim);
-    let outs = if outputs { rows * hv * dv } else { 0 };
     let o = outputs
-        .then(|| buf.narrow(0, 0, outs)?.reshape((rows, hv, dv)))
+        .then(|| buf.narrow(0, 0, rows * hv * dv)?.reshape((rows, hv, dv)))
         .transpose()?;
-    Ok(Some((o, buf)))
+    Ok(Some(o))
 }
 
 struct Out {
