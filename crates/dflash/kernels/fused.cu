@@ -196,6 +196,40 @@ __device__ __forceinline__ bf16 attn_finish(float a, float L, float M, bool has_
   return __float2bfloat16(o);
 }
 
+// N consecutive bf16 (N even) from p as N / 2 raw 32-bit words, in the widest loads the
+// alignment allows (p is 4 * (N / 2)-byte aligned: lane * N elements into a 16-byte aligned row).
+template <int N>
+__device__ __forceinline__ void load_bf16_words(const bf16* __restrict__ p, uint32_t (&w)[N / 2]) {
+  if constexpr (N % 8 == 0) {
+#pragma unroll
+    for (int t = 0; t < N / 8; ++t) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + t);
+      w[4 * t] = v.x;
+      w[4 * t + 1] = v.y;
+      w[4 * t + 2] = v.z;
+      w[4 * t + 3] = v.w;
+    }
+  } else if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int t = 0; t < N / 4; ++t) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(p) + t);
+      w[2 * t] = v.x;
+      w[2 * t + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int t = 0; t < N / 2; ++t) w[t] = __ldg(reinterpret_cast<const uint32_t*>(p) + t);
+  }
+}
+
+// Element t of bf16 values held as raw words (little-endian: element 2i is word i's low half);
+// exactly __bfloat162float of that element.
+template <int W>
+__device__ __forceinline__ float bf16_word_at(const uint32_t (&w)[W], int t) {
+  const uint32_t x = w[t / 2];
+  return __uint_as_float(t % 2 == 0 ? x << 16 : x & 0xffff0000u);
+}
+
 template <int DK, int DV, int P>
 __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, int q_off, int q_hs,
                                 const bf16* __restrict__ qw, float eps, const bf16* __restrict__ cs,
@@ -204,17 +238,48 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
                                 int kvh, int kv_len, int rep, int q_pos0, int causal, int window,
                                 int chunk, int n, const bf16* __restrict__ sinks, int gate_off,
                                 bf16* __restrict__ out, float* __restrict__ part, int grp, int part_n,
-                                int part_row0) {
+                                int part_row0, int* __restrict__ counters) {
   constexpr int D = DK;
   constexpr int E = DK / 32;   // key dims per lane
   constexpr int EV = DV / 32;  // value dims per lane
   constexpr int NW = 4;
+  // Blocks of 1-2 pairs (decode steps, short blocks: nn::cuda::attention's attn_pick) with head
+  // dims up to 256: the next 4 keys' loads are issued before the current 4 are used (and the
+  // first 4 before the q preparation), so a warp waits for memory about once instead of once
+  // per group. (At 8 pairs a block it ran slower on the H200, session 28: one group in
+  // registers as before.)
+  constexpr bool PIPE = E + EV <= 16 && P <= 2;
   __shared__ float qs[P][D];
   __shared__ float wm[NW][P], wl[NW][P];
   __shared__ float wacc[NW][P][DV];
   const int g = blockIdx.x, s = blockIdx.y;
   const int splits = gridDim.y, heads = kvh * rep, pairs = n * rep;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+  const bf16* kbase = kp + (size_t)g * head_stride;
+  const bf16* vbase = vp + (size_t)g * head_stride;
+  const int j0 = s * chunk;
+  const int jend = min(kv_len, j0 + chunk);
+  // Raw bf16 words of 4 keys and their values (keys past the chunk: zeros).
+  uint32_t kw[4][E / 2], vw[4][EV / 2];
+  auto load_group = [&](int jb, uint32_t (&k)[4][E / 2], uint32_t (&v)[4][EV / 2]) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int j = jb + u;
+      if (j < jend) {
+        load_bf16_words<E>(kbase + (size_t)j * row_stride + lane * E, k[u]);
+        load_bf16_words<EV>(vbase + (size_t)j * row_stride + lane * EV, v[u]);
+      } else {
+#pragma unroll
+        for (int t = 0; t < E / 2; ++t) k[u][t] = 0u;
+#pragma unroll
+        for (int t = 0; t < EV / 2; ++t) v[u][t] = 0u;
+      }
+    }
+  };
+  if constexpr (PIPE) {
+    if (j0 + warp * 4 < jend) load_group(j0 + warp * 4, kw, vw);
+  }
 
   // 1. q of each pair: norm (warp sum), rope, scale; warp w prepares pairs w, w + NW, ...
   for (int pp = warp; pp < P; pp += NW) {
@@ -270,27 +335,33 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
 #pragma unroll
     for (int t = 0; t < EV; ++t) acc[pp][t] = 0.f;
   }
-  const bf16* kbase = kp + (size_t)g * head_stride;
-  const bf16* vbase = vp + (size_t)g * head_stride;
-  const int j0 = s * chunk;
-  const int jend = min(kv_len, j0 + chunk);
   for (int jb = j0 + warp * 4; jb < jend; jb += NW * 4) {
     float kf[4][E], vv[4][EV];
+    if constexpr (PIPE) {
+      uint32_t ck[4][E / 2], cv[4][EV / 2];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int j = jb + u;
-      if (j < jend) {
-        const bf16* kr = kbase + (size_t)j * row_stride + lane * E;
-        const bf16* vr = vbase + (size_t)j * row_stride + lane * EV;
+      for (int u = 0; u < 4; ++u) {
 #pragma unroll
-        for (int t = 0; t < E; ++t) kf[u][t] = __bfloat162float(kr[t]);
+        for (int t = 0; t < E / 2; ++t) ck[u][t] = kw[u][t];
 #pragma unroll
-        for (int t = 0; t < EV; ++t) vv[u][t] = __bfloat162float(vr[t]);
-      } else {
+        for (int t = 0; t < EV / 2; ++t) cv[u][t] = vw[u][t];
+      }
+      if (jb + NW * 4 < jend) load_group(jb + NW * 4, kw, vw);
 #pragma unroll
-        for (int t = 0; t < E; ++t) kf[u][t] = 0.f;
+      for (int u = 0; u < 4; ++u) {
 #pragma unroll
-        for (int t = 0; t < EV; ++t) vv[u][t] = 0.f;
+        for (int t = 0; t < E; ++t) kf[u][t] = bf16_word_at(ck[u], t);
+#pragma unroll
+        for (int t = 0; t < EV; ++t) vv[u][t] = bf16_word_at(cv[u], t);
+      }
+    } else {
+      load_group(jb, kw, vw);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int t = 0; t < E; ++t) kf[u][t] = bf16_word_at(kw[u], t);
+#pragma unroll
+        for (int t = 0; t < EV; ++t) vv[u][t] = bf16_word_at(vw[u], t);
       }
     }
 #pragma unroll
@@ -364,6 +435,72 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
       }
     }
   }
+  if (splits == 1 || counters == nullptr) return;
+
+  // 4. The last of the splits' blocks to finish merges them (attn_combine's arithmetic, splits in
+  // order, so the bits do not depend on which block is last): one launch instead of two. Only
+  // for blocks of 1-2 pairs (the host passes no counters otherwise: at 8 pairs a block the
+  // merge's serial tail cost more than attn_combine's launch, session 28). The
+  // blocks of one (KV head, pair group) count their arrivals in counters[x * gridDim.z + z]; the
+  // last resets it to 0 for the next launch.
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* cnt = counters + (size_t)blockIdx.x * gridDim.z + blockIdx.z;
+    last = atomicAdd(cnt, 1) == splits - 1;
+    if (last) *cnt = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // Thread t merges elements t + 128 j of the block's P x DV outputs, all j at once (the loads
+  // of every element and split go out together: a serial loop over the elements waited for
+  // L2 once per element and split, slower than attn_combine's launch at P = 8).
+  constexpr int PER = (P * DV + 127) / 128;
+  float Mx[PER], Ls[PER], As[PER];
+  const float* pr[PER];
+  bool ok[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int idx = threadIdx.x + 128 * j;
+    const int pp = idx / DV, p = grp * P + pp;
+    ok[j] = idx < P * DV && p < pairs;
+    const int i = ok[j] ? p / rep : 0, h = ok[j] ? g * rep + p % rep : 0;
+    pr[j] = part + ((size_t)h * part_n + part_row0 + i) * splits * (DV + 2);
+    Mx[j] = -INFINITY;
+    Ls[j] = 0.f;
+    As[j] = 0.f;
+  }
+  for (int t = 0; t < splits; ++t) {
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (ok[j]) Mx[j] = fmaxf(Mx[j], __ldcg(pr[j] + t * (DV + 2)));
+  }
+  for (int t = 0; t < splits; ++t) {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      if (!ok[j]) continue;
+      const int e = (threadIdx.x + 128 * j) % DV;
+      const float ms = __ldcg(pr[j] + t * (DV + 2));
+      const float lv = __ldcg(pr[j] + t * (DV + 2) + 1);
+      const float av = __ldcg(pr[j] + t * (DV + 2) + 2 + e);
+      if (ms == -INFINITY) continue;
+      const float f = __expf(ms - Mx[j]);
+      Ls[j] += lv * f;
+      As[j] += av * f;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    if (!ok[j]) continue;
+    const int idx = threadIdx.x + 128 * j;
+    const int pp = idx / DV, e = idx % DV, p = grp * P + pp;
+    const int i = p / rep, h = g * rep + p % rep;
+    const bf16* grow = gate_off >= 0 ? src + (size_t)i * src_stride + q_off + h * q_hs + gate_off : nullptr;
+    out[(size_t)i * heads * DV + (size_t)h * DV + e] =
+        attn_finish(As[j], Ls[j], Mx[j], sinks != nullptr, sinks != nullptr ? __bfloat162float(sinks[h]) : 0.f, grow, e);
+  }
 }
 
 // Pairs per block: 8 (4 for head dim 256, to bound registers and shared memory).
@@ -375,16 +512,16 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
       const bf16* src, int src_stride, int q_off, int q_hs, const bf16* qw, float eps, const bf16* cs,    \
       int rot, float scale, const bf16* kp, const bf16* vp, long long head_stride, int row_stride,       \
       int kvh, int kv_len, int rep, int q_pos0, int causal, int window, int chunk, int n,                 \
-      const bf16* sinks, int gate_off, bf16* out, float* part) {                                          \
+      const bf16* sinks, int gate_off, bf16* out, float* part, int* counters) {                           \
     attn_rows_block<DK, DV, P>(src, src_stride, q_off, q_hs, qw, eps, cs, rot, scale, kp, vp,            \
                                head_stride, row_stride, kvh, kv_len, rep, q_pos0, causal, window, chunk,  \
-                               n, sinks, gate_off, out, part, blockIdx.z, n, 0);                          \
+                               n, sinks, gate_off, out, part, blockIdx.z, n, 0, counters);                \
   }                                                                                                       \
   extern "C" __global__ void __launch_bounds__(128) NAME##_seg(                                           \
       const bf16* src, int src_stride, int q_off, int q_hs, const bf16* qw, float eps, const bf16* cs,    \
       int rot, float scale, const long long* meta, int nseg, int total, int kvh, int rep, int causal,     \
       int window, int chunk, const bf16* sinks, int gate_off, bf16* out, float* part,                     \
-      const long long* pos0s, int cs_by_pos) {                                                            \
+      const long long* pos0s, int cs_by_pos, int* counters) {                                             \
     const long long seg = meta[SEG_META * nseg + total + blockIdx.z];                                     \
     const long long* m = meta + SEG_META * seg;                                                           \
     const bf16* kp = reinterpret_cast<const bf16*>(m[SEG_PTR]);                                           \
@@ -396,7 +533,7 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
                                kp + kvh * cap * DK, cap * DK,                                             \
                                DK, kvh, pos0 + n, rep, pos0, causal, window, chunk, n, sinks, gate_off,   \
                                out + (size_t)row0 * kvh * rep * DV, part, blockIdx.z - (int)m[SEG_GRP0],  \
-                               total, row0);                                                              \
+                               total, row0, counters);                                                    \
   }
 ATTN(attn_bf16_d64, 64, 64, 8)
 ATTN(attn_bf16_d128, 128, 128, 8)

@@ -254,7 +254,7 @@ impl CustomOp3 for Attend {
         let held_s = c.sinks.as_ref().map(Held::new);
         let sinks = opt_view(&held_s, "sinks")?;
         // Keys split into fixed chunks of ATTN_CHUNK from position 0, one block each, merged by
-        // attn_combine. Fixed, so that a query row's arithmetic (which keys each block and
+        // the last of them to finish (or attn_combine). Fixed, so that a query row's arithmetic (which keys each block and
         // warp sums, in which order) depends on its position only, not on how many rows the
         // call has or how long the cache is: a verify reproduces the decode steps bit for bit
         // (with one split the kernel writes a / L itself, which is what the combine computes
@@ -262,7 +262,7 @@ impl CustomOp3 for Attend {
         let rows = heads * n;
         let chunk = ATTN_CHUNK;
         let splits = c.kv_len.div_ceil(chunk);
-        // SAFETY: every element is written (by attn with one split, else by attn_combine).
+        // SAFETY: every element is written (by attn: one split or its merging blocks; else attn_combine).
         let out = unsafe { dev.alloc::<bf16>(n * heads * dv)? };
         let part = unsafe {
             dev.alloc::<f32>(if splits > 1 {
@@ -332,9 +332,15 @@ impl CustomOp3 for Attend {
         b.arg(&gate_off);
         b.arg(&out);
         b.arg(&part);
+        let counters = if splits > 1 && pairs_per_block <= MERGE_MAX_PAIRS {
+            split_counters(dev, kvh * groups)?
+        } else {
+            None
+        };
+        b.arg(counters.as_ref().unwrap_or(&null));
         // SAFETY: argument types match the kernel; shapes and bounds checked above.
         unsafe { b.launch(cfg) }.w()?;
-        if splits > 1 {
+        if splits > 1 && counters.is_none() {
             let g = Gate {
                 src: &src,
                 stride: stride_i,
@@ -625,6 +631,48 @@ fn static_meta(
     let slice = Arc::new(dev.clone_htod(&key.1)?);
     t.insert(key, slice.clone());
     Ok(slice)
+}
+
+/// Most (row, head) pairs per block for which the attention kernel merges its key splits
+/// itself (below): one launch instead of two for decode steps (qwen3_moe at context 128: 12.0
+/// + 5.0 us a layer -> 9.0, H200 ncu, session 28); with 8 pairs a block the merging block's
+/// serial tail cost more than `attn_combine_bf16`'s launch.
+const MERGE_MAX_PAIRS: usize = 2;
+
+/// Arrival counters for attention launches that merge their key splits in the kernel (the last
+/// block of each (KV head, pair group) merges them: kernels/fused.cu, step 4 of the ATTN
+/// kernels), one zeroed buffer per device, made outside any graph capture (the first call
+/// is a warm-up or an eager forward) and kept: every launch leaves it zeroed again. None
+/// when a launch has more (KV head, group) sets than it holds: then the splits are merged by
+/// `attn_combine_bf16`, a second launch.
+fn split_counters(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    sets: usize,
+) -> candle_core::Result<Option<u64>> {
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    const SETS: usize = 1 << 16;
+    if sets > SETS {
+        return Ok(None);
+    }
+    static BUFS: OnceLock<Mutex<HashMap<candle_core::cuda_backend::DeviceId, CudaSlice<i32>>>> =
+        OnceLock::new();
+    let mut t = BUFS
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("dflash attention counters poisoned".into()))?;
+    if !t.contains_key(&dev.id()) {
+        if super::graph::capturing(dev) {
+            candle_core::bail!(
+                "dflash attention: the split counters were first asked for while a CUDA graph is captured"
+            );
+        }
+        t.insert(dev.id(), dev.alloc_zeros::<i32>(SETS)?);
+    }
+    let stream = dev.cuda_stream();
+    let (p, _guard) = t[&dev.id()].device_ptr(&stream);
+    Ok(Some(p))
 }
 
 /// Number of i64 per segment in the metadata table (`SEG_META` in kernels/fused.cu).
@@ -937,7 +985,7 @@ impl CustomOp2 for AttendSegs {
         let held_s = c.sinks.as_ref().map(Held::new);
         let sinks = opt_view(&held_s, "sinks")?;
         let rows = heads * n;
-        // SAFETY: every element is written (by attn with one split, else by attn_combine).
+        // SAFETY: every element is written (by attn: one split or its merging blocks; else attn_combine).
         let out = unsafe { dev.alloc::<bf16>(n * heads * d)? };
         let part = unsafe {
             dev.alloc::<f32>(if splits > 1 {
@@ -996,9 +1044,15 @@ impl CustomOp2 for AttendSegs {
             None => b.arg(&null),
         };
         b.arg(&cs_by_pos);
+        let counters = if splits > 1 && pairs_per_block <= MERGE_MAX_PAIRS {
+            split_counters(dev, kvh * blocks)?
+        } else {
+            None
+        };
+        b.arg(counters.as_ref().unwrap_or(&null));
         // SAFETY: argument types match the kernel; seg_table checked every segment's cache.
         unsafe { b.launch(cfg) }.w()?;
-        if splits > 1 {
+        if splits > 1 && counters.is_none() {
             let g = Gate {
                 src: &src,
                 stride: stride_i,
