@@ -34,10 +34,10 @@
 #include "skinny.cuh"
 
 
-template <int W, int T, int U, int BW, int TN>
+template <int W, int T, int U, int BW, int TN, typename OutT>
 __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
                                           const __nv_bfloat16* __restrict__ w,
-                                          __nv_bfloat16* __restrict__ y, int m_rows, int n_rows,
+                                          OutT* __restrict__ y, int m_rows, int n_rows,
                                           int k) {
   constexpr int R = 16 * TN;  // weight rows per warp
   __shared__ float red[W > 1 ? BW : 1][R][8 * T];
@@ -106,22 +106,23 @@ __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
           for (int t = 0; t < T; ++t)
             mma_chunk(acc[a][t], cw[u][2 * a], cw[u][2 * a + 1], cx[u][t]);
   }
-  store_rows<W, T, BW, TN>(acc, red, y, m_rows, n_rows, n0);
+  store_rows<W, T, BW, TN, OutT>(acc, red, y, m_rows, n_rows, n0);
 }
 
 // Configurations (name: W warps per tile, U chunks in flight, BW warps per block, TN tiles per
 // warp); nn::cuda::mma_config picks one from N. Keep the two in step.
-#define GEMM(NAME, W, U, BW, MINB, TN)                                                        \
+// NAME_t{1,2}: bf16 out; NAME_t{1,2}_f32: the same values as f32 (the LM head's logits).
+#define GEMM_T(NAME, SUF, T, OutT, W, U, BW, MINB, TN)                                        \
   extern "C" __global__ void __launch_bounds__(32 * BW, MINB)                                 \
-      NAME##_t1(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int m_rows, \
+      NAME##SUF(const __nv_bfloat16* x, const __nv_bfloat16* w, OutT* y, int m_rows,          \
                 int n_rows, int k) {                                                          \
-    gemm_rows<W, 1, U, BW, TN>(x, w, y, m_rows, n_rows, k);                                   \
-  }                                                                                           \
-  extern "C" __global__ void __launch_bounds__(32 * BW, MINB)                                 \
-      NAME##_t2(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int m_rows, \
-                int n_rows, int k) {                                                          \
-    gemm_rows<W, 2, U, BW, TN>(x, w, y, m_rows, n_rows, k);                                   \
+    gemm_rows<W, T, U, BW, TN, OutT>(x, w, y, m_rows, n_rows, k);                             \
   }
+#define GEMM(NAME, W, U, BW, MINB, TN)                                 \
+  GEMM_T(NAME, _t1, 1, __nv_bfloat16, W, U, BW, MINB, TN)              \
+  GEMM_T(NAME, _t2, 2, __nv_bfloat16, W, U, BW, MINB, TN)              \
+  GEMM_T(NAME, _t1_f32, 1, float, W, U, BW, MINB, TN)                  \
+  GEMM_T(NAME, _t2_f32, 2, float, W, U, BW, MINB, TN)
 // Narrow weights (few tiles): 8 warps split K.
 GEMM(gemm_w8u2, 8, 2, 8, 2, 1)
 // Wide (gate+up): one warp per tile, 4 chunks in flight.

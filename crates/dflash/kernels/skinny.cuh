@@ -53,10 +53,17 @@ __device__ __forceinline__ void stage_rows(const float (&acc)[TN][T][4], float (
 // the W warps that split K for a tile stage theirs in `red` (the caller's shared array) and the
 // block sums them in warp order (a fixed order: batch-invariant). n0: the warp's first weight
 // row.
-template <int W, int T, int BW, int TN>
+// An output value as stored: bf16, or (the LM head's f32 logits) the f32 of that bf16, the
+// value a bf16 output cast to f32 would hold, without the cast's launch.
+__device__ __forceinline__ void put_out(__nv_bfloat16* y, size_t i, float v) { y[i] = __float2bfloat16(v); }
+__device__ __forceinline__ void put_out(float* y, size_t i, float v) {
+  y[i] = __bfloat162float(__float2bfloat16(v));
+}
+
+template <int W, int T, int BW, int TN, typename OutT>
 __device__ __forceinline__ void store_rows(const float (&acc)[TN][T][4],
                                            float (*red)[16 * TN][8 * T],
-                                           __nv_bfloat16* __restrict__ y, int m_rows, int n_rows,
+                                           OutT* __restrict__ y, int m_rows, int n_rows,
                                            int n0) {
   constexpr int R = 16 * TN;
   const int lane = threadIdx.x % 32;
@@ -69,12 +76,12 @@ __device__ __forceinline__ void store_rows(const float (&acc)[TN][T][4],
         const int m = 8 * t + 2 * c;
         const int na = n0 + 16 * a + g, nb = na + 8;
         if (m < m_rows) {
-          if (na < n_rows) y[(size_t)m * n_rows + na] = __float2bfloat16(acc[a][t][0]);
-          if (nb < n_rows) y[(size_t)m * n_rows + nb] = __float2bfloat16(acc[a][t][2]);
+          if (na < n_rows) put_out(y, (size_t)m * n_rows + na, acc[a][t][0]);
+          if (nb < n_rows) put_out(y, (size_t)m * n_rows + nb, acc[a][t][2]);
         }
         if (m + 1 < m_rows) {
-          if (na < n_rows) y[(size_t)(m + 1) * n_rows + na] = __float2bfloat16(acc[a][t][1]);
-          if (nb < n_rows) y[(size_t)(m + 1) * n_rows + nb] = __float2bfloat16(acc[a][t][3]);
+          if (na < n_rows) put_out(y, (size_t)(m + 1) * n_rows + na, acc[a][t][1]);
+          if (nb < n_rows) put_out(y, (size_t)(m + 1) * n_rows + nb, acc[a][t][3]);
         }
       }
   } else {
@@ -89,7 +96,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[TN][T][4],
         float s = 0.f;
 #pragma unroll
         for (int v = 0; v < W; ++v) s += red[tb * W + v][r][m];
-        y[(size_t)m * n_rows + n] = __float2bfloat16(s);
+        put_out(y, (size_t)m * n_rows + n, s);
       }
     }
   }

@@ -143,6 +143,40 @@ fn mma_matches_f32_product() {
         let e = rel_err(&got, &f32_product(&x, &w));
         assert!(e < 1e-2, "m {m} n {n} k {k}: rel err {e}");
     }
+    // The f32-output form (the LM head's logits) holds exactly the bf16 output cast to f32,
+    // at every blocking and both tile counts.
+    for &(m, n, k) in &[
+        (1, 151936, 576),
+        (16, 151936, 576),
+        (9, 4096, 4096),
+        (1, 1024, 2048),
+        (16, 50000, 64),
+        (8, 20000, 128),
+    ] {
+        let x = randn(&[m, k], 1.0, &dev);
+        let w = randn(&[n, k], 0.05, &dev);
+        let bf = dflash::nn::cuda::mma_forced(&x, &w)
+            .unwrap()
+            .expect("applies");
+        let f = dflash::nn::cuda::mma_f32(&x, &w)
+            .unwrap()
+            .expect("applies in batch-invariant mode");
+        assert_eq!(f.dtype(), DType::F32);
+        let want = bf
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let got = f.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(
+            want.iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "f32 output m {m} n {n} k {k}"
+        );
+    }
     // A view of rows 8.. of a larger weight (offset, still aligned) and a [1, m, k] input.
     let big = randn(&[40, 256], 0.05, &dev);
     let w = big.narrow(0, 8, 24).unwrap();

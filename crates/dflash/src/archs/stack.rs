@@ -297,7 +297,7 @@ impl Head {
 
     /// The projection alone on normed rows: `[n, vocab]` f32.
     pub fn project(&self, normed: &Tensor) -> Result<Tensor> {
-        Ok(self.linear.forward(normed)?.to_dtype(DType::F32)?)
+        self.linear.forward_f32(normed)
     }
 
     /// Logits `[n, vocab]` f32 of final hidden rows.

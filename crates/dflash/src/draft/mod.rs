@@ -880,7 +880,7 @@ impl DraftModel {
         head_t: Option<&Tensor>,
     ) -> Result<Tensor> {
         let mut logits = match (&self.head, head_t) {
-            (Some(head), _) => head.forward(out)?.to_dtype(DType::F32)?,
+            (Some(head), _) => head.forward_f32(out)?,
             (None, Some(w)) => out.to_dtype(w.dtype())?.matmul(w)?.to_dtype(DType::F32)?,
             (None, None) => target.lm_head(&out.to_dtype(target.info().dtype)?)?,
         };

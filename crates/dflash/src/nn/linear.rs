@@ -240,6 +240,19 @@ impl Linear {
         }
     }
 
+    /// `x [n, in] -> [n, out]` f32, each value what [`Linear::forward`] gives cast to f32 (the
+    /// LM head's logits): on CUDA a bias-free dense weight's skinny GEMM writes them directly
+    /// (one launch, not a GEMM and a cast).
+    pub fn forward_f32(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Linear::Dense { weight, bias: None } = self {
+            if let Some(y) = super::cuda::mma_f32(x, weight)? {
+                return Ok(y);
+            }
+        }
+        Ok(self.forward(x)?.to_dtype(DType::F32)?)
+    }
+
     /// `x [n, in] -> [n, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = match self {

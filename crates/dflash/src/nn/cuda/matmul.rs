@@ -40,7 +40,9 @@ impl RowKernel {
     }
 }
 
-struct RowMatmul(RowKernel);
+/// A row matmul; `f32_out`: the skinny GEMM writes f32 (each value the f32 of its bf16
+/// rounding: what a bf16 output cast to f32 holds) for the LM head's logits.
+struct RowMatmul(RowKernel, bool);
 
 impl CustomOp2 for RowMatmul {
     fn name(&self) -> &'static str {
@@ -67,7 +69,10 @@ impl CustomOp2 for RowMatmul {
         ws: &CudaStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let kern = self.0;
+        let (kern, f32_out) = (self.0, self.1);
+        if f32_out && kern != RowKernel::Mma {
+            candle_core::bail!("{}: f32 output is the skinny GEMM's only", self.name());
+        }
         // [m, k] x [n, k], or a batch of them: [b, m, k] x [b, n, k] (the skinny GEMM only)
         let (batch, m, k) = match xl.shape().rank() {
             3 => xl.shape().dims3()?,
@@ -110,7 +115,12 @@ impl CustomOp2 for RowMatmul {
             ),
             RowKernel::Mma => {
                 let c = mma_config(n);
-                let name = format!("{}_t{}", c.name, if m <= 8 { 1 } else { 2 });
+                let name = format!(
+                    "{}_t{}{}",
+                    c.name,
+                    if m <= 8 { 1 } else { 2 },
+                    if f32_out { "_f32" } else { "" }
+                );
                 (
                     dev.get_or_load_custom_func(&name, "dflash_mma", MMA_PTX)?,
                     (n as u32).div_ceil(c.rows_per_block),
@@ -119,7 +129,11 @@ impl CustomOp2 for RowMatmul {
             }
         };
         // SAFETY: every element is written by the kernel.
-        let y = unsafe { dev.alloc::<bf16>(batch * m * n)? };
+        let (y32, y16) = if f32_out {
+            (Some(unsafe { dev.alloc::<f32>(batch * m * n)? }), None)
+        } else {
+            (None, Some(unsafe { dev.alloc::<bf16>(batch * m * n)? }))
+        };
         let cfg = LaunchConfig {
             grid_dim: (grid, batch as u32, 1),
             block_dim: (32 * warps, 1, 1),
@@ -129,7 +143,11 @@ impl CustomOp2 for RowMatmul {
         let mut b = func.builder();
         b.arg(&x);
         b.arg(&w);
-        b.arg(&y);
+        match (&y32, &y16) {
+            (Some(y), _) => b.arg(y),
+            (_, Some(y)) => b.arg(y),
+            _ => unreachable!("one output is allocated above"),
+        };
         // gemv_bf16_m<M> has the row count in its name; gemm_bf16_t<T> takes it.
         if kern == RowKernel::Mma {
             b.arg(&m_i);
@@ -143,7 +161,12 @@ impl CustomOp2 for RowMatmul {
         } else {
             Shape::from((m, n))
         };
-        Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), shape))
+        let y = match (y32, y16) {
+            (Some(y), _) => CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            (_, Some(y)) => CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            _ => unreachable!("one output is allocated above"),
+        };
+        Ok((y, shape))
     }
 }
 
@@ -154,6 +177,7 @@ fn row_matmul(
     w: &Tensor,
     kern: RowKernel,
     max_rows: usize,
+    f32_out: bool,
 ) -> candle_core::Result<Option<Tensor>> {
     if !x.device().is_cuda() || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
         return Ok(None);
@@ -170,7 +194,9 @@ fn row_matmul(
     if !x.is_contiguous() || !w.is_contiguous() {
         return Ok(None);
     }
-    let y = x.reshape((m, k))?.apply_op2_no_bwd(w, &RowMatmul(kern))?;
+    let y = x
+        .reshape((m, k))?
+        .apply_op2_no_bwd(w, &RowMatmul(kern, f32_out))?;
     let mut out = dims.to_vec();
     *out.last_mut().expect("rank >= 1") = w.dim(0)?;
     Ok(Some(y.reshape(out)?))
@@ -179,7 +205,7 @@ fn row_matmul(
 /// `x [.., K] @ w[N, K]^T` with the GEMV kernel when it applies (CUDA, bf16, at most
 /// `DFLASH_GEMV_ROWS` rows (default 1), K % 8 == 0, contiguous); None otherwise.
 pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
-    row_matmul(x, w, RowKernel::Gemv, gemv_rows())
+    row_matmul(x, w, RowKernel::Gemv, gemv_rows(), false)
 }
 
 /// Most rows of x the tensor-core skinny GEMM handles (two 8-row tiles of the mma's B operand).
@@ -264,10 +290,21 @@ pub fn mma_batched(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>
     if b != wb || k != k2 || m == 0 || m > MMA_MAX_ROWS || k % 32 != 0 || n == 0 {
         return Ok(None);
     }
-    Ok(Some(x.apply_op2_no_bwd(w, &RowMatmul(RowKernel::Mma))?))
+    Ok(Some(
+        x.apply_op2_no_bwd(w, &RowMatmul(RowKernel::Mma, false))?,
+    ))
 }
 
 /// The skinny GEMM whether or not batch-invariant mode is on (tests and the probe call it).
 pub fn mma_forced(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
-    row_matmul(x, w, RowKernel::Mma, MMA_MAX_ROWS)
+    row_matmul(x, w, RowKernel::Mma, MMA_MAX_ROWS, false)
+}
+
+/// [`mma`] with f32 output, each value the f32 of the bf16 that [`mma`] writes (bit for bit
+/// `mma(x, w)?.to_dtype(F32)`, one launch instead of two): the LM head's logits.
+pub fn mma_f32(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !batch_invariant() {
+        return Ok(None);
+    }
+    row_matmul(x, w, RowKernel::Mma, MMA_MAX_ROWS, true)
 }
