@@ -6,7 +6,8 @@
 #   source ../shared/tools/cuda-env.sh
 #   CARGO_TARGET_DIR=/work/target-cuda cargo build --release --features cuda -p dflash-cli
 #   CARGO_TARGET_DIR=/work/target-cuda cargo test --release --features cuda -p dflash --test fused_cuda --no-run
-#   strip both binaries; xz -3 them to .device/dflash.xz and .device/fused_cuda.xz
+#   strip both binaries; xz -9e them to .device/dflash.xz and .device/fused_cuda.xz (a call
+#   carries at most 64 MiB with the tracked tree's ~41 MB: at xz -3 the two no longer fit)
 # Run there from the repo root: SKIP_REF=0 tools/gpu-bench/device.sh (PROFILES=0: no profiles)
 # (carry [".device", "tools/goldens/wheels"]); results come back as $OUT/gb.tgz.
 set -u
