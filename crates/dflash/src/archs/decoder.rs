@@ -45,6 +45,43 @@ pub enum Ffn {
 }
 
 impl Ffn {
+    /// Layer `i`'s feed-forward at `{p}.mlp` of a Qwen-style checkpoint: the routed experts
+    /// where `moe` marks the layer (`renormalize`: the top-k weights divided by their sum),
+    /// else the dense gated MLP of `intermediate` units (gate/up fused). `file` names the
+    /// config in the error for a dense layer without `intermediate_size`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_qwen(
+        w: &Weights,
+        p: &str,
+        i: usize,
+        hidden: usize,
+        moe: Option<&(MoeConfig, Vec<bool>)>,
+        renormalize: bool,
+        intermediate: usize,
+        bias: bool,
+        act: Activation,
+        file: &str,
+    ) -> Result<Self> {
+        let mlp = format!("{p}.mlp");
+        Ok(match moe {
+            Some((m, layers)) if layers[i] => {
+                Ffn::Moe(SparseMoe::load_qwen(w, &mlp, hidden, m, renormalize, act)?)
+            }
+            _ => {
+                if intermediate == 0 {
+                    return Err(Error::config(
+                        file,
+                        "intermediate_size",
+                        format!("missing, and layer {i} has a dense MLP"),
+                    ));
+                }
+                let mut m = GatedMlp::load(w, &mlp, hidden, intermediate, bias, act)?;
+                m.fuse()?;
+                Ffn::Dense(m)
+            }
+        })
+    }
+
     /// Bytes a forward of `rows` rows reads (see `SparseMoe::read_bytes`).
     pub fn read_bytes(&self, rows: usize) -> f64 {
         match self {
@@ -387,28 +424,19 @@ pub fn load(cfg: &TargetConfig, w: &Weights, spec: DecoderSpec) -> Result<Stack<
             // (linear_attention layers are refused at load: `archs::family_for`)
             LayerType::Full | LayerType::Linear => (0, Visibility::CAUSAL),
         };
-        let ffn = match &spec.moe {
-            Some((m, moe_layers)) if moe_layers[i] => Ffn::Moe(SparseMoe::load_qwen(
-                w,
-                &format!("{p}.mlp"),
-                h,
-                m,
-                m.norm_topk_prob,
-                act,
-            )?),
-            _ => {
-                let mut m = GatedMlp::load(
-                    w,
-                    &format!("{p}.mlp"),
-                    h,
-                    cfg.intermediate_size,
-                    cfg.mlp_bias,
-                    act,
-                )?;
-                m.fuse()?;
-                Ffn::Dense(m)
-            }
-        };
+        let renorm = spec.moe.as_ref().is_some_and(|(m, _)| m.norm_topk_prob);
+        let ffn = Ffn::load_qwen(
+            w,
+            &p,
+            i,
+            h,
+            spec.moe.as_ref(),
+            renorm,
+            cfg.intermediate_size,
+            cfg.mlp_bias,
+            act,
+            &cfg.file,
+        )?;
         let sandwich = if spec.sandwich_norms {
             Some((
                 norm(&format!("{p}.pre_feedforward_layernorm.weight"))?,

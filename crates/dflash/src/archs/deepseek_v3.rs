@@ -81,22 +81,16 @@ impl MlaConfig {
                 r => r,
             },
         };
-        let dim = |key: &str, default: usize| -> Result<usize> {
-            match f.opt_usize(key)?.unwrap_or(default) {
-                0 => Err(f.err(key, "must be > 0")),
-                d => Ok(d),
-            }
-        };
-        let kv_lora_rank = dim("kv_lora_rank", 512)?;
-        let qk_nope_head_dim = dim("qk_nope_head_dim", 128)?;
-        let qk_rope_head_dim = dim("qk_rope_head_dim", 64)?;
+        let kv_lora_rank = f.pos_usize_or("kv_lora_rank", 512)?;
+        let qk_nope_head_dim = f.pos_usize_or("qk_nope_head_dim", 128)?;
+        let qk_rope_head_dim = f.pos_usize_or("qk_rope_head_dim", 64)?;
         if qk_rope_head_dim % 2 != 0 {
             return Err(f.err(
                 "qk_rope_head_dim",
                 format!("{qk_rope_head_dim} must be even for RoPE"),
             ));
         }
-        let v_head_dim = dim("v_head_dim", 128)?;
+        let v_head_dim = f.pos_usize_or("v_head_dim", 128)?;
         if let Some(s) = f.opt_str("scoring_func")? {
             if s != "sigmoid" {
                 return Err(f.err(

@@ -25,10 +25,10 @@ use crate::config::{LayerType, RopeConfig, TargetConfig};
 use crate::nn::moe::MoeConfig;
 use crate::nn::{
     Activation, Attention, AttentionSpec, GatedDeltaNet, GatedDeltaSpec, GatedMlp, InProjLayout,
-    RmsNorm, Rope, SparseMoe, Visibility,
+    RmsNorm, Rope, Visibility,
 };
 use crate::source::Weights;
-use crate::{Error, Result};
+use crate::Result;
 
 /// Longest run of rows one pass through the layer stack takes; longer inputs (prompts) go
 /// through in pieces (a multiple of the delta rule's chunk).
@@ -111,27 +111,21 @@ impl HybridConfig {
         if !explicit {
             rope.partial_rotary_factor = 0.25;
         }
-        let pos = |key: &str, d: usize| -> Result<usize> {
-            match f.opt_usize(key)?.unwrap_or(d) {
-                0 => Err(f.err(key, "must be > 0")),
-                x => Ok(x),
-            }
-        };
-        let k_heads = pos("linear_num_key_heads", 16)?;
-        let v_heads = pos("linear_num_value_heads", 32)?;
+        let k_heads = f.pos_usize_or("linear_num_key_heads", 16)?;
+        let v_heads = f.pos_usize_or("linear_num_value_heads", 32)?;
         if v_heads % k_heads != 0 {
             return Err(f.err(
                 "linear_num_value_heads",
                 format!("{v_heads} is not a multiple of linear_num_key_heads {k_heads}"),
             ));
         }
-        let conv_kernel = pos("linear_conv_kernel_dim", 4)?;
+        let conv_kernel = f.pos_usize_or("linear_conv_kernel_dim", 4)?;
         let delta = GatedDeltaSpec {
             hidden: cfg.hidden_size,
             k_heads,
             v_heads,
-            k_dim: pos("linear_key_head_dim", 128)?,
-            v_dim: pos("linear_value_head_dim", 128)?,
+            k_dim: f.pos_usize_or("linear_key_head_dim", 128)?,
+            v_dim: f.pos_usize_or("linear_value_head_dim", 128)?,
             conv_kernel,
             eps: cfg.rms_norm_eps,
             act: Activation::parse(&cfg.file, &cfg.hidden_act)?,
@@ -224,29 +218,18 @@ pub fn load(cfg: &TargetConfig, w: &Weights, spec: HybridSpec) -> Result<Box<dyn
                 }
             }
         };
-        let ffn = match &spec.moe {
-            Some((m, moe_layers)) if moe_layers[i] => Ffn::Moe(SparseMoe::load_qwen(
-                w,
-                &format!("{p}.mlp"),
-                h,
-                m,
-                spec.renormalize,
-                act,
-            )?),
-            _ => {
-                if cfg.intermediate_size == 0 {
-                    return Err(Error::config(
-                        &cfg.file,
-                        "intermediate_size",
-                        format!("missing, and layer {i} has a dense MLP"),
-                    ));
-                }
-                let mut m =
-                    GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, false, act)?;
-                m.fuse()?;
-                Ffn::Dense(m)
-            }
-        };
+        let ffn = Ffn::load_qwen(
+            w,
+            &p,
+            i,
+            h,
+            spec.moe.as_ref(),
+            spec.renormalize,
+            cfg.intermediate_size,
+            false,
+            act,
+            &cfg.file,
+        )?;
         layers.push(DecoderLayer {
             input_norm: norm(&format!("{p}.input_layernorm.weight"), h)?,
             mixer,

@@ -71,21 +71,18 @@ impl<'m> Frame<'m> {
         what: &'static str,
     ) -> Result<Self> {
         let n = tokens.len();
-        Ok(Self {
-            start,
+        let ids = Tensor::from_slice(tokens, n, device)?;
+        Ok(Self::build(
+            ids,
             n,
-            ids: Tensor::from_slice(tokens, n, device)?,
-            device: device.clone(),
-            dtype,
+            start,
             ropes,
-            tables: ropes.iter().map(|_| OnceCell::new()).collect(),
-            masks: Masks::new(n, start, dtype, device),
-            chunk_masks: OnceCell::new(),
-            extra: None,
-            prof: RefCell::new(SectionTimer::start(what, device)),
-            step: None,
-            position_tables: vec![],
-        })
+            vec![],
+            None,
+            dtype,
+            device,
+            what,
+        ))
     }
 
     /// A forward whose inputs live on the device, so that a CUDA graph of it can be replayed
@@ -111,7 +108,32 @@ impl<'m> Frame<'m> {
                 ropes.len()
             )));
         }
-        Ok(Self {
+        Ok(Self::build(
+            ids,
+            n,
+            start,
+            ropes,
+            position_tables,
+            Some(step),
+            dtype,
+            device,
+            what,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        ids: Tensor,
+        n: usize,
+        start: usize,
+        ropes: &'m [Rope],
+        position_tables: Vec<Tensor>,
+        step: Option<crate::nn::fused::DeviceStep>,
+        dtype: DType,
+        device: &Device,
+        what: &'static str,
+    ) -> Self {
+        Self {
             start,
             n,
             ids,
@@ -123,9 +145,9 @@ impl<'m> Frame<'m> {
             chunk_masks: OnceCell::new(),
             extra: None,
             prof: RefCell::new(SectionTimer::start(what, device)),
-            step: Some(step),
+            step,
             position_tables,
-        })
+        }
     }
 
     /// The tables of the model's rope `r` for this forward's positions.

@@ -76,6 +76,13 @@ impl<'a> Fields<'a> {
         }
         Ok(x)
     }
+    /// A positive integer, `default` when absent (an explicit 0 is an error).
+    pub fn pos_usize_or(&self, key: &str, default: usize) -> Result<usize> {
+        match self.opt_usize(key)?.unwrap_or(default) {
+            0 => Err(self.err(key, "must be > 0")),
+            x => Ok(x),
+        }
+    }
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),

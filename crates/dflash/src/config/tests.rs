@@ -282,3 +282,18 @@ fn dflash2_keys_from_either_place_with_clear_errors() {
     let e = d.validate_against(&t, "T").unwrap_err().to_string();
     assert!(e.contains("vocab_size 100") && e.contains("120"), "{e}");
 }
+
+#[test]
+fn positive_fields_take_their_default_and_refuse_zero() {
+    let v = json!({"a": 3, "z": 0, "neg": -1});
+    let f = Fields::new("c.json", &v).unwrap();
+    assert_eq!(f.pos_usize_or("a", 7).unwrap(), 3);
+    assert_eq!(f.pos_usize_or("missing", 7).unwrap(), 7);
+    let e = f.pos_usize_or("z", 7).unwrap_err().to_string();
+    assert!(
+        e.contains("c.json") && e.contains("z") && e.contains("must be > 0"),
+        "{e}"
+    );
+    assert!(f.pos_usize_or("neg", 7).is_err());
+    assert!(f.pos_usize_or("missing", 0).is_err());
+}
