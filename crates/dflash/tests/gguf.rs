@@ -321,9 +321,10 @@ fn smollm2_verify_rows_equal_decode_steps() {
 }
 
 /// The same for Gemma-3-270M Q4_K_M (Q4_K, Q5_0, Q6_K and Q8_0 matrices; 253 MB download:
-/// `--ignored`). Requantized only: candle multiplies one row by a Q6_K matrix with another
-/// kernel than several rows (max difference 0.70 before Q6_K was requantized to Q8_0 at load,
-/// 1.17 with `--keep-quant`; `examples/verify_rows.rs`).
+/// `--ignored`). Default load only: candle multiplies one row by a Q6_K matrix with another
+/// kernel than several rows (max difference 0.70, 1.17 with `--keep-quant`;
+/// `examples/verify_rows.rs`); by default its Q6_K matrices now go through dflash's own
+/// int8 product, as stored (row-invariant).
 #[test]
 #[ignore]
 fn gemma3_270m_verify_rows_equal_decode_steps() {

@@ -38,13 +38,18 @@ enum Kind {
     /// it (what llama.cpp and candle multiply Q4_1 by); Q4_0 (ggml sums `(q - 8) * x`
     /// exactly): kept in f32.
     Q4 { s16: bool },
+    /// Q6_K as stored: `w = d * sc_h * (q - 32)`, q in 0..64 (kept unsigned in the Q8 layout),
+    /// one f16 `d` per 256 weights and an int8 scale per 16 (a 32-weight block's two halves);
+    /// the block's sum is `sc_0 * (S_0 - 32 X_0) + sc_1 * (S_1 - 32 X_1)` in int32 (S_h the
+    /// half's `q * x` sum, X_h its activation sum), exact.
+    Q6,
 }
 
 impl Kind {
     /// Quant bytes of one tile's block (16 rows x 32 weights).
     fn tile_block_bytes(self) -> usize {
         match self {
-            Kind::Q8 => TR * QK,
+            Kind::Q8 | Kind::Q6 => TR * QK,
             Kind::Q4 { .. } => TR * QK / 2,
         }
     }
@@ -57,6 +62,8 @@ struct Block {
     q: [u8; QK],
     d: f16,
     m: f16,
+    /// Q6: the two halves' int8 scales (0 otherwise).
+    sc: [i8; 2],
 }
 
 /// A quantized weight `[rows, cols]` multiplied by dflash's own int8 product.
@@ -82,12 +89,18 @@ pub struct QMatrix {
     /// Per (tile, block): the 16 rows' minimums (Q4_1; empty otherwise: Q4_0's `-8 d` is
     /// formed in f32, exactly).
     m: Vec<f16>,
+    /// Per (tile, block): Q6's half scales, the 16 rows' first halves' then their second
+    /// halves' (empty otherwise).
+    sc: Vec<i8>,
 }
 
 impl QMatrix {
     /// From a CPU Q8_0, Q4_0 or Q4_1 tensor `[rows, cols]`; None for any other type or
     /// device.
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
+        if q.dtype() == GgmlDType::Q6K {
+            return Self::from_q6k(q);
+        }
         let (kind, block) = match q.dtype() {
             GgmlDType::Q8_0 => (Kind::Q8, 2 + QK),
             // Q5_0's `(q - 16) * d` with q < 32 is a Q8_0 block with the same scale: exact
@@ -130,6 +143,7 @@ impl QMatrix {
                         q,
                         d: h(raw, 0),
                         m: f16::ZERO,
+                        sc: [0; 2],
                     }
                 }
                 Kind::Q8 => {
@@ -140,6 +154,7 @@ impl QMatrix {
                         q,
                         d: h(raw, 0),
                         m: f16::ZERO,
+                        sc: [0; 2],
                     }
                 }
                 Kind::Q4 { s16 } => {
@@ -150,8 +165,58 @@ impl QMatrix {
                         q[j + QK / 2] = byte >> 4;
                     }
                     let m = if s16 { h(raw, 2) } else { f16::ZERO };
-                    Block { q, d: h(raw, 0), m }
+                    Block {
+                        q,
+                        d: h(raw, 0),
+                        m,
+                        sc: [0; 2],
+                    }
                 }
+                Kind::Q6 => unreachable!("Q6_K is read by from_q6k"),
+            }
+        })))
+    }
+
+    /// From a CPU Q6_K tensor `[rows, cols]` (cols a multiple of 256): ggml's block of 256 is
+    /// `ql[128]` (low 4 bits), `qh[64]` (high 2 bits), `scales[16]` (int8, one per 16
+    /// weights), `d` (f16); weight `128 n + 32 u + l` (n < 2, u < 4, l < 32) is `d *
+    /// scales[8 n + 2 u + l / 16] * (q - 32)` with q's low bits from `ql[64 n + l + 32 (u %
+    /// 2)]` (the high nibble for u >= 2) and its high bits `(qh[32 n + l] >> 2 u) & 3`.
+    fn from_q6k(q: &QTensor) -> Result<Option<Self>> {
+        const SB: usize = 256;
+        const BYTES: usize = 210;
+        if !q.device().is_cpu() {
+            return Ok(None);
+        }
+        let Ok((rows, cols)) = q.shape().dims2() else {
+            return Ok(None);
+        };
+        if cols % SB != 0 {
+            return Ok(None);
+        }
+        let data = q.data()?;
+        let nsb = cols / SB;
+        if data.len() != rows * nsb * BYTES {
+            return Ok(None);
+        }
+        Ok(Some(Self::build(rows, cols, Kind::Q6, |row, b| {
+            let raw = &data[(row * nsb + b / 8) * BYTES..][..BYTES];
+            let (ql, qh, scales) = (&raw[..128], &raw[128..192], &raw[192..208]);
+            let k = b % 8; // this 32-weight block within the 256
+            let (n, u) = (k / 4, k % 4);
+            let mut qv = [0u8; QK];
+            for (l, o) in qv.iter_mut().enumerate() {
+                let lo = ql[64 * n + l + 32 * (u % 2)];
+                let lo = if u >= 2 { lo >> 4 } else { lo & 15 };
+                let hi = (qh[32 * n + l] >> (2 * u)) & 3;
+                *o = lo | (hi << 4);
+            }
+            let sc = |i: usize| scales[8 * n + 2 * u + i] as i8;
+            Block {
+                q: qv,
+                d: f16::from_le_bytes([raw[208], raw[209]]),
+                m: f16::ZERO,
+                sc: [sc(0), sc(1)],
             }
         })))
     }
@@ -166,6 +231,8 @@ impl QMatrix {
         let mut q = vec![0u8; tiles * kb * tbb];
         let mut d = vec![f16::ZERO; tiles * kb * TR];
         let mut m = vec![f16::ZERO; if mins { tiles * kb * TR } else { 0 }];
+        let q6 = kind == Kind::Q6;
+        let mut sc = vec![0i8; if q6 { tiles * kb * TR * 2 } else { 0 }];
         for row in 0..rows {
             let (t, j) = (row / TR, row % TR);
             for b in 0..kb {
@@ -184,6 +251,10 @@ impl QMatrix {
                 if mins {
                     m[tb * TR + j] = blk.m;
                 }
+                if q6 {
+                    sc[tb * 2 * TR + j] = blk.sc[0];
+                    sc[tb * 2 * TR + TR + j] = blk.sc[1];
+                }
             }
         }
         Self {
@@ -193,6 +264,7 @@ impl QMatrix {
             q,
             d,
             m,
+            sc,
         }
     }
 
@@ -206,7 +278,7 @@ impl QMatrix {
         let mut q = [0u8; QK];
         for (i, o) in q.iter_mut().enumerate() {
             *o = match self.kind {
-                Kind::Q8 => src[64 * (i / 4) + 4 * j + i % 4],
+                Kind::Q8 | Kind::Q6 => src[64 * (i / 4) + 4 * j + i % 4],
                 Kind::Q4 { .. } => {
                     let (hi, i) = (i / (QK / 2), i % (QK / 2));
                     (src[64 * (i / 4) + 4 * j + i % 4] >> (4 * hi)) & 15
@@ -217,6 +289,11 @@ impl QMatrix {
             q,
             d: self.d[tb * TR + j],
             m: self.m.get(tb * TR + j).copied().unwrap_or(f16::ZERO),
+            sc: if self.kind == Kind::Q6 {
+                [self.sc[tb * 2 * TR + j], self.sc[tb * 2 * TR + TR + j]]
+            } else {
+                [0; 2]
+            },
         }
     }
 
@@ -226,7 +303,7 @@ impl QMatrix {
 
     /// Bytes held (quants incl. the last tile's padding, f16 scales and minimums).
     pub fn bytes(&self) -> usize {
-        self.q.len() + (self.d.len() + self.m.len()) * 2
+        self.q.len() + (self.d.len() + self.m.len()) * 2 + self.sc.len()
     }
 
     /// Whether this product is used for a CPU matrix of width `cols` (any multiple of 32:
@@ -254,13 +331,20 @@ impl QMatrix {
         }))
     }
 
-    /// The activation block sums `d * sum(q)` as this matrix multiplies them: rounded to f16
-    /// for Q4_1 (as ggml's Q8_1 stores them, what llama.cpp and candle multiply Q4_1 by).
-    fn round_sums(&self, s: &mut [f32]) {
+    /// The activation rows as this matrix multiplies them: the block sums `d * sum(q)`
+    /// rounded to f16 for Q4_1 (as ggml's Q8_1 stores them, what llama.cpp and candle
+    /// multiply Q4_1 by); for Q6 each block's first-half quant sum.
+    fn prepare(&self, x: &mut QRows) {
         if let Kind::Q4 { s16: true } = self.kind {
-            for v in s {
+            for v in &mut x.s {
                 *v = f16::from_f32(*v).to_f32();
             }
+        }
+        if self.kind == Kind::Q6 {
+            x.h0 =
+                x.q.chunks_exact(QK)
+                    .map(|b| b[..QK / 2].iter().map(|&v| v as i32).sum())
+                    .collect();
         }
     }
 
@@ -277,7 +361,7 @@ impl QMatrix {
         let xv = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let m = xv.len() / k.max(1);
         let mut xr = quantize_rows(&xv, k);
-        self.round_sums(&mut xr.s);
+        self.prepare(&mut xr);
         let n = self.rows;
         let mut out = vec![0f32; m * n];
         let out_ptr = out.as_mut_ptr() as usize;
@@ -321,13 +405,16 @@ fn rows_per_pass(simd: Simd) -> usize {
 }
 
 /// Activation rows quantized per block of 32 (row-major): quants, scales, `d * sum(q)` per
-/// block (what a Q4 weight's minimum multiplies; see [`QMatrix::round_sums`]) and the exact
+/// block (what a Q4 weight's minimum multiplies; see [`QMatrix::prepare`]) and the exact
 /// `sum(q)` (what the Q8 weights' `+ 128` offset multiplies).
 struct QRows {
     q: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
     sum: Vec<i32>,
+    /// Per block, the first 16 quants' sum (what a Q6 weight's first half needs; filled by
+    /// [`QMatrix::prepare`] for Q6 only, empty otherwise).
+    h0: Vec<i32>,
 }
 
 /// ggml's Q8_0 rule per block of 32: `d = amax / 127`, `q = round(x / d)` (half away from
@@ -340,6 +427,7 @@ fn quantize_rows(x: &[f32], k: usize) -> QRows {
         d: vec![0f32; nb],
         s: vec![0f32; nb],
         sum: vec![0i32; nb],
+        h0: vec![],
     };
     quantize_blocks_with(simd_level(), x, &mut r);
     r
@@ -420,6 +508,29 @@ fn tile_rows(
             };
         }
         let q4 = matches!(w.kind, Kind::Q4 { .. });
+        macro_rules! q6_rows {
+            ($f:ident) => {
+                match nx {
+                    1 => x86::$f::<1>(w, t, x, r0, out),
+                    2 => x86::$f::<2>(w, t, x, r0, out),
+                    3 => x86::$f::<3>(w, t, x, r0, out),
+                    4 => x86::$f::<4>(w, t, x, r0, out),
+                    5 => x86::$f::<5>(w, t, x, r0, out),
+                    6 => x86::$f::<6>(w, t, x, r0, out),
+                    7 => x86::$f::<7>(w, t, x, r0, out),
+                    _ => x86::$f::<8>(w, t, x, r0, out),
+                }
+            };
+        }
+        if w.kind == Kind::Q6 {
+            // SAFETY: as below; x.h0 is filled (QMatrix::prepare).
+            match simd {
+                Simd::Avx512 => return unsafe { q6_rows!(tile_rows_q6) },
+                Simd::Avx2 if nx <= 4 => return unsafe { q6_rows!(tile_rows_q6_avx2) },
+                _ => {}
+            }
+            return tile_rows_scalar(w, t, x, r0, nx, out);
+        }
         // SAFETY: the level is one the CPU has (simd_level / simd_levels); t < tiles,
         // r0 + nx <= x's rows (nx <= rows_per_pass(simd)).
         match (simd, q4) {
@@ -449,6 +560,39 @@ fn tile_rows_scalar(
     let k = w.cols;
     let kb = k / QK;
     let q4 = matches!(w.kind, Kind::Q4 { .. });
+    if w.kind == Kind::Q6 {
+        for (r, o) in out.iter_mut().enumerate().take(nx) {
+            let xr = r0 + r;
+            for (j, v) in o.iter_mut().enumerate() {
+                let row = t * TR + j;
+                if row >= w.rows {
+                    *v = 0.0;
+                    continue;
+                }
+                let mut acc = 0f32;
+                for b in 0..kb {
+                    let blk = w.block(row, b);
+                    let xb = xr * kb + b;
+                    let xq = &x.q[xb * QK..][..QK];
+                    let half = |h: usize| -> i32 {
+                        let s: i32 = (0..QK / 2)
+                            .map(|i| blk.q[16 * h + i] as i32 * xq[16 * h + i] as i32)
+                            .sum();
+                        let xs = if h == 0 {
+                            x.h0[xb]
+                        } else {
+                            x.sum[xb] - x.h0[xb]
+                        };
+                        blk.sc[h] as i32 * (s - 32 * xs)
+                    };
+                    let sum = half(0) + half(1);
+                    acc = (sum as f32).mul_add(blk.d.to_f32() * x.d[xb], acc);
+                }
+                *v = acc;
+            }
+        }
+        return;
+    }
     for (r, o) in out.iter_mut().enumerate().take(nx) {
         let xr = r0 + r;
         for (j, v) in o.iter_mut().enumerate() {
@@ -486,12 +630,15 @@ fn tile_rows_scalar(
 /// Whether a GGUF matrix of type `dt` and width `cols` keeps its stored weights on the CPU
 /// (multiplied by [`QMatrix`]) instead of being requantized to Q8_0: Q4_0 / Q4_1 (as
 /// stored), Q5_0 (its exact values in the Q8 layout: 34 bytes a block instead of 22, see
-/// [`kept_block_bytes`]), a width this product is preferred for
+/// [`kept_block_bytes`]), Q6_K at widths of whole super-blocks (its 6-bit values and
+/// per-16 scales exactly: 36 bytes a block of 32 instead of 26.25), a width this product is
+/// preferred for
 /// ([`QMatrix::preferred_for`]), a SIMD path available (AVX-512 VNNI or AVX2; the scalar one
 /// is a reference, not a fast path), and neither `DFLASH_Q8=0` nor `DFLASH_Q4=0`.
 pub fn keeps_as_stored(dt: GgmlDType, cols: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0)
+    (matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0)
+        || (dt == GgmlDType::Q6K && cols.is_multiple_of(256)))
         && QMatrix::preferred_for(cols)
         && enabled()
         && *ON.get_or_init(|| simd_level() != Simd::Scalar && crate::switches::get().q4)
@@ -502,6 +649,8 @@ pub fn keeps_as_stored(dt: GgmlDType, cols: usize) -> bool {
 pub fn kept_block_bytes(dt: GgmlDType) -> usize {
     match dt {
         GgmlDType::Q5_0 => 2 + QK,
+        // quants, the f16 scale repeated per block, two int8 half scales
+        GgmlDType::Q6K => QK + 2 + 2,
         dt => dt.type_size() * QK / dt.block_size(),
     }
 }
@@ -685,6 +834,131 @@ mod x86 {
                 acc[r]
             };
             _mm512_storeu_ps(out[r].as_mut_ptr(), v);
+        }
+    }
+
+    /// [`tile_rows`] for Q6 weights (see [`super::Kind::Q6`]): per block two `vpdpbusd`
+    /// chains (the halves), each corrected by `32 X_h` and multiplied by its rows' int8 scales
+    /// in int32, then one fma per row as the other kinds.
+    ///
+    /// # Safety
+    /// As [`tile_rows`]; `w.kind` is Q6 and `x.h0` is filled.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
+    pub unsafe fn tile_rows_q6<const R: usize>(
+        w: &QMatrix,
+        t: usize,
+        x: &QRows,
+        r0: usize,
+        out: &mut [[f32; TR]; ROWS_PER_PASS],
+    ) {
+        let kb = w.cols / QK;
+        let tbb = w.kind.tile_block_bytes();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let qp = w.q.as_ptr();
+        let xq = x.q.as_ptr();
+        for b in 0..kb {
+            let tb = t * kb + b;
+            let p = qp.add(tb * tbb);
+            let mut g = [_mm512_setzero_si512(); 8];
+            for (c, gc) in g.iter_mut().enumerate() {
+                *gc = _mm512_loadu_si512(p.add(64 * c) as *const _);
+            }
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(tb * TR) as *const _));
+            let scp = w.sc.as_ptr().add(tb * 2 * TR);
+            let sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(scp as *const _));
+            let sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(scp.add(TR) as *const _));
+            for r in 0..R {
+                let xb = (r0 + r) * kb + b;
+                let xp = xq.add(xb * QK) as *const i32;
+                let x0 = *x.h0.get_unchecked(xb);
+                let x1 = *x.sum.get_unchecked(xb) - x0;
+                let mut s0 = _mm512_set1_epi32(-32 * x0);
+                let mut s1 = _mm512_set1_epi32(-32 * x1);
+                for c in 0..4 {
+                    s0 = _mm512_dpbusd_epi32(
+                        s0,
+                        g[c],
+                        _mm512_set1_epi32(xp.add(c).read_unaligned()),
+                    );
+                    s1 = _mm512_dpbusd_epi32(
+                        s1,
+                        g[c + 4],
+                        _mm512_set1_epi32(xp.add(c + 4).read_unaligned()),
+                    );
+                }
+                let s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
+                let scl = _mm512_mul_ps(dv, _mm512_set1_ps(*x.d.get_unchecked(xb)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scl, acc[r]);
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
+        }
+    }
+
+    /// [`tile_rows_q6`] with AVX2 (8 rows a register, two registers per tile row): the half
+    /// sums by `vpmaddubsw` (q < 64 and |x| <= 127: a pair is at most 16,002, no saturation)
+    /// and `vpmaddwd`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; as [`tile_rows_q6`] otherwise.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_rows_q6_avx2<const R: usize>(
+        w: &QMatrix,
+        t: usize,
+        x: &QRows,
+        r0: usize,
+        out: &mut [[f32; TR]; ROWS_PER_PASS],
+    ) {
+        let kb = w.cols / QK;
+        let tbb = w.kind.tile_block_bytes();
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let qp = w.q.as_ptr();
+        let xq = x.q.as_ptr();
+        for b in 0..kb {
+            let tb = t * kb + b;
+            let p = qp.add(tb * tbb);
+            let scp = w.sc.as_ptr().add(tb * 2 * TR);
+            for h in 0..2 {
+                // rows 8h .. 8h + 8 of the tile
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(
+                    w.d.as_ptr().add(tb * TR + 8 * h) as *const _
+                ));
+                let sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(8 * h) as *const _));
+                let sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(TR + 8 * h) as *const _));
+                let g: [__m256i; 8] =
+                    std::array::from_fn(|c| _mm256_loadu_si256(p.add(64 * c + 32 * h) as *const _));
+                for r in 0..R {
+                    let xb = (r0 + r) * kb + b;
+                    let xp = xq.add(xb * QK) as *const i32;
+                    let x0 = *x.h0.get_unchecked(xb);
+                    let x1 = *x.sum.get_unchecked(xb) - x0;
+                    let mut s0 = _mm256_set1_epi32(-32 * x0);
+                    let mut s1 = _mm256_set1_epi32(-32 * x1);
+                    for c in 0..4 {
+                        let xa = _mm256_set1_epi32(xp.add(c).read_unaligned());
+                        let xb2 = _mm256_set1_epi32(xp.add(c + 4).read_unaligned());
+                        s0 = _mm256_add_epi32(
+                            s0,
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(g[c], xa), ones),
+                        );
+                        s1 = _mm256_add_epi32(
+                            s1,
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(g[c + 4], xb2), ones),
+                        );
+                    }
+                    let s =
+                        _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+                    let scl = _mm256_mul_ps(dv, _mm256_set1_ps(*x.d.get_unchecked(xb)));
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scl, acc[r][h]);
+                }
+            }
+        }
+        for r in 0..R {
+            for h in 0..2 {
+                _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * h), acc[r][h]);
+            }
         }
     }
 
@@ -928,16 +1202,18 @@ mod tests {
             d: vec![0.0; xr.d.len()],
             s: vec![0.0; xr.d.len()],
             sum: vec![0; xr.d.len()],
+            h0: vec![],
         };
         quantize_blocks_scalar(&xv, &mut xs);
         assert!(xs.q == xr.q && xs.d == xr.d && xs.s == xr.s && xs.sum == xr.sum);
-        w.round_sums(&mut xr.s);
+        w.prepare(&mut xr);
         for simd in simd_levels() {
             let mut xl = QRows {
                 q: vec![1; xv.len()],
                 d: vec![1.0; xr.d.len()],
                 s: vec![1.0; xr.d.len()],
                 sum: vec![1; xr.d.len()],
+                h0: vec![],
             };
             quantize_blocks_with(simd, &xv, &mut xl);
             let same = xl.q == xs.q && xl.d == xs.d && xl.s == xs.s && xl.sum == xs.sum;
@@ -977,7 +1253,12 @@ mod tests {
     #[test]
     fn extreme_quants_give_the_scalar_bits() {
         let cols = 64;
-        for kind in [Kind::Q8, Kind::Q4 { s16: true }, Kind::Q4 { s16: false }] {
+        for kind in [
+            Kind::Q8,
+            Kind::Q4 { s16: true },
+            Kind::Q4 { s16: false },
+            Kind::Q6,
+        ] {
             let rows = 19;
             let w = QMatrix::build(rows, cols, kind, |row, b| {
                 let mut q = [0u8; QK];
@@ -986,12 +1267,22 @@ mod tests {
                         // stored as q + 128: 0 is q = -128, 255 is q = 127
                         Kind::Q8 => [0u8, 255, 1, 254][(row + i + b) % 4],
                         Kind::Q4 { .. } => ((row * 7 + i + b) % 16) as u8,
+                        // 6-bit: 0 is q - 32 = -32, 63 is 31
+                        Kind::Q6 => [0u8, 63, 1, 62][(row + i + b) % 4],
                     };
                 }
                 Block {
                     q,
                     d: f16::from_f32(0.5 + row as f32 * 0.01),
                     m: f16::from_f32(-0.25),
+                    sc: if kind == Kind::Q6 {
+                        [
+                            [-128, 127][(row + b) % 2],
+                            [127, -128, 1][(row + 2 * b) % 3],
+                        ]
+                    } else {
+                        [0; 2]
+                    },
                 }
             });
             let x: Vec<f32> = (0..4 * cols)
@@ -1040,8 +1331,12 @@ mod tests {
             GgmlDType::Q4_0,
             GgmlDType::Q4_1,
             GgmlDType::Q5_0,
+            GgmlDType::Q6K,
         ] {
             for (rows, cols) in [(40, 1536), (17, 256), (3, 64)] {
+                if dt == GgmlDType::Q6K && cols % 256 != 0 {
+                    continue;
+                }
                 let w = Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).unwrap();
                 let q = QTensor::quantize(&w, dt).unwrap();
                 let ours = QMatrix::from_qtensor(&q).unwrap().unwrap();
@@ -1061,6 +1356,8 @@ mod tests {
                                 Kind::Q8 => (blk.q[i] as f32 - 128.0) * d,
                                 Kind::Q4 { s16: true } => blk.q[i] as f32 * d + m,
                                 Kind::Q4 { s16: false } => (blk.q[i] as f32 - 8.0) * d,
+                                // ggml: d * scale * (q - 32), in that order
+                                Kind::Q6 => d * blk.sc[i / 16] as f32 * (blk.q[i] as f32 - 32.0),
                             };
                             assert_eq!(got, want, "{label}: row {r} element {}", b * QK + i);
                         }
@@ -1131,5 +1428,41 @@ mod tests {
                 assert!(QMatrix::stack(&[&ours, &q8]).is_none());
             }
         }
+    }
+
+    /// Q6_K kept as stored: every 6-bit value and 16-weight scale read back exactly (above);
+    /// here the product against the dequantized f32 product, 1-16 rows bit for bit alone vs
+    /// together, scalar == SIMD at every row count a pass takes, its bytes, and the policy
+    /// (kept at widths of whole super-blocks only).
+    #[test]
+    fn q6k_kept_as_stored_is_row_invariant() {
+        for (rows, cols) in [(49, 256), (20, 2048), (3, 768)] {
+            let w = Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&w, GgmlDType::Q6K).unwrap();
+            let ours = QMatrix::from_qtensor(&q).unwrap().expect("Q6_K on the CPU");
+            assert_eq!(ours.kind, Kind::Q6);
+            let label = format!("Q6K {rows}x{cols}");
+            let x = Tensor::randn(0f32, 1.0, (16, cols), &Device::Cpu).unwrap();
+            assert_near_dequantized(&ours, &q, &x, &label);
+            assert_scalar_equals_simd(&ours, &x);
+            let all = ours.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            for r in [0, 5, 15] {
+                let one = ours
+                    .forward(&x.narrow(0, r, 1).unwrap())
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                assert!(one[0] == all[r], "{label}: row {r} alone differs");
+            }
+            let tiles = rows.div_ceil(TR);
+            assert_eq!(
+                ours.bytes(),
+                tiles * TR * (cols / QK) * kept_block_bytes(GgmlDType::Q6K)
+            );
+        }
+        if simd_level() != Simd::Scalar && enabled() && crate::switches::get().q4 {
+            assert!(keeps_as_stored(GgmlDType::Q6K, 2048));
+        }
+        assert!(!keeps_as_stored(GgmlDType::Q6K, 640));
     }
 }

@@ -33,12 +33,13 @@ pub fn keeps_affine(device: &Device, dtype: DType) -> bool {
 /// for 1 and 16 rows, always applicable (Q4K needs rows that are multiples of 256), and
 /// near-lossless on 4/5-bit sources (Q4K would re-round them).
 ///
-/// Q6K goes to Q8_0 too, for exactness rather than speed: candle multiplies one row by a Q6K
+/// Q6K goes to Q8_0 here, for exactness rather than speed: candle multiplies one row by a Q6K
 /// matrix with its compact-weight GEMV and several rows with its repacked tile kernel, which
 /// round differently, so a verify's logits would differ from the decode steps' (0.64-0.70 on
 /// Gemma-3-270M Q4_K_M, docs/perf.md) and greedy DFlash could drift from plain decoding. Q8_0
-/// and Q4K take the same kernel for one row and for many. Q6K tensors are a small share of
-/// the usual K-quant mixes (9.7 of 247 MB in Gemma-3-270M Q4_K_M); `--keep-quant` keeps them.
+/// and Q4K take the same kernel for one row and for many. Where dflash's own int8 product
+/// runs ([`cpu_target`]), Q6K at widths of whole super-blocks keeps its stored weights instead
+/// (row-invariant like every kind of that product).
 pub fn requant_target(dt: GgmlDType) -> Option<GgmlDType> {
     use GgmlDType::*;
     match dt {
@@ -48,9 +49,9 @@ pub fn requant_target(dt: GgmlDType) -> Option<GgmlDType> {
 }
 
 /// What a stored GGUF matrix of width `cols` becomes on the CPU: [`requant_target`], except
-/// the Q4_0 / Q4_1 / Q5_0 matrices whose stored weights dflash's own int8 product multiplies
-/// ([`crate::nn::q8::keeps_as_stored`]): Q4 at 0.56-0.63 bytes a weight instead of Q8_0's
-/// 1.06, Q5_0 exactly (requantizing it to Q8_0 re-rounds every weight).
+/// the Q4_0 / Q4_1 / Q5_0 / Q6_K matrices whose stored weights dflash's own int8 product
+/// multiplies ([`crate::nn::q8::keeps_as_stored`]): Q4 at 0.56-0.63 bytes a weight instead of
+/// Q8_0's 1.06, Q5_0 and Q6_K exactly (requantizing them to Q8_0 re-rounds every weight).
 pub fn cpu_target(dt: GgmlDType, cols: usize) -> Option<GgmlDType> {
     if crate::nn::q8::keeps_as_stored(dt, cols) {
         None
