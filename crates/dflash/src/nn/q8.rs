@@ -867,7 +867,7 @@ mod x86 {
             let scp = w.sc.as_ptr().add(tb * 2 * TR);
             let sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(scp as *const _));
             let sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(scp.add(TR) as *const _));
-            for r in 0..R {
+            for (r, acc_r) in acc.iter_mut().enumerate() {
                 let xb = (r0 + r) * kb + b;
                 let xp = xq.add(xb * QK) as *const i32;
                 let x0 = *x.h0.get_unchecked(xb);
@@ -888,11 +888,11 @@ mod x86 {
                 }
                 let s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
                 let scl = _mm512_mul_ps(dv, _mm512_set1_ps(*x.d.get_unchecked(xb)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scl, acc[r]);
+                *acc_r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scl, *acc_r);
             }
         }
-        for r in 0..R {
-            _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
+        for (o, a) in out.iter_mut().zip(&acc) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *a);
         }
     }
 
@@ -920,7 +920,7 @@ mod x86 {
             let tb = t * kb + b;
             let p = qp.add(tb * tbb);
             let scp = w.sc.as_ptr().add(tb * 2 * TR);
-            for h in 0..2 {
+            for h in 0..2usize {
                 // rows 8h .. 8h + 8 of the tile
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(
                     w.d.as_ptr().add(tb * TR + 8 * h) as *const _
@@ -929,7 +929,7 @@ mod x86 {
                 let sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(TR + 8 * h) as *const _));
                 let g: [__m256i; 8] =
                     std::array::from_fn(|c| _mm256_loadu_si256(p.add(64 * c + 32 * h) as *const _));
-                for r in 0..R {
+                for (r, acc_r) in acc.iter_mut().enumerate() {
                     let xb = (r0 + r) * kb + b;
                     let xp = xq.add(xb * QK) as *const i32;
                     let x0 = *x.h0.get_unchecked(xb);
@@ -951,13 +951,13 @@ mod x86 {
                     let s =
                         _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
                     let scl = _mm256_mul_ps(dv, _mm256_set1_ps(*x.d.get_unchecked(xb)));
-                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scl, acc[r][h]);
+                    acc_r[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scl, acc_r[h]);
                 }
             }
         }
-        for r in 0..R {
-            for h in 0..2 {
-                _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * h), acc[r][h]);
+        for (o, a) in out.iter_mut().zip(&acc) {
+            for (h, ah) in a.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * h), *ah);
             }
         }
     }
