@@ -9,7 +9,7 @@
 //! | `DFLASH_BATCH_INVARIANT` | on (CUDA) | 1-16 row products through the batch-invariant skinny GEMM, so a verify reproduces the decode steps bit for bit; `0` takes the GEMV / cuBLAS kernels (faster, near-tie flips possible) |
 //! | `DFLASH_GEMV_ROWS` | 1 | rows up to which the non-invariant path takes the GEMV kernel (0..=8) |
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
-//! | `DFLASH_Q4` | on | Q4_0 / Q4_1 / Q5_0 GGUF matrices keep their stored weights on the CPU; `0` requantizes them to Q8_0 |
+//! | `DFLASH_Q4` | on | Q4_0 / Q4_1 / Q5_0 / Q6_K GGUF matrices keep their stored weights on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
 //! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
 //! | `DFLASH_CUDA_GRAPHS` | on | decode / verify forwards (1-16 rows) of models whose layers all replay (attention + dense or MoE feed-forward) run as CUDA graphs (`archs::graphs`); `0` runs them eagerly |
