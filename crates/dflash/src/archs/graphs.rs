@@ -60,13 +60,7 @@ impl Graphs {
     pub fn report(&self) -> GraphReport {
         #[cfg(feature = "cuda")]
         {
-            match self.state.lock() {
-                Ok(s) => s.report(),
-                Err(_) => GraphReport {
-                    off: Some("graph state poisoned by a panic".into()),
-                    ..Default::default()
-                },
-            }
+            keyed::report_of(&self.state, imp::State::report)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -90,12 +84,7 @@ impl Graphs {
             if !imp::eligible(m, tokens.len(), cache) {
                 return Ok(None);
             }
-            let mut st = self.state.lock().map_err(|_| {
-                crate::Error::input(
-                    "graph state poisoned by an earlier panic; run with DFLASH_CUDA_GRAPHS=0",
-                )
-            })?;
-            st.forward(m, tokens, start, cache, taps, logits)
+            keyed::lock(&self.state, "graph")?.forward(m, tokens, start, cache, taps, logits)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -389,6 +378,32 @@ pub(crate) mod keyed {
 
     /// Graphs kept per model (least recently used dropped first).
     const MAX_ENTRIES: usize = 16;
+
+    /// The report of a model's or a draft's graph state (`report` reads it from the state).
+    pub(crate) fn report_of<S>(
+        state: &std::sync::Mutex<S>,
+        report: impl FnOnce(&S) -> GraphReport,
+    ) -> GraphReport {
+        match state.lock() {
+            Ok(s) => report(&s),
+            Err(_) => GraphReport {
+                off: Some("graph state poisoned by a panic".into()),
+                ..Default::default()
+            },
+        }
+    }
+
+    /// The graph state locked for a run; `what` names it in the error after a panic.
+    pub(crate) fn lock<'a, S>(
+        state: &'a std::sync::Mutex<S>,
+        what: &str,
+    ) -> Result<std::sync::MutexGuard<'a, S>> {
+        state.lock().map_err(|_| {
+            crate::Error::input(format!(
+                "{what} state poisoned by an earlier panic; run with DFLASH_CUDA_GRAPHS=0"
+            ))
+        })
+    }
 
     /// Who the graphs belong to and what one run is called (for the reasons reported).
     pub(crate) struct Names {

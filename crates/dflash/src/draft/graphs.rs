@@ -29,13 +29,7 @@ impl DraftGraphs {
     pub fn report(&self) -> GraphReport {
         #[cfg(feature = "cuda")]
         {
-            match self.state.lock() {
-                Ok(s) => s.report(),
-                Err(_) => GraphReport {
-                    off: Some("graph state poisoned by a panic".into()),
-                    ..Default::default()
-                },
-            }
+            crate::archs::graphs::keyed::report_of(&self.state, imp::State::report)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -59,12 +53,8 @@ impl DraftGraphs {
             if !imp::eligible(d, block.len(), cache) {
                 return Ok(None);
             }
-            let mut st = self.state.lock().map_err(|_| {
-                crate::Error::input(
-                    "draft graph state poisoned by an earlier panic; run with DFLASH_CUDA_GRAPHS=0",
-                )
-            })?;
-            st.block(d, target, block, start, cache)
+            crate::archs::graphs::keyed::lock(&self.state, "draft graph")?
+                .block(d, target, block, start, cache)
         }
         #[cfg(not(feature = "cuda"))]
         {

@@ -66,6 +66,25 @@ struct Block {
     sc: [i8; 2],
 }
 
+/// A stored matrix: rows, columns and its bytes.
+type Stored<'a> = (usize, usize, std::borrow::Cow<'a, [u8]>);
+
+/// A CPU matrix `[rows, cols]`'s stored bytes, when its rows are whole blocks of `elems`
+/// weights of `bytes` bytes each; None otherwise.
+fn stored_blocks(q: &QTensor, elems: usize, bytes: usize) -> Result<Option<Stored<'_>>> {
+    if !q.device().is_cpu() {
+        return Ok(None);
+    }
+    let Ok((rows, cols)) = q.shape().dims2() else {
+        return Ok(None);
+    };
+    if cols % elems != 0 {
+        return Ok(None);
+    }
+    let data = q.data()?;
+    Ok((data.len() == rows * (cols / elems) * bytes).then_some((rows, cols, data)))
+}
+
 /// A quantized weight `[rows, cols]` multiplied by dflash's own int8 product.
 ///
 /// Layout (llama.cpp's repacked "x8" layouts are the model): rows in tiles of 16 (the last
@@ -95,8 +114,8 @@ pub struct QMatrix {
 }
 
 impl QMatrix {
-    /// From a CPU Q8_0, Q4_0 or Q4_1 tensor `[rows, cols]`; None for any other type or
-    /// device.
+    /// From a CPU Q8_0, Q5_0, Q4_0, Q4_1 or Q6_K tensor `[rows, cols]`; None for any other
+    /// type or device.
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
         if q.dtype() == GgmlDType::Q6K {
             return Self::from_q6k(q);
@@ -109,20 +128,10 @@ impl QMatrix {
             GgmlDType::Q4_1 => (Kind::Q4 { s16: true }, 4 + QK / 2),
             _ => return Ok(None),
         };
-        if !q.device().is_cpu() {
-            return Ok(None);
-        }
-        let Ok((rows, cols)) = q.shape().dims2() else {
+        let Some((rows, cols, data)) = stored_blocks(q, QK, block)? else {
             return Ok(None);
         };
-        if cols % QK != 0 {
-            return Ok(None);
-        }
-        let data = q.data()?;
         let kb = cols / QK;
-        if data.len() != rows * kb * block {
-            return Ok(None);
-        }
         let h = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]);
         let q5 = q.dtype() == GgmlDType::Q5_0;
         Ok(Some(Self::build(rows, cols, kind, |row, b| {
@@ -185,20 +194,10 @@ impl QMatrix {
     fn from_q6k(q: &QTensor) -> Result<Option<Self>> {
         const SB: usize = 256;
         const BYTES: usize = 210;
-        if !q.device().is_cpu() {
-            return Ok(None);
-        }
-        let Ok((rows, cols)) = q.shape().dims2() else {
+        let Some((rows, cols, data)) = stored_blocks(q, SB, BYTES)? else {
             return Ok(None);
         };
-        if cols % SB != 0 {
-            return Ok(None);
-        }
-        let data = q.data()?;
         let nsb = cols / SB;
-        if data.len() != rows * nsb * BYTES {
-            return Ok(None);
-        }
         Ok(Some(Self::build(rows, cols, Kind::Q6, |row, b| {
             let raw = &data[(row * nsb + b / 8) * BYTES..][..BYTES];
             let (ql, qh, scales) = (&raw[..128], &raw[128..192], &raw[192..208]);

@@ -598,80 +598,78 @@ fn pos0_view<'a>(h: &'a Held<'a>, nseg: usize) -> candle_core::Result<CudaView<'
     }
 }
 
-/// Metadata tables of device-step launches, uploaded once per distinct content and kept: a
-/// graph's launches read them at every replay, and nothing may be uploaded while a graph is
-/// captured (its warm-up run, outside the capture, fills this). Their content is the cache
-/// pointers and geometry only (positions come from the step), so a model holds one per layer
-/// and row count.
-fn static_meta(
+type Slice<T> = candle_core::cuda_backend::cudarc::driver::CudaSlice<T>;
+type Kept<K, T> =
+    std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<K, std::sync::Arc<Slice<T>>>>>;
+
+/// A device buffer of `table` kept for good under `key`, made by `make` on first use. Graph
+/// launches read such buffers at every replay, and nothing may be made while a graph is
+/// captured (the warm-up run, outside the capture, makes them): asked for first during a
+/// capture, this fails with `what` named.
+fn kept<K: std::hash::Hash + Eq, T>(
+    table: &'static Kept<K, T>,
     dev: &candle_core::cuda_backend::CudaDevice,
-    meta: Vec<i64>,
-) -> candle_core::Result<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaSlice<i64>>>
-{
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
-    type Table = HashMap<
-        (candle_core::cuda_backend::DeviceId, Vec<i64>),
-        Arc<candle_core::cuda_backend::cudarc::driver::CudaSlice<i64>>,
-    >;
-    static TABLES: OnceLock<Mutex<Table>> = OnceLock::new();
-    let key = (dev.id(), meta);
-    let mut t = TABLES
-        .get_or_init(|| Mutex::new(HashMap::new()))
+    key: K,
+    what: &str,
+    make: impl FnOnce(&K) -> candle_core::Result<Slice<T>>,
+) -> candle_core::Result<std::sync::Arc<Slice<T>>> {
+    let mut t = table
+        .get_or_init(Default::default)
         .lock()
-        .map_err(|_| candle_core::Error::Msg("dflash static metadata table poisoned".into()))?;
+        .map_err(|_| candle_core::Error::Msg(format!("dflash {what} table poisoned")))?;
     if let Some(m) = t.get(&key) {
         return Ok(m.clone());
     }
     if super::graph::capturing(dev) {
         candle_core::bail!(
-            "dflash batched attention: a metadata table not seen in the warm-up run was asked for while a CUDA graph is captured"
+            "dflash attention: {what} not made in the warm-up run was asked for while a CUDA graph is captured"
         );
     }
-    let slice = Arc::new(dev.clone_htod(&key.1)?);
+    let slice = std::sync::Arc::new(make(&key)?);
     t.insert(key, slice.clone());
     Ok(slice)
 }
 
+/// Metadata tables of device-step launches, uploaded once per distinct content and kept
+/// ([`kept`]). Their content is the cache pointers and geometry only (positions come from
+/// the step), so a model holds one per layer and row count.
+fn static_meta(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    meta: Vec<i64>,
+) -> candle_core::Result<std::sync::Arc<Slice<i64>>> {
+    static TABLES: Kept<(candle_core::cuda_backend::DeviceId, Vec<i64>), i64> =
+        std::sync::OnceLock::new();
+    kept(&TABLES, dev, (dev.id(), meta), "a metadata table", |k| {
+        dev.clone_htod(&k.1)
+    })
+}
+
 /// Most (row, head) pairs per block for which the attention kernel merges its key splits
-/// itself (below): one launch instead of two for decode steps (qwen3_moe at context 128: 12.0
-/// + 5.0 us a layer -> 9.0, H200 ncu, session 28); with 8 pairs a block the merging block's
-/// serial tail cost more than `attn_combine_bf16`'s launch.
+/// itself (below): one launch instead of two for decode steps (qwen3_moe at context 128:
+/// 12.0 and 5.0 us a layer -> 9.0, H200 ncu, session 28); with 8 pairs a block the merging
+/// block's serial tail cost more than `attn_combine_bf16`'s launch.
 const MERGE_MAX_PAIRS: usize = 2;
 
 /// Arrival counters for attention launches that merge their key splits in the kernel (the last
 /// block of each (KV head, pair group) merges them: kernels/fused.cu, step 4 of the ATTN
-/// kernels), one zeroed buffer per device, made outside any graph capture (the first call
-/// is a warm-up or an eager forward) and kept: every launch leaves it zeroed again. None
-/// when a launch has more (KV head, group) sets than it holds: then the splits are merged by
-/// `attn_combine_bf16`, a second launch.
+/// kernels), one zeroed buffer per device ([`kept`]): every launch leaves it zeroed again.
+/// None when a launch has more (KV head, group) sets than it holds: then the splits are
+/// merged by `attn_combine_bf16`, a second launch.
 fn split_counters(
     dev: &candle_core::cuda_backend::CudaDevice,
     sets: usize,
 ) -> candle_core::Result<Option<u64>> {
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     const SETS: usize = 1 << 16;
     if sets > SETS {
         return Ok(None);
     }
-    static BUFS: OnceLock<Mutex<HashMap<candle_core::cuda_backend::DeviceId, CudaSlice<i32>>>> =
-        OnceLock::new();
-    let mut t = BUFS
-        .get_or_init(|| Mutex::new(HashMap::new()))
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("dflash attention counters poisoned".into()))?;
-    if !t.contains_key(&dev.id()) {
-        if super::graph::capturing(dev) {
-            candle_core::bail!(
-                "dflash attention: the split counters were first asked for while a CUDA graph is captured"
-            );
-        }
-        t.insert(dev.id(), dev.alloc_zeros::<i32>(SETS)?);
-    }
+    static BUFS: Kept<candle_core::cuda_backend::DeviceId, i32> = std::sync::OnceLock::new();
+    let buf = kept(&BUFS, dev, dev.id(), "the split counters", |_| {
+        dev.alloc_zeros::<i32>(SETS)
+    })?;
     let stream = dev.cuda_stream();
-    let (p, _guard) = t[&dev.id()].device_ptr(&stream);
+    let (p, _guard) = buf.device_ptr(&stream);
     Ok(Some(p))
 }
 
