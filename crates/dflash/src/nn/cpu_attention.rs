@@ -19,6 +19,13 @@ use super::attention::{Props, Visibility};
 use crate::Result;
 use candle_core::{DType, Device, Storage, Tensor};
 
+/// Chunks of at least this many rows are attended in tiles of [`TILE_ROWS`] rows x all heads
+/// of a KV group (see [`attend`]).
+const TILE_MIN_ROWS: usize = 16;
+const TILE_ROWS: usize = 8;
+/// Bytes of keys (or values) a tile walks at a time: well inside L1 with its queries.
+const BLOCK_BYTES: usize = 16 * 1024;
+
 /// The keys `lo .. hi` the query at position `pos` sees among `l` keys at positions `0 .. l`.
 fn visible(vis: Visibility, pos: usize, l: usize) -> (usize, usize) {
     let mut hi = if vis.causal { (pos + 1).min(l) } else { l };
@@ -121,49 +128,118 @@ pub fn attend(
     let simd = simd::available();
     let mut out = vec![0f32; n * heads * dv];
     let out_ptr = out.as_mut_ptr() as usize;
-    // One item is a (row, head) pair; rows of one head group are adjacent so a chunk reuses
-    // the same keys.
-    candle_core::utils::barrier_pool().execute_chunked(n * heads, |range| {
+    // Work items are tiles of (KV group, heads of the group, rows). A long chunk (a prefill)
+    // takes all `rep` heads of a group over TILE_ROWS rows, and walks the keys and values in
+    // blocks small enough for L1, so each key or value row loaded serves every query of the
+    // tile (one query per item streamed every key from L2/L3, once per head and row). Short
+    // chunks (decode steps, verify blocks) take one (head, row) per item, so the pool's
+    // threads share even one row's heads. A query's arithmetic is the same either way: each
+    // score is its own dot product, the softmax and the weighted sum run in key order.
+    let (tile_rows, tile_heads) = if n >= TILE_MIN_ROWS {
+        (TILE_ROWS, rep)
+    } else {
+        (1, 1)
+    };
+    let row_tiles = n.div_ceil(tile_rows);
+    let head_tiles = rep / tile_heads;
+    let block = (BLOCK_BYTES / (4 * d.max(dv))).max(8) / 8 * 8;
+    candle_core::utils::barrier_pool().execute_chunked(kvh * head_tiles * row_tiles, |range| {
         let out = out_ptr as *mut f32;
-        let mut qrow = vec![0f32; d];
+        let mut qrows: Vec<f32> = Vec::new();
+        let mut spans: Vec<(usize, usize, usize, usize, usize)> = Vec::new();
         let mut scores: Vec<f32> = Vec::new();
-        let mut acc = vec![0f32; dv];
+        let mut acc: Vec<f32> = Vec::new();
         for item in range {
-            let (h, i) = (item / n, item % n);
-            let g = h / rep;
-            let (lo, hi) = visible(vis, q_start + i, l);
-            for (a, b) in qrow
-                .iter_mut()
-                .zip(&qd[(h * n + i) * d..(h * n + i + 1) * d])
-            {
-                *a = b * scale;
+            let g = item / (head_tiles * row_tiles);
+            let ht = item / row_tiles % head_tiles;
+            // the last rows (the most keys under a causal mask) first, so the pool's last
+            // grabs are the cheap tiles
+            let rt = row_tiles - 1 - item % row_tiles;
+            let (r0, r1) = (rt * tile_rows, ((rt + 1) * tile_rows).min(n));
+            let h0 = g * rep + ht * tile_heads;
+            // the tile's queries: (head, row, first key, end of keys, offset in `scores`)
+            spans.clear();
+            qrows.clear();
+            let mut at = 0;
+            for h in h0..h0 + tile_heads {
+                for i in r0..r1 {
+                    let (lo, hi) = visible(vis, q_start + i, l);
+                    spans.push((h, i, lo, hi, at));
+                    at += hi - lo;
+                    qrows.extend(
+                        qd[(h * n + i) * d..(h * n + i + 1) * d]
+                            .iter()
+                            .map(|b| b * scale),
+                    );
+                }
             }
             scores.clear();
-            // eight keys at a time (each key's dot in the one fixed order of `simd::dot`)
-            let mut j = lo;
-            while j + 8 <= hi {
-                let keys: [&[f32]; 8] = std::array::from_fn(|t| kv_k.row(g, j + t, d));
-                scores.extend_from_slice(&simd::dot8(simd, &qrow, &keys));
-                j += 8;
+            scores.resize(at, 0.0);
+            let jmin = spans.iter().map(|s| s.2).min().unwrap_or(0);
+            let jmax = spans.iter().map(|s| s.3).max().unwrap_or(0);
+            // scores, key block by key block (eight keys at a time: each key's dot in the one
+            // fixed order of `simd::dot`, whatever its group)
+            let mut jb = jmin;
+            while jb < jmax {
+                let je = (jb + block).min(jmax);
+                for (qi, &(_, _, lo, hi, off)) in spans.iter().enumerate() {
+                    let (a, b) = (jb.max(lo), je.min(hi));
+                    let qrow = &qrows[qi * d..(qi + 1) * d];
+                    let mut j = a;
+                    while j + 8 <= b {
+                        let keys: [&[f32]; 8] = std::array::from_fn(|t| kv_k.row(g, j + t, d));
+                        scores[off + j - lo..off + j - lo + 8]
+                            .copy_from_slice(&simd::dot8(simd, qrow, &keys));
+                        j += 8;
+                    }
+                    for j in j..b {
+                        scores[off + j - lo] = simd::dot(simd, qrow, kv_k.row(g, j, d));
+                    }
+                }
+                jb = je;
             }
-            for j in j..hi {
-                scores.push(simd::dot(simd, &qrow, kv_k.row(g, j, d)));
+            // each query's softmax (unnormalized weights, the sum kept for the end)
+            let mut inv = Vec::with_capacity(spans.len());
+            for &(h, _, lo, hi, off) in &spans {
+                let sc = &mut scores[off..off + hi - lo];
+                let m = sc.iter().fold(
+                    sinks.as_ref().map_or(f32::NEG_INFINITY, |s| s[h]),
+                    |m, &s| m.max(s),
+                );
+                let mut sum = sinks.as_ref().map_or(0f32, |s| (s[h] - m).exp());
+                for s in sc.iter_mut() {
+                    *s = (*s - m).exp();
+                    sum += *s;
+                }
+                inv.push(if sum > 0.0 { 1.0 / sum } else { 0.0 });
             }
-            let m = scores.iter().fold(
-                sinks.as_ref().map_or(f32::NEG_INFINITY, |s| s[h]),
-                |m, &s| m.max(s),
-            );
-            let mut sum = sinks.as_ref().map_or(0f32, |s| (s[h] - m).exp());
-            for s in scores.iter_mut() {
-                *s = (*s - m).exp();
-                sum += *s;
+            // the weighted sums of the values, value block by value block (each query's sum
+            // in key order)
+            acc.clear();
+            acc.resize(spans.len() * dv, 0.0);
+            let mut jb = jmin;
+            while jb < jmax {
+                let je = (jb + block).min(jmax);
+                for (qi, &(_, _, lo, hi, off)) in spans.iter().enumerate() {
+                    let (a, b) = (jb.max(lo), je.min(hi));
+                    if a < b {
+                        simd::weighted_sum_onto(
+                            simd,
+                            &scores[off + a - lo..off + b - lo],
+                            |t| kv_v.row(g, a + t, dv),
+                            &mut acc[qi * dv..(qi + 1) * dv],
+                        );
+                    }
+                }
+                jb = je;
             }
-            simd::weighted_sum(simd, &scores, |t| kv_v.row(g, lo + t, dv), &mut acc);
-            let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-            let base = i * heads * dv + h * dv;
-            for (c, a) in acc.iter().enumerate() {
-                // SAFETY: each (row, head) item writes its own dv outputs, once.
-                unsafe { *out.add(base + c) = a * inv };
+            for (qi, &(h, i, ..)) in spans.iter().enumerate() {
+                let base = i * heads * dv + h * dv;
+                for (c, a) in acc[qi * dv..(qi + 1) * dv].iter().enumerate() {
+                    // SAFETY: each (row, head) belongs to one tile, which writes its dv
+                    // outputs once.
+                    unsafe { *out.add(base + c) = a * inv[qi] };
+                }
             }
         }
     });
@@ -236,7 +312,20 @@ mod simd {
 
     /// `out = sum_j w[j] * row(j)` over j in order, one fma per element and key (the same bits
     /// as `axpy` per key into a zeroed `out`), the sums kept in registers 64 columns at a time.
+    #[cfg(test)]
     pub fn weighted_sum<'r>(
+        simd: bool,
+        w: &[f32],
+        row: impl Fn(usize) -> &'r [f32],
+        out: &mut [f32],
+    ) {
+        out.fill(0.0);
+        weighted_sum_onto(simd, w, row, out);
+    }
+
+    /// `out += sum_j w[j] * row(j)`, continuing each element's fma chain in j order: a sum
+    /// split over consecutive key ranges gives the bits of one call over all of them.
+    pub fn weighted_sum_onto<'r>(
         simd: bool,
         w: &[f32],
         row: impl Fn(usize) -> &'r [f32],
@@ -247,7 +336,6 @@ mod simd {
             // SAFETY: as in `dot`.
             return unsafe { weighted_sum_avx2(w, row, out) };
         }
-        out.fill(0.0);
         for (j, &wj) in w.iter().enumerate() {
             axpy(simd, wj, row(j), out);
         }
@@ -288,7 +376,8 @@ mod simd {
         let n = out.len();
         let mut c = 0;
         while c + 64 <= n {
-            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut acc: [__m256; 8] =
+                std::array::from_fn(|u| _mm256_loadu_ps(out.as_ptr().add(c + 8 * u)));
             for (j, &wj) in w.iter().enumerate() {
                 let wv = _mm256_set1_ps(wj);
                 let p = row(j).as_ptr().add(c);
@@ -303,7 +392,6 @@ mod simd {
         }
         if c < n {
             let rest = &mut out[c..];
-            rest.fill(0.0);
             for (j, &wj) in w.iter().enumerate() {
                 axpy_avx2(wj, &row(j)[c..], rest);
             }
@@ -450,6 +538,56 @@ mod tests {
                 let a = all.narrow(0, 10, 3).unwrap().to_vec2::<f32>().unwrap();
                 assert_eq!(a, part.to_vec2::<f32>().unwrap(), "{vis:?}");
             }
+        }
+    }
+
+    /// Long chunks take the tiled walk (several key blocks, rows in tiles of every head of a
+    /// group): every row's bits equal the row attended alone (one query per item), and the
+    /// product form to rounding.
+    #[test]
+    fn tiles_give_each_row_its_bits_alone() {
+        let dev = Device::Cpu;
+        let (heads, kvh, d, l) = (4, 1, 128, 300);
+        let block = (BLOCK_BYTES / (4 * d)).max(8) / 8 * 8;
+        assert!(l > 3 * block, "the test must cross key blocks");
+        let q = Tensor::randn(0f32, 1.0, (heads, l, d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (kvh, l, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (kvh, l, d), &dev).unwrap();
+        for vis in [Visibility::CAUSAL, Visibility::sliding(70)] {
+            let p = Props {
+                scale: 0.09,
+                vis,
+                sinks: None,
+            };
+            // the last 290 rows as one chunk after 10 cached ones (a tile straddles the end)
+            let all = attend(&q.narrow(1, 10, 290).unwrap(), &k, &v, 10, &p)
+                .unwrap()
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            for i in [0usize, 7, 8, 100, 203, 289] {
+                let one = attend(&q.narrow(1, 10 + i, 1).unwrap(), &k, &v, 10 + i, &p)
+                    .unwrap()
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                assert_eq!(all[i], one[0], "{vis:?} row {i}");
+            }
+            let mask = crate::nn::attention_mask(l, 0, l, vis.causal, vis.window, DType::F32, &dev)
+                .unwrap();
+            let want = sdpa_with_sinks(&q, &k, &v, mask.as_ref(), 0.09, None)
+                .unwrap()
+                .narrow(0, 10, 290)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let diff = all
+                .iter()
+                .flatten()
+                .zip(want.iter().flatten())
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "{vis:?}: {diff}");
         }
     }
 
