@@ -25,7 +25,7 @@
 #   SHAPE=tiny DEV=cpu DTYPE=float32 BIN=target/release/dflash PY=/work/pyenv-sweep/bin/python \
 #     RAYON_NUM_THREADS=1 tools/gpu-bench/families.sh      # ~40 s on the 2-core box; the engine as built
 # Options (env): FAMILIES="qwen3 gpt_oss ..." (default: all 8), RES (default /tmp/families),
-# MODELS, KEEP_MODELS, AB_INVARIANT ("fam ...": micro again with DFLASH_BATCH_INVARIANT=0), AB_GRAPHS ("fam ...": again with DFLASH_CUDA_GRAPHS=0), PROFILE ("fam ..." also timed per section, DFLASH_PROFILE=gpu), CTX (128), QS (1,4,8,16), ITERS (20), FAM_TIMEOUT (engine, s, 120),
+# MODELS, KEEP_MODELS, AB_INVARIANT ("fam ...": micro again with DFLASH_BATCH_INVARIANT=0), AB_GRAPHS ("fam ...": again with DFLASH_CUDA_GRAPHS=0), AB_TRY ("fam ...": again with DFLASH_TRY=t for each t of TRY ("prefetch combine prefetch,combine"), then the default again), PROFILE ("fam ..." also timed per section, DFLASH_PROFILE=gpu), CTX (128), QS (1,4,8,16), ITERS (20), FAM_TIMEOUT (engine, s, 120),
 # BUILD_TIMEOUT (s, 240), DEADLINE (s after start past which no family starts, 430; the engine
 # runs are cut to end by DEADLINE + 60 s),
 # DTYPE (bfloat16 | float32 | float16; engine dtype follows), DEV (cuda | cpu), TAU (6.5).
@@ -136,6 +136,19 @@ for fam in $FAMILIES; do
       > "$d/micro-nographs.out" 2>&1
     log "$fam: graphs off: $(grep -E '^\| (verify forward|draft forward)' "$d/micro-nographs.out" | awk -F'|' '{sub(/^ *verify forward /,"v",$2); sub(/^ *draft forward /,"draft ",$2); sub(/ *$/,"",$2); printf "%s %.2fms  ", $2, $5/1000}')"
     log "$fam: graphs on:  $(grep -h 'CUDA graphs' "$d/micro.out")" ;;
+  esac
+  # AB_TRY="fam ...": the same micro with DFLASH_TRY=t for each trial set t of TRY, then the
+  # default again (so the trials sit between two default runs of the same process setup)
+  case " ${AB_TRY:-} " in *" $fam "*)
+    runs=""
+    for t in $TRY; do runs="$runs try-$t:$t"; done
+    for run in $runs base2:; do
+      tag=${run%%:*}; val=${run#*:}
+      DFLASH_TRY=$val timeout -k 5 60 "$BIN" bench --micro --model "$MODELS/$fam/target" --draft "$MODELS/$fam/draft" \
+        --device "$DEV" --dtype "$ours" --micro-context "$CTX" --micro-q "$QS" --micro-iters "$ITERS" --out "$d/micro-$tag" \
+        > "$d/micro-$tag.out" 2>&1
+      log "$fam: $tag (DFLASH_TRY=$val): $(grep -E '^\| (verify forward|draft forward)' "$d/micro-$tag.out" | awk -F'|' '{sub(/^ *verify forward /,"v",$2); sub(/^ *draft forward /,"draft ",$2); sub(/ *$/,"",$2); printf "%s %.3fms  ", $2, $5/1000}')"
+    done ;;
   esac
   # PROFILE="fam ...": per-section GPU times (DFLASH_PROFILE=gpu) of a decode step (Q=1 verify)
   case " ${PROFILE:-} " in *" $fam "*)

@@ -712,6 +712,23 @@ fn check_moe(name: &str, moe: &dflash::nn::SparseMoe, h: usize, dev: &Device) {
             );
         }
     }
+    // trial `combine` (the down launch's last blocks write the combine): the same bits, and
+    // the tile counters left zeroed (a second call again the same)
+    use dflash::switches::{set_trials, Trial};
+    for n in [1, 5, 16] {
+        let xs = x.narrow(0, 0, n).unwrap().contiguous().unwrap();
+        set_trials(&[]);
+        let want = rows(&moe.forward(&xs).unwrap());
+        set_trials(&[Trial::Combine]);
+        for round in 0..2 {
+            let got = rows(&moe.forward(&xs).unwrap());
+            assert!(
+                got == want,
+                "{name} n {n} round {round}: trial combine differs from moe_combine"
+            );
+        }
+        set_trials(&[]);
+    }
 }
 
 /// The greedy choice kernel (`nn::cuda::argmax_rows`) against the host's `sampling::argmax`,

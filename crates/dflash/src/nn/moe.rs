@@ -537,6 +537,18 @@ impl SparseMoe {
         (self.weight_bytes() - self.experts.weight_bytes()) as f64 + union * per
     }
 
+    /// Prefetch the router's and the shared expert's weights (see [`Linear::prefetch`]; the
+    /// routed experts are known only on the device: their gate/up kernel prefetches the down
+    /// rows).
+    pub fn prefetch(&self) -> Result<()> {
+        self.router.proj.prefetch()?;
+        if let Some(s) = &self.shared {
+            s.mlp.prefetch()?;
+            s.mlp.down.prefetch()?;
+        }
+        Ok(())
+    }
+
     /// `x [n, hidden] -> [n, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_routed(x, x)

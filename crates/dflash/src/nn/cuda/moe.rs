@@ -278,6 +278,15 @@ impl CustomOp1 for MoeOp {
         b.arg(&limit);
         b.arg(&alpha);
         b.arg(&h);
+        // the down weights for the gate/up blocks to prefetch into L2 (trial `prefetch`)
+        let prefetch = crate::switches::trial(crate::switches::Trial::Prefetch);
+        if mma {
+            if prefetch {
+                b.arg(&down);
+            } else {
+                b.arg(&null);
+            }
+        }
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
 
@@ -307,6 +316,12 @@ impl CustomOp1 for MoeOp {
             shared_mem_bytes: 0,
         };
         let rows_i = i(ROWS);
+        // trial `combine`: the down launch's last block of each tile writes the combine
+        let counters = if mma && crate::switches::trial(crate::switches::Trial::Combine) {
+            tile_counters(dev, hidden.div_ceil(rows))?
+        } else {
+            None
+        };
         let mut b = func.builder();
         b.arg(&h);
         b.arg(&slots);
@@ -322,10 +337,24 @@ impl CustomOp1 for MoeOp {
             b.arg(&rows_i);
         }
         b.arg(&y);
+        if mma {
+            b.arg(&wts);
+            b.arg(&k_i);
+            b.arg(&n_i);
+            b.arg(counters.as_ref().unwrap_or(&null));
+            b.arg(&out);
+        }
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
 
-        // 5. the weighted sum over each row's slots
+        // 5. the weighted sum over each row's slots (unless the down launch wrote it)
+        if counters.is_some() {
+            drop((ids, slots, wts, h, y));
+            return Ok((
+                CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                Shape::from((n, hidden)),
+            ));
+        }
         let func = dev.get_or_load_custom_func("moe_combine", "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, hidden.div_ceil(256) as u32, 1),
@@ -346,6 +375,29 @@ impl CustomOp1 for MoeOp {
             Shape::from((n, hidden)),
         ))
     }
+}
+
+/// Arrival counters of the down launch's output tiles (trial `combine`: the last slot block
+/// of a tile writes its combine), one zeroed buffer per device kept for good (made in a
+/// warm-up run, outside any capture): every launch leaves it zeroed again. None when the
+/// launch has more tiles than it holds.
+fn tile_counters(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    tiles: usize,
+) -> candle_core::Result<Option<u64>> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    const TILES: usize = 1 << 12;
+    if tiles > TILES {
+        return Ok(None);
+    }
+    static BUFS: super::attention::Kept<candle_core::cuda_backend::DeviceId, i32> =
+        std::sync::OnceLock::new();
+    let buf = super::attention::kept(&BUFS, dev, dev.id(), "the MoE tile counters", |_| {
+        dev.alloc_zeros::<i32>(TILES)
+    })?;
+    let stream = dev.cuda_stream();
+    let (p, _guard) = buf.device_ptr(&stream);
+    Ok(Some(p))
 }
 
 /// The routed experts' output `[n, H]` for rows `x [n, H]` with router `logits [n, E]` (f32):
