@@ -301,7 +301,8 @@ __device__ void route_union_impl(const void* __restrict__ logits_in, int logits_
                                  int mode, int renorm, const float* __restrict__ corr, int n_group,
                                  int topk_group, const float* __restrict__ pe_scale, float scale,
                                  int* __restrict__ ids, float* __restrict__ w, int nslots,
-                                 int* __restrict__ slots) {
+                                 int* __restrict__ slots, int shared_e, const bf16* __restrict__ x,
+                                 const bf16* __restrict__ gate, int hidden) {
   __shared__ float s_choice[RU_WARPS][32 * PER];
   __shared__ int ids_sh[256];
   const int t = threadIdx.x, warp = t / 32;
@@ -309,15 +310,40 @@ __device__ void route_union_impl(const void* __restrict__ logits_in, int logits_
     route_row<PER>(logits_in, logits_bf16, row, E, k, mode, renorm, corr, n_group, topk_group, pe_scale,
                    scale, ids + (size_t)row * k, w + (size_t)row * k, ids_sh + row * k, s_choice[warp]);
   build_union(ids_sh, n * k, E, nslots, slots);
+  if (shared_e < 0) return;
+  // The shared expert (trial `shared`): one more slot after the union, expert shared_e (= E),
+  // pairs n k + r for every row r; its weight ws[r] = sigmoid(bf16(x_r . gate)) (gate null: 1)
+  // at w[n k + r]. Warp w takes rows w, w + 8 (lane-strided dot in a fixed order, then the
+  // warp's butterfly sum: a row's bits depend on its values alone).
+  for (int row = warp; row < n; row += RU_WARPS) {
+    float acc = 0.f;
+    if (gate != nullptr) {
+      const bf16* xr = x + (size_t)row * hidden;
+      for (int c = threadIdx.x % 32; c < hidden; c += 32)
+        acc = fmaf(__bfloat162float(xr[c]), __bfloat162float(gate[c]), acc);
+      acc = warp_sum(acc);
+    }
+    if (threadIdx.x % 32 == 0)
+      w[(size_t)n * k + row] = gate != nullptr ? 1.f / (1.f + __expf(-rb(acc))) : 1.f;
+  }
+  __syncthreads();
+  if (t == 0) {
+    const int count = slots[nslots * SLOT_W];
+    int* sl = slots + (size_t)count * SLOT_W;
+    sl[0] = shared_e;
+    sl[1] = n;
+    for (int r = 0; r < n; ++r) sl[2 + r] = n * k + r;
+    slots[nslots * SLOT_W] = count + 1;
+  }
 }
 
 #define ROUTE_UNION(PER)                                                                                 \
   extern "C" __global__ void __launch_bounds__(32 * RU_WARPS) moe_route_union_e##PER(                    \
       const void* logits_in, int logits_bf16, int n, int E, int k, int mode, int renorm,               \
       const float* corr, int n_group, int topk_group, const float* pe_scale, float scale, int* ids,     \
-      float* w, int nslots, int* slots) {                                                               \
+      float* w, int nslots, int* slots, int shared_e, const bf16* x, const bf16* gate, int hidden) {     \
     route_union_impl<PER>(logits_in, logits_bf16, n, E, k, mode, renorm, corr, n_group, topk_group,     \
-                          pe_scale, scale, ids, w, nslots, slots);                                      \
+                          pe_scale, scale, ids, w, nslots, slots, shared_e, x, gate, hidden);           \
   }
 ROUTE_UNION(4)
 ROUTE_UNION(8)
@@ -545,16 +571,18 @@ __device__ __forceinline__ void mma_span(const uint4* const (&wp)[2 * A], const 
   }
 }
 
-// The slot's gathered row pointers: pair q's row is rows + (pairs[q] / div) * width (+ lane c).
+// The slot's gathered row pointers: pair q's row is rows + (pairs[q] / div) * width (+ lane c);
+// a pair p >= lim (the shared expert's, p = lim + row) reads row p - lim.
 template <int T>
 __device__ __forceinline__ void mma_rows(const bf16* __restrict__ rows, const int* pairs, int np, int div,
-                                         int width, const uint4* (&xp)[T], bool (&xok)[T]) {
+                                         int lim, int width, const uint4* (&xp)[T], bool (&xok)[T]) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 #pragma unroll
   for (int t = 0; t < T; ++t) {
     const int q = 8 * t + g;
     xok[t] = q < np;
-    xp[t] = reinterpret_cast<const uint4*>(rows + (size_t)(pairs[xok[t] ? q : 0] / div) * width) + c;
+    const int p = pairs[xok[t] ? q : 0];
+    xp[t] = reinterpret_cast<const uint4*>(rows + (size_t)(p >= lim ? p - lim : p / div) * width) + c;
   }
 }
 
@@ -563,11 +591,11 @@ __device__ __forceinline__ void mma_rows(const bf16* __restrict__ rows, const in
 // same split for every A and T: an output's arithmetic depends on the widths alone).
 template <int A, int T, int U>
 __device__ __forceinline__ void slot_product(const uint4* const (&wp)[2 * A], const bf16* __restrict__ rows,
-                                             const int* pairs, int np, int div, int width,
+                                             const int* pairs, int np, int div, int lim, int width,
                                              float (*red)[16 * A][8 * T]) {
   const uint4* xp[T];
   bool xok[T];
-  mma_rows<T>(rows, pairs, np, div, width, xp, xok);
+  mma_rows<T>(rows, pairs, np, div, lim, width, xp, xok);
   const int chunks = width / 32, warp = threadIdx.x / 32;
   float acc[A][T][4] = {};
   mma_span<A, T, U>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
@@ -602,18 +630,20 @@ template <int A, int T, int U>
 __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ slots, int nslots, int k,
                             const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter,
                             int hidden, int mode, float limit, float alpha, bf16* __restrict__ h,
-                            const bf16* __restrict__ down_pf) {
+                            const bf16* __restrict__ down_pf, int shared_e, int npairs,
+                            const bf16* __restrict__ shared_gu, const bf16* __restrict__ shared_down) {
   __shared__ int pairs[MOE_MAX_PAIRS];
   __shared__ int e_sh;
   __shared__ float red[MMA_WARPS][16 * A][8 * T];
   const int np = expert_pairs(slots, nslots, &e_sh, pairs);
   if (np == 0) return;
   const int e = e_sh;
-  prefetch_down_share(down_pf, e, inter, hidden);
+  const bool sh = e == shared_e;
+  if (!sh) prefetch_down_share(down_pf, e, inter, hidden);
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   constexpr int UNITS = 8 * A;
   const int j0 = blockIdx.y * UNITS;
-  const bf16* we = gate_up + (size_t)e * 2 * inter * hidden;
+  const bf16* we = sh ? shared_gu : gate_up + (size_t)e * 2 * inter * hidden;
   // wp[j]: A = 2: gate g, gate g + 8, up g, up g + 8; A = 1: gate g, up g (clamped past I,
   // never stored). red row of gate unit r: r (A = 2: r < 16) / r (A = 1: r < 8); its up row:
   // 16 + r / 8 + r.
@@ -624,7 +654,7 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
     const int unit = min(j0 + g + (A == 2 ? 8 * (j % 2) : 0), inter - 1);
     wp[j] = reinterpret_cast<const uint4*>(we + (size_t)(up * inter + unit) * hidden) + c;
   }
-  slot_product<A, T, U>(wp, x, pairs, np, k, hidden, red);
+  slot_product<A, T, U>(wp, x, pairs, np, k, shared_e >= 0 ? npairs : INT_MAX, hidden, red);
   for (int i = threadIdx.x; i < UNITS * np; i += blockDim.x) {
     const int r = i % UNITS, q = i / UNITS, j = j0 + r;
     if (j >= inter) continue;
@@ -635,7 +665,7 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
       us += red[w][UNITS + r][q];
     }
     float gv = rb(gs), uv = rb(us);
-    if (bias != nullptr) {
+    if (bias != nullptr && !sh) {
       gv = rb(gv + __bfloat162float(bias[(size_t)e * 2 * inter + j]));
       uv = rb(uv + __bfloat162float(bias[(size_t)e * 2 * inter + inter + j]));
     }
@@ -647,7 +677,7 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
 // counters[blockIdx.y], reset to 0 by it) writes out[r, c] for every row r and those c with
 // moe_combine's arithmetic (slots in order): the bits do not depend on which block is last.
 __device__ __forceinline__ void combine_if_last(const float* y, const float* __restrict__ w, int k, int n,
-                                                int hidden, int r0, int rows, int* __restrict__ counters,
+                                                bool shared, int hidden, int r0, int rows, int* __restrict__ counters,
                                                 bf16* __restrict__ out) {
   __shared__ int last;
   __threadfence();
@@ -665,6 +695,10 @@ __device__ __forceinline__ void combine_if_last(const float* y, const float* __r
     if (cc >= hidden) continue;
     float acc = 0.f;
     for (int s = 0; s < k; ++s) acc = fmaf(w[(size_t)r * k + s], __ldcg(y + ((size_t)r * k + s) * hidden + cc), acc);
+    if (shared) {
+      const size_t p = (size_t)n * k + r;
+      acc = fmaf(w[p], __ldcg(y + p * hidden + cc), acc);
+    }
     out[(size_t)r * hidden + cc] = __float2bfloat16(acc);
   }
 }
@@ -683,7 +717,7 @@ __device__ __forceinline__ void down_mma_slot(const bf16* __restrict__ h, const 
 #pragma unroll
   for (int j = 0; j < 2 * A; ++j)
     wp[j] = reinterpret_cast<const uint4*>(we + (size_t)min(r0 + 8 * j + g, hidden - 1) * inter) + c;
-  slot_product<A, T, U>(wp, h, pairs, np, 1, inter, red);
+  slot_product<A, T, U>(wp, h, pairs, np, 1, INT_MAX, inter, red);
   for (int i = threadIdx.x; i < ROWS * np; i += blockDim.x) {
     const int r = i % ROWS, q = i / ROWS, cc = r0 + r;
     if (cc >= hidden) continue;
@@ -705,16 +739,21 @@ template <int A, int T, int U>
 __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slots, int nslots,
                          const bf16* __restrict__ down, const bf16* __restrict__ bias, int inter, int hidden,
                          float* __restrict__ y, const float* __restrict__ wts, int k, int n,
-                         int* __restrict__ counters, bf16* __restrict__ out) {
+                         int* __restrict__ counters, bf16* __restrict__ out, int shared_e,
+                         const bf16* __restrict__ shared_down) {
   __shared__ int pairs[MOE_MAX_PAIRS];
   __shared__ int e_sh;
   __shared__ float red[MMA_WARPS][16 * A][8 * T];
   constexpr int ROWS = 16 * A;
   const int r0 = blockIdx.y * ROWS;
   const int np = expert_pairs(slots, nslots, &e_sh, pairs);
-  if (np > 0) down_mma_slot<A, T, U>(h, pairs, np, e_sh, down, bias, inter, hidden, y, red);
+  if (np > 0) {
+    const bool sh = e_sh == shared_e;
+    down_mma_slot<A, T, U>(h, pairs, np, sh ? 0 : e_sh, sh ? shared_down : down, sh ? nullptr : bias, inter,
+                           hidden, y, red);
+  }
   if (counters == nullptr) return;
-  combine_if_last(y, wts, k, n, hidden, r0, ROWS, counters, out);
+  combine_if_last(y, wts, k, n, shared_e >= 0, hidden, r0, ROWS, counters, out);
 }
 
 // moe_{gate_up,down}_mma_t{T}: tiles of 16 units / 32 output rows (A = 2), 2 chunks in flight.
@@ -724,25 +763,34 @@ __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slo
 #define MOE_MMA(NAME, A, T, U, MINB)                                                                   \
   extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_gate_up_mma_##NAME(              \
       const bf16* x, const int* slots, int nslots, int k, const bf16* gate_up, const bf16* bias,       \
-      int inter, int hidden, int mode, float limit, float alpha, bf16* h, const bf16* down_pf) {        \
+      int inter, int hidden, int mode, float limit, float alpha, bf16* h, const bf16* down_pf,          \
+      int shared_e, int npairs, const bf16* shared_gu, const bf16* shared_down) {                       \
     gate_up_mma<A, T, U>(x, slots, nslots, k, gate_up, bias, inter, hidden, mode, limit, alpha, h,      \
-                         down_pf);                                                                      \
+                         down_pf, shared_e, npairs, shared_gu, shared_down);                            \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_down_mma_##NAME(                 \
       const bf16* h, const int* slots, int nslots, const bf16* down, const bf16* bias, int inter,      \
-      int hidden, float* y, const float* wts, int k, int n, int* counters, bf16* out) {                   \
-    down_mma<A, T, U>(h, slots, nslots, down, bias, inter, hidden, y, wts, k, n, counters, out);         \
+      int hidden, float* y, const float* wts, int k, int n, int* counters, bf16* out, int shared_e,      \
+      const bf16* shared_down) {                                                                        \
+    down_mma<A, T, U>(h, slots, nslots, down, bias, inter, hidden, y, wts, k, n, counters, out,          \
+                      shared_e, shared_down);                                                           \
   }
 MOE_MMA(t1, 2, 1, 2, 2)
 MOE_MMA(t2, 2, 2, 2, 2)
 
-// out[r, c] = bf16(sum_{s < k} w[r, s] * y[r * k + s, c]), slots in order. grid (n, ceil(H / 256)).
+// out[r, c] = bf16(sum_{s < k} w[r, s] * y[r * k + s, c] (+ w[n k + r] y[n k + r, c] with the
+// shared expert)), slots in order. grid (n, ceil(H / 256)).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, int k,
-                                       int hidden, bf16* __restrict__ out) {
+                                       int hidden, bf16* __restrict__ out, int shared) {
   const int r = blockIdx.x;
   const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= hidden) return;
   float acc = 0.f;
   for (int s = 0; s < k; ++s) acc = fmaf(w[(size_t)r * k + s], y[((size_t)r * k + s) * hidden + c], acc);
+  if (shared) {
+    // the shared expert's pair of row r: n k + r (trial `shared`)
+    const size_t p = (size_t)gridDim.x * k + r;
+    acc = fmaf(w[p], y[p * hidden + c], acc);
+  }
   out[(size_t)r * hidden + c] = __float2bfloat16(acc);
 }

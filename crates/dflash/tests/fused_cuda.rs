@@ -729,6 +729,40 @@ fn check_moe(name: &str, moe: &dflash::nn::SparseMoe, h: usize, dev: &Device) {
         }
         set_trials(&[]);
     }
+    // trial `shared` (the shared expert as one more slot of the launches; rounded once in the
+    // combine instead of per op): close to the separate MLP, and rows alone == together, with
+    // and without `combine`
+    if moe.shared.is_some() && moe.experts.inter % 32 == 0 {
+        for trials in [&[Trial::Shared][..], &[Trial::Shared, Trial::Combine]] {
+            set_trials(&[]);
+            let want = moe.forward(&x).unwrap();
+            set_trials(trials);
+            let got = moe.forward(&x).unwrap();
+            let e = rel_err(&got, &want);
+            assert!(
+                e < 1e-2,
+                "{name} {trials:?}: rel err {e} against the separate shared expert"
+            );
+            eprintln!(
+                "ok moe {name} {trials:?}: rel err {e:.2e} against the separate shared expert"
+            );
+            let all = rows(&got);
+            for (start, len) in [(0, 1), (7, 1), (15, 1), (3, 5)] {
+                let part = rows(
+                    &moe.forward(&x.narrow(0, start, len).unwrap().contiguous().unwrap())
+                        .unwrap(),
+                );
+                for r in 0..len {
+                    assert!(
+                        part[r] == all[start + r],
+                        "{name} {trials:?}: row {} alone differs from the 16-row call",
+                        start + r
+                    );
+                }
+            }
+        }
+        set_trials(&[]);
+    }
 }
 
 /// The greedy choice kernel (`nn::cuda::argmax_rows`) against the host's `sampling::argmax`,

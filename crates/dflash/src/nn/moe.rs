@@ -559,24 +559,25 @@ impl SparseMoe {
     /// (`kernels/moe.cu`: each expert the rows route to is read once); elsewhere routing is
     /// on the host and each chosen expert runs on its rows ([`Experts::forward`]).
     pub fn forward_routed(&self, router_x: &Tensor, x: &Tensor) -> Result<Tensor> {
-        let y = match self.forward_device(router_x, x)? {
+        let (y, shared_in) = match self.forward_device(router_x, x)? {
             Some(y) => y,
             None => {
                 let routes = self.router.route(router_x)?;
-                self.experts.forward(x, &routes)?
+                (self.experts.forward(x, &routes)?, false)
             }
         };
         Ok(match &self.shared {
-            Some(s) => (y + s.forward(x)?)?,
-            None => y,
+            Some(s) if !shared_in => (y + s.forward(x)?)?,
+            _ => y,
         })
     }
 }
 
 impl SparseMoe {
-    /// The routed experts on the device, or None where the kernels do not apply.
+    /// The routed experts on the device, or None where the kernels do not apply; with
+    /// whether the shared expert is in it (trial `shared`: [`Self::shared_call`]).
     #[cfg(feature = "cuda")]
-    fn forward_device(&self, router_x: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    fn forward_device(&self, router_x: &Tensor, x: &Tensor) -> Result<Option<(Tensor, bool)>> {
         use super::cuda::{ActMode, MoeCall, RouteMode};
         if !super::fused::allowed_part(crate::switches::Part::Moe)
             || !x.device().is_cuda()
@@ -636,14 +637,64 @@ impl SparseMoe {
             down_bias: e.down_bias.clone(),
             inter: e.inter,
             act,
+            shared: self.shared_call(x.dim(1)?)?,
         };
+        let with_shared = call.shared.is_some();
         // the kernel reads the router's output in its own dtype (no cast launch)
         let logits = r.projected(router_x)?;
-        Ok(super::cuda::moe(x, &logits, &call)?)
+        Ok(super::cuda::moe(x, &logits, &call)?.map(|y| (y, with_shared)))
+    }
+
+    /// The shared expert as one more slot of the device launches (trial `shared`), where it
+    /// has the routed experts' width and activation, its weights are dense bf16 without bias
+    /// (gate/up stacked) and the tensor-core kernels run.
+    #[cfg(feature = "cuda")]
+    fn shared_call(&self, hidden: usize) -> Result<Option<super::cuda::SharedCall>> {
+        let Some(s) = &self.shared else {
+            return Ok(None);
+        };
+        let e = &self.experts;
+        let dense = |l: &Linear| match l {
+            Linear::Dense { weight, bias: None } if weight.dtype() == DType::BF16 => {
+                Some(weight.clone())
+            }
+            _ => None,
+        };
+        let act_ok = matches!(
+            (e.act, s.mlp.act),
+            (ExpertAct::Glu(a), b) if a == b
+        );
+        if !crate::switches::trial(crate::switches::Trial::Shared)
+            || !act_ok
+            || !super::cuda::takes_shared(hidden, e.inter)
+            || e.gate_up_bias.is_some()
+        {
+            return Ok(None);
+        }
+        let (Some(gate_up), Some(down)) =
+            (s.mlp.gate_up.as_ref().and_then(dense), dense(&s.mlp.down))
+        else {
+            return Ok(None);
+        };
+        if gate_up.dims() != [2 * e.inter, hidden] || down.dims() != [hidden, e.inter] {
+            return Ok(None);
+        }
+        let gate = match &s.gate {
+            None => None,
+            Some(g) => match dense(g) {
+                Some(w) if w.dims() == [1, hidden] => Some(w.reshape(hidden)?),
+                _ => return Ok(None),
+            },
+        };
+        Ok(Some(super::cuda::SharedCall {
+            gate_up,
+            down,
+            gate,
+        }))
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn forward_device(&self, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
+    fn forward_device(&self, _: &Tensor, _: &Tensor) -> Result<Option<(Tensor, bool)>> {
         Ok(None)
     }
 }

@@ -52,6 +52,25 @@ pub struct MoeCall {
     pub down_bias: Option<Tensor>,
     pub inter: usize,
     pub act: ActMode,
+    /// The shared expert run as one more slot of the same launches (trial `shared`; needs
+    /// the tensor-core kernels: [`takes_shared`]).
+    pub shared: Option<SharedCall>,
+}
+
+/// A shared expert of the routed experts' width and activation, every row routed to it with
+/// weight `sigmoid(x . gate)` (Qwen) or 1 (no gate).
+#[derive(Clone, Debug)]
+pub struct SharedCall {
+    /// `[2I, H]` (gate rows then up rows), `[H, I]`, `[H]` bf16.
+    pub gate_up: Tensor,
+    pub down: Tensor,
+    pub gate: Option<Tensor>,
+}
+
+/// Whether the launches can take a shared expert: the tensor-core kernels (both widths
+/// multiples of 32).
+pub fn takes_shared(hidden: usize, inter: usize) -> bool {
+    hidden % 32 == 0 && inter % 32 == 0
 }
 
 struct MoeOp {
@@ -94,7 +113,13 @@ impl CustomOp1 for MoeOp {
             && k <= 16
             && k <= e_count
             && hidden % 8 == 0
-            && inter % 8 == 0;
+            && inter % 8 == 0
+            && c.shared.as_ref().is_none_or(|s| {
+                takes_shared(hidden, inter)
+                    && s.gate_up.dims() == [2 * inter, hidden]
+                    && s.down.dims() == [hidden, inter]
+                    && s.gate.as_ref().is_none_or(|g| g.dims() == [hidden])
+            });
         if !ok {
             candle_core::bail!(
                 "dflash-moe: x {:?} logits {:?} gate_up {:?} down {:?} k {k}",
@@ -149,15 +174,37 @@ impl CustomOp1 for MoeOp {
             .map(|h| f32_view(h, "correction bias"))
             .transpose()?;
         let npairs = n * k;
+        // the shared expert: pairs npairs + r, one more slot (expert index e_count)
+        let hs = c.shared.as_ref().map(|s| {
+            (
+                Held::new(&s.gate_up),
+                Held::new(&s.down),
+                s.gate.as_ref().map(Held::new),
+            )
+        });
+        let shared = hs
+            .as_ref()
+            .map(|(gu, d, g)| {
+                Ok::<_, candle_core::Error>((
+                    gu.view("shared expert gate_up")?,
+                    d.view("shared expert down")?,
+                    g.as_ref()
+                        .map(|g| g.view("shared expert gate"))
+                        .transpose()?,
+                ))
+            })
+            .transpose()?;
+        let extra = if shared.is_some() { n } else { 0 };
+        let shared_e: i32 = if shared.is_some() { e_count as i32 } else { -1 };
         // SAFETY: moe_route_union writes every id and weight; moe_gate_up writes h for every pair
         // (each pair's expert has a block for every tile), moe_down every y; combine all out.
         let ids = unsafe { dev.alloc::<u32>(npairs)? };
         // the union of chosen experts: per slot (expert, pair count, pairs), then the count
-        let nslots = e_count.min(npairs);
+        let nslots = e_count.min(npairs) + usize::from(shared.is_some());
         let slots = unsafe { dev.alloc::<u32>(nslots * SLOT_W + 1)? };
-        let wts = unsafe { dev.alloc::<f32>(npairs)? };
-        let h = unsafe { dev.alloc::<bf16>(npairs * inter)? };
-        let y = unsafe { dev.alloc::<f32>(npairs * hidden)? };
+        let wts = unsafe { dev.alloc::<f32>(npairs + extra)? };
+        let h = unsafe { dev.alloc::<bf16>((npairs + extra) * inter)? };
+        let y = unsafe { dev.alloc::<f32>((npairs + extra) * hidden)? };
         let out = unsafe { dev.alloc::<bf16>(n * hidden)? };
         let null = 0u64;
         let i = |v: usize| v as i32;
@@ -214,6 +261,14 @@ impl CustomOp1 for MoeOp {
         b.arg(&wts);
         b.arg(&ns_i);
         b.arg(&slots);
+        b.arg(&shared_e);
+        b.arg(&x);
+        match shared.as_ref().and_then(|s| s.2.as_ref()) {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        let hid_i = i(hidden);
+        b.arg(&hid_i);
         // SAFETY: argument types match the kernel; shapes checked above.
         unsafe { b.launch(cfg) }.w()?;
         // At most one pair of a row per expert: P accumulators cover every expert's pairs.
@@ -280,12 +335,23 @@ impl CustomOp1 for MoeOp {
         b.arg(&h);
         // the down weights for the gate/up blocks to prefetch into L2 (trial `prefetch`)
         let prefetch = crate::switches::trial(crate::switches::Trial::Prefetch);
+        let np_i = i(npairs);
         if mma {
             if prefetch {
                 b.arg(&down);
             } else {
                 b.arg(&null);
             }
+            b.arg(&shared_e);
+            b.arg(&np_i);
+            match &shared {
+                Some(s) => b.arg(&s.0),
+                None => b.arg(&null),
+            };
+            match &shared {
+                Some(s) => b.arg(&s.1),
+                None => b.arg(&null),
+            };
         }
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
@@ -343,6 +409,11 @@ impl CustomOp1 for MoeOp {
             b.arg(&n_i);
             b.arg(counters.as_ref().unwrap_or(&null));
             b.arg(&out);
+            b.arg(&shared_e);
+            match &shared {
+                Some(s) => b.arg(&s.1),
+                None => b.arg(&null),
+            };
         }
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
@@ -367,6 +438,8 @@ impl CustomOp1 for MoeOp {
         b.arg(&k_i);
         b.arg(&hid_i);
         b.arg(&out);
+        let has_shared = i32::from(shared.is_some());
+        b.arg(&has_shared);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
         drop((ids, slots, wts, h, y));
@@ -407,6 +480,10 @@ pub fn moe(x: &Tensor, logits: &Tensor, call: &MoeCall) -> candle_core::Result<O
     let mut ts = vec![x, &call.gate_up, &call.down];
     ts.extend(call.gate_up_bias.as_ref());
     ts.extend(call.down_bias.as_ref());
+    if let Some(sh) = &call.shared {
+        ts.extend([&sh.gate_up, &sh.down]);
+        ts.extend(sh.gate.as_ref());
+    }
     if !is_bf16_cuda(&ts) || x.rank() != 2 || !matches!(logits.dtype(), DType::F32 | DType::BF16) {
         return Ok(None);
     }
