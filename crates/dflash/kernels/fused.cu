@@ -577,24 +577,6 @@ extern "C" __global__ void attn_combine_bf16(const float* __restrict__ part, bf1
   }
 }
 
-// L2 prefetch of `bytes` bytes from p (16-byte aligned, bytes % 16 == 0): each thread asks the
-// copy engine of its SM to bring one 4 KB piece into L2 (cp.async.bulk.prefetch, sm_90) and
-// exits; nothing waits for the data. Launched on a side stream (nn::cuda::prefetch) so the
-// weights of a coming projection stream in while latency-bound kernels (norms, attention,
-// routing) leave DRAM idle.
-#define PREFETCH_PIECE 4096
-extern "C" __global__ void l2_prefetch(const char* __restrict__ p, unsigned long long bytes) {
-  const unsigned long long at = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) * PREFETCH_PIECE;
-  if (at >= bytes) return;
-  const unsigned long long left = bytes - at;
-  const unsigned n = (unsigned)(left < PREFETCH_PIECE ? left : PREFETCH_PIECE);
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + at), "r"(n) : "memory");
-#else
-  for (unsigned o = 0; o < n; o += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + at + o));
-#endif
-}
-
 // A single-thread busy wait of `cycles` SM clocks: the micro bench queues a step behind it to
 // time the step's kernels with the host out of the way (nn::cuda::gpu_time_host_ahead).
 extern "C" __global__ void spin(long long cycles) {

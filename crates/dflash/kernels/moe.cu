@@ -311,7 +311,7 @@ __device__ void route_union_impl(const void* __restrict__ logits_in, int logits_
                    scale, ids + (size_t)row * k, w + (size_t)row * k, ids_sh + row * k, s_choice[warp]);
   build_union(ids_sh, n * k, E, nslots, slots);
   if (shared_e < 0) return;
-  // The shared expert (trial `shared`): one more slot after the union, expert shared_e (= E),
+  // The shared expert (where the host gives one): one more slot after the union, expert shared_e (= E),
   // pairs n k + r for every row r; its weight ws[r] = sigmoid(bf16(x_r . gate)) (gate null: 1)
   // at w[n k + r]. Warp w takes rows w, w + 8 (lane-strided dot in a fixed order, then the
   // warp's butterfly sum: a row's bits depend on its values alone).
@@ -605,33 +605,14 @@ __device__ __forceinline__ void slot_product(const uint4* const (&wp)[2 * A], co
 // As gate_up_impl, on the tensor cores: grid (slots, ceil(I / 8A)); block y takes units
 // [8Ay, 8Ay + 8A). A = 2: m16 tile 0 holds gate units j0..j0+15, tile 1 the same units' up rows;
 // A = 1 (twice the blocks, half the work each; not instantiated, see MOE_MMA): the tile holds
-// gate units j0..j0+7 (rows 0-7) and their up rows (8-15). H % 32 == 0.
-// With down_pf (the down weights [E, H, I]; null: off, trial `prefetch`), block y of a slot
-// first asks L2 for its share (1 / gridDim.y) of the slot's expert's down rows, 4 KB per
-// request by the first warp (cp.async.bulk.prefetch, nothing waits): the down projection
-// after this launch then reads them from L2.
-__device__ __forceinline__ void prefetch_down_share(const bf16* __restrict__ down_pf, int e, int inter,
-                                                    int hidden) {
-#if __CUDA_ARCH__ >= 900
-  if (down_pf == nullptr || threadIdx.x >= 32) return;
-  const size_t total = (size_t)hidden * inter * sizeof(bf16);
-  const size_t per = ((total + gridDim.y - 1) / gridDim.y + 15) & ~(size_t)15;
-  const size_t s0 = (size_t)blockIdx.y * per;
-  const size_t s1 = s0 + per < total ? s0 + per : total;
-  const char* base = reinterpret_cast<const char*>(down_pf + (size_t)e * hidden * inter);
-  for (size_t o = s0 + (size_t)threadIdx.x * 4096; o < s1; o += 32 * 4096) {
-    const unsigned n = (unsigned)((s1 - o < 4096 ? s1 - o : 4096) & ~(size_t)15);
-    if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + o), "r"(n) : "memory");
-  }
-#endif
-}
-
+// gate units j0..j0+7 (rows 0-7) and their up rows (8-15). H % 32 == 0. The slot of expert
+// shared_e (>= 0: the layer's shared expert, E) takes shared_gu [2I, H] (no bias); its pairs
+// npairs + r read row r.
 template <int A, int T, int U>
 __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ slots, int nslots, int k,
                             const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter,
                             int hidden, int mode, float limit, float alpha, bf16* __restrict__ h,
-                            const bf16* __restrict__ down_pf, int shared_e, int npairs,
-                            const bf16* __restrict__ shared_gu, const bf16* __restrict__ shared_down) {
+                            int shared_e, int npairs, const bf16* __restrict__ shared_gu) {
   __shared__ int pairs[MOE_MAX_PAIRS];
   __shared__ int e_sh;
   __shared__ float red[MMA_WARPS][16 * A][8 * T];
@@ -639,7 +620,6 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
   if (np == 0) return;
   const int e = e_sh;
   const bool sh = e == shared_e;
-  if (!sh) prefetch_down_share(down_pf, e, inter, hidden);
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   constexpr int UNITS = 8 * A;
   const int j0 = blockIdx.y * UNITS;
@@ -673,36 +653,6 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
   }
 }
 
-// The last of the gridDim.x slot blocks of output rows [r0, r0 + rows) to finish (counted in
-// counters[blockIdx.y], reset to 0 by it) writes out[r, c] for every row r and those c with
-// moe_combine's arithmetic (slots in order): the bits do not depend on which block is last.
-__device__ __forceinline__ void combine_if_last(const float* y, const float* __restrict__ w, int k, int n,
-                                                bool shared, int hidden, int r0, int rows, int* __restrict__ counters,
-                                                bf16* __restrict__ out) {
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* cnt = counters + blockIdx.y;
-    last = atomicAdd(cnt, 1) == (int)gridDim.x - 1;
-    if (last) *cnt = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < rows * n; i += blockDim.x) {
-    const int r = i / rows, cc = r0 + i % rows;
-    if (cc >= hidden) continue;
-    float acc = 0.f;
-    for (int s = 0; s < k; ++s) acc = fmaf(w[(size_t)r * k + s], __ldcg(y + ((size_t)r * k + s) * hidden + cc), acc);
-    if (shared) {
-      const size_t p = (size_t)n * k + r;
-      acc = fmaf(w[p], __ldcg(y + p * hidden + cc), acc);
-    }
-    out[(size_t)r * hidden + cc] = __float2bfloat16(acc);
-  }
-}
-
 // One slot block's share of down_mma: y rows of the slot's pairs, output rows [r0, r0 + 16A).
 template <int A, int T, int U>
 __device__ __forceinline__ void down_mma_slot(const bf16* __restrict__ h, const int* pairs, int np, int e,
@@ -731,29 +681,19 @@ __device__ __forceinline__ void down_mma_slot(const bf16* __restrict__ h, const 
 }
 
 // As down_impl, on the tensor cores: grid (slots, ceil(H / 16A)); block y takes output rows
-// [16Ay, 16Ay + 16A). I % 32 == 0.
-// With counters (trial `combine`; null: off, `moe_combine` runs after), the last block of each
-// output tile also writes the weighted sum over each row's slots (combine_if_last): one launch
-// fewer a layer. Blocks of slots past the union's count still arrive.
+// [16Ay, 16Ay + 16A). I % 32 == 0. The slot of expert shared_e takes shared_down [H, I].
 template <int A, int T, int U>
 __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slots, int nslots,
                          const bf16* __restrict__ down, const bf16* __restrict__ bias, int inter, int hidden,
-                         float* __restrict__ y, const float* __restrict__ wts, int k, int n,
-                         int* __restrict__ counters, bf16* __restrict__ out, int shared_e,
-                         const bf16* __restrict__ shared_down) {
+                         float* __restrict__ y, int shared_e, const bf16* __restrict__ shared_down) {
   __shared__ int pairs[MOE_MAX_PAIRS];
   __shared__ int e_sh;
   __shared__ float red[MMA_WARPS][16 * A][8 * T];
-  constexpr int ROWS = 16 * A;
-  const int r0 = blockIdx.y * ROWS;
   const int np = expert_pairs(slots, nslots, &e_sh, pairs);
-  if (np > 0) {
-    const bool sh = e_sh == shared_e;
-    down_mma_slot<A, T, U>(h, pairs, np, sh ? 0 : e_sh, sh ? shared_down : down, sh ? nullptr : bias, inter,
-                           hidden, y, red);
-  }
-  if (counters == nullptr) return;
-  combine_if_last(y, wts, k, n, shared_e >= 0, hidden, r0, ROWS, counters, out);
+  if (np == 0) return;
+  const bool sh = e_sh == shared_e;
+  down_mma_slot<A, T, U>(h, pairs, np, sh ? 0 : e_sh, sh ? shared_down : down, sh ? nullptr : bias, inter, hidden,
+                         y, red);
 }
 
 // moe_{gate_up,down}_mma_t{T}: tiles of 16 units / 32 output rows (A = 2), 2 chunks in flight.
@@ -763,17 +703,15 @@ __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slo
 #define MOE_MMA(NAME, A, T, U, MINB)                                                                   \
   extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_gate_up_mma_##NAME(              \
       const bf16* x, const int* slots, int nslots, int k, const bf16* gate_up, const bf16* bias,       \
-      int inter, int hidden, int mode, float limit, float alpha, bf16* h, const bf16* down_pf,          \
-      int shared_e, int npairs, const bf16* shared_gu, const bf16* shared_down) {                       \
+      int inter, int hidden, int mode, float limit, float alpha, bf16* h, int shared_e, int npairs,     \
+      const bf16* shared_gu) {                                                                          \
     gate_up_mma<A, T, U>(x, slots, nslots, k, gate_up, bias, inter, hidden, mode, limit, alpha, h,      \
-                         down_pf, shared_e, npairs, shared_gu, shared_down);                            \
+                         shared_e, npairs, shared_gu);                                                  \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_down_mma_##NAME(                 \
       const bf16* h, const int* slots, int nslots, const bf16* down, const bf16* bias, int inter,      \
-      int hidden, float* y, const float* wts, int k, int n, int* counters, bf16* out, int shared_e,      \
-      const bf16* shared_down) {                                                                        \
-    down_mma<A, T, U>(h, slots, nslots, down, bias, inter, hidden, y, wts, k, n, counters, out,          \
-                      shared_e, shared_down);                                                           \
+      int hidden, float* y, int shared_e, const bf16* shared_down) {                                    \
+    down_mma<A, T, U>(h, slots, nslots, down, bias, inter, hidden, y, shared_e, shared_down);            \
   }
 MOE_MMA(t1, 2, 1, 2, 2)
 MOE_MMA(t2, 2, 2, 2, 2)
@@ -788,7 +726,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
   float acc = 0.f;
   for (int s = 0; s < k; ++s) acc = fmaf(w[(size_t)r * k + s], y[((size_t)r * k + s) * hidden + c], acc);
   if (shared) {
-    // the shared expert's pair of row r: n k + r (trial `shared`)
+    // the shared expert's pair of row r: n k + r
     const size_t p = (size_t)gridDim.x * k + r;
     acc = fmaf(w[p], y[p * hidden + c], acc);
   }

@@ -11,7 +11,7 @@
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 / Q5_0 / Q6_K GGUF matrices keep their stored weights on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
-//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`): `prefetch` (L2 prefetch of coming weights), `combine` (MoE combine in the down projection), `shared` (MoE shared expert in the routed launches), see [`Trial`] |
+//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
 //! | `DFLASH_CUDA_GRAPHS` | on | decode / verify forwards (1-16 rows) of models whose layers all replay (attention + dense or MoE feed-forward) run as CUDA graphs (`archs::graphs`); `0` runs them eagerly |
 //! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals |
@@ -79,58 +79,32 @@ impl Part {
 /// CUDA paths that are written and compiled but not yet run on a GPU: off unless named in
 /// `DFLASH_TRY`, so a build between two GPU sessions keeps the proven kernels. Each becomes the
 /// default (and leaves this list) once the H200 tests and benchmarks of docs/perf.md pass.
-/// At present: `prefetch` (session 29), `combine` and `shared` (session 30). Proven and promoted: session 22's three (`attention_fill`, `moe_mma`,
+/// None at present. Proven and promoted: session 22's three (`attention_fill`, `moe_mma`,
 /// `route_bf16`) in session 23, session 23's `route_union` in session 24, session 25's
 /// `dflash2_fuse` (the selector's warp-list top-k, pair scores and walk on the device) in session
 /// 25; `moe_narrow` ran no faster and was dropped; session 26's `mma_split` (narrow weights'
 /// K over a cluster of blocks) passed the H200 tests but gained 10-20% on a few narrow
-/// products only, and was dropped (the lab keeps it: tools/gpu-bench/skinny).
+/// products only, and was dropped (the lab keeps it: tools/gpu-bench/skinny); session 30:
+/// `shared` (the MoE shared expert as one more slot of the routed launches, 4-8% off the hybrid
+/// MoE steps) promoted, `prefetch` (L2 prefetch of coming weights on a side stream: 17-20%
+/// slower) and `combine` (the MoE combine in the down launch's last blocks: no faster at one
+/// row, slower at 16) dropped (docs/perf.md, session 30; the code is in git history, 9ddb477).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trial {
-    /// Session 29: the weights of a coming projection prefetched into L2 on a side stream
-    /// while the latency-bound kernels before it run (`nn::cuda::prefetch`), and each MoE
-    /// gate/up block prefetching its expert's down rows.
-    Prefetch,
-    /// Session 30: the MoE expert combine written by the last block of each down-projection
-    /// tile (`kernels/moe.cu` `combine_if_last`) instead of its own launch.
-    Combine,
-    /// Session 30: a MoE layer's shared expert run as one more slot of the routed experts'
-    /// launches (its gate's sigmoid in the routing launch, its output in the combine) instead
-    /// of its own MLP, gate, sigmoid, product and sum.
-    Shared,
-}
+pub enum Trial {}
 
 impl Trial {
-    pub const ALL: [Trial; 3] = [Trial::Prefetch, Trial::Combine, Trial::Shared];
+    pub const ALL: [Trial; 0] = [];
     pub fn name(self) -> &'static str {
-        match self {
-            Trial::Prefetch => "prefetch",
-            Trial::Combine => "combine",
-            Trial::Shared => "shared",
-        }
+        match self {}
     }
     fn bit(self) -> u8 {
-        1 << (self as u8)
+        match self {}
     }
 }
 
-/// Trials set by [`set_trials`] (bits of [`Trial`] + 1); 0 = follow `DFLASH_TRY`.
-static TRIALS_OVERRIDE: AtomicU8 = AtomicU8::new(0);
-
-/// Whether `DFLASH_TRY` (or [`set_trials`]) names this trial.
+/// Whether `DFLASH_TRY` names this trial.
 pub fn trial(t: Trial) -> bool {
-    let bits = match TRIALS_OVERRIDE.load(Ordering::Relaxed) {
-        0 => get().trials,
-        b => b - 1,
-    };
-    bits & t.bit() != 0
-}
-
-/// Tests: run exactly these trials from now on, whatever `DFLASH_TRY` says (a trial's
-/// kernels against the default ones in one process).
-pub fn set_trials(trials: &[Trial]) {
-    let b = trials.iter().fold(0u8, |b, t| b | t.bit());
-    TRIALS_OVERRIDE.store(b + 1, Ordering::Relaxed);
+    get().trials & t.bit() != 0
 }
 
 /// The settings as read from the environment.
@@ -376,18 +350,13 @@ mod tests {
         assert_eq!(p.fused_off, Part::Moe.bit() | Part::Delta.bit());
         assert_eq!(d.trials, 0);
         // names that are not trials (former ones included) are ignored
-        let t = parse(&[("DFLASH_TRY", "moe_narrow, route_union, dflash2_fuse, bogus")]);
+        let t = parse(&[(
+            "DFLASH_TRY",
+            "moe_narrow, route_union, prefetch, combine, bogus",
+        )]);
         assert_eq!(t.trials, 0);
         let all = Trial::ALL.iter().fold(0u8, |b, t| b | t.bit());
         assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, all);
-        let p = parse(&[("DFLASH_TRY", "bogus, prefetch")]);
-        assert_eq!(p.trials, Trial::Prefetch.bit());
-        let p = parse(&[("DFLASH_TRY", "combine,prefetch")]);
-        assert_eq!(p.trials, Trial::Prefetch.bit() | Trial::Combine.bit());
-        assert_eq!(
-            parse(&[("DFLASH_TRY", "shared")]).trials,
-            Trial::Shared.bit()
-        );
         assert!(d.cuda_graphs);
         assert!(!parse(&[("DFLASH_CUDA_GRAPHS", "0")]).cuda_graphs);
         assert!(parse(&[("DFLASH_CUDA_GRAPHS", "1")]).cuda_graphs);

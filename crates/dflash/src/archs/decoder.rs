@@ -89,13 +89,6 @@ impl Ffn {
             Ffn::Moe(m) => m.read_bytes(rows),
         }
     }
-    /// Prefetch the weights this feed-forward reads first (see `Linear::prefetch`).
-    pub fn prefetch(&self) -> Result<()> {
-        match self {
-            Ffn::Dense(m) => m.prefetch(),
-            Ffn::Moe(m) => m.prefetch(),
-        }
-    }
     pub fn forward(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
         match self {
             Ffn::Dense(m) => m.forward(x),
@@ -154,15 +147,6 @@ impl DecoderLayer {
         Ok(Tensor::cat(&parts, 0)?)
     }
 
-    /// Prefetch the mixer's input projection while the input norm runs (see
-    /// `Linear::prefetch`).
-    fn prefetch_mixer(&self) -> Result<()> {
-        match &self.mixer {
-            Mixer::Attention { attn, .. } => attn.prefetch_input(),
-            _ => Ok(()),
-        }
-    }
-
     /// The mixer of one sequence.
     fn mix(&self, x: &Tensor, f: &Frame, cache: &mut TargetCache) -> Result<Tensor> {
         Ok(match &self.mixer {
@@ -189,12 +173,10 @@ impl DecoderLayer {
         match &self.sandwich {
             None => {
                 r.add(a)?;
-                self.ffn.prefetch()?;
                 let x = r.norm(&self.post_norm)?;
                 r.add(self.ffn.forward(&x)?)?;
             }
             Some((pre_ff, post_ff)) => {
-                self.ffn.prefetch()?;
                 r.add(self.post_norm.forward(&a)?)?;
                 let x = r.norm(pre_ff)?;
                 let m = self.ffn.forward(&x)?;
@@ -207,7 +189,6 @@ impl DecoderLayer {
 
 impl Layer for DecoderLayer {
     fn forward(&self, r: &mut Residual, f: &Frame, cache: &mut TargetCache) -> Result<()> {
-        self.prefetch_mixer()?;
         let x = r.norm(&self.input_norm)?;
         let a = self.mix(&x, f, cache)?;
         f.mark("attention");
@@ -222,7 +203,6 @@ impl Layer for DecoderLayer {
         frames: &[Frame],
         caches: &mut [&mut TargetCache],
     ) -> Result<()> {
-        self.prefetch_mixer()?;
         let x = r.norm(&self.input_norm)?;
         let a = self.mix_batch(&x, frames, caches)?;
         if let Some(f) = frames.first() {

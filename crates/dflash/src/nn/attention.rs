@@ -538,14 +538,6 @@ impl Attention {
         self.write_kv_fused(y, layer * 2 * kd, layer * 2 * kd + kd, rope, t, cache)
     }
 
-    /// Prefetch the input projection's weights (see [`Linear::prefetch`]).
-    pub fn prefetch_input(&self) -> Result<()> {
-        match &self.qkv {
-            Some(f) => f.prefetch(),
-            None => self.q_proj.prefetch(),
-        }
-    }
-
     /// Self-attention of `x [n, hidden]` at the positions of `at.tables`: appends this layer's
     /// K/V to `cache` (KV-shared layers read it as the owner left it) and attends over
     /// everything cached, as `at.vis` allows. The one entry point of every family's attention
@@ -680,7 +672,6 @@ impl Attention {
             Some(f) => f.forward(x)?,
             None => self.q_proj.forward(x)?,
         };
-        self.o_proj.prefetch()?;
         let n = y.dim(0)?;
         let joint = cache.joint().cloned().ok_or_else(declined)?;
         let pos0 = if self.spec.shared_kv {
@@ -728,7 +719,6 @@ impl Attention {
             Some(f) => f.forward(x)?,
             None => self.q_proj.forward(x)?,
         };
-        self.o_proj.prefetch()?;
         match self.attend_fused(&y, at, cache)? {
             Some(o) => Ok(Some(self.o_proj.forward(&o)?)),
             None => Ok(None),
@@ -758,7 +748,6 @@ impl Attention {
             Some(f) => f.forward(x)?,
             None => self.q_proj.forward(x)?,
         };
-        self.o_proj.prefetch()?;
         if !self.spec.shared_kv {
             if let Some(o) = self.attend_fused_one_launch(&y, sites, caches, lens)? {
                 return Ok(Some(self.o_proj.forward(&o)?));

@@ -253,17 +253,6 @@ impl Linear {
         Ok(self.forward(x)?.to_dtype(DType::F32)?)
     }
 
-    /// A hint that this weight is read soon: on CUDA its bytes are prefetched into L2 beside
-    /// the kernels enqueued before the product (`nn::cuda::prefetch`, trial `prefetch`);
-    /// nothing elsewhere. No result depends on it.
-    pub fn prefetch(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Linear::Dense { weight, .. } = self {
-            super::cuda::prefetch_l2(weight)?;
-        }
-        Ok(())
-    }
-
     /// `x [n, in] -> [n, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = match self {

@@ -100,22 +100,10 @@ impl GatedMlp {
             + self.gate_up.as_ref().map_or(0, Linear::weight_bytes)
     }
 
-    /// Prefetch the first product's weights (see [`Linear::prefetch`]).
-    pub fn prefetch(&self) -> Result<()> {
-        match &self.gate_up {
-            Some(gu) => gu.prefetch(),
-            None => {
-                self.gate.prefetch()?;
-                self.up.prefetch()
-            }
-        }
-    }
-
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (g, u) = match &self.gate_up {
             Some(gu) => {
                 let y = gu.forward(x)?;
-                self.down.prefetch()?;
                 if self.act == Activation::Silu {
                     if let Some(h) = super::fused::swiglu(&y)? {
                         return self.down.forward(&h);

@@ -537,18 +537,6 @@ impl SparseMoe {
         (self.weight_bytes() - self.experts.weight_bytes()) as f64 + union * per
     }
 
-    /// Prefetch the router's and the shared expert's weights (see [`Linear::prefetch`]; the
-    /// routed experts are known only on the device: their gate/up kernel prefetches the down
-    /// rows).
-    pub fn prefetch(&self) -> Result<()> {
-        self.router.proj.prefetch()?;
-        if let Some(s) = &self.shared {
-            s.mlp.prefetch()?;
-            s.mlp.down.prefetch()?;
-        }
-        Ok(())
-    }
-
     /// `x [n, hidden] -> [n, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_routed(x, x)
@@ -575,7 +563,7 @@ impl SparseMoe {
 
 impl SparseMoe {
     /// The routed experts on the device, or None where the kernels do not apply; with
-    /// whether the shared expert is in it (trial `shared`: [`Self::shared_call`]).
+    /// whether the shared expert is in it ([`Self::shared_call`]).
     #[cfg(feature = "cuda")]
     fn forward_device(&self, router_x: &Tensor, x: &Tensor) -> Result<Option<(Tensor, bool)>> {
         use super::cuda::{ActMode, MoeCall, RouteMode};
@@ -645,7 +633,9 @@ impl SparseMoe {
         Ok(super::cuda::moe(x, &logits, &call)?.map(|y| (y, with_shared)))
     }
 
-    /// The shared expert as one more slot of the device launches (trial `shared`), where it
+    /// The shared expert as one more slot of the device launches (its gate's sigmoid in the
+    /// routing launch, its output in the combine: 4-8% off a Qwen3.5-35B-A3B / Qwen3-Next
+    /// step on the H200, docs/perf.md session 30), where it
     /// has the routed experts' width and activation, its weights are dense bf16 without bias
     /// (gate/up stacked) and the tensor-core kernels run.
     #[cfg(feature = "cuda")]
@@ -664,11 +654,7 @@ impl SparseMoe {
             (e.act, s.mlp.act),
             (ExpertAct::Glu(a), b) if a == b
         );
-        if !crate::switches::trial(crate::switches::Trial::Shared)
-            || !act_ok
-            || !super::cuda::takes_shared(hidden, e.inter)
-            || e.gate_up_bias.is_some()
-        {
+        if !act_ok || !super::cuda::takes_shared(hidden, e.inter) {
             return Ok(None);
         }
         let (Some(gate_up), Some(down)) =

@@ -598,15 +598,15 @@ fn pos0_view<'a>(h: &'a Held<'a>, nseg: usize) -> candle_core::Result<CudaView<'
     }
 }
 
-pub(super) type Slice<T> = candle_core::cuda_backend::cudarc::driver::CudaSlice<T>;
-pub(super) type Kept<K, T> =
+type Slice<T> = candle_core::cuda_backend::cudarc::driver::CudaSlice<T>;
+type Kept<K, T> =
     std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<K, std::sync::Arc<Slice<T>>>>>;
 
 /// A device buffer of `table` kept for good under `key`, made by `make` on first use. Graph
 /// launches read such buffers at every replay, and nothing may be made while a graph is
 /// captured (the warm-up run, outside the capture, makes them): asked for first during a
 /// capture, this fails with `what` named.
-pub(super) fn kept<K: std::hash::Hash + Eq, T>(
+fn kept<K: std::hash::Hash + Eq, T>(
     table: &'static Kept<K, T>,
     dev: &candle_core::cuda_backend::CudaDevice,
     key: K,
@@ -622,7 +622,7 @@ pub(super) fn kept<K: std::hash::Hash + Eq, T>(
     }
     if super::graph::capturing(dev) {
         candle_core::bail!(
-            "dflash: {what} not made in the warm-up run was asked for while a CUDA graph is captured"
+            "dflash attention: {what} not made in the warm-up run was asked for while a CUDA graph is captured"
         );
     }
     let slice = std::sync::Arc::new(make(&key)?);

@@ -63,13 +63,10 @@ pub fn capture<T>(
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .w()?;
     let out = f();
-    // Rejoin the prefetch side stream if the forward forked it (else the capture is invalid).
-    let joined = prefetch::join_capture(cuda);
     let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
     // End the capture whatever happened (an invalidated capture reports its error here).
     let graph = stream.end_capture(flags).w();
     let out = out?;
-    joined?;
     match graph? {
         Some(g) => Ok((out, Graph(g))),
         None => Err(crate::Error::input(

@@ -24,7 +24,6 @@ mod fused;
 pub mod graph;
 mod matmul;
 mod moe;
-mod prefetch;
 mod sampling;
 
 pub use affine::*;
@@ -33,7 +32,6 @@ pub use delta::*;
 pub use fused::*;
 pub use matmul::*;
 pub use moe::*;
-pub use prefetch::*;
 pub use sampling::*;
 
 // ---------------------------------------------------------------------------------------
@@ -81,8 +79,7 @@ fn block_for(d: usize) -> u32 {
 /// stream, so cudarc's event tracking (two CUDA events created with every device buffer and
 /// destroyed with it, recorded and waited on only once a second stream exists) is host time
 /// spent for nothing on every tensor a forward makes; it is switched off before the first
-/// buffer unless `DFLASH_CUDA_EVENTS=1` (switches). The one other stream dflash makes (the L2
-/// prefetch's, `prefetch`) touches no buffer a forward makes: it only reads weights.
+/// buffer unless `DFLASH_CUDA_EVENTS=1` (switches). dflash never creates a second stream.
 pub fn open_device(ordinal: usize) -> candle_core::Result<candle_core::Device> {
     let dev = candle_core::Device::new_cuda(ordinal)?;
     if !crate::switches::get().cuda_events {

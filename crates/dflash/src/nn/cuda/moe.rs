@@ -1,6 +1,6 @@
 //! The MoE block on the device (`kernels/moe.cu`): routing, the union of the chosen experts'
-//! GEMMs and the weighted combine in one op, no host round trip. `nn::moe` decides when it
-//! runs.
+//! GEMMs (the layer's shared expert as one more slot) and the weighted combine in one op, no
+//! host round trip. `nn::moe` decides when it runs.
 
 use super::*;
 
@@ -52,8 +52,8 @@ pub struct MoeCall {
     pub down_bias: Option<Tensor>,
     pub inter: usize,
     pub act: ActMode,
-    /// The shared expert run as one more slot of the same launches (trial `shared`; needs
-    /// the tensor-core kernels: [`takes_shared`]).
+    /// The shared expert, run as one more slot of the same launches (needs the tensor-core
+    /// kernels: [`takes_shared`]).
     pub shared: Option<SharedCall>,
 }
 
@@ -333,23 +333,12 @@ impl CustomOp1 for MoeOp {
         b.arg(&limit);
         b.arg(&alpha);
         b.arg(&h);
-        // the down weights for the gate/up blocks to prefetch into L2 (trial `prefetch`)
-        let prefetch = crate::switches::trial(crate::switches::Trial::Prefetch);
         let np_i = i(npairs);
         if mma {
-            if prefetch {
-                b.arg(&down);
-            } else {
-                b.arg(&null);
-            }
             b.arg(&shared_e);
             b.arg(&np_i);
             match &shared {
                 Some(s) => b.arg(&s.0),
-                None => b.arg(&null),
-            };
-            match &shared {
-                Some(s) => b.arg(&s.1),
                 None => b.arg(&null),
             };
         }
@@ -382,12 +371,6 @@ impl CustomOp1 for MoeOp {
             shared_mem_bytes: 0,
         };
         let rows_i = i(ROWS);
-        // trial `combine`: the down launch's last block of each tile writes the combine
-        let counters = if mma && crate::switches::trial(crate::switches::Trial::Combine) {
-            tile_counters(dev, hidden.div_ceil(rows))?
-        } else {
-            None
-        };
         let mut b = func.builder();
         b.arg(&h);
         b.arg(&slots);
@@ -404,11 +387,6 @@ impl CustomOp1 for MoeOp {
         }
         b.arg(&y);
         if mma {
-            b.arg(&wts);
-            b.arg(&k_i);
-            b.arg(&n_i);
-            b.arg(counters.as_ref().unwrap_or(&null));
-            b.arg(&out);
             b.arg(&shared_e);
             match &shared {
                 Some(s) => b.arg(&s.1),
@@ -418,14 +396,7 @@ impl CustomOp1 for MoeOp {
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.w()?;
 
-        // 5. the weighted sum over each row's slots (unless the down launch wrote it)
-        if counters.is_some() {
-            drop((ids, slots, wts, h, y));
-            return Ok((
-                CudaStorage::wrap_cuda_slice(out, dev.clone()),
-                Shape::from((n, hidden)),
-            ));
-        }
+        // 5. the weighted sum over each row's slots (the shared expert's last)
         let func = dev.get_or_load_custom_func("moe_combine", "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, hidden.div_ceil(256) as u32, 1),
@@ -448,29 +419,6 @@ impl CustomOp1 for MoeOp {
             Shape::from((n, hidden)),
         ))
     }
-}
-
-/// Arrival counters of the down launch's output tiles (trial `combine`: the last slot block
-/// of a tile writes its combine), one zeroed buffer per device kept for good (made in a
-/// warm-up run, outside any capture): every launch leaves it zeroed again. None when the
-/// launch has more tiles than it holds.
-fn tile_counters(
-    dev: &candle_core::cuda_backend::CudaDevice,
-    tiles: usize,
-) -> candle_core::Result<Option<u64>> {
-    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
-    const TILES: usize = 1 << 12;
-    if tiles > TILES {
-        return Ok(None);
-    }
-    static BUFS: super::attention::Kept<candle_core::cuda_backend::DeviceId, i32> =
-        std::sync::OnceLock::new();
-    let buf = super::attention::kept(&BUFS, dev, dev.id(), "the MoE tile counters", |_| {
-        dev.alloc_zeros::<i32>(TILES)
-    })?;
-    let stream = dev.cuda_stream();
-    let (p, _guard) = buf.device_ptr(&stream);
-    Ok(Some(p))
 }
 
 /// The routed experts' output `[n, H]` for rows `x [n, H]` with router `logits [n, E]` (f32):
