@@ -15,7 +15,8 @@
 # tok/s (pp PP vs our prefill of PP rows), and the K-token batch ratio (llama: time of pp K /
 # time of one tg token; ours: verify Q=K / verify Q=1), then ours / theirs.
 # Caveats: llama-bench's pp K runs from an empty context, our verify at CTX positions; our
-# prefill is one `target.forward` of PP rows (the server chunks long prompts).
+# prefill is one `target.forward` of PP rows, and again in the engine's prefill chunks (what a
+# served prompt costs: `engine::prefill_rows`, shorter chunks deeper in the prompt on the CPU).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${BIN:-$root/target/release/dflash}
@@ -88,15 +89,18 @@ def med(path, piece):
 o_step = med(om, "verify forward Q=1")
 o_k = med(om, f"verify forward Q={k}")
 o_pre = med(opp, "prefill")
+o_chunks = med(opp, "prefill (engine chunks)")
 o_tg, o_pp, o_ratio = 1e6 / o_step, pp / (o_pre / 1e6), o_k / o_step
+o_ppc = pp / (o_chunks / 1e6)
+chunks = "-" if o_chunks != o_chunks else f"{o_ppc:.1f} ({o_ppc / l_pp:.2f}x)"
 print(f"| {name} | {r} | {l_tg:.1f} | {o_tg:.1f} ({o_tg / l_tg:.2f}x) | {l_pp:.1f} | {o_pp:.1f} ({o_pp / l_pp:.2f}x) "
-      f"| {l_ratio:.2f} | {o_ratio:.2f} |")
+      f"| {chunks} | {l_ratio:.2f} | {o_ratio:.2f} |")
 PY
 )")
   done
 done
 echo
 echo "llama.cpp $LLAMA_VERSION ($LB), $THREADS threads; dflash $(git -C "$root" rev-parse --short HEAD 2>/dev/null)"
-echo "| model | round | llama.cpp decode tok/s | dflash decode tok/s | llama.cpp pp$PP tok/s | dflash prefill $PP tok/s | llama.cpp $K-token batch / 1 token | dflash verify($K) / step |"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+echo "| model | round | llama.cpp decode tok/s | dflash decode tok/s | llama.cpp pp$PP tok/s | dflash prefill $PP tok/s (one forward) | dflash, the engine's chunks | llama.cpp $K-token batch / 1 token | dflash verify($K) / step |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 printf '%s\n' "${rows[@]}"

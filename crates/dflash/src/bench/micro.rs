@@ -156,6 +156,32 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
         }
     }
     out.push(summarize("prefill", Some(ctx), us));
+    // The same prompt in the engine's prefill chunks (`engine::prefill_rows`: what a served
+    // prompt costs), where that is more than one chunk.
+    let cuda = dev.is_cuda();
+    if crate::engine::prefill_rows(0, cuda) < ctx {
+        let mut us = Vec::new();
+        for i in 0..(1 + n.min(5)) {
+            let mut c = target.new_cache(cap)?;
+            let t = Instant::now();
+            let mut pos = 0;
+            while pos < ctx {
+                let k = crate::engine::prefill_rows(pos, cuda).min(ctx - pos);
+                let last = if pos + k == ctx {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
+                target.forward(&ctx_ids[pos..pos + k], pos, &mut c, &taps, last)?;
+                pos += k;
+            }
+            sync()?;
+            if i > 0 {
+                us.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        out.push(summarize("prefill (engine chunks)", Some(ctx), us));
+    }
 
     let mut cache = target.new_cache(cap)?;
     let pre = target.forward(&ctx_ids, 0, &mut cache, &taps, Logits::Last)?;
