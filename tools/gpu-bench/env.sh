@@ -17,3 +17,30 @@ export PYTHONPATH="$refdir:${PYTHONPATH:-}"
 ensure_models() {
   [ -d "$1/target" ] || timeout 240 $PY "$here/models.py" --shape qwen3-8b --out "$1" > "$1.log" 2>&1
 }
+# fused_tests NAME LIMIT [FILTER ...]: tests/fused_cuda.rs (unpacked by this file's caller) over
+# families.py's small models (made once per machine in /root/small), LIMIT seconds at most; the
+# output to /tmp/NAME.txt and $R/ (when set), the results, passes and panics printed. The
+# caller's environment goes with it (e.g. `DFLASH_TRY=all fused_tests trials 150 graphs`).
+fused_tests() {
+  local name=$1 limit=$2; shift 2
+  [ -d /root/small ] || HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error timeout 120 $PY "$here/families.py" build \
+    --models /root/small --small --device cuda --dtype bfloat16 > /tmp/small.log 2>&1 \
+    || { echo "small models: rc $?"; tail -5 /tmp/small.log; }
+  DFLASH_FAMILY_MODELS=/root/small timeout "$limit" /tmp/stash/fused_cuda --test-threads=1 --nocapture "$@" \
+    > "/tmp/$name.txt" 2>&1 || echo "!! fused_cuda ($name) rc $?"
+  grep -E "test result|panicked|FAILED|failed" "/tmp/$name.txt" | cut -c1-150 | head -20
+  echo "$(grep -cE '^test .* ok$' "/tmp/$name.txt") ok"
+  grep -A8 "panicked" "/tmp/$name.txt" | head -24
+  [ -n "${R:-}" ] && cp "/tmp/$name.txt" "$R/"
+}
+# sweep FAM "TRIAL SETS" [VAR=VALUE ...]: families.sh for one family (A/B over the trial sets
+# when given), within BUDGET seconds of T0 (skipped with under 90 s left); its log to
+# $R/sweep-FAM.log, its log lines and table rows printed.
+sweep() {
+  local fam=$1 tries=$2; shift 2
+  local left=$((${BUDGET:-570} - (SECONDS - T0)))
+  [ $left -lt 90 ] && { echo "$fam: skipped, ${left}s left"; return; }
+  env "$@" RES=/tmp/sweep-$fam BIN=/tmp/stash/dflash FAMILIES="$fam" AB_TRY="${tries:+$fam}" TRY="$tries" \
+    DEADLINE=$((left - 100)) OUT= bash "$here/families.sh" > "$R/sweep-$fam.log" 2>&1
+  grep -E "^\[ *[0-9]+s\] $fam|^\| $fam" "$R/sweep-$fam.log" | cut -c1-330
+}

@@ -144,29 +144,26 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
     let ctx = ctx_ids.len();
     let mut out = Vec::new();
 
-    // Prefill of the context (timed once per iteration on a fresh cache).
-    let mut us = Vec::new();
-    for i in 0..(1 + n.min(5)) {
-        let mut c = target.new_cache(cap)?;
-        let t = Instant::now();
-        target.forward(&ctx_ids, 0, &mut c, &taps, Logits::Last)?;
-        sync()?;
-        if i > 0 {
-            us.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-    }
-    out.push(summarize("prefill", Some(ctx), us));
-    // The same prompt in the engine's prefill chunks (`engine::prefill_rows`: what a served
-    // prompt costs), where that is more than one chunk.
+    // Prefill of the context (timed once per iteration on a fresh cache): in one forward, and
+    // (where that is more than one chunk) in the engine's prefill chunks
+    // (`engine::prefill_rows`: what a served prompt costs).
     let cuda = dev.is_cuda();
-    if crate::engine::prefill_rows(0, cuda) < ctx {
+    let chunked = crate::engine::prefill_rows(0, cuda) < ctx;
+    for (name, engine_chunks) in [("prefill", false), ("prefill (engine chunks)", true)] {
+        if engine_chunks && !chunked {
+            continue;
+        }
         let mut us = Vec::new();
         for i in 0..(1 + n.min(5)) {
             let mut c = target.new_cache(cap)?;
             let t = Instant::now();
             let mut pos = 0;
             while pos < ctx {
-                let k = crate::engine::prefill_rows(pos, cuda).min(ctx - pos);
+                let k = if engine_chunks {
+                    crate::engine::prefill_rows(pos, cuda).min(ctx - pos)
+                } else {
+                    ctx
+                };
                 let last = if pos + k == ctx {
                     Logits::Last
                 } else {
@@ -180,7 +177,7 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
                 us.push(t.elapsed().as_secs_f64() * 1e6);
             }
         }
-        out.push(summarize("prefill (engine chunks)", Some(ctx), us));
+        out.push(summarize(name, Some(ctx), us));
     }
 
     let mut cache = target.new_cache(cap)?;

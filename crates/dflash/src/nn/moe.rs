@@ -654,7 +654,7 @@ impl SparseMoe {
             (e.act, s.mlp.act),
             (ExpertAct::Glu(a), b) if a == b
         );
-        if !act_ok || !super::cuda::takes_shared(hidden, e.inter) {
+        if !act_ok || !super::cuda::mma_widths(hidden, e.inter) {
             return Ok(None);
         }
         let (Some(gate_up), Some(down)) =

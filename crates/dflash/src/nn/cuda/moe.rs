@@ -53,7 +53,7 @@ pub struct MoeCall {
     pub inter: usize,
     pub act: ActMode,
     /// The shared expert, run as one more slot of the same launches (needs the tensor-core
-    /// kernels: [`takes_shared`]).
+    /// kernels: [`mma_widths`]).
     pub shared: Option<SharedCall>,
 }
 
@@ -67,9 +67,10 @@ pub struct SharedCall {
     pub gate: Option<Tensor>,
 }
 
-/// Whether the launches can take a shared expert: the tensor-core kernels (both widths
-/// multiples of 32).
-pub fn takes_shared(hidden: usize, inter: usize) -> bool {
+/// Whether the expert GEMMs run on the tensor cores (both widths multiples of 32; chosen from
+/// the shapes alone, so a row always meets the same arithmetic): only they take a shared
+/// expert.
+pub fn mma_widths(hidden: usize, inter: usize) -> bool {
     hidden % 32 == 0 && inter % 32 == 0
 }
 
@@ -115,7 +116,7 @@ impl CustomOp1 for MoeOp {
             && hidden % 8 == 0
             && inter % 8 == 0
             && c.shared.as_ref().is_none_or(|s| {
-                takes_shared(hidden, inter)
+                mma_widths(hidden, inter)
                     && s.gate_up.dims() == [2 * inter, hidden]
                     && s.down.dims() == [hidden, inter]
                     && s.gate.as_ref().is_none_or(|g| g.dims() == [hidden])
@@ -280,10 +281,9 @@ impl CustomOp1 for MoeOp {
             ActMode::ClampedGlu { limit, alpha } => (2, limit, alpha),
         };
         let (inter_i, hid_i) = (i(inter), i(hidden));
-        // The tensor-core kernels where both widths are multiples of 32 (chosen from the
-        // shapes alone, so a row always meets the same arithmetic), tiles of 8 rows for the
-        // pairs one expert can have (at most one per row).
-        let mma = hidden % 32 == 0 && inter % 32 == 0;
+        // The tensor-core kernels where the widths allow, tiles of 8 rows for the pairs one
+        // expert can have (at most one per row).
+        let mma = mma_widths(hidden, inter);
         let t2 = n > 8;
         // the FMA kernels' accumulators per weight row
         let pi = p.trailing_zeros() as usize;
