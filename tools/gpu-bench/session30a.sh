@@ -15,5 +15,5 @@ fused_tests tests "${TEST_LIMIT:-220}"
 echo "### default tests done in $((SECONDS - T0)) s"
 DFLASH_TRY=all fused_tests tests-pf 150 graphs verify_rows every_family dflash2_draft batched
 echo "### trial tests done in $((SECONDS - T0)) s"
-sweep qwen3_moe "${TRY:-prefetch combine prefetch,combine}"
+sweep qwen3_moe "${TRY-prefetch combine prefetch,combine}"  # TRY= : no A/B
 echo "done in $((SECONDS - T0)) s"
