@@ -44,3 +44,15 @@ sweep() {
     DEADLINE=$((left - 100)) OUT= bash "$here/families.sh" > "$R/sweep-$fam.log" 2>&1
   grep -E "^\[ *[0-9]+s\] $fam|^\| $fam" "$R/sweep-$fam.log" | cut -c1-330
 }
+# dflash2_models DIR: ensure_models DIR, then DIR/draft2 (the DFlash draft with the published
+# DFlash2 parts, make_dflash2.py); the log to $R/make_dflash2.log when R is set.
+dflash2_models() {
+  ensure_models "$1" || { echo "models failed"; tail -5 "$1.log"; }
+  $PY "$here/make_dflash2.py" "$1/draft-agree" "$1/draft2" > "${R:-/tmp}/make_dflash2.log" 2>&1 \
+    || echo "make_dflash2 failed"
+}
+# draft_step MICRO.md: the median us of the draft proposal in a `bench --micro` report.
+draft_step() { grep -h "^| draft forward Q=" "$1" 2>/dev/null | head -n 1 | awk -F'|' '{gsub(/ /,"",$5); print $5}'; }
+# ratio A B: A / B to 3 decimals ("?" when either is missing).
+ratio() { $PY -c "print(f'{float(\"$1\")/float(\"$2\"):.3f}')" 2>/dev/null || echo "?"; }
+

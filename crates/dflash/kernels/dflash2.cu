@@ -17,19 +17,17 @@
 typedef __nv_bfloat16 bf16;
 
 #include "reduce.cuh"
+#include "dyn_conv.cuh"
 
-// The convolution of row i, channel c (dyn_conv's loop, the same order and rounding).
+// The convolution of row i, channel c (kernels/dyn_conv.cuh: the same arithmetic as the skinny
+// GEMM's convolving epilogue).
 __device__ __forceinline__ float conv_at(const bf16* __restrict__ x, const bf16* __restrict__ dyn,
                                          long long dyn_stride, const bf16* __restrict__ base,
                                          int i, int c, int h, int K, int group, int block) {
-  const int r = i % block, G = h / group, gc = c / group;
-  float acc = 0.f;
-  for (int o = 0; o < K && o <= r; ++o) {
-    const float b = __bfloat162float(base[(size_t)o * h + c]);
-    const float d = __bfloat162float(dyn[(size_t)i * dyn_stride + o * G + gc]);
-    acc += (b + d) * __bfloat162float(x[(size_t)(i - o) * h + c]);
-  }
-  return acc;
+  return conv_value([&](int row) { return __bfloat162float(x[(size_t)row * h + c]); },
+                    DynRows{dyn, dyn_stride, h / group},
+                    [&](int o) { return __bfloat162float(base[(size_t)o * h + c]); }, i, c, K,
+                    group, block);
 }
 
 // out[i, c] = sum over o < K, o <= i % block of (base[o, c] + dyn[i, o * G + c / group]) *

@@ -34,13 +34,22 @@
 #include "skinny.cuh"
 
 
-template <int W, int T, int U, int BW, int TN, typename OutT>
+// EPI: the plain store (EPI_PLAIN), or a DFlash2 convolution in the epilogue (`cv`; skinny.cuh):
+// the finishing one of the product (EPI_CONV, store_rows_conv), or the preparing one with the
+// kernel projection as the product (EPI_KCONV, store_rows_kconv).
+#define EPI_PLAIN 0
+#define EPI_CONV 1
+#define EPI_KCONV 2
+template <int W, int T, int U, int BW, int TN, typename OutT, int EPI = EPI_PLAIN>
 __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
                                           const __nv_bfloat16* __restrict__ w,
                                           OutT* __restrict__ y, int m_rows, int n_rows,
-                                          int k) {
+                                          int k, ConvEpi cv = {}) {
   constexpr int R = 16 * TN;  // weight rows per warp
   __shared__ float red[W > 1 ? BW : 1][R][8 * T];
+  // The preparing form's convolution operands (skinny.cuh, kconv_prefetch).
+  __shared__ __align__(16) unsigned char slab_raw[EPI == EPI_KCONV ? sizeof(KconvSlab) : 16];
+  KconvSlab& slab = *reinterpret_cast<KconvSlab*>(slab_raw);
   // A batch of independent products (grid y): x [b, M, K], w [b, N, K], y [b, M, N].
   x += (size_t)blockIdx.y * m_rows * k;
   w += (size_t)blockIdx.y * n_rows * k;
@@ -52,8 +61,14 @@ __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
   // Rows past N are clamped on load and skipped on store; x rows past M are 0.
   const uint4* wp[2 * TN];
 #pragma unroll
-  for (int j = 0; j < 2 * TN; ++j)
-    wp[j] = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + 8 * j + g, n_rows - 1) * k) + c;
+  for (int j = 0; j < 2 * TN; ++j) {
+    int row;
+    if constexpr (EPI == EPI_KCONV)
+      row = kconv_row(cv, blockIdx.x, 8 * j + g, k / cv.group);
+    else
+      row = min(n0 + 8 * j + g, n_rows - 1);
+    wp[j] = reinterpret_cast<const uint4*>(w + (size_t)row * k) + c;
+  }
   const uint4* xp[T];
   bool xok[T];
 #pragma unroll
@@ -62,6 +77,7 @@ __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
     xok[t] = xr < m_rows;
     xp[t] = reinterpret_cast<const uint4*>(x + (size_t)(xok[t] ? xr : 0) * k) + c;
   }
+  if constexpr (EPI == EPI_KCONV) kconv_prefetch(slab, x, m_rows, k, cv);
   // This warp's chunks of 32 k (4 uint4 per row per chunk).
   const int chunks = k / 32;
   const int c0 = kw * chunks / W, c1 = (kw + 1) * chunks / W;
@@ -106,7 +122,12 @@ __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
           for (int t = 0; t < T; ++t)
             mma_chunk(acc[a][t], cw[u][2 * a], cw[u][2 * a + 1], cx[u][t]);
   }
-  store_rows<W, T, BW, TN, OutT>(acc, red, y, m_rows, n_rows, n0);
+  if constexpr (EPI == EPI_CONV)
+    store_rows_conv<W, T, BW, TN>(acc, red, y, m_rows, n_rows, cv);
+  else if constexpr (EPI == EPI_KCONV)
+    store_rows_kconv<W, T, BW>(acc, red, y, slab, m_rows, n_rows, k, cv);
+  else
+    store_rows<W, T, BW, TN, OutT>(acc, red, y, m_rows, n_rows, n0);
 }
 
 // Configurations (name: W warps per tile, U chunks in flight, BW warps per block, TN tiles per
@@ -123,9 +144,41 @@ __device__ __forceinline__ void gemm_rows(const __nv_bfloat16* __restrict__ x,
   GEMM_T(NAME, _t2, 2, __nv_bfloat16, W, U, BW, MINB, TN)              \
   GEMM_T(NAME, _t1_f32, 1, float, W, U, BW, MINB, TN)                  \
   GEMM_T(NAME, _t2_f32, 2, float, W, U, BW, MINB, TN)
+// NAME_t{1,2}_conv: bf16 out through the DFlash2 finishing convolution (ConvEpi), for the
+// blockings whose warps sum a tile in shared memory (W > 1).
+#define GEMM_CONV_T(NAME, T, W, U, BW, MINB, TN)                                               \
+  extern "C" __global__ void __launch_bounds__(32 * BW, MINB) NAME##_t##T##_conv(              \
+      const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int m_rows, int n_rows, \
+      int k, const __nv_bfloat16* dyn, long long dyn_stride, const __nv_bfloat16* base,       \
+      int conv_k, int group, int block) {                                                      \
+    gemm_rows<W, T, U, BW, TN, __nv_bfloat16, EPI_CONV>(                                       \
+        x, w, y, m_rows, n_rows, k,                                                            \
+        ConvEpi{dyn, dyn_stride, base, conv_k, group, block, nullptr});                        \
+  }
+// NAME_t{T}_kconv: the kernel projection of a DFlash2 convolution with its preparing
+// convolution of x in the epilogue (ConvEpi, skinny.cuh: store_rows_kconv); one tile a block.
+#define GEMM_KCONV_T(NAME, T, W, U, BW, MINB)                                                  \
+  extern "C" __global__ void __launch_bounds__(32 * BW, MINB) NAME##_t##T##_kconv(             \
+      const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int m_rows, int n_rows, \
+      int k, __nv_bfloat16* xc, const __nv_bfloat16* base, int conv_k, int group, int block) {  \
+    gemm_rows<W, T, U, BW, 1, __nv_bfloat16, EPI_KCONV>(                                       \
+        x, w, y, m_rows, n_rows, k, ConvEpi{nullptr, 0, base, conv_k, group, block, xc});      \
+  }
+#define GEMM_CONV(NAME, W, U, BW, MINB, TN)     \
+  GEMM_CONV_T(NAME, 1, W, U, BW, MINB, TN)      \
+  GEMM_CONV_T(NAME, 2, W, U, BW, MINB, TN)
+// Narrowest weights (at most 128 tiles): 16 warps split K.
+GEMM(gemm_w16u2, 16, 2, 16, 1, 1)
+GEMM_CONV(gemm_w16u2, 16, 2, 16, 1, 1)
+GEMM_KCONV_T(gemm_w16u2, 1, 16, 2, 16, 1)
+GEMM_KCONV_T(gemm_w16u2, 2, 16, 2, 16, 1)
 // Narrow weights (few tiles): 8 warps split K.
 GEMM(gemm_w8u2, 8, 2, 8, 2, 1)
+GEMM_CONV(gemm_w8u2, 8, 2, 8, 2, 1)
+GEMM_KCONV_T(gemm_w8u2, 1, 8, 2, 8, 2)
+GEMM_KCONV_T(gemm_w8u2, 2, 8, 2, 8, 2)
 // Wide (gate+up): one warp per tile, 4 chunks in flight.
 GEMM(gemm_w1u4, 1, 4, 4, 1, 1)
 // The rest (K/V stacks, LM heads): 4 warps split K, 32 rows per warp.
 GEMM(gemm_w4u2n2, 4, 2, 4, 1, 2)
+GEMM_CONV(gemm_w4u2n2, 4, 2, 4, 1, 2)

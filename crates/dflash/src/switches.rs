@@ -88,7 +88,10 @@ impl Part {
 /// `shared` (the MoE shared expert as one more slot of the routed launches, 4-8% off the hybrid
 /// MoE steps) promoted, `prefetch` (L2 prefetch of coming weights on a side stream: 17-20%
 /// slower) and `combine` (the MoE combine in the down launch's last blocks: no faster at one
-/// row, slower at 16) dropped (docs/perf.md, session 30; the code is in git history, 9ddb477).
+/// row, slower at 16) dropped (docs/perf.md, session 30; the code is in git history, 9ddb477);
+/// session 31: `narrow16` (16 warps a tile for weights of at most 128 tiles) and
+/// `conv_epilogue` (a DFlash2 layer's convolutions in the skinny GEMM's epilogues) promoted
+/// together (the DFlash2 / DFlash draft step 1.15 -> 1.13-1.14).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Trial {}
 
@@ -102,9 +105,22 @@ impl Trial {
     }
 }
 
-/// Whether `DFLASH_TRY` names this trial.
+/// Trials set by [`set_trials`] (bits of [`Trial`]); 0xff = follow `DFLASH_TRY`.
+static TRIALS_OVERRIDE: AtomicU8 = AtomicU8::new(0xff);
+
+/// Whether `DFLASH_TRY` (or [`set_trials`]) names this trial.
 pub fn trial(t: Trial) -> bool {
-    get().trials & t.bit() != 0
+    let on = match TRIALS_OVERRIDE.load(Ordering::Relaxed) {
+        0xff => get().trials,
+        b => b,
+    };
+    on & t.bit() != 0
+}
+
+/// Run with exactly these trials on, whatever `DFLASH_TRY` says (tests compare a trial's
+/// path with the default's in one process).
+pub fn set_trials(trials: &[Trial]) {
+    TRIALS_OVERRIDE.store(trials.iter().fold(0u8, |b, t| b | t.bit()), Ordering::Relaxed);
 }
 
 /// The settings as read from the environment.
@@ -352,7 +368,7 @@ mod tests {
         // names that are not trials (former ones included) are ignored
         let t = parse(&[(
             "DFLASH_TRY",
-            "moe_narrow, route_union, prefetch, combine, bogus",
+            "moe_narrow, route_union, prefetch, combine, conv_epilogue, narrow16, bogus",
         )]);
         assert_eq!(t.trials, 0);
         let all = Trial::ALL.iter().fold(0u8, |b, t| b | t.bit());

@@ -130,7 +130,7 @@ fn mma_matches_f32_product() {
         .collect();
     assert_eq!(
         configs.len(),
-        3,
+        4,
         "cases must cover every blocking: {configs:?}"
     );
     for (m, n, k) in cases {
@@ -411,6 +411,7 @@ fn check(c: &Case, dev: &Device) {
         vis: c.vis,
         masks: &masks,
         step: None,
+        out_conv: None,
     };
     dflash::switches::set_fused(true);
     let got = a.forward(&x, &site, &mut fused_cache).unwrap();
@@ -1228,6 +1229,139 @@ fn dflash2_draft_on_the_device_is_lossless() {
     eprintln!("dflash2 on the device: {n} generations, greedy DFlash2 == plain");
 }
 
+/// The DFlash2 finishing convolution in the skinny GEMM's epilogue (`mma_conv`, the `_conv`
+/// forms of kernels/mma.cu): bit for bit the product (`mma_forced`) then the convolution kernel
+/// (`nn::dyn_conv`), at both blockings that have it (8 warps a tile; 4 warps a tile of 32 rows
+/// from 512 tiles), widths that are not a multiple of a block's rows, 1..=16 rows, blocks
+/// shorter than the kernel, a column slice of the projection as the dynamic kernel; each
+/// block of rows alone gives the same bits as among the others; and the door
+/// (`project_then_conv`) takes it only with the trial on.
+#[test]
+fn conv_epilogue_equals_the_product_then_the_convolution() {
+    use dflash::nn::cuda::{mma_config, mma_conv, mma_forced, ConvEpilogue};
+    use dflash::nn::dyn_conv::{project_then_conv, ConvAfter};
+    let Some(dev) = gpu() else { return };
+    for &(n, h, kin, k, group, block) in &[
+        (16, 4096, 4096, 2, 16, 16),
+        (15, 4096, 12288, 2, 16, 15),
+        (16, 5120, 4096, 3, 16, 8),
+        (16, 8192, 1024, 2, 16, 8),
+        (6, 256, 512, 4, 4, 3),
+        (1, 4096, 4096, 2, 16, 1),
+        (4, 1000, 64, 2, 8, 2),
+        (9, 64, 96, 2, 16, 9),
+    ] {
+        let what = format!("rows {n} h {h} k_in {kin} kernel {k} group {group} block {block}");
+        assert!(mma_config(h).staged, "{what}: a staged blocking");
+        let g = h / group;
+        let x = randn(&[n, kin], 1.0, &dev);
+        let w = randn(&[h, kin], 1.0 / (kin as f64).sqrt(), &dev);
+        let proj = randn(&[n, 2 * k * g], 0.5, &dev);
+        let dynk = proj.narrow(1, k * g, k * g).unwrap();
+        let base = randn(&[k, h], 0.5, &dev);
+        let epi = |rows: std::ops::Range<usize>| ConvEpilogue {
+            dynk: dynk.narrow(0, rows.start, rows.len()).unwrap(),
+            base: base.clone(),
+            group,
+            block,
+        };
+        let y = mma_forced(&x, &w).unwrap().expect("the skinny GEMM applies");
+        let want = dflash::nn::dyn_conv(&y, &dynk, &base, group, block).unwrap();
+        let got = mma_conv(&x, &w, &epi(0..n)).unwrap().expect("the convolving epilogue applies");
+        assert_eq!(got.dims(), &[n, h], "{what}");
+        assert_eq!(rel_err(&got, &want), 0.0, "{what}: fused vs product then convolution");
+        for b in 0..n / block {
+            let r = b * block..(b + 1) * block;
+            let alone = mma_conv(&x.narrow(0, r.start, block).unwrap(), &w, &epi(r.clone()))
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                rel_err(&alone, &got.narrow(0, r.start, block).unwrap()),
+                0.0,
+                "{what}: block {b} alone"
+            );
+        }
+        // Through the door (`Linear` + `nn::dyn_conv`): the same bits.
+        let lin = Linear::dense(w.clone(), None);
+        let after = ConvAfter {
+            dynk: &dynk,
+            base: &base,
+            group,
+            block,
+        };
+        let door = project_then_conv(&lin, &x, &after).unwrap();
+        assert_eq!(rel_err(&door, &want), 0.0, "{what}: door");
+    }
+    // A bad dynamic kernel is an error, not a launch.
+    let x = randn(&[4, 64], 1.0, &dev);
+    let w = randn(&[64, 64], 0.1, &dev);
+    let bad = ConvEpilogue {
+        dynk: randn(&[4, 7], 1.0, &dev),
+        base: randn(&[2, 64], 1.0, &dev),
+        group: 16,
+        block: 4,
+    };
+    let e = mma_conv(&x, &w, &bad).unwrap_err().to_string();
+    assert!(e.contains("convolution"), "{e}");
+}
+
+/// The DFlash2 kernel projection with its preparing convolution in the epilogue (`mma_kconv`,
+/// the `_kconv` forms: each block gathers its groups' K offsets into one tile): both outputs
+/// bit for bit the projection (`mma_forced`) and the convolution kernel of x with its first
+/// half; kernels of 1, 2 and 4 offsets, blocks shorter than the kernel, 1..=16 rows; None for a
+/// kernel size that does not divide 16; and the door (`project_and_conv`) the same with the
+/// trial on and off.
+#[test]
+fn kconv_epilogue_equals_the_projection_then_the_convolution() {
+    use dflash::nn::cuda::{mma_forced, mma_kconv, ConvPrepare};
+    use dflash::nn::dyn_conv::project_and_conv;
+    let Some(dev) = gpu() else { return };
+    for &(n, h, k, group, block) in &[
+        (16, 4096, 2, 16, 16),
+        (15, 4096, 2, 16, 15),
+        (16, 5120, 2, 16, 8),
+        (8, 4096, 4, 16, 4),
+        (6, 256, 4, 4, 3),
+        (3, 512, 1, 16, 3),
+        (1, 4096, 2, 16, 1),
+        (10, 2048, 2, 16, 5),
+    ] {
+        let what = format!("rows {n} h {h} kernel {k} group {group} block {block}");
+        let g = h / group;
+        let x = randn(&[n, h], 1.0, &dev);
+        let w = randn(&[2 * k * g, h], 1.0 / (h as f64).sqrt(), &dev);
+        let base = randn(&[k, h], 0.5, &dev);
+        let d = mma_forced(&x, &w).unwrap().expect("the skinny GEMM applies");
+        let want = dflash::nn::dyn_conv(&x, &d.narrow(1, 0, k * g).unwrap(), &base, group, block)
+            .unwrap();
+        let prep = ConvPrepare {
+            base: base.clone(),
+            group,
+            block,
+        };
+        let (xc, dk) = mma_kconv(&x, &w, &prep)
+            .unwrap()
+            .expect("the preparing epilogue applies");
+        assert_eq!(dk.dims(), &[n, 2 * k * g], "{what}");
+        assert_eq!(xc.dims(), &[n, h], "{what}");
+        assert_eq!(rel_err(&dk, &d), 0.0, "{what}: projection");
+        assert_eq!(rel_err(&xc, &want), 0.0, "{what}: convolved x");
+        let lin = Linear::dense(w.clone(), None);
+        let (door_x, door_d) = project_and_conv(&lin, &x, &base, group, block).unwrap();
+        assert_eq!(rel_err(&door_x, &want), 0.0, "{what}: door");
+        assert_eq!(rel_err(&door_d, &d), 0.0, "{what}: door");
+    }
+    // A kernel of 3 offsets does not tile 16 rows: not this form.
+    let x = randn(&[4, 256], 1.0, &dev);
+    let w = randn(&[96, 256], 0.1, &dev);
+    let prep = ConvPrepare {
+        base: randn(&[3, 256], 0.5, &dev),
+        group: 16,
+        block: 4,
+    };
+    assert!(mma_kconv(&x, &w, &prep).unwrap().is_none());
+}
+
 /// `TargetModel::forward_batch` on the device (the fused attention with one q/k/v projection
 /// for every sequence's rows, each segment's K/V write and attention over its own cache) ==
 /// each item's `forward` alone, to bf16 rounding, on every target fixture: a batched prefill of
@@ -1372,6 +1506,7 @@ fn batched_attention_equals_each_sequence_alone() {
                 vis: c.vis,
                 masks: &masks,
                 step: None,
+                out_conv: None,
             };
             alone.push(a.forward(&x, &site, &mut c1).unwrap());
             caches.push((c1, c2));
@@ -1391,6 +1526,7 @@ fn batched_attention_equals_each_sequence_alone() {
                 vis: c.vis,
                 masks: m,
                 step: None,
+                out_conv: None,
             })
             .collect();
         let x = Tensor::cat(&xs, 0).unwrap();

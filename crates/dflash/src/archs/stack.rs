@@ -189,6 +189,7 @@ impl<'m> Frame<'m> {
             vis,
             masks: &self.masks,
             step: self.step.as_ref(),
+            out_conv: None,
         })
     }
 

@@ -73,14 +73,29 @@ impl DynConv {
     /// kernel that [`Self::finish`] applies to the sublayer's output.
     pub fn prepare(&self, x: &Tensor, block: usize) -> Result<(Tensor, Tensor)> {
         let kg = self.kernel * (x.dim(1)? / self.group);
-        let d = self.proj.forward(x)?;
-        let d0 = d.narrow(1, 0, kg)?;
-        let d1 = d.narrow(1, kg, kg)?;
-        Ok((dyn_conv(x, &d0, &self.base[0], self.group, block)?, d1))
+        let (xc, d) = crate::nn::dyn_conv::project_and_conv(
+            &self.proj,
+            x,
+            &self.base[0],
+            self.group,
+            block,
+        )?;
+        Ok((xc, d.narrow(1, kg, kg)?))
     }
 
     pub fn finish(&self, y: &Tensor, d1: &Tensor, block: usize) -> Result<Tensor> {
         dyn_conv(y, d1, &self.base[1], self.group, block)
+    }
+
+    /// [`Self::finish`] as a convolution to apply with the sublayer's output projection
+    /// (`nn::dyn_conv::project_then_conv`: one launch on CUDA).
+    pub fn after<'a>(&'a self, d1: &'a Tensor, block: usize) -> crate::nn::dyn_conv::ConvAfter<'a> {
+        crate::nn::dyn_conv::ConvAfter {
+            dynk: d1,
+            base: &self.base[1],
+            group: self.group,
+            block,
+        }
     }
 
     pub fn weight_bytes(&self) -> usize {

@@ -51,12 +51,13 @@ impl DraftLayer {
             _ => Ok(y),
         }
     }
-    /// The MLP on its normed input, between the DFlash2 convolutions.
+    /// The MLP on its normed input, between the DFlash2 convolutions (the finishing one with
+    /// the down projection).
     fn mlp(&self, x: &Tensor, block: usize) -> Result<Tensor> {
         match &self.mlp_conv {
             Some(c) => {
                 let (xc, d) = c.prepare(x, block)?;
-                c.finish(&self.mlp.forward(&xc)?, &d, block)
+                self.mlp.forward_then(&xc, Some(&c.after(&d, block)))
             }
             None => self.mlp.forward(x),
         }
@@ -643,6 +644,7 @@ impl DraftModel {
                     vis: layer.vis,
                     masks: &masks[k],
                     step: None,
+                    out_conv: None,
                 })
                 .collect();
             let mut kvs: Vec<&mut KvCache> =
@@ -820,9 +822,15 @@ impl DraftModel {
                 vis: layer.vis,
                 masks: &masks,
                 step: step.map(|s| s.0),
+                out_conv: None,
             };
             let (xa, dk) = layer.pre_attn(x, q)?;
-            let attn_out = layer.post_attn(a.forward(&xa, &site, kv)?, dk, q)?;
+            // DFlash2: the finishing convolution goes with o_proj (one launch on CUDA).
+            let after = match (&layer.attn_conv, &dk) {
+                (Some(c), Some(d)) => Some(c.after(d, q)),
+                _ => None,
+            };
+            let attn_out = a.forward(&xa, &Site { out_conv: after, ..site }, kv)?;
             kv.truncate(start);
             prof.mark("attention");
             // Residual updates fused with the next norm: post-attention norm, then the

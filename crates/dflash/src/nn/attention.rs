@@ -159,6 +159,9 @@ pub struct Site<'a> {
     /// The forward's positions live on the device (a CUDA graph step): only the fused
     /// kernels can run, reading them from there.
     pub step: Option<&'a fused::DeviceStep>,
+    /// A convolution of `o_proj`'s output (a DFlash2 draft layer's `finish`), done with the
+    /// projection (`nn::dyn_conv::project_then_conv`); one sequence's forward only.
+    pub out_conv: Option<super::dyn_conv::ConvAfter<'a>>,
 }
 
 /// The additive masks of one forward (`n` query rows at positions `start ..` over keys
@@ -571,7 +574,15 @@ impl Attention {
             Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
             None => o,
         };
-        self.o_proj.forward(&o)
+        self.project_out(&o, at)
+    }
+
+    /// `o_proj` of the attention output, with the site's convolution after it if it has one.
+    fn project_out(&self, o: &Tensor, at: &Site) -> Result<Tensor> {
+        match &at.out_conv {
+            Some(c) => super::dyn_conv::project_then_conv(&self.o_proj, o, c),
+            None => self.o_proj.forward(o),
+        }
     }
 
     /// Several sequences at once: `x` holds their rows back to back (segment k's rows after
@@ -593,6 +604,11 @@ impl Attention {
                 "attention: {} rows for segments of {lens:?} rows",
                 x.dim(0)?
             )));
+        }
+        if sites.iter().any(|s| s.out_conv.is_some()) {
+            return Err(crate::Error::input(
+                "attention: a convolution after o_proj is for one sequence's forward, not a batch of segments",
+            ));
         }
         if let Some(o) = self.forward_segments_fused(x, sites, caches, &lens)? {
             return Ok(o);
@@ -698,7 +714,7 @@ impl Attention {
         }
         let call = self.fused_call(at, 0, 0);
         match fused::attention_segments(&y, table, &segs, &call, Some(step))? {
-            Some(o) => Ok(self.o_proj.forward(&o)?),
+            Some(o) => self.project_out(&o, at),
             None => {
                 if !self.spec.shared_kv {
                     cache.truncate(pos0);
@@ -720,7 +736,7 @@ impl Attention {
             None => self.q_proj.forward(x)?,
         };
         match self.attend_fused(&y, at, cache)? {
-            Some(o) => Ok(Some(self.o_proj.forward(&o)?)),
+            Some(o) => Ok(Some(self.project_out(&o, at)?)),
             None => Ok(None),
         }
     }

@@ -13,8 +13,117 @@
 //! is the one door: the portable path below (candle ops, any device, differentiable for
 //! training), and the CUDA kernel where it runs.
 
+use crate::nn::Linear;
 use crate::Result;
 use candle_core::Tensor;
+
+/// A convolution to apply to a projection's output (a DFlash2 layer's `finish` after `o_proj`
+/// or `down_proj`): the arguments of [`dyn_conv`] but x, which the projection makes.
+#[derive(Clone, Copy)]
+pub struct ConvAfter<'a> {
+    pub dynk: &'a Tensor,
+    pub base: &'a Tensor,
+    pub group: usize,
+    pub block: usize,
+}
+
+/// `dyn_conv(lin.forward(x), ...)`. On CUDA (batch-invariant mode, a bf16 weight without bias,
+/// 1..=16 rows) one launch: the skinny GEMM convolves its product in its epilogue, bit for bit
+/// the two launches it replaces (`nn::cuda::mma_conv`); elsewhere the projection, then
+/// [`dyn_conv`].
+pub fn project_then_conv(lin: &Linear, x: &Tensor, c: &ConvAfter) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(weight) = fused_weight(lin, x) {
+        let (n, h) = (x.dim(0)?, weight.dim(0)?);
+        check(n, h, c.dynk, c.base, c.group, c.block)?;
+        let epi = crate::nn::cuda::ConvEpilogue {
+            dynk: c.dynk.clone(),
+            base: c.base.clone(),
+            group: c.group,
+            block: c.block,
+        };
+        if let Some(y) = crate::nn::cuda::mma_conv(x, weight, &epi)? {
+            return Ok(y);
+        }
+    }
+    dyn_conv(&lin.forward(x)?, c.dynk, c.base, c.group, c.block)
+}
+
+/// A DFlash2 layer's kernel projection of its sublayer input `x [n, h]`, `dynk = proj(x)` `[n,
+/// 2 K G]` (the preparing half's columns, then the finishing half's), and `x` convolved with
+/// the preparing half: `(dyn_conv(x, dynk[:, ..K G], base, group, block), dynk)`. On CUDA
+/// (batch-invariant mode, a bf16 weight without bias, 1..=16 rows, K dividing 16) one launch
+/// with the bits of the two it replaces (`nn::cuda::mma_kconv`); elsewhere the projection,
+/// then [`dyn_conv`].
+pub fn project_and_conv(
+    proj: &Linear,
+    x: &Tensor,
+    base: &Tensor,
+    group: usize,
+    block: usize,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if let Some(weight) = fused_weight(proj, x) {
+        let (n, h) = x.dims2()?;
+        let (k, hb) = base.dims2()?;
+        let fits = group > 0
+            && hb == h
+            && h % group == 0
+            && block > 0
+            && n % block == 0
+            && weight.dim(0)? == 2 * k * (h / group);
+        let prep = crate::nn::cuda::ConvPrepare {
+            base: base.clone(),
+            group,
+            block,
+        };
+        if fits {
+            if let Some(both) = crate::nn::cuda::mma_kconv(x, weight, &prep)? {
+                return Ok(both);
+            }
+        }
+    }
+    let d = proj.forward(x)?;
+    let kg = base.dim(0)? * (x.dim(1)? / group.max(1));
+    Ok((dyn_conv(x, &d.narrow(1, 0, kg)?, base, group, block)?, d))
+}
+
+/// The weight of `lin` when the convolving epilogues may run for input `x` (CUDA, nothing
+/// tracked by autograd, the DFlash2 kernels on, a bf16 weight without bias); the kernels' own
+/// wrappers check the rest.
+#[cfg(feature = "cuda")]
+fn fused_weight<'a>(lin: &'a Linear, x: &Tensor) -> Option<&'a Tensor> {
+    if !x.device().is_cuda()
+        || x.track_op()
+        || !crate::nn::fused::allowed_part(crate::switches::Part::Dflash2)
+    {
+        return None;
+    }
+    match lin {
+        Linear::Dense { weight, bias: None } => Some(weight),
+        _ => None,
+    }
+}
+
+/// The shapes [`dyn_conv`] takes for an input of `n` rows and `h` channels.
+fn check(n: usize, h: usize, dynk: &Tensor, base: &Tensor, group: usize, block: usize) -> Result<()> {
+    let (k, hb) = base.dims2()?;
+    let g = h / group.max(1);
+    if group == 0
+        || hb != h
+        || g * group != h
+        || block == 0
+        || n % block != 0
+        || dynk.dims2()? != (n, k * g)
+    {
+        return Err(crate::Error::input(format!(
+            "dyn_conv: x [{n}, {h}], dynamic kernel {:?}, base {:?}, group {group}, block {block} do not fit",
+            dynk.dims(),
+            base.dims()
+        )));
+    }
+    Ok(())
+}
 
 /// See the module docs. `block` is L (the rows of one block); `x.dim(0)` must be a multiple.
 pub fn dyn_conv(
@@ -25,16 +134,7 @@ pub fn dyn_conv(
     block: usize,
 ) -> Result<Tensor> {
     let (n, h) = x.dims2()?;
-    let (k, hb) = base.dims2()?;
-    let g = h / group;
-    if hb != h || g * group != h || block == 0 || n % block != 0 || dynk.dims2()? != (n, k * g) {
-        return Err(crate::Error::input(format!(
-            "dyn_conv: x {:?}, dynamic kernel {:?}, base {:?}, group {group}, block {block} do not fit",
-            x.dims(),
-            dynk.dims(),
-            base.dims()
-        )));
-    }
+    check(n, h, dynk, base, group, block)?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && crate::nn::fused::allowed_part(crate::switches::Part::Dflash2) {
         if let Some(y) = crate::nn::cuda::dflash2::dyn_conv(x, dynk, base, group, block)? {

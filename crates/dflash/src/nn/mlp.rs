@@ -101,12 +101,26 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_then(x, None)
+    }
+
+    /// [`Self::forward`], with a convolution of the down projection's output (a DFlash2 draft
+    /// layer's `finish`) done with the projection (`nn::dyn_conv::project_then_conv`).
+    pub fn forward_then(
+        &self,
+        x: &Tensor,
+        after: Option<&super::dyn_conv::ConvAfter>,
+    ) -> Result<Tensor> {
+        let down = |h: &Tensor| match after {
+            Some(c) => super::dyn_conv::project_then_conv(&self.down, h, c),
+            None => self.down.forward(h),
+        };
         let (g, u) = match &self.gate_up {
             Some(gu) => {
                 let y = gu.forward(x)?;
                 if self.act == Activation::Silu {
                     if let Some(h) = super::fused::swiglu(&y)? {
-                        return self.down.forward(&h);
+                        return down(&h);
                     }
                 }
                 let i = y.dim(D::Minus1)? / 2;
@@ -115,6 +129,6 @@ impl GatedMlp {
             None => (self.gate.forward(x)?, self.up.forward(x)?),
         };
         let g = self.act.apply(&g)?;
-        self.down.forward(&(g * u)?)
+        down(&(g * u)?)
     }
 }

@@ -9,14 +9,15 @@ const AFFINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/affine.ptx"));
 
 /// The blocking for N output rows: the same choice as the bf16 skinny GEMM's (`mma_config`),
 /// with the kernel names of kernels/affine.cu.
+/// (The 16-warp narrow blocking of trial `narrow16` has no affine form: those weights keep
+/// the 8-warp one.)
 fn config(n: usize) -> (&'static str, u32, u32) {
     let c = mma_config(n);
-    let name = match c.name {
-        "gemm_w8u2" => "aff_w8",
-        "gemm_w1u4" => "aff_w1",
-        _ => "aff_w4n2",
-    };
-    (name, c.rows_per_block, c.warps)
+    match c.name {
+        "gemm_w16u2" | "gemm_w8u2" => ("aff_w8", 16, 8),
+        "gemm_w1u4" => ("aff_w1", c.rows_per_block, c.warps),
+        _ => ("aff_w4n2", c.rows_per_block, c.warps),
+    }
 }
 
 fn u32_view<'a>(
