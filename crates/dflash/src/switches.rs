@@ -120,7 +120,10 @@ pub fn trial(t: Trial) -> bool {
 /// Run with exactly these trials on, whatever `DFLASH_TRY` says (tests compare a trial's
 /// path with the default's in one process).
 pub fn set_trials(trials: &[Trial]) {
-    TRIALS_OVERRIDE.store(trials.iter().fold(0u8, |b, t| b | t.bit()), Ordering::Relaxed);
+    TRIALS_OVERRIDE.store(
+        trials.iter().fold(0u8, |b, t| b | t.bit()),
+        Ordering::Relaxed,
+    );
 }
 
 /// The settings as read from the environment.

@@ -1265,11 +1265,19 @@ fn conv_epilogue_equals_the_product_then_the_convolution() {
             group,
             block,
         };
-        let y = mma_forced(&x, &w).unwrap().expect("the skinny GEMM applies");
+        let y = mma_forced(&x, &w)
+            .unwrap()
+            .expect("the skinny GEMM applies");
         let want = dflash::nn::dyn_conv(&y, &dynk, &base, group, block).unwrap();
-        let got = mma_conv(&x, &w, &epi(0..n)).unwrap().expect("the convolving epilogue applies");
+        let got = mma_conv(&x, &w, &epi(0..n))
+            .unwrap()
+            .expect("the convolving epilogue applies");
         assert_eq!(got.dims(), &[n, h], "{what}");
-        assert_eq!(rel_err(&got, &want), 0.0, "{what}: fused vs product then convolution");
+        assert_eq!(
+            rel_err(&got, &want),
+            0.0,
+            "{what}: fused vs product then convolution"
+        );
         for b in 0..n / block {
             let r = b * block..(b + 1) * block;
             let alone = mma_conv(&x.narrow(0, r.start, block).unwrap(), &w, &epi(r.clone()))
@@ -1331,9 +1339,11 @@ fn kconv_epilogue_equals_the_projection_then_the_convolution() {
         let x = randn(&[n, h], 1.0, &dev);
         let w = randn(&[2 * k * g, h], 1.0 / (h as f64).sqrt(), &dev);
         let base = randn(&[k, h], 0.5, &dev);
-        let d = mma_forced(&x, &w).unwrap().expect("the skinny GEMM applies");
-        let want = dflash::nn::dyn_conv(&x, &d.narrow(1, 0, k * g).unwrap(), &base, group, block)
-            .unwrap();
+        let d = mma_forced(&x, &w)
+            .unwrap()
+            .expect("the skinny GEMM applies");
+        let want =
+            dflash::nn::dyn_conv(&x, &d.narrow(1, 0, k * g).unwrap(), &base, group, block).unwrap();
         let prep = ConvPrepare {
             base: base.clone(),
             group,

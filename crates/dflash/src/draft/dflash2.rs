@@ -73,13 +73,8 @@ impl DynConv {
     /// kernel that [`Self::finish`] applies to the sublayer's output.
     pub fn prepare(&self, x: &Tensor, block: usize) -> Result<(Tensor, Tensor)> {
         let kg = self.kernel * (x.dim(1)? / self.group);
-        let (xc, d) = crate::nn::dyn_conv::project_and_conv(
-            &self.proj,
-            x,
-            &self.base[0],
-            self.group,
-            block,
-        )?;
+        let (xc, d) =
+            crate::nn::dyn_conv::project_and_conv(&self.proj, x, &self.base[0], self.group, block)?;
         Ok((xc, d.narrow(1, kg, kg)?))
     }
 

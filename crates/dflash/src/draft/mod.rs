@@ -830,7 +830,14 @@ impl DraftModel {
                 (Some(c), Some(d)) => Some(c.after(d, q)),
                 _ => None,
             };
-            let attn_out = a.forward(&xa, &Site { out_conv: after, ..site }, kv)?;
+            let attn_out = a.forward(
+                &xa,
+                &Site {
+                    out_conv: after,
+                    ..site
+                },
+                kv,
+            )?;
             kv.truncate(start);
             prof.mark("attention");
             // Residual updates fused with the next norm: post-attention norm, then the

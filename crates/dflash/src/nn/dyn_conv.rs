@@ -106,7 +106,14 @@ fn fused_weight<'a>(lin: &'a Linear, x: &Tensor) -> Option<&'a Tensor> {
 }
 
 /// The shapes [`dyn_conv`] takes for an input of `n` rows and `h` channels.
-fn check(n: usize, h: usize, dynk: &Tensor, base: &Tensor, group: usize, block: usize) -> Result<()> {
+fn check(
+    n: usize,
+    h: usize,
+    dynk: &Tensor,
+    base: &Tensor,
+    group: usize,
+    block: usize,
+) -> Result<()> {
     let (k, hb) = base.dims2()?;
     let g = h / group.max(1);
     if group == 0

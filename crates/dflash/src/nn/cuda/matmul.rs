@@ -103,7 +103,10 @@ impl CustomOp2 for RowMatmul {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let (kern, f32_out, epi) = (self.0, self.1, self.2.as_ref());
         if (f32_out || epi.is_some()) && kern != RowKernel::Mma {
-            candle_core::bail!("{}: f32 output and the convolutions are the skinny GEMM's only", self.name());
+            candle_core::bail!(
+                "{}: f32 output and the convolutions are the skinny GEMM's only",
+                self.name()
+            );
         }
         if f32_out && epi.is_some() {
             candle_core::bail!("{}: the convolving epilogues write bf16", self.name());
@@ -233,9 +236,10 @@ impl CustomOp2 for RowMatmul {
         let hb = conv.map(|cv| Held::new(&cv.base));
         let dyn_v = match (&hd, conv) {
             (Some(h), Some(cv)) => match &*h.0 {
-                Storage::Cuda(ds) => {
-                    Some(ds.as_cuda_slice::<bf16>()?.slice(cv.dynk.layout().start_offset()..))
-                }
+                Storage::Cuda(ds) => Some(
+                    ds.as_cuda_slice::<bf16>()?
+                        .slice(cv.dynk.layout().start_offset()..),
+                ),
                 _ => candle_core::bail!("{}: the dynamic kernel is not on the device", self.name()),
             },
             _ => None,
@@ -308,6 +312,11 @@ fn prepare_args(
         || m % p.block != 0
         || p.base.dtype() != DType::BF16
         || !p.base.is_contiguous()
+        // the kernel's shared slabs (skinny.cuh, kconv_prefetch): at most 256 channels a
+        // block, in 16-byte pieces from 16-byte aligned rows
+        || p.group > 16
+        || (16 / ck * p.group) % 8 != 0
+        || p.base.layout().start_offset() % 8 != 0
     {
         candle_core::bail!(
             "dflash-mma-bf16: preparing convolution of x [{m}, {k}] with a kernel projection of {n} columns, base {:?} group {} block {}",
@@ -506,9 +515,10 @@ pub fn mma_batched(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<Tensor>
     if b != wb || k != k2 || m == 0 || m > MMA_MAX_ROWS || k % 32 != 0 || n == 0 {
         return Ok(None);
     }
-    Ok(Some(
-        x.apply_op2_no_bwd(w, &RowMatmul(RowKernel::Mma, false, None))?,
-    ))
+    Ok(Some(x.apply_op2_no_bwd(
+        w,
+        &RowMatmul(RowKernel::Mma, false, None),
+    )?))
 }
 
 /// The skinny GEMM whether or not batch-invariant mode is on (tests and the probe call it).
@@ -545,7 +555,11 @@ fn skinny_2d(x: &Tensor, w: &Tensor) -> candle_core::Result<Option<((usize, usiz
 /// (kernels/dyn_conv.cuh), so the bits are those of [`mma`] then `nn::dyn_conv`'s kernel. Batch-
 /// invariant mode only (the product is [`mma`]'s), CUDA, bf16, 1..=16 rows in whole blocks, a
 /// weight whose blocking sums in shared memory ([`MmaConfig::staged`]); None otherwise.
-pub fn mma_conv(x: &Tensor, w: &Tensor, conv: &ConvEpilogue) -> candle_core::Result<Option<Tensor>> {
+pub fn mma_conv(
+    x: &Tensor,
+    w: &Tensor,
+    conv: &ConvEpilogue,
+) -> candle_core::Result<Option<Tensor>> {
     let Some((_, n)) = skinny_2d(x, w)? else {
         return Ok(None);
     };
