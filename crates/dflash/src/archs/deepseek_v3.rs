@@ -175,13 +175,18 @@ impl MlaConfig {
     }
 }
 
-/// Float checkpoints only: the published Kimi-K2.5 (int4 routed experts, compressed-tensors)
-/// and DeepSeek-V3 (fp8 blocks) checkpoints are refused with what they would need.
+/// Float and FP8 checkpoints (the FP8 blocks are dequantized at load, source/fp8.rs): the
+/// published Kimi-K2.5 (int4 routed experts, compressed-tensors) is refused with what it would
+/// need.
 fn refuse_quantized(cfg: &TargetConfig) -> Result<()> {
     let Some(q) = cfg.quantization()? else {
         return Ok(());
     };
     let method = q.opt_str("quant_method")?.unwrap_or("unknown");
+    // FP8 block-quantized weights are dequantized at load (source/fp8.rs).
+    if method == "fp8" {
+        return Ok(());
+    }
     let need = super::footprint::estimate(cfg)
         .ok()
         .flatten()
@@ -439,8 +444,7 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
         None,
         &embed,
     );
-    let mut info = target_info(cfg, w, "deepseek_v3");
-    info.quantization = None;
+    let info = target_info(cfg, w, "deepseek_v3");
     let ropes = vec![Rope::new(&cfg.rope, rope_d)];
     let m = Stack::new(info, embed, ropes, layers, head, plan(cfg)?.caches);
     Ok(Box::new(m.finish_load()))

@@ -50,12 +50,13 @@ impl GptOssConfig {
         let f = cfg.text()?;
         if let Some(q) = cfg.quantization()? {
             match q.opt_str("quant_method")? {
-                Some("mxfp4") => {}
+                // fp8: block-quantized matrices, dequantized at load (source/fp8.rs)
+                Some("mxfp4") | Some("fp8") => {}
                 other => {
                     return Err(q.err(
                         "quant_method",
                         format!(
-                            "`{}` is not supported for gpt_oss (supported: mxfp4 experts, or float weights)",
+                            "`{}` is not supported for gpt_oss (supported: mxfp4 experts, fp8 blocks, or float weights)",
                             other.unwrap_or("unknown")
                         ),
                     ))
@@ -230,8 +231,11 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
         &embed,
     );
     let mut info = target_info(cfg, w, "gpt_oss");
-    info.quantization =
-        (mxfp4_layers > 0).then(|| format!("MXFP4->{:?} x{}", w.dtype, 2 * mxfp4_layers));
+    let mxfp4 = (mxfp4_layers > 0).then(|| format!("MXFP4->{:?} x{}", w.dtype, 2 * mxfp4_layers));
+    info.quantization = match (mxfp4, info.quantization.take()) {
+        (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+        (a, b) => a.or(b),
+    };
     let ropes = vec![Rope::new(&g.rope, cfg.head_dim)];
     let m = Stack::new(info, embed, ropes, layers, head, plan(cfg)?.caches);
     Ok(Box::new(m.finish_load()))

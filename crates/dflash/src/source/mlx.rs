@@ -74,11 +74,15 @@ impl MlxQuant {
                     {
                         return Ok(None);
                     }
+                    // FP8 block-quantized weights: source/fp8.rs
+                    if m.as_str() == Some("fp8") {
+                        return Ok(None);
+                    }
                     return Err(Error::config(
                         file,
                         "quantization_config.quant_method",
                         format!(
-                            "{m} is not supported; this build loads float safetensors, MLX affine-quantized safetensors (`quantization: {{group_size, bits}}`) and GGUF files"
+                            "{m} is not supported; this build loads float safetensors, MLX affine-quantized safetensors (`quantization: {{group_size, bits}}`), FP8 block-quantized safetensors (`quant_method: \"fp8\"`) and GGUF files"
                         ),
                     ));
                 }

@@ -9,6 +9,7 @@
 //! Second step of the data flow: config -> **sources/loading** -> archs -> draft -> engine.
 
 pub mod demo;
+pub mod fp8;
 pub mod gguf;
 pub mod gguf_header;
 pub mod gguf_tokenizer;
@@ -115,7 +116,8 @@ impl ModelSource {
     }
 
     /// The weights, memory-mapped: a GGUF file's tensors (`keep_quant`: quantized matrices as
-    /// stored), or the safetensors files with their MLX quantization (from `config.json`).
+    /// stored), or the safetensors files with their MLX or FP8 quantization (from
+    /// `config.json`).
     pub fn weights(
         &self,
         dtype: candle_core::DType,
@@ -126,8 +128,12 @@ impl ModelSource {
             return Weights::open_gguf(g, dtype, device, keep_quant);
         }
         let cfg = crate::config::read_json(&self.config)?;
-        let mlx = mlx::MlxQuant::from_config(&self.config.display().to_string(), &cfg)?;
-        Ok(Weights::open(&self.weight_files, dtype, device)?.with_mlx_quant(mlx))
+        let file = self.config.display().to_string();
+        let mlx = mlx::MlxQuant::from_config(&file, &cfg)?;
+        let fp8 = fp8::Fp8Quant::from_config(&file, &cfg)?;
+        Ok(Weights::open(&self.weight_files, dtype, device)?
+            .with_mlx_quant(mlx)
+            .with_fp8_quant(fp8))
     }
 
     /// Tokenizer, chat template and stop ids: from a GGUF file's metadata, else from

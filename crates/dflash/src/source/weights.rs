@@ -52,6 +52,10 @@ pub struct Weights {
     mlx_report: RefCell<BTreeMap<AffineParams, usize>>,
     /// MLX-quantized matrices kept as stored (CUDA, [`Linear::Affine`]).
     mlx_kept: RefCell<usize>,
+    /// The FP8 `quantization_config` (safetensors), see [`Self::with_fp8_quant`].
+    fp8: Option<super::fp8::Fp8Quant>,
+    /// FP8 matrices dequantized so far.
+    fp8_count: RefCell<usize>,
 }
 
 impl Weights {
@@ -84,6 +88,8 @@ impl Weights {
             mlx: None,
             mlx_report: RefCell::default(),
             mlx_kept: RefCell::default(),
+            fp8: None,
+            fp8_count: RefCell::default(),
         })
     }
 
@@ -116,6 +122,8 @@ impl Weights {
             mlx: None,
             mlx_report: RefCell::default(),
             mlx_kept: RefCell::default(),
+            fp8: None,
+            fp8_count: RefCell::default(),
         })
     }
 
@@ -130,6 +138,8 @@ impl Weights {
             mlx: None,
             mlx_report: RefCell::default(),
             mlx_kept: RefCell::default(),
+            fp8: None,
+            fp8_count: RefCell::default(),
         }
     }
 
@@ -138,6 +148,14 @@ impl Weights {
     /// it, a packed weight is an error naming the missing config entry.
     pub fn with_mlx_quant(mut self, quant: Option<MlxQuant>) -> Self {
         self.mlx = quant;
+        self
+    }
+
+    /// The FP8 block quantization named by the checkpoint's config (see
+    /// [`super::fp8::Fp8Quant::from_config`]): its float8 weights are then dequantized at load.
+    /// Without it, a float8 weight with scales is an error naming the missing config entry.
+    pub fn with_fp8_quant(mut self, quant: Option<super::fp8::Fp8Quant>) -> Self {
+        self.fp8 = quant;
         self
     }
 
@@ -233,6 +251,17 @@ impl Weights {
                 )? {
                     self.used.borrow_mut().extend(d.read);
                     *self.mlx_report.borrow_mut().entry(d.params).or_default() += 1;
+                    return Ok(d.tensor.to_dtype(dtype)?.to_device(&self.device)?);
+                }
+                if let Some(d) = super::fp8::load_dequantized(
+                    st,
+                    self.fp8.as_ref(),
+                    name,
+                    shape.dims(),
+                    &self.file_desc(),
+                )? {
+                    self.used.borrow_mut().extend(d.read);
+                    *self.fp8_count.borrow_mut() += 1;
                     return Ok(d.tensor.to_dtype(dtype)?.to_device(&self.device)?);
                 }
                 let view = st.get(name).map_err(|_| self.missing(name, &shape))?;
@@ -459,15 +488,22 @@ impl Weights {
     }
 
     /// What the load did to quantized tensors, e.g. `Q4_1->Q8_0 x210, Q8_0 x1` (GGUF),
-    /// `mlx affine 4-bit g64 x197; dequantized to f32` (MLX safetensors), or None for float
-    /// safetensors.
+    /// `mlx affine 4-bit g64 x197; dequantized to f32` (MLX safetensors), `fp8 e4m3 128x128
+    /// x197; dequantized to bf16` (FP8 safetensors), or None for float safetensors.
     pub fn quant_report(&self) -> Option<String> {
         let Backend::Gguf(g) = &self.backend else {
-            return super::mlx::report(
-                &self.mlx_report.borrow(),
-                *self.mlx_kept.borrow(),
-                self.dtype,
-            );
+            let parts: Vec<String> = [
+                super::mlx::report(
+                    &self.mlx_report.borrow(),
+                    *self.mlx_kept.borrow(),
+                    self.dtype,
+                ),
+                super::fp8::report(self.fp8.as_ref(), *self.fp8_count.borrow(), self.dtype),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            return (!parts.is_empty()).then(|| parts.join("; "));
         };
         let r = g.report.borrow();
         Some(
