@@ -5,6 +5,7 @@
 //! logits of its dequantized twin (the same values as f32 safetensors); malformed files are
 //! one-line errors naming the tensor or field.
 
+mod common;
 use candle_core::{DType, Device, Tensor};
 use dflash::archs::{load_target, LoadOptions, Logits, TargetModel};
 use dflash::source::ModelSource;
@@ -20,13 +21,7 @@ const FP8_MAX: f32 = 448.0;
 /// (`f32(e4m3) * scale`, what the twin stores).
 fn quantize(w: &Tensor, bn: usize, bk: usize) -> (Tensor, Tensor, Tensor) {
     let (n, k) = w.dims2().unwrap();
-    let v = w
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let v = f32s(w);
     let (sn, sk) = (n.div_ceil(bn), k.div_ceil(bk));
     let mut scale = vec![1f32; sn * sk];
     for (bi, s) in scale.iter_mut().enumerate() {
@@ -48,13 +43,7 @@ fn quantize(w: &Tensor, bn: usize, bk: usize) -> (Tensor, Tensor, Tensor) {
         .unwrap()
         .to_dtype(DType::F8E4M3)
         .unwrap();
-    let back = q
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let back = f32s(&q);
     let deq: Vec<f32> = (0..n * k)
         .map(|i| back[i] * scale[(i / k / bn) * sk + (i % k) / bk])
         .collect();
@@ -116,18 +105,18 @@ fn load_with(dir: &Path) -> dflash::Result<Box<dyn TargetModel>> {
     load_target(&src, &LoadOptions::default()).map(|x| x.1)
 }
 
+/// Every position's logits, as f32 bits.
 fn all_logits(m: &dyn TargetModel, toks: &[u32]) -> Vec<u32> {
     let mut c = m.new_cache(toks.len()).unwrap();
-    m.forward(toks, 0, &mut c, &[], Logits::All)
-        .unwrap()
-        .logits
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
+    let logits = m.forward(toks, 0, &mut c, &[], Logits::All).unwrap().logits;
+    common::f32_bits(&logits.unwrap())
+}
+
+/// A tensor's values in f32.
+fn f32s(t: &Tensor) -> Vec<f32> {
+    common::f32_bits(t)
+        .into_iter()
+        .map(f32::from_bits)
         .collect()
 }
 

@@ -1601,8 +1601,8 @@ fn affine_kernels_match_the_dequantized_weights() {
                 Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu).unwrap();
             let dense = w.dequantize(DType::BF16).unwrap();
             assert_eq!(
-                u32s_of(&dense),
-                u32s_of(&host.to_dtype(DType::BF16).unwrap()),
+                common::f32_bits(&dense),
+                common::f32_bits(&host.to_dtype(DType::BF16).unwrap()),
                 "{what}: device dequantization"
             );
             check_affine_product(&w, &host.to_device(&dev).unwrap(), &what);
@@ -1629,8 +1629,8 @@ fn check_affine_product(w: &dflash::nn::AffineWeight, host: &Tensor, what: &str)
     for i in [0, 7, 15] {
         let alone = w.forward(&x16.narrow(0, i, 1).unwrap()).unwrap();
         assert_eq!(
-            u32s_of(&alone),
-            u32s_of(&y16.narrow(0, i, 1).unwrap()),
+            common::f32_bits(&alone),
+            common::f32_bits(&y16.narrow(0, i, 1).unwrap()),
             "{what}: row {i} alone vs among 16"
         );
     }
@@ -1669,18 +1669,6 @@ fn check_against_twin(
             what,
         );
     }
-}
-
-fn u32s_of(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
 }
 
 /// An MLX 4-bit checkpoint on the GPU keeps its matrices as stored: the load report says so,
@@ -1795,7 +1783,7 @@ fn gguf_blocks_run_on_the_affine_kernels() {
             let what = format!("{dt:?} [{n}, {k}]");
             // (as values: `d * 8 - 8 d` is +0 where GGUF's `d * (8 - 8)` is -0 for d < 0)
             let unsigned_zeros = |t: &Tensor| -> Vec<u32> {
-                u32s_of(t)
+                common::f32_bits(t)
                     .into_iter()
                     .map(|b| if b == 0x8000_0000 { 0 } else { b })
                     .collect()
@@ -1806,8 +1794,8 @@ fn gguf_blocks_run_on_the_affine_kernels() {
                 .unwrap();
             let on_device = a.dequantize(DType::BF16).unwrap();
             assert_eq!(
-                u32s_of(&on_device),
-                u32s_of(&on_host),
+                common::f32_bits(&on_device),
+                common::f32_bits(&on_host),
                 "{what}: device dequantization"
             );
             if dflash::nn::gguf_affine::exact(dt) {

@@ -247,6 +247,20 @@ impl Golden {
     }
 }
 
+/// Every value of `t` (any float dtype, any shape) as the bits of its f32: for bit-for-bit
+/// comparisons.
+pub fn f32_bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 /// `[n]` i64 (or u32) ids as u32.
 pub fn u32s(t: &Tensor) -> Vec<u32> {
     t.to_dtype(candle_core::DType::I64)
