@@ -1903,21 +1903,8 @@ fn graphs_replay_the_eager_forwards() {
         device: dev.clone(),
         ..Default::default()
     };
-    let bits = |t: &Option<Tensor>| -> Vec<u32> {
-        t.as_ref()
-            .map(|t| {
-                t.to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
+    let bits =
+        |t: &Option<Tensor>| -> Vec<u32> { t.as_ref().map(common::f32_bits).unwrap_or_default() };
     let mut graphed = vec![];
     for dir in &dirs {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();

@@ -242,27 +242,34 @@ impl Weights {
         let shape = shape.into();
         let t = match &self.backend {
             Backend::Safetensors { st, .. } => {
-                if let Some(d) = super::mlx::load_dequantized(
+                // Quantized safetensors formats, dequantized here: MLX affine, then FP8 blocks.
+                let desc = self.file_desc();
+                let deq = match super::mlx::load_dequantized(
                     st,
                     self.mlx.as_ref(),
                     name,
                     shape.dims(),
-                    &self.file_desc(),
+                    &desc,
                 )? {
-                    self.used.borrow_mut().extend(d.read);
-                    *self.mlx_report.borrow_mut().entry(d.params).or_default() += 1;
-                    return Ok(d.tensor.to_dtype(dtype)?.to_device(&self.device)?);
-                }
-                if let Some(d) = super::fp8::load_dequantized(
-                    st,
-                    self.fp8.as_ref(),
-                    name,
-                    shape.dims(),
-                    &self.file_desc(),
-                )? {
-                    self.used.borrow_mut().extend(d.read);
-                    *self.fp8_count.borrow_mut() += 1;
-                    return Ok(d.tensor.to_dtype(dtype)?.to_device(&self.device)?);
+                    Some(d) => {
+                        *self.mlx_report.borrow_mut().entry(d.params).or_default() += 1;
+                        Some((d.tensor, d.read.to_vec()))
+                    }
+                    None => super::fp8::load_dequantized(
+                        st,
+                        self.fp8.as_ref(),
+                        name,
+                        shape.dims(),
+                        &desc,
+                    )?
+                    .map(|d| {
+                        *self.fp8_count.borrow_mut() += 1;
+                        (d.tensor, d.read.to_vec())
+                    }),
+                };
+                if let Some((t, read)) = deq {
+                    self.used.borrow_mut().extend(read);
+                    return Ok(t.to_dtype(dtype)?.to_device(&self.device)?);
                 }
                 let view = st.get(name).map_err(|_| self.missing(name, &shape))?;
                 self.check_shape(name, view.shape(), &shape)?;
