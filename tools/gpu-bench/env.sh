@@ -8,6 +8,7 @@ root=$(cd "$here/../.." && pwd)
 PY=${PY:-python3}
 mkdir -p /tmp/stash
 for b in "$@"; do
+  mkdir -p "$(dirname "/tmp/stash/$b")"
   xz -dc "$root/.device/$b.xz" > "/tmp/stash/$b" && chmod +x "/tmp/stash/$b"
 done
 export LD_LIBRARY_PATH=$($PY -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))'):/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}

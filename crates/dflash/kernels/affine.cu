@@ -13,6 +13,13 @@
 //   with A = 1. A chunk never straddles two groups (groups are multiples of 32).
 // - Cheap 4-bit unpacking takes the nibble pairs (n0, n4), (n1, n5), (n2, n6), (n3, n7) of a
 //   word; x is permuted to the same order with byte permutes (a dot product does not care).
+// - 4 bits with bf16 scales (MLX) take a shorter path (DEQ): each weight is dequantized in
+//   registers, q exactly as (128 + q) - 128 and then one bf16x2 fma, bf16(s q + b) rounded once
+//   (the dequantized reference's value: s q is exact in f32, so it differs at most where the
+//   reference's f32 sum rounds before its bf16 rounding), and the chunk's two mma accumulate
+//   straight into the result: no x-sum mma and no per-chunk f32 epilogue. Measured on the H200
+//   with tools/gpu-bench/skinny/affine_lab.cu (docs/perf.md, session 32): 10-30% faster than the
+//   epilogue path at the Qwen3-8B shapes.
 //
 // Layout (made at load, nn/cuda/affine.rs): each row's u32 words are permuted inside blocks of
 // 16 words so that lane c's words for 4 (4-bit) or 2 (8-bit) consecutive chunks are one 16-byte
@@ -56,8 +63,14 @@ __device__ __forceinline__ uint4 unpack(const uint4& w, int u) {
   if (BITS == 4) {
     const uint32_t x = comp(w, u);
     const uint32_t m = 0x000F000Fu, one28 = 0x43004300u;
-    return make_uint4((x & m) | one28, ((x >> 4) & m) | one28, ((x >> 8) & m) | one28,
-                      ((x >> 12) & m) | one28);
+    // (v & m) | one28 in one LOP3 (the compiler splits it in two: an instruction takes one
+    // immediate, and it does not keep the second constant in a register by itself)
+    auto pick = [&](uint32_t v) {
+      uint32_t d;
+      asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(v), "r"(m), "r"(one28));
+      return d;
+    };
+    return make_uint4(pick(x), pick(x >> 4), pick(x >> 8), pick(x >> 12));
   } else {
     const uint32_t a = comp(w, 2 * u), b = comp(w, 2 * u + 1);
     auto v = [](uint32_t x, int i) { return (float)(int)((x >> (8 * i)) & 0xff) - 128.f; };
@@ -74,7 +87,28 @@ __device__ __forceinline__ uint4 order_x(const uint4& x) {
                     __byte_perm(x.y, x.w, 0x5410), __byte_perm(x.y, x.w, 0x7632));
 }
 
-template <int BITS, int G, typename ST, int W, int T, int BW, int TN>
+__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// The DEQ path's A fragment words of chunk u: bf16(s q + b) for the words' nibble pairs, with
+// p the group's packed bf16 (scale, bias).
+__device__ __forceinline__ uint4 dequant4(const uint4& w, int u, uint32_t p) {
+  const uint32_t s2 = __byte_perm(p, 0, 0x1010), b2 = __byte_perm(p, 0, 0x3232);
+  const uint32_t q128 = 0x43004300u;  // bf16x2 (128, 128)
+  uint4 a = unpack<4>(w, u);          // 128 + q, exact
+  auto one = [&](uint32_t v) {
+    __nv_bfloat162 q = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&v),
+                               *reinterpret_cast<const __nv_bfloat162*>(&q128));
+    return bf16x2_fma(*reinterpret_cast<uint32_t*>(&q), s2, b2);
+  };
+  return make_uint4(one(a.x), one(a.y), one(a.z), one(a.w));
+}
+
+// UW: super-chunks in the ring; DEQ: the dequantizing path (4 bits, bf16 scales only).
+template <int BITS, int G, typename ST, int W, int T, int BW, int TN, int UW, bool DEQ>
 __device__ __forceinline__ void affine_rows(const __nv_bfloat16* __restrict__ x,
                                             const uint32_t* __restrict__ qw,
                                             const uint32_t* __restrict__ sb,
@@ -122,7 +156,7 @@ __device__ __forceinline__ void affine_rows(const __nv_bfloat16* __restrict__ x,
   // registers, refilled as each is consumed: UW * 16 bytes per row in flight per lane, which is
   // what keeps the memory busy (a 4-bit super-chunk is a quarter of a bf16 one's bytes). x
   // (read by every block, in L1/L2) is loaded when it is used.
-  constexpr int UW = 2 / TN;
+  static_assert(!DEQ || (BITS == 4 && sizeof(ST) == 2), "DEQ: 4 bits, bf16 scales");
   uint4 wv[UW][2 * TN];
   uint32_t sv[UW][2 * TN][SPL];
   auto load = [&](int i, int s) {
@@ -153,26 +187,40 @@ __device__ __forceinline__ void affine_rows(const __nv_bfloat16* __restrict__ x,
 #pragma unroll
       for (int u = 0; u < CPC; ++u) {
         const int ch = s * CPC + u;
+        if constexpr (DEQ) {
+          constexpr int CPG = G / 32;
+          const int v = SPL > 1 ? u / CPG : 0;
+          uint4 av[2 * TN];
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-          const uint4 xr = xok[t] ? __ldg(xp[t] + ch * 4) : zero;
-          float xs[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_chunk(xs, ones, ones, xr);
-          const uint4 xo = order_x<BITS>(xr);
+          for (int j = 0; j < 2 * TN; ++j) av[j] = dequant4(cw[j], u, cs[j][v]);
 #pragma unroll
-          for (int a = 0; a < TN; ++a) {
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_chunk(d, unpack<BITS>(cw[2 * a], u), unpack<BITS>(cw[2 * a + 1], u), xo);
-            // this chunk's group among the load's (a group of 128 at 8 bits spans two loads)
-            constexpr int CPG = G / 32;
-            const int v = SPL > 1 ? u / CPG : 0;
-            const float2 pa = scale_bias<ST>(cs[2 * a][v]), pb = scale_bias<ST>(cs[2 * a + 1][v]);
-            const float oa = BITS == 4 ? pa.y - 128.f * pa.x : pa.y + 128.f * pa.x;
-            const float ob = BITS == 4 ? pb.y - 128.f * pb.x : pb.y + 128.f * pb.x;
-            acc[a][t][0] += pa.x * d[0] + oa * xs[0];
-            acc[a][t][1] += pa.x * d[1] + oa * xs[1];
-            acc[a][t][2] += pb.x * d[2] + ob * xs[2];
-            acc[a][t][3] += pb.x * d[3] + ob * xs[3];
+          for (int t = 0; t < T; ++t) {
+            const uint4 xo = order_x<BITS>(xok[t] ? __ldg(xp[t] + ch * 4) : zero);
+#pragma unroll
+            for (int a = 0; a < TN; ++a) mma_chunk(acc[a][t], av[2 * a], av[2 * a + 1], xo);
+          }
+        } else {
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            const uint4 xr = xok[t] ? __ldg(xp[t] + ch * 4) : zero;
+            float xs[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_chunk(xs, ones, ones, xr);
+            const uint4 xo = order_x<BITS>(xr);
+#pragma unroll
+            for (int a = 0; a < TN; ++a) {
+              float d[4] = {0.f, 0.f, 0.f, 0.f};
+              mma_chunk(d, unpack<BITS>(cw[2 * a], u), unpack<BITS>(cw[2 * a + 1], u), xo);
+              // this chunk's group among the load's (a group of 128 at 8 bits spans two loads)
+              constexpr int CPG = G / 32;
+              const int v = SPL > 1 ? u / CPG : 0;
+              const float2 pa = scale_bias<ST>(cs[2 * a][v]), pb = scale_bias<ST>(cs[2 * a + 1][v]);
+              const float oa = BITS == 4 ? pa.y - 128.f * pa.x : pa.y + 128.f * pa.x;
+              const float ob = BITS == 4 ? pb.y - 128.f * pb.x : pb.y + 128.f * pb.x;
+              acc[a][t][0] += pa.x * d[0] + oa * xs[0];
+              acc[a][t][1] += pa.x * d[1] + oa * xs[1];
+              acc[a][t][2] += pb.x * d[2] + ob * xs[2];
+              acc[a][t][3] += pb.x * d[3] + ob * xs[3];
+            }
           }
         }
       }
@@ -183,18 +231,18 @@ __device__ __forceinline__ void affine_rows(const __nv_bfloat16* __restrict__ x,
 
 // Configurations as kernels/mma.cu's (nn::cuda::affine picks one from N the same way):
 // <name>_b<BITS>_g<G>_<st>_t<T>.
-#define AFF1(NAME, W, BW, MINB, TN, BITS, G, ST, SN, T)                                        \
+#define AFF1(NAME, W, BW, MINB, TN, UW, DEQ, BITS, G, ST, SN, T)                               \
   extern "C" __global__ void __launch_bounds__(32 * BW, MINB)                                  \
       NAME##_b##BITS##_g##G##_##SN##_t##T(const __nv_bfloat16* x, const uint32_t* qw,          \
                                           const uint32_t* sb, __nv_bfloat16* y, int m_rows,    \
                                           int n_rows, int k) {                                 \
-    affine_rows<BITS, G, ST, W, T, BW, TN>(x, qw, sb, y, m_rows, n_rows, k);                   \
+    affine_rows<BITS, G, ST, W, T, BW, TN, UW, DEQ>(x, qw, sb, y, m_rows, n_rows, k);          \
   }
-#define AFF_G(NAME, W, BW, MINB, TN, BITS, G)                     \
-  AFF1(NAME, W, BW, MINB, TN, BITS, G, __nv_bfloat16, bf16, 1)    \
-  AFF1(NAME, W, BW, MINB, TN, BITS, G, __nv_bfloat16, bf16, 2)    \
-  AFF1(NAME, W, BW, MINB, TN, BITS, G, __half, f16, 1)            \
-  AFF1(NAME, W, BW, MINB, TN, BITS, G, __half, f16, 2)
+#define AFF_G(NAME, W, BW, MINB, TN, BITS, G)                                 \
+  AFF1(NAME, W, BW, MINB, TN, 2 / TN, false, BITS, G, __nv_bfloat16, bf16, 1) \
+  AFF1(NAME, W, BW, MINB, TN, 2 / TN, false, BITS, G, __nv_bfloat16, bf16, 2) \
+  AFF1(NAME, W, BW, MINB, TN, 2 / TN, false, BITS, G, __half, f16, 1)         \
+  AFF1(NAME, W, BW, MINB, TN, 2 / TN, false, BITS, G, __half, f16, 2)
 #define AFF(NAME, W, BW, MINB, TN)           \
   AFF_G(NAME, W, BW, MINB, TN, 4, 32)        \
   AFF_G(NAME, W, BW, MINB, TN, 4, 64)        \
@@ -206,6 +254,19 @@ __device__ __forceinline__ void affine_rows(const __nv_bfloat16* __restrict__ x,
 AFF(aff_w8, 8, 8, 2, 1)
 AFF(aff_w1, 1, 4, 4, 1)
 AFF(aff_w4n2, 4, 4, 4, 2)
+// The DEQ path (4 bits, bf16 scales), blockings from the lab: 8 warps split K for weights of
+// fewer than 512 tiles (4 super-chunks in flight a warp; 2 at groups of 32, whose scales take
+// twice the registers), else a warp a tile (2 in flight; 24 warps a multiprocessor at one x
+// tile where the registers allow). t1 and t2 share W and TN, so a row's arithmetic does not
+// depend on the row count.
+#define AFFD(G, UW8, MINB1)                                                    \
+  AFF1(affd_w8, 8, 8, 2, 1, UW8, true, 4, G, __nv_bfloat16, bf16, 1)           \
+  AFF1(affd_w8, 8, 8, 2, 1, UW8, true, 4, G, __nv_bfloat16, bf16, 2)           \
+  AFF1(affd_w1, 1, 4, MINB1, 1, 2, true, 4, G, __nv_bfloat16, bf16, 1)         \
+  AFF1(affd_w1, 1, 4, 4, 1, 2, true, 4, G, __nv_bfloat16, bf16, 2)
+AFFD(32, 2, 4)
+AFFD(64, 4, 6)
+AFFD(128, 4, 6)
 
 // The whole weight as bf16 [n, k] (prefill: more rows than the skinny kernel takes); one
 // thread per stored word, the value s * q + b in f32, rounded once.

@@ -6,3 +6,4 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/skinny}
 nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo -o "$out" "$here/skinny.cu" -L"$CUDA_HOME/lib64" -L"$(readlink -f "$CUDA_HOME/bin")/../lib" -lcublas -diag-suppress 128
+nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo -o "$(dirname "$out")/affine_lab" "$here/affine_lab.cu" -L"$CUDA_HOME/lib64" -L"$(readlink -f "$CUDA_HOME/bin")/../lib" -diag-suppress 128,177

@@ -7,11 +7,19 @@ use crate::nn::AffineWeight;
 
 const AFFINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/affine.ptx"));
 
-/// The blocking for N output rows: the same choice as the bf16 skinny GEMM's (`mma_config`),
-/// with the kernel names of kernels/affine.cu.
-/// (The 16-warp narrow blocking of trial `narrow16` has no affine form: those weights keep
-/// the 8-warp one.)
-fn config(n: usize) -> (&'static str, u32, u32) {
+/// The kernel and blocking for N output rows: `(name, weight rows per block, warps)`.
+/// 4 bits with bf16 scales (MLX) take the dequantizing kernels (`affd_*`, kernels/affine.cu's
+/// DEQ path): 8 warps split K below 512 tiles of 16 rows, else a warp a tile. Other storage
+/// keeps the bf16 skinny GEMM's choice (`mma_config`) with kernels/affine.cu's names (the
+/// 16-warp narrow blocking has no affine form: those weights take the 8-warp one). The choice
+/// depends on N and the storage only, never on the rows of x (batch invariance).
+fn config(n: usize, bits: usize, f16: bool) -> (&'static str, u32, u32) {
+    if bits == 4 && !f16 {
+        return match n.div_ceil(16) < 512 {
+            true => ("affd_w8", 16, 8),
+            false => ("affd_w1", 64, 4),
+        };
+    }
     let c = mma_config(n);
     match c.name {
         "gemm_w16u2" | "gemm_w8u2" => ("aff_w8", 16, 8),
@@ -99,7 +107,7 @@ impl CustomOp3 for AffineMatmul {
         let q = u32_view(qs, ql, "q")?;
         let sb = u32_view(ss, sl, "scales")?;
         let dev = xs.device();
-        let (base, rows_per_block, warps) = config(n);
+        let (base, rows_per_block, warps) = config(n, self.bits, self.f16);
         let name = format!(
             "{base}_{}_t{}",
             self.suffix(true),
