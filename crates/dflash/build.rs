@@ -49,7 +49,9 @@ fn cuda_kernels() {
         .filter(|p| p.exists())
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    for name in ["gemv", "fused", "mma", "moe", "delta", "dflash2", "affine"] {
+    for name in [
+        "gemv", "fused", "mma", "moe", "delta", "dflash2", "affine", "fp8",
+    ] {
         let ptx = out.join(format!("{name}.ptx"));
         let src = format!("kernels/{name}.cu");
         let status = Command::new(&nvcc)

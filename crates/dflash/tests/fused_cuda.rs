@@ -1639,6 +1639,231 @@ fn check_affine_product(w: &dflash::nn::AffineWeight, host: &Tensor, what: &str)
     assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
 }
 
+/// FP8 block-scaled weights kept as stored (`kernels/fp8.cu`): at every blocking the bf16
+/// skinny GEMM has (N of 3 / 8-32 / 256 / 768 / 1250 tiles, K of 96-1024), with whole and
+/// partial scale blocks, the products of 1 / 5 / 16 rows (and their f32 form) are bit for bit
+/// the bf16 kernel's on the dequantized weights (the same blocking and k order, each weight the
+/// reference's value); each row of 2..16 equals the row alone (bf16 and f32 forms, FP8 and
+/// dense); 40 rows (dequantized, then the dense product) equal the dense product; the device
+/// dequantization equals the host's rounded to bf16, bit for bit.
+#[test]
+fn fp8_kernels_match_the_dequantized_weights() {
+    use dflash::nn::{Fp8Weight, Linear};
+    let Some(dev) = gpu() else { return };
+    let mut rng = dflash::testing::Rng::new(8);
+    for &(n, k, block) in &[
+        (48usize, 256usize, (128usize, 128usize)),
+        (4096, 512, (128, 128)),
+        (12288, 1024, (128, 128)),
+        (20000, 256, (48, 64)),
+        (40, 96, (16, 32)),
+        (256, 128, (16, 32)),
+        (512, 128, (16, 32)),
+        (128, 256, (16, 32)),
+        (128, 128, (16, 32)),
+    ] {
+        // every byte but the NaN codes
+        let bytes: Vec<u8> = (0..n * k)
+            .map(|_| (rng.uniform() * 256.0) as u8)
+            .map(|b| if b & 0x7f == 0x7f { 0x3c } else { b })
+            .collect();
+        let (sn, sk) = (n.div_ceil(block.0), k / block.1);
+        let s: Vec<f32> = (0..sn * sk)
+            .map(|_| (0.0005 + 0.004 * rng.uniform()) as f32)
+            .collect();
+        let scales = Tensor::from_vec(s, (sn, sk), &Device::Cpu).unwrap();
+        let w = Fp8Weight::from_stored(&bytes, &scales, block, n, k, &dev).unwrap();
+        let what = format!("fp8 [{n}, {k}] {block:?}");
+        let host = Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        assert_eq!(
+            common::f32_bits(&w.dequantize(DType::BF16).unwrap()),
+            common::f32_bits(&host),
+            "{what}: device dequantization"
+        );
+        let dense = Linear::dense(host.to_device(&dev).unwrap(), None);
+        let fp8 = Linear::Fp8 {
+            weight: std::sync::Arc::new(w),
+            bias: None,
+        };
+        let x40 = randn(&[40, k], 1.0, &dev);
+        let one: Vec<Vec<u32>> = (0..16)
+            .map(|r| common::f32_bits(&fp8.forward(&x40.narrow(0, r, 1).unwrap()).unwrap()))
+            .collect();
+        for m in 2..=16 {
+            let y = fp8.forward(&x40.narrow(0, 0, m).unwrap()).unwrap();
+            for (r, want) in one.iter().enumerate().take(m) {
+                assert!(
+                    &common::f32_bits(&y.narrow(0, r, 1).unwrap()) == want,
+                    "{what}: row {r} of {m} differs from the row alone"
+                );
+            }
+        }
+        // the f32 forms (LM heads), FP8 and dense: a row alone == among m
+        for (name, l) in [("fp8", &fp8), ("dense", &dense)] {
+            let one: Vec<Vec<u32>> = (0..16)
+                .map(|r| common::f32_bits(&l.forward_f32(&x40.narrow(0, r, 1).unwrap()).unwrap()))
+                .collect();
+            for m in 2..=16 {
+                let y = l.forward_f32(&x40.narrow(0, 0, m).unwrap()).unwrap();
+                for (r, want) in one.iter().enumerate().take(m) {
+                    assert!(
+                        &common::f32_bits(&y.narrow(0, r, 1).unwrap()) == want,
+                        "{what} {name} f32: row {r} of {m} differs from the row alone"
+                    );
+                }
+            }
+        }
+        for m in [1, 5, 16, 40] {
+            let x = x40.narrow(0, 0, m).unwrap().contiguous().unwrap();
+            assert_eq!(
+                common::f32_bits(&fp8.forward(&x).unwrap()),
+                common::f32_bits(&dense.forward(&x).unwrap()),
+                "{what}, {m} rows: the product"
+            );
+            assert_eq!(
+                common::f32_bits(&fp8.forward_f32(&x).unwrap()),
+                common::f32_bits(&dense.forward_f32(&x).unwrap()),
+                "{what}, {m} rows: the f32 product"
+            );
+        }
+        let e = rel_err(
+            &fp8.forward(&x40).unwrap(),
+            &f32_product(&x40, &host.to_device(&dev).unwrap()),
+        );
+        assert!(e < 1e-2, "{what}: rel err {e} against the f32 product");
+        eprintln!("ok {what}");
+    }
+}
+
+/// Logits of every forward a greedy DFlash run makes, over `toks` (a 30-token prefill, then
+/// verify windows of `q` rows each followed by a rollback to a random accepted length, the
+/// engine's pattern; q = 1 is plain decoding), as f32 bits.
+fn verify_pattern_logits(m: &dyn dflash::archs::TargetModel, toks: &[u32], q: usize) -> Vec<u32> {
+    use dflash::archs::Logits;
+    let mut c = m.new_cache(128).unwrap();
+    let mut out = common::f32_bits(
+        &m.forward(&toks[..30], 0, &mut c, &[], Logits::All)
+            .unwrap()
+            .logits
+            .unwrap(),
+    );
+    let mut rng = dflash::testing::Rng::new(q as u64);
+    let mut pos = 30;
+    while pos + q <= toks.len() {
+        let l = m
+            .forward(&toks[pos..pos + q], pos, &mut c, &[], Logits::All)
+            .unwrap();
+        out.extend(common::f32_bits(&l.logits.unwrap()));
+        let keep = 1 + rng.below(q);
+        c.truncate(pos + keep).unwrap();
+        pos += keep;
+    }
+    out
+}
+
+fn fp8_tiny_target() -> dflash::testing::TinyTarget {
+    dflash::testing::TinyTarget {
+        hidden: 128,
+        intermediate: 256,
+        ..dflash::testing::TinyTarget::qwen3(71)
+    }
+}
+
+/// An FP8 checkpoint on the GPU keeps its matrices as stored (block-aligned q/k/v and gate/up
+/// stack into one weight; misaligned ones with a scale per row): the load report says so, the
+/// weights take under 0.75x their bf16 twin's bytes, and every forward of a DFlash run (the
+/// prefill, then verify windows of 1 / 2 / 7 / 16 rows with rollbacks) gives the twin's logits
+/// bit for bit; greedy DFlash == plain.
+#[test]
+fn fp8_checkpoint_on_the_gpu_runs_as_stored() {
+    use dflash::archs::{load_target, LoadOptions};
+    use dflash::source::ModelSource;
+    use dflash::testing::TinyDraft;
+    let Some(dev) = gpu() else { return };
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    for block in [(16, 32), (128, 128)] {
+        let t = fp8_tiny_target();
+        let dir = tempfile::tempdir().unwrap();
+        let (fp8_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
+        let n = common::fp8::write_fp8(&t, block, "-", &fp8_dir, &twin);
+        let (cfg, q) = load_target(&ModelSource::from_dir("t", &fp8_dir).unwrap(), &opts).unwrap();
+        let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
+        let info = q.info().quantization.clone().unwrap();
+        assert_eq!(
+            info,
+            format!("fp8 e4m3 {}x{} x{n}; kept as stored", block.0, block.1)
+        );
+        assert!(
+            (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * 0.75,
+            "{block:?}: {} bytes held vs {} for bf16",
+            q.info().weight_bytes,
+            f.info().weight_bytes
+        );
+        let toks = common::ids(9, 80, t.vocab);
+        for rows in [1, 2, 7, 16] {
+            assert!(
+                verify_pattern_logits(q.as_ref(), &toks, rows)
+                    == verify_pattern_logits(f.as_ref(), &toks, rows),
+                "{block:?}: logits differ from the dequantized twin's (verify windows of {rows})"
+            );
+        }
+        let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 72);
+        d.write(&dir.path().join("d"), t.vocab).unwrap();
+        let draft = dflash::draft::load_draft(
+            &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+            &cfg,
+            "t",
+            &opts,
+        )
+        .unwrap();
+        let engine = dflash::engine::Engine::new(q, Some(draft));
+        common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "fp8 on CUDA");
+        eprintln!("ok fp8 {block:?} on CUDA: {info}");
+    }
+}
+
+/// Found in session 32 and not yet fixed: this tiny bf16 qwen3 (hidden 128, intermediate 256,
+/// seed 71; dense weights, the dequantized twin of the FP8 test above) after a 30-token prompt
+/// gives a 7-row verify whose row 4 differs from the decode step (max diff 0.031 in the
+/// logits), on the H200 in batch-invariant mode. The FP8 model gives the same bits as this
+/// twin, and the skinny GEMM (bf16 and f32 forms) is row-invariant at these shapes
+/// (`fp8_kernels_match_the_dequantized_weights`), so the difference is elsewhere in the dense
+/// path (the MLX twin of the same shape, whose LM head and embedding are quantized, passes).
+#[test]
+#[ignore = "known failure (session 32): a 7-row verify of this tiny dense model differs from its decode steps at row 4"]
+fn tiny_dense_qwen3_verify_equals_decode_steps() {
+    use dflash::archs::{load_target, LoadOptions};
+    use dflash::source::ModelSource;
+    let Some(dev) = gpu() else { return };
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev,
+        ..Default::default()
+    };
+    let t = fp8_tiny_target();
+    let dir = tempfile::tempdir().unwrap();
+    t.write(dir.path()).unwrap();
+    let (_, f) = load_target(&ModelSource::from_dir("f", dir.path()).unwrap(), &opts).unwrap();
+    let toks = common::ids(9, 30, t.vocab);
+    for steps in [7, 16] {
+        common::assert_verify_with_rollback_equals_decode_steps(
+            f.as_ref(),
+            &toks,
+            30,
+            steps,
+            steps as u64,
+            "tiny dense qwen3",
+        );
+    }
+}
+
 /// A quantized target `q` against its twin `f` holding the dequantized weights: logits over
 /// `toks` within 5e-2, and verify with rollbacks == decode steps for blocks of 2 / 7 / 16.
 fn check_against_twin(

@@ -223,11 +223,15 @@ fn tensor_prefix(w: &Weights) -> Result<(&'static str, &'static str)> {
     ))
 }
 
-/// Reorder the rows of a dense linear layer.
+/// Reorder the rows of a dense (or FP8: a scale per row then) linear layer.
 fn permute_rows(l: Linear, idx: &Tensor) -> Result<Linear> {
     match l {
         Linear::Dense { weight, bias } => Ok(Linear::Dense {
             weight: weight.index_select(idx, 0)?,
+            bias: bias.map(|b| b.index_select(idx, 0)).transpose()?,
+        }),
+        Linear::Fp8 { weight, bias } => Ok(Linear::Fp8 {
+            weight: std::sync::Arc::new(weight.select_rows(idx)?),
             bias: bias.map(|b| b.index_select(idx, 0)).transpose()?,
         }),
         Linear::Quant { .. } | Linear::Q8 { .. } | Linear::Affine { .. } => Err(Error::input(

@@ -2,7 +2,7 @@
 //! affine kept as stored on CUDA).
 
 use super::q8::QMatrix;
-use super::AffineWeight;
+use super::{AffineWeight, Fp8Weight};
 use crate::source::Weights;
 use crate::Result;
 use candle_core::quantized::{QMatMul, QTensor};
@@ -31,6 +31,11 @@ pub enum Linear {
     /// An MLX affine-quantized weight kept as stored (CUDA: [`AffineWeight`]).
     Affine {
         weight: Arc<AffineWeight>,
+        bias: Option<Tensor>,
+    },
+    /// An FP8 block-scaled weight kept as stored (CUDA: [`Fp8Weight`]).
+    Fp8 {
+        weight: Arc<Fp8Weight>,
         bias: Option<Tensor>,
     },
 }
@@ -77,6 +82,7 @@ impl Linear {
             }
             Linear::Q8 { weight, bias } => weight.bytes() + b(bias),
             Linear::Affine { weight, bias } => weight.bytes() + b(bias),
+            Linear::Fp8 { weight, bias } => weight.bytes() + b(bias),
         }
     }
 
@@ -144,6 +150,19 @@ impl Linear {
                 bias,
             }));
         }
+        let fp8: Option<Vec<&Fp8Weight>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Fp8 { weight, .. } => Some(weight.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if let Some(ws) = fp8 {
+            return Ok(Fp8Weight::concat(&ws)?.map(|w| Linear::Fp8 {
+                weight: Arc::new(w),
+                bias,
+            }));
+        }
         let quant: Option<Vec<&QTensor>> = parts
             .iter()
             .map(|p| match p {
@@ -165,7 +184,8 @@ impl Linear {
             Linear::Dense { bias, .. }
             | Linear::Quant { bias, .. }
             | Linear::Q8 { bias, .. }
-            | Linear::Affine { bias, .. } => bias.as_ref(),
+            | Linear::Affine { bias, .. }
+            | Linear::Fp8 { bias, .. } => bias.as_ref(),
         }
     }
 
@@ -209,6 +229,13 @@ impl Linear {
                 weight: Arc::new(weight.rows(start, len)?),
                 bias: bias.as_ref().map(|b| b.narrow(0, start, len)).transpose()?,
             })),
+            Linear::Fp8 { weight, bias } => {
+                let bias = bias.as_ref().map(|b| b.narrow(0, start, len)).transpose()?;
+                Ok(weight.rows(start, len)?.map(|w| Linear::Fp8 {
+                    weight: Arc::new(w),
+                    bias,
+                }))
+            }
             Linear::Quant { .. } | Linear::Q8 { .. } => Ok(None),
         }
     }
@@ -218,6 +245,7 @@ impl Linear {
         let (dtype, device) = match self {
             Linear::Dense { weight, .. } => (weight.dtype(), weight.device().clone()),
             Linear::Affine { weight, .. } => (DType::BF16, weight.q.device().clone()),
+            Linear::Fp8 { weight, .. } => (DType::BF16, weight.q.device().clone()),
             Linear::Quant { .. } | Linear::Q8 { .. } => (DType::F32, candle_core::Device::Cpu),
         };
         Ok(Linear::Dense {
@@ -237,6 +265,7 @@ impl Linear {
             Linear::Quant { out_features, .. } => *out_features,
             Linear::Q8 { weight, .. } => weight.rows(),
             Linear::Affine { weight, .. } => weight.n,
+            Linear::Fp8 { weight, .. } => weight.n,
         }
     }
 
@@ -249,6 +278,9 @@ impl Linear {
             if let Some(y) = super::cuda::mma_f32(x, weight)? {
                 return Ok(y);
             }
+        }
+        if let Linear::Fp8 { weight, bias: None } = self {
+            return weight.forward_f32(x);
         }
         Ok(self.forward(x)?.to_dtype(DType::F32)?)
     }
@@ -290,6 +322,7 @@ impl Linear {
             }
             Linear::Q8 { weight, bias } => (weight.forward(x)?.to_dtype(x.dtype())?, bias),
             Linear::Affine { weight, bias } => (weight.forward(x)?, bias),
+            Linear::Fp8 { weight, bias } => (weight.forward(x)?, bias),
         };
         Ok(match bias {
             Some(b) => y.broadcast_add(b)?,

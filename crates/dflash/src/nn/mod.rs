@@ -13,6 +13,7 @@ pub mod cpu_attention;
 pub mod cuda;
 pub mod dyn_conv;
 pub mod embedding;
+pub mod fp8;
 pub mod fused;
 pub mod gated_delta;
 pub mod gguf_affine;
@@ -35,6 +36,7 @@ pub use attention::{
 };
 pub use dyn_conv::dyn_conv;
 pub use embedding::Embedding;
+pub use fp8::Fp8Weight;
 pub use gated_delta::{ChunkMasks, GatedDeltaNet, GatedDeltaSpec, InProjLayout};
 pub use kv_cache::KvCache;
 pub use latent_cache::LatentCache;

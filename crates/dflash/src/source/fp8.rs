@@ -2,9 +2,11 @@
 //! weight_block_size: [bn, bk]}` (the DeepSeek-V3 / Kimi / Qwen `-FP8` checkpoints). A matrix
 //! `X.weight [N, K]` is stored as float8 e4m3 with `X.weight_scale_inv [ceil(N / bn), ceil(K /
 //! bk)]` beside it (f32 or bf16), one scale per block, and its value is `fp8 * scale`; the rest
-//! (embeddings, norms, modules the quantizer skipped) stays float. Part of `source/`: the
-//! weights are dequantized here at load to the compute dtype, on every device (a GPU kernel that
-//! keeps them as stored is the next step of the quantized-GPU work). Activations stay in the
+//! (embeddings, norms, modules the quantizer skipped) stays float. Part of `source/`: on CUDA
+//! with bf16 compute the linear layers' matrices are kept as stored (`nn::Fp8Weight`, read by
+//! [`load_stored`]); everything else is dequantized here at load to the compute dtype
+//! ([`load_dequantized`]: the CPU, other dtypes, other reads such as MoE experts or MLA's
+//! absorbed `kv_b_proj`, and column blocks the kernels do not take). Activations stay in the
 //! compute dtype: `activation_scheme: "dynamic"` (per-token FP8 activations in the publishers'
 //! engines) is accepted; a static scheme (`input_scale` tensors) is refused.
 
@@ -97,22 +99,27 @@ pub fn e4m3_value(b: u8) -> f32 {
     sign * v
 }
 
-/// An FP8 weight dequantized at load: the f32 values and the tensors read.
-pub struct Dequantized {
-    pub tensor: Tensor,
+/// An FP8 weight as stored: its e4m3 bytes (row-major `[n, k]`), the f32 block scales
+/// `[ceil(n / bn), ceil(k / bk)]`, the block, and the tensors read.
+pub struct Stored {
+    pub bytes: Vec<u8>,
+    pub scales: Tensor,
+    pub block: (usize, usize),
+    pub n: usize,
+    pub k: usize,
     pub read: [String; 2],
 }
 
-/// `name` dequantized to f32 on the CPU when it is an FP8 weight (float8 e4m3 with
-/// `name_scale_inv` beside it); None for an ordinary tensor. `shape` is the logical shape the
-/// model expects; `desc` names the checkpoint in errors.
-pub fn load_dequantized(
+/// `name` as stored when it is an FP8 weight (float8 e4m3 with `name_scale_inv` beside it);
+/// None for an ordinary tensor. `shape` is the logical shape the model expects; `desc` names
+/// the checkpoint in errors.
+pub fn load_stored(
     st: &MmapedSafetensors,
     quant: Option<&Fp8Quant>,
     name: &str,
     shape: &[usize],
     desc: &str,
-) -> Result<Option<Dequantized>> {
+) -> Result<Option<Stored>> {
     let Ok(view) = st.get(name) else {
         return Ok(None); // the caller reports the missing tensor
     };
@@ -153,44 +160,85 @@ pub fn load_dequantized(
     }
     let (bn, bk) = quant.block;
     let (sn, sk) = (n.div_ceil(bn), k.div_ceil(bk));
-    let scale = st
+    let scales = st
         .load(&scale_name, &Device::Cpu)
         .map_err(|e| err(format!("tensor `{scale_name}`: {e}")))?;
-    if scale.dims() != [sn, sk] {
+    if scales.dims() != [sn, sk] {
         return Err(err(format!(
             "tensor `{scale_name}`: shape {:?}, expected [{sn}, {sk}] (one scale per {bn}x{bk} block of `{name}` {shape:?}, config weight_block_size)",
-            scale.dims()
+            scales.dims()
         )));
     }
-    let scale = scale
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let bytes = view.data();
-    let mut out = Vec::with_capacity(n * k);
-    for r in 0..*n {
-        let row = &bytes[r * k..(r + 1) * k];
-        let srow = &scale[(r / bn) * sk..(r / bn + 1) * sk];
-        out.extend(
-            row.iter()
-                .enumerate()
-                .map(|(c, &b)| e4m3_value(b) * srow[c / bk]),
-        );
-    }
-    Ok(Some(Dequantized {
-        tensor: Tensor::from_vec(out, (*n, *k), &Device::Cpu)?,
+    Ok(Some(Stored {
+        bytes: view.data().to_vec(),
+        scales: scales.to_dtype(DType::F32)?,
+        block: quant.block,
+        n: *n,
+        k: *k,
         read: [name.to_string(), scale_name],
     }))
 }
 
-/// The load report's part for FP8: `fp8 e4m3 128x128 x197; dequantized to bf16`.
-pub fn report(quant: Option<&Fp8Quant>, count: usize, dtype: DType) -> Option<String> {
+/// An FP8 weight dequantized at load: the f32 values and the tensors read.
+pub struct Dequantized {
+    pub tensor: Tensor,
+    pub read: [String; 2],
+}
+
+/// `name` dequantized to f32 on the CPU when it is an FP8 weight ([`load_stored`]); None for
+/// an ordinary tensor.
+pub fn load_dequantized(
+    st: &MmapedSafetensors,
+    quant: Option<&Fp8Quant>,
+    name: &str,
+    shape: &[usize],
+    desc: &str,
+) -> Result<Option<Dequantized>> {
+    let Some(s) = load_stored(st, quant, name, shape, desc)? else {
+        return Ok(None);
+    };
+    Ok(Some(Dequantized {
+        tensor: Tensor::from_vec(s.dequantize()?, (s.n, s.k), &Device::Cpu)?,
+        read: s.read,
+    }))
+}
+
+impl Stored {
+    /// The values `f32(e4m3) * scale`, row-major.
+    pub fn dequantize(&self) -> Result<Vec<f32>> {
+        let ((bn, bk), k) = (self.block, self.k);
+        let sk = k.div_ceil(bk);
+        let scale = self.scales.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = Vec::with_capacity(self.n * k);
+        for r in 0..self.n {
+            let row = &self.bytes[r * k..(r + 1) * k];
+            let srow = &scale[(r / bn) * sk..(r / bn + 1) * sk];
+            out.extend(
+                row.iter()
+                    .enumerate()
+                    .map(|(c, &b)| e4m3_value(b) * srow[c / bk]),
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// The load report's part for FP8: `fp8 e4m3 128x128 x197; dequantized to bf16`, or with
+/// `kept` of them kept as stored (CUDA): `fp8 e4m3 128x128 x197; 190 kept as stored, the rest
+/// dequantized to bf16`.
+pub fn report(quant: Option<&Fp8Quant>, count: usize, kept: usize, dtype: DType) -> Option<String> {
     let q = quant.filter(|_| count > 0)?;
+    let how = match kept {
+        0 => format!("dequantized to {}", dtype.as_str()),
+        k if k == count => "kept as stored".to_string(),
+        k => format!(
+            "{k} kept as stored, the rest dequantized to {}",
+            dtype.as_str()
+        ),
+    };
     Some(format!(
-        "fp8 e4m3 {}x{} x{count}; dequantized to {}",
-        q.block.0,
-        q.block.1,
-        dtype.as_str()
+        "fp8 e4m3 {}x{} x{count}; {how}",
+        q.block.0, q.block.1
     ))
 }
 

@@ -56,6 +56,8 @@ pub struct Weights {
     fp8: Option<super::fp8::Fp8Quant>,
     /// FP8 matrices dequantized so far.
     fp8_count: RefCell<usize>,
+    /// FP8 matrices kept as stored (CUDA, [`Linear::Fp8`]).
+    fp8_kept: RefCell<usize>,
 }
 
 impl Weights {
@@ -90,6 +92,7 @@ impl Weights {
             mlx_kept: RefCell::default(),
             fp8: None,
             fp8_count: RefCell::default(),
+            fp8_kept: RefCell::default(),
         })
     }
 
@@ -124,6 +127,7 @@ impl Weights {
             mlx_kept: RefCell::default(),
             fp8: None,
             fp8_count: RefCell::default(),
+            fp8_kept: RefCell::default(),
         })
     }
 
@@ -140,6 +144,7 @@ impl Weights {
             mlx_kept: RefCell::default(),
             fp8: None,
             fp8_count: RefCell::default(),
+            fp8_kept: RefCell::default(),
         }
     }
 
@@ -377,6 +382,9 @@ impl Weights {
         if let Some(l) = self.mlx_affine(&name, out_dim, in_dim, &bias)? {
             return Ok(l);
         }
+        if let Some(l) = self.fp8_stored(&name, out_dim, in_dim, &bias)? {
+            return Ok(l);
+        }
         if !self.is_gguf() {
             return Ok(Linear::Dense {
                 weight: self.get(&name, shape)?,
@@ -445,6 +453,49 @@ impl Weights {
         }))
     }
 
+    /// An FP8 matrix kept as stored ([`Linear::Fp8`]) where the kernels take it: on CUDA with
+    /// bf16 compute, column blocks of whole 32-wide chunks. None: load it dense (`get`
+    /// dequantizes it).
+    fn fp8_stored(
+        &self,
+        name: &str,
+        out_dim: usize,
+        in_dim: usize,
+        bias: &Option<Tensor>,
+    ) -> Result<Option<Linear>> {
+        let Backend::Safetensors { st, .. } = &self.backend else {
+            return Ok(None);
+        };
+        let Some(quant) = self.fp8.as_ref() else {
+            return Ok(None);
+        };
+        if !crate::nn::quant::keeps_affine(&self.device, self.dtype)
+            || !crate::nn::Fp8Weight::supported(in_dim, quant.block)
+        {
+            return Ok(None);
+        }
+        let Some(s) =
+            super::fp8::load_stored(st, Some(quant), name, &[out_dim, in_dim], &self.file_desc())?
+        else {
+            return Ok(None);
+        };
+        let w = crate::nn::Fp8Weight::from_stored(
+            &s.bytes,
+            &s.scales,
+            s.block,
+            s.n,
+            s.k,
+            &self.device,
+        )?;
+        self.used.borrow_mut().extend(s.read);
+        *self.fp8_count.borrow_mut() += 1;
+        *self.fp8_kept.borrow_mut() += 1;
+        Ok(Some(Linear::Fp8 {
+            weight: std::sync::Arc::new(w),
+            bias: bias.clone(),
+        }))
+    }
+
     /// A GGUF matmul weight `name` placed by [`crate::nn::quant::place`] (the policy: which
     /// stored types are requantized, or become affine weights, for which device and dtype);
     /// [`Placed::Float`] for float types (the caller loads those dense).
@@ -505,7 +556,12 @@ impl Weights {
                     *self.mlx_kept.borrow(),
                     self.dtype,
                 ),
-                super::fp8::report(self.fp8.as_ref(), *self.fp8_count.borrow(), self.dtype),
+                super::fp8::report(
+                    self.fp8.as_ref(),
+                    *self.fp8_count.borrow(),
+                    *self.fp8_kept.borrow(),
+                    self.dtype,
+                ),
             ]
             .into_iter()
             .flatten()

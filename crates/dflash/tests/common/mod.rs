@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod fp8;
 pub mod mlx;
 
 use candle_core::Tensor;
