@@ -1,7 +1,7 @@
 //! `dflash models`: the draft registry and the target families this build supports.
 
 use anyhow::Result;
-use dflash::archs::footprint::{estimate, host_memory, human_bytes, Footprint};
+use dflash::archs::footprint::{estimate, host_memory, human_bytes, CudaStorage, Footprint};
 use dflash::archs::FAMILIES;
 use dflash::config::TargetConfig;
 use dflash::registry::{family_supported, published_target_config, DraftEntry, DRAFT_REGISTRY};
@@ -21,14 +21,6 @@ const FIT_CONTEXT: u64 = 8192;
 /// Weight bytes at ~4.5 bits a weight (GGUF Q4_K_M / MLX 4-bit with group scales).
 fn q4_bytes(f: &Footprint) -> u64 {
     f.params * 9 / 16
-}
-
-/// Weight bytes as dflash holds a 4-bit / 8-bit quantized checkpoint on CUDA (bf16 compute):
-/// affine weights with an f16 scale and bias per 32 weights, 5 / 9 bits a weight (GGUF Q4_0,
-/// Q4_1, Q4_K / Q8_0, Q5_0, Q5_1, Q5_K rewritten at load, `nn::gguf_affine`; MLX 4- / 8-bit
-/// g32 as stored).
-fn affine_bytes(f: &Footprint, bits: u64) -> u64 {
-    f.params * (bits + 1) / 8
 }
 
 /// Whether weights of `bytes` plus the cache of [`FIT_CONTEXT`] tokens fit `gpu` bytes
@@ -54,13 +46,19 @@ pub fn run(json: bool) -> Result<()> {
                         "cache_bytes_per_token_bf16": f.cache_bytes_per_token_bf16,
                         "fits_in_ram_bf16": host_memory().map(|(total, _)| f.loaded_bytes_bf16 < total),
                         "q4_bytes": q4_bytes(&f),
+                        "cuda_held_bytes": {
+                            "affine_4bit": f.cuda_held_bytes(CudaStorage::Affine4),
+                            "affine_8bit": f.cuda_held_bytes(CudaStorage::Affine8),
+                            "fp8": f.cuda_held_bytes(CudaStorage::Fp8),
+                        },
                         "gpu_fit": GPUS.iter().map(|(name, b)| serde_json::json!({
                             "gpu": name, "context": FIT_CONTEXT,
                             "bf16": fits(&f, f.loaded_bytes_bf16, *b),
                             "as_published": f.stored_bytes.map(|s| fits(&f, s, *b)),
                             "q4": fits(&f, q4_bytes(&f), *b),
-                            "cuda_affine_4bit": fits(&f, affine_bytes(&f, 4), *b),
-                            "cuda_affine_8bit": fits(&f, affine_bytes(&f, 8), *b),
+                            "cuda_affine_4bit": fits(&f, f.cuda_held_bytes(CudaStorage::Affine4), *b),
+                            "cuda_affine_8bit": fits(&f, f.cuda_held_bytes(CudaStorage::Affine8), *b),
+                            "cuda_fp8": fits(&f, f.cuda_held_bytes(CudaStorage::Fp8), *b),
                         })).collect::<Vec<_>>(),
                     })),
                 })
@@ -138,7 +136,7 @@ pub fn run(json: bool) -> Result<()> {
         );
     }
     println!(
-        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / ~4.5 bits a weight (Q4_K_M, MLX 4-bit g64) / 4-bit and 8-bit GGUF or MLX on CUDA (5 and 9 bits a weight).\nOn CUDA with bf16, GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q5_1/Q5_K matrices become affine weights (f16 scale and bias per 32), other GGUF types stay as stored, MLX 4/8-bit stays as stored; MXFP4 and int4 experts are dequantized to bf16."
+        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / a ~4.5-bit checkpoint (Q4_K_M, MLX 4-bit g64: the file) / as dflash holds 4-bit, 8-bit and FP8 checkpoints on CUDA today.\nOn CUDA with bf16, the linear layers stay as stored: GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q5_1/Q5_K matrices become affine weights (a scale and bias per 32: 5 / 9 bits a weight), MLX 4/8-bit stays as stored, FP8 stays e4m3 (its LM head bf16); the embedding table and every routed expert (MLX, GGUF, FP8, MXFP4, int4) are dequantized to bf16, so the MoE rows need about their bf16 size."
     );
     let yn = |b: bool| if b { "yes" } else { "no" };
     for e in DRAFT_REGISTRY {
@@ -147,12 +145,13 @@ pub fn run(json: bool) -> Result<()> {
             .iter()
             .map(|(name, b)| {
                 format!(
-                    "{name}: {} / {} / {} / {} {}",
+                    "{name}: {} / {} / {} / {} {} {}",
                     yn(fits(&f, f.loaded_bytes_bf16, *b)),
                     f.stored_bytes.map_or("?", |s| yn(fits(&f, s, *b))),
                     yn(fits(&f, q4_bytes(&f), *b)),
-                    yn(fits(&f, affine_bytes(&f, 4), *b)),
-                    yn(fits(&f, affine_bytes(&f, 8), *b))
+                    yn(fits(&f, f.cuda_held_bytes(CudaStorage::Affine4), *b)),
+                    yn(fits(&f, f.cuda_held_bytes(CudaStorage::Affine8), *b)),
+                    yn(fits(&f, f.cuda_held_bytes(CudaStorage::Fp8), *b))
                 )
             })
             .collect();

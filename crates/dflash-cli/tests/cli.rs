@@ -303,12 +303,27 @@ fn models_lists_the_seed_rows_and_dflash2_rows_and_names_missing_families() {
     assert_eq!(fit("Qwen3.5-27B", 1, "bf16"), false);
     assert_eq!(fit("Qwen3.5-27B", 1, "q4"), true);
     assert_eq!(fit("Kimi-K2.5", 0, "q4"), false);
-    // on CUDA at 5 / 9 bits a weight (GGUF Q4_* / Q8_0, Q5_* as affine weights)
+    // as dflash holds a checkpoint on CUDA: linear layers at 5 / 9 bits a weight (affine) or a
+    // byte (FP8), the embedding and the routed experts in bf16
     assert_eq!(fit("Qwen3-8B", 1, "cuda_affine_8bit"), true);
+    assert_eq!(fit("Qwen3-8B", 1, "cuda_fp8"), true);
     assert_eq!(fit("Qwen3.5-27B", 1, "cuda_affine_4bit"), true);
     assert_eq!(fit("Qwen3.5-27B", 1, "cuda_affine_8bit"), false);
-    assert_eq!(fit("Qwen3.5-122B-A10B", 0, "cuda_affine_8bit"), false);
-    assert_eq!(fit("Qwen3.5-122B-A10B", 0, "cuda_affine_4bit"), true);
+    assert_eq!(fit("Qwen3.5-27B", 1, "cuda_fp8"), false);
+    assert_eq!(fit("Qwen3.5-27B", 0, "cuda_fp8"), true);
+    // the MoE rows: the experts dequantized, so a 4-bit Qwen3.5-122B-A10B does not fit one
+    // H200 with dflash today although its checkpoint would
+    assert_eq!(fit("Qwen3.5-122B-A10B", 0, "q4"), true);
+    assert_eq!(fit("Qwen3.5-122B-A10B", 0, "cuda_affine_4bit"), false);
+    assert_eq!(fit("Qwen3.5-35B-A3B", 0, "cuda_affine_4bit"), true);
+    assert_eq!(fit("Qwen3.5-35B-A3B", 1, "cuda_affine_4bit"), false);
+    let held = |target: &str, what: &str| {
+        let r = rows.iter().find(|r| r["target"] == target).unwrap();
+        r["memory"]["cuda_held_bytes"][what].as_u64().unwrap()
+    };
+    // Qwen3-8B: 6.95 G matrices at a byte, the embedding and the LM head (0.62 G each) bf16
+    let fp8 = held("Qwen3-8B", "fp8") as f64;
+    assert!((fp8 / 9.44e9 - 1.0).abs() < 0.02, "{fp8}");
     let d2 = rows.iter().find(|r| r["arch"] == "DFlash2").unwrap();
     assert_eq!(
         (

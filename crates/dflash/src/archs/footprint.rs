@@ -23,6 +23,43 @@ pub struct Footprint {
     pub cache_bytes_per_token_bf16: u64,
     /// Cache bytes that do not grow with the context (recurrent state of the hybrids).
     pub cache_fixed_bytes_bf16: u64,
+    /// Routed-expert parameters (part of `params`).
+    pub expert_params: u64,
+    /// The token embedding table's parameters (part of `params`).
+    pub embedding_params: u64,
+    /// An untied LM head's parameters (part of `params`; 0 when tied to the embedding).
+    pub head_params: u64,
+}
+
+/// A quantized checkpoint's storage as dflash keeps it on CUDA with bf16 compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaStorage {
+    /// 4-bit affine (MLX 4-bit; GGUF Q4_0 / Q4_1 / Q4_K rewritten at load): a scale and bias
+    /// per 32 weights, 5 bits a weight.
+    Affine4,
+    /// 8-bit affine (MLX 8-bit; GGUF Q8_0 / Q5_*): 9 bits a weight.
+    Affine8,
+    /// FP8 e4m3 with a scale per 128x128 block: a byte a weight.
+    Fp8,
+}
+
+impl Footprint {
+    /// Bytes of weights dflash holds on CUDA (bf16 compute) for a checkpoint of `storage`: the
+    /// linear layers' matrices as stored; the embedding table and the routed experts as bf16
+    /// (dequantized at load: the expert kernels take bf16 only); the LM head as stored for the
+    /// affine formats (MLX quantizes it) and bf16 for FP8 (the published FP8 checkpoints keep
+    /// it so). Norms and biases are counted with the linear layers.
+    pub fn cuda_held_bytes(&self, storage: CudaStorage) -> u64 {
+        let linear = self
+            .params
+            .saturating_sub(self.expert_params + self.embedding_params + self.head_params);
+        let bf16 = 2 * (self.expert_params + self.embedding_params);
+        match storage {
+            CudaStorage::Affine4 => (linear + self.head_params) * 5 / 8 + bf16,
+            CudaStorage::Affine8 => (linear + self.head_params) * 9 / 8 + bf16,
+            CudaStorage::Fp8 => linear + 2 * self.head_params + bf16,
+        }
+    }
 }
 
 /// How the checkpoint stores routed-expert matrices, in bytes per value.
@@ -81,6 +118,13 @@ pub fn estimate(cfg: &TargetConfig) -> Result<Option<Footprint>> {
         loaded_bytes_bf16: 2 * c.total(),
         cache_bytes_per_token_bf16: plan.cache_bytes_per_token(candle_core::DType::BF16),
         cache_fixed_bytes_bf16: plan.cache_fixed_bytes(candle_core::DType::BF16),
+        expert_params: c.experts,
+        embedding_params: (cfg.vocab_size * cfg.hidden_size) as u64,
+        head_params: if cfg.tie_word_embeddings {
+            0
+        } else {
+            (cfg.vocab_size * cfg.hidden_size) as u64
+        },
     }))
 }
 
@@ -179,6 +223,25 @@ mod tests {
             q9.cache_fixed_bytes_bf16,
             24 * (32 * 128 * 128 * 4 + 3 * 8192 * 2)
         );
+        // held on CUDA: Qwen3-8B (dense, untied head of 151,936 x 4,096): the matrices at
+        // 5 / 9 / 8 bits, the embedding in bf16, the head as stored (affine) or bf16 (FP8)
+        let q8 = of("Qwen3-8B");
+        let table = 151_936u64 * 4096;
+        assert_eq!(
+            (q8.embedding_params, q8.head_params, q8.expert_params),
+            (table, table, 0)
+        );
+        let lin = q8.params - 2 * table;
+        assert_eq!(
+            q8.cuda_held_bytes(CudaStorage::Affine4),
+            (lin + table) * 5 / 8 + 2 * table
+        );
+        assert_eq!(q8.cuda_held_bytes(CudaStorage::Fp8), lin + 4 * table);
+        // MoE: the routed experts stay bf16, so Qwen3.5-122B-A10B at 4 bits is far above its
+        // ~69 GB checkpoint and does not fit one H200 with dflash today
+        let big = of("Qwen3.5-122B-A10B");
+        assert!(big.expert_params > 110_000_000_000, "{}", big.expert_params);
+        assert!(big.cuda_held_bytes(CudaStorage::Affine4) > 2 * big.expert_params);
         // every row of the registry has a recorded config and is sized
         for e in DRAFT_REGISTRY {
             let v = published_target_config(e.target).unwrap_or_else(|| panic!("{}", e.target));
