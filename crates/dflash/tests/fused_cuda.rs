@@ -1738,6 +1738,109 @@ fn fp8_kernels_match_the_dequantized_weights() {
     }
 }
 
+/// Trial `fp8_block_scale` (`kernels/fp8.cu`, BS): the exact e4m3 values on the tensor cores
+/// and the block scales on each scale column's partial sums. At every blocking, whole and
+/// partial blocks, subnormal and signed bytes: 1..16 rows within rounding of the f32 product of
+/// the dequantized weights (bf16 and f32 forms), each row of m == the row alone; and a tiny FP8
+/// qwen3 through it keeps greedy DFlash == plain. The trial is switched off again at the end.
+#[test]
+fn fp8_block_scale_trial_is_close_and_row_invariant() {
+    use dflash::nn::{Fp8Weight, Linear};
+    use dflash::switches::{set_trials, Trial};
+    let Some(dev) = gpu() else { return };
+    // the trial off again however this test ends (the GPU suite runs on one thread)
+    struct Off;
+    impl Drop for Off {
+        fn drop(&mut self) {
+            set_trials(&[]);
+        }
+    }
+    let _off = Off;
+    set_trials(&[Trial::Fp8BlockScale]);
+    let mut rng = dflash::testing::Rng::new(9);
+    for &(n, k, block) in &[
+        (48usize, 256usize, (128usize, 128usize)),
+        (4096, 512, (128, 128)),
+        (12288, 1024, (128, 128)),
+        (20000, 256, (48, 64)),
+        (40, 96, (16, 32)),
+        (256, 128, (16, 32)),
+    ] {
+        let bytes: Vec<u8> = (0..n * k)
+            .map(|_| (rng.uniform() * 256.0) as u8)
+            .map(|b| if b & 0x7f == 0x7f { 0x3c } else { b })
+            .collect();
+        let (sn, sk) = (n.div_ceil(block.0), k / block.1);
+        let s: Vec<f32> = (0..sn * sk)
+            .map(|_| (0.0005 + 0.004 * rng.uniform()) as f32)
+            .collect();
+        let scales = Tensor::from_vec(s, (sn, sk), &Device::Cpu).unwrap();
+        let w = Fp8Weight::from_stored(&bytes, &scales, block, n, k, &dev).unwrap();
+        let what = format!("fp8 block-scale trial [{n}, {k}] {block:?}");
+        let exact = Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap();
+        let fp8 = Linear::Fp8 {
+            weight: std::sync::Arc::new(w),
+            bias: None,
+        };
+        let x16 = randn(&[16, k], 1.0, &dev);
+        let one: Vec<Vec<u32>> = (0..16)
+            .map(|r| common::f32_bits(&fp8.forward(&x16.narrow(0, r, 1).unwrap()).unwrap()))
+            .collect();
+        let one32: Vec<Vec<u32>> = (0..16)
+            .map(|r| common::f32_bits(&fp8.forward_f32(&x16.narrow(0, r, 1).unwrap()).unwrap()))
+            .collect();
+        for m in 1..=16 {
+            let x = x16.narrow(0, 0, m).unwrap();
+            let y = fp8.forward(&x).unwrap();
+            let e = rel_err(&y, &f32_product(&x, &exact));
+            assert!(e < 1e-2, "{what}, {m} rows: rel err {e}");
+            let y32 = fp8.forward_f32(&x).unwrap();
+            for r in 0..m {
+                assert!(
+                    common::f32_bits(&y.narrow(0, r, 1).unwrap()) == one[r]
+                        && common::f32_bits(&y32.narrow(0, r, 1).unwrap()) == one32[r],
+                    "{what}: row {r} of {m} differs from the row alone"
+                );
+            }
+        }
+        eprintln!("ok {what}");
+    }
+    {
+        use dflash::archs::{load_target, LoadOptions};
+        use dflash::source::ModelSource;
+        use dflash::testing::TinyDraft;
+        let opts = LoadOptions {
+            dtype: DType::BF16,
+            device: dev.clone(),
+            ..Default::default()
+        };
+        let t = fp8_tiny_target();
+        let dir = tempfile::tempdir().unwrap();
+        let (fp8_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
+        common::fp8::write_fp8(&t, (128, 128), "-", &fp8_dir, &twin);
+        let (cfg, q) = load_target(&ModelSource::from_dir("t", &fp8_dir).unwrap(), &opts).unwrap();
+        let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 73);
+        d.write(&dir.path().join("d"), t.vocab).unwrap();
+        let draft = dflash::draft::load_draft(
+            &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+            &cfg,
+            "t",
+            &opts,
+        )
+        .unwrap();
+        let engine = dflash::engine::Engine::new(q, Some(draft));
+        common::assert_greedy_dflash_equals_plain(
+            &engine,
+            t.vocab,
+            &[2, 8, 16],
+            "fp8 block-scale trial on CUDA",
+        );
+    }
+}
+
 /// Logits of every forward a greedy DFlash run makes, over `toks` (a 30-token prefill, then
 /// verify windows of `q` rows each followed by a rollback to a random accepted length, the
 /// engine's pattern; q = 1 is plain decoding), as f32 bits.
