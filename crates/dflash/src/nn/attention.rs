@@ -922,8 +922,11 @@ pub struct Props<'a> {
 
 /// Attention of ready queries `q [heads, n, d]` (row i at position `q_start + i`) over keys
 /// and values `k [kv_heads, L, dk]`, `v [kv_heads, L, dv]` (positions `0 .. L`, views allowed):
-/// `[n, heads * dv]`. On the CPU a causal verify-sized block runs row by row (each row exactly
-/// as its one-row decode step), anything else as one masked product.
+/// `[n, heads * dv]`. A causal verify-sized block runs row by row (each row exactly as its
+/// one-row decode step) on the CPU, and on other devices in batch-invariant mode (there this
+/// path runs only where the fused kernels decline: head dims without a kernel, or
+/// `DFLASH_FUSED=0`; cuBLAS picks its blocking by shape, so one block-sized product does not
+/// round like the decode steps' products); anything else as one masked product.
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -936,7 +939,8 @@ pub fn attend(
         return Ok(o);
     }
     let n = q.dim(1)?;
-    if q.device().is_cpu() && p.vis.causal && n > 1 && n <= ROW_WISE_MAX {
+    let row_wise = q.device().is_cpu() || crate::switches::batch_invariant();
+    if row_wise && p.vis.causal && n > 1 && n <= ROW_WISE_MAX {
         return attend_rows(q, k, v, q_start, p);
     }
     let mask = if n > 1 || p.vis.window.is_some() {
