@@ -1639,6 +1639,27 @@ fn check_affine_product(w: &dflash::nn::AffineWeight, host: &Tensor, what: &str)
     assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
 }
 
+/// A random FP8 weight `[n, k]` on `dev`: every e4m3 byte but the NaN codes (signed,
+/// subnormal, up to 448), scales of 0.0005-0.0045 per `block`.
+fn random_fp8(
+    rng: &mut dflash::testing::Rng,
+    n: usize,
+    k: usize,
+    block: (usize, usize),
+    dev: &Device,
+) -> dflash::nn::Fp8Weight {
+    let bytes: Vec<u8> = (0..n * k)
+        .map(|_| (rng.uniform() * 256.0) as u8)
+        .map(|b| if b & 0x7f == 0x7f { 0x3c } else { b })
+        .collect();
+    let (sn, sk) = (n.div_ceil(block.0), k / block.1);
+    let s: Vec<f32> = (0..sn * sk)
+        .map(|_| (0.0005 + 0.004 * rng.uniform()) as f32)
+        .collect();
+    let scales = Tensor::from_vec(s, (sn, sk), &Device::Cpu).unwrap();
+    dflash::nn::Fp8Weight::from_stored(&bytes, &scales, block, n, k, dev).unwrap()
+}
+
 /// FP8 block-scaled weights kept as stored (`kernels/fp8.cu`): at every blocking the bf16
 /// skinny GEMM has (N of 3 / 8-32 / 256 / 768 / 1250 tiles, K of 96-1024), with whole and
 /// partial scale blocks, the products of 1 / 5 / 16 rows (and their f32 form) are bit for bit
@@ -1648,7 +1669,7 @@ fn check_affine_product(w: &dflash::nn::AffineWeight, host: &Tensor, what: &str)
 /// dequantization equals the host's rounded to bf16, bit for bit.
 #[test]
 fn fp8_kernels_match_the_dequantized_weights() {
-    use dflash::nn::{Fp8Weight, Linear};
+    use dflash::nn::Linear;
     let Some(dev) = gpu() else { return };
     let mut rng = dflash::testing::Rng::new(8);
     for &(n, k, block) in &[
@@ -1662,17 +1683,7 @@ fn fp8_kernels_match_the_dequantized_weights() {
         (128, 256, (16, 32)),
         (128, 128, (16, 32)),
     ] {
-        // every byte but the NaN codes
-        let bytes: Vec<u8> = (0..n * k)
-            .map(|_| (rng.uniform() * 256.0) as u8)
-            .map(|b| if b & 0x7f == 0x7f { 0x3c } else { b })
-            .collect();
-        let (sn, sk) = (n.div_ceil(block.0), k / block.1);
-        let s: Vec<f32> = (0..sn * sk)
-            .map(|_| (0.0005 + 0.004 * rng.uniform()) as f32)
-            .collect();
-        let scales = Tensor::from_vec(s, (sn, sk), &Device::Cpu).unwrap();
-        let w = Fp8Weight::from_stored(&bytes, &scales, block, n, k, &dev).unwrap();
+        let w = random_fp8(&mut rng, n, k, block, &dev);
         let what = format!("fp8 [{n}, {k}] {block:?}");
         let host = Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu)
             .unwrap()
@@ -1745,7 +1756,7 @@ fn fp8_kernels_match_the_dequantized_weights() {
 /// qwen3 through it keeps greedy DFlash == plain. The trial is switched off again at the end.
 #[test]
 fn fp8_block_scale_trial_is_close_and_row_invariant() {
-    use dflash::nn::{Fp8Weight, Linear};
+    use dflash::nn::Linear;
     use dflash::switches::{set_trials, Trial};
     let Some(dev) = gpu() else { return };
     // the trial off again however this test ends (the GPU suite runs on one thread)
@@ -1766,16 +1777,7 @@ fn fp8_block_scale_trial_is_close_and_row_invariant() {
         (40, 96, (16, 32)),
         (256, 128, (16, 32)),
     ] {
-        let bytes: Vec<u8> = (0..n * k)
-            .map(|_| (rng.uniform() * 256.0) as u8)
-            .map(|b| if b & 0x7f == 0x7f { 0x3c } else { b })
-            .collect();
-        let (sn, sk) = (n.div_ceil(block.0), k / block.1);
-        let s: Vec<f32> = (0..sn * sk)
-            .map(|_| (0.0005 + 0.004 * rng.uniform()) as f32)
-            .collect();
-        let scales = Tensor::from_vec(s, (sn, sk), &Device::Cpu).unwrap();
-        let w = Fp8Weight::from_stored(&bytes, &scales, block, n, k, &dev).unwrap();
+        let w = random_fp8(&mut rng, n, k, block, &dev);
         let what = format!("fp8 block-scale trial [{n}, {k}] {block:?}");
         let exact = Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu)
             .unwrap()
