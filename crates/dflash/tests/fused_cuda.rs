@@ -1813,7 +1813,6 @@ fn fp8_block_scale_trial_is_close_and_row_invariant() {
     {
         use dflash::archs::{load_target, LoadOptions};
         use dflash::source::ModelSource;
-        use dflash::testing::TinyDraft;
         let opts = LoadOptions {
             dtype: DType::BF16,
             device: dev.clone(),
@@ -1824,20 +1823,13 @@ fn fp8_block_scale_trial_is_close_and_row_invariant() {
         let (fp8_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
         common::fp8::write_fp8(&t, (128, 128), "-", &fp8_dir, &twin);
         let (cfg, q) = load_target(&ModelSource::from_dir("t", &fp8_dir).unwrap(), &opts).unwrap();
-        let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 73);
-        d.write(&dir.path().join("d"), t.vocab).unwrap();
-        let draft = dflash::draft::load_draft(
-            &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+        greedy_with_tiny_draft(
+            q,
             &cfg,
-            "t",
+            &t,
+            dir.path(),
             &opts,
-        )
-        .unwrap();
-        let engine = dflash::engine::Engine::new(q, Some(draft));
-        common::assert_greedy_dflash_equals_plain(
-            &engine,
-            t.vocab,
-            &[2, 8, 16],
+            73,
             "fp8 block-scale trial on CUDA",
         );
     }
@@ -1886,7 +1878,6 @@ fn fp8_tiny_target() -> dflash::testing::TinyTarget {
 fn fp8_checkpoint_on_the_gpu_runs_as_stored() {
     use dflash::archs::{load_target, LoadOptions};
     use dflash::source::ModelSource;
-    use dflash::testing::TinyDraft;
     let Some(dev) = gpu() else { return };
     let opts = LoadOptions {
         dtype: DType::BF16,
@@ -1919,17 +1910,7 @@ fn fp8_checkpoint_on_the_gpu_runs_as_stored() {
                 "{block:?}: logits differ from the dequantized twin's (verify windows of {rows})"
             );
         }
-        let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 72);
-        d.write(&dir.path().join("d"), t.vocab).unwrap();
-        let draft = dflash::draft::load_draft(
-            &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
-            &cfg,
-            "t",
-            &opts,
-        )
-        .unwrap();
-        let engine = dflash::engine::Engine::new(q, Some(draft));
-        common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "fp8 on CUDA");
+        greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 72, "fp8 on CUDA");
         eprintln!("ok fp8 {block:?} on CUDA: {info}");
     }
 }
@@ -1972,6 +1953,30 @@ fn tiny_dense_qwen3_verify_equals_decode_steps() {
     }
 }
 
+/// Greedy DFlash == plain decoding for target `q` (config `cfg`, made from `t`) with a tiny
+/// one-layer draft (seed `seed`) written under `dir`, blocks of 2 / 8 / 16.
+fn greedy_with_tiny_draft(
+    q: Box<dyn dflash::archs::TargetModel>,
+    cfg: &dflash::config::TargetConfig,
+    t: &dflash::testing::TinyTarget,
+    dir: &std::path::Path,
+    opts: &dflash::archs::LoadOptions,
+    seed: u64,
+    what: &str,
+) {
+    let d = dflash::testing::TinyDraft::for_target(t, 1, vec![0, t.layers - 1], 16, seed);
+    d.write(&dir.join("d"), t.vocab).unwrap();
+    let draft = dflash::draft::load_draft(
+        &dflash::source::ModelSource::from_dir("d", &dir.join("d")).unwrap(),
+        cfg,
+        "t",
+        opts,
+    )
+    .unwrap();
+    let engine = dflash::engine::Engine::new(q, Some(draft));
+    common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], what);
+}
+
 /// A quantized target `q` against its twin `f` holding the dequantized weights: logits over
 /// `toks` within 5e-2, and verify with rollbacks == decode steps for blocks of 2 / 7 / 16.
 fn check_against_twin(
@@ -2012,7 +2017,7 @@ fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
     use common::mlx::{write_mlx, Layout};
     use dflash::archs::{load_target, LoadOptions};
     use dflash::source::ModelSource;
-    use dflash::testing::{TinyDraft, TinyTarget};
+    use dflash::testing::TinyTarget;
     let Some(dev) = gpu() else { return };
     let opts = LoadOptions {
         dtype: DType::BF16,
@@ -2047,17 +2052,7 @@ fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
             &toks,
             &format!("mlx {bits}-bit on CUDA"),
         );
-        let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 62);
-        d.write(&dir.path().join("d"), t.vocab).unwrap();
-        let draft = dflash::draft::load_draft(
-            &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
-            &cfg,
-            "t",
-            &opts,
-        )
-        .unwrap();
-        let engine = dflash::engine::Engine::new(q, Some(draft));
-        common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "mlx on CUDA");
+        greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 62, "mlx on CUDA");
         eprintln!("ok mlx {bits}-bit g{group} on CUDA: {info}");
     }
 }
@@ -2155,7 +2150,7 @@ fn gguf_checkpoint_on_the_gpu_runs_as_affine() {
     use candle_core::quantized::QTensor;
     use dflash::archs::{load_target, LoadOptions};
     use dflash::source::ModelSource;
-    use dflash::testing::{write_gguf_with, TinyDraft, TinyTarget};
+    use dflash::testing::{write_gguf_with, TinyTarget};
     let Some(dev) = gpu() else { return };
     let opts = LoadOptions {
         dtype: DType::BF16,
@@ -2199,17 +2194,7 @@ fn gguf_checkpoint_on_the_gpu_runs_as_affine() {
     );
     let toks = common::ids(9, 30, t.vocab);
     check_against_twin(q.as_ref(), f.as_ref(), &toks, "gguf affine on CUDA");
-    let d = TinyDraft::for_target(&t, 1, vec![0, t.layers - 1], 16, 64);
-    d.write(&dir.path().join("d"), t.vocab).unwrap();
-    let draft = dflash::draft::load_draft(
-        &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
-        &cfg,
-        "t",
-        &opts,
-    )
-    .unwrap();
-    let engine = dflash::engine::Engine::new(q, Some(draft));
-    common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "gguf on CUDA");
+    greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 64, "gguf on CUDA");
     eprintln!("ok gguf on CUDA: {info}");
 }
 
