@@ -51,10 +51,12 @@ impl GrammarSpec {
 
     fn top_level(&self) -> TopLevelGrammar {
         match self {
-            GrammarSpec::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+            GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(compact_json(
+                serde_json::json!({"type": "object"}),
+            )),
+            GrammarSpec::JsonSchema(v) => {
+                TopLevelGrammar::from_json_schema(compact_json(v.clone()))
             }
-            GrammarSpec::JsonSchema(v) => TopLevelGrammar::from_json_schema(v.clone()),
             GrammarSpec::Regex(r) => TopLevelGrammar::from_regex(r),
             GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
             GrammarSpec::Choice(c) => {
@@ -63,6 +65,19 @@ impl GrammarSpec {
             }
         }
     }
+}
+
+/// A JSON schema compiled without free whitespace between tokens (llguidance's
+/// `whitespace_flexible: false`: one fixed separator after `,` and `:`), unless the schema
+/// says otherwise in its own `x-guidance`. With free whitespace a model can emit newlines
+/// until `max_tokens` and end with an incomplete object (the demo model does so greedily on
+/// docs/serve.md's example).
+fn compact_json(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+    }
+    schema
 }
 
 /// `s` as a regular expression matching exactly `s`.
