@@ -491,6 +491,37 @@ mod tests {
             .collect()
     }
 
+    /// JSON compiles without free whitespace (no newline or space may follow `{`) unless the
+    /// schema's own `x-guidance` asks for it.
+    #[test]
+    fn json_has_no_free_whitespace_unless_the_schema_asks() {
+        let (open, nl, sp, quote) = (b'{' as u32, b'\n' as u32, b' ' as u32, b'"' as u32);
+        let after_open = |spec: GrammarSpec| {
+            let c = compiler(&[]).compile(&spec).unwrap().start().unwrap();
+            allowed(&c, 256, &[open])
+        };
+        for spec in [
+            GrammarSpec::JsonObject,
+            GrammarSpec::JsonSchema(serde_json::json!({
+                "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]
+            })),
+        ] {
+            let a = after_open(spec);
+            assert!(
+                a.contains(&quote) && !a.contains(&nl) && !a.contains(&sp),
+                "{a:?}"
+            );
+        }
+        let a = after_open(GrammarSpec::JsonSchema(serde_json::json!({
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+            "x-guidance": {"whitespace_flexible": true}
+        })));
+        assert!(
+            a.contains(&quote) && a.contains(&nl) && a.contains(&sp),
+            "{a:?}"
+        );
+    }
+
     #[test]
     fn masks_follow_speculation_rollback_and_commit() {
         let g = compiler(&["ab"])
