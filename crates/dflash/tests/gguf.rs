@@ -355,3 +355,70 @@ fn verify_rows_equal_decode_steps(path: &Path, keep_quant: bool) {
     let what = format!("{} keep_quant {keep_quant}", path.display());
     assert_verify_rows_equal_decode_steps(&*m, &prompt, 20, &[2, 5, 16], &what);
 }
+
+/// The demo GGUF (SmolLM2-135M Q4_1, loaded as stored: dflash's int8 products) against the
+/// same file with every tensor dequantized to f32 (candle's GGUF dequantization, then f32
+/// products): every position's logits over a 24-token prompt. Issue 27 asks for 1e-3; but the
+/// quantized products quantize the activations to 8 bits (one scale per 32, as llama.cpp's
+/// Q8_1 and candle's own Q4_1 kernel do), which costs far more over 30 layers. Measured in
+/// session 32: max |diff| / max |logit| 0.166 with dflash's products, 0.163 with candle's
+/// (`DFLASH_Q8=0 DFLASH_Q4=0`), mean |diff| 0.29-0.33 at max |logit| 35, the argmax equal at
+/// 18 / 22 of 24 positions of this random-token prompt. The assertion is the bound a wrong
+/// weight, scale or block layout breaks (rel err ~1, argmax at chance).
+#[test]
+fn smollm2_logits_match_the_dequantized_weights() {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let Some(path) = real_model(dflash::source::demo_model_path, "SmolLM2-135M-Instruct") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let twin = dir.path().join("f32.gguf");
+    {
+        let mut f = std::fs::File::open(&path).unwrap();
+        let content = gguf_file::Content::read(&mut f).unwrap();
+        let dev = candle_core::Device::Cpu;
+        let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+        names.sort();
+        for name in names {
+            let q = content.tensor(&mut f, name, &dev).unwrap();
+            let w = q.dequantize(&dev).unwrap();
+            tensors.push((name.clone(), QTensor::quantize(&w, GgmlDType::F32).unwrap()));
+        }
+        let meta: Vec<(&str, &gguf_file::Value)> = content
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.as_str(), v))
+            .collect();
+        let t_ref: Vec<(&str, &QTensor)> = tensors.iter().map(|(a, b)| (a.as_str(), b)).collect();
+        let mut out = std::fs::File::create(&twin).unwrap();
+        gguf_file::write(&mut out, &meta, &t_ref).unwrap();
+    }
+    let (q, f) = (load_gguf(&path, false), load_gguf(&twin, false));
+    let toks: Vec<u32> = (0..24u32).map(|i| 1 + (i * 7919) % 49000).collect();
+    let (a, b) = (all_logits(q.as_ref(), &toks), all_logits(f.as_ref(), &toks));
+    let rel = max_abs(&(&a - &b).unwrap()) / max_abs(&b);
+    let argmax = |t: &candle_core::Tensor| t.argmax(1).unwrap().to_vec1::<u32>().unwrap();
+    let same = argmax(&a)
+        .iter()
+        .zip(argmax(&b))
+        .filter(|(x, y)| **x == *y)
+        .count();
+    let mean_abs = (&a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    eprintln!(
+        "smollm2 Q4_1 as stored vs dequantized to f32: max logit rel err {rel:.3e}, mean abs diff {mean_abs:.3e}, max |logit| {:.2}, argmax equal at {same} of {} positions",
+        max_abs(&b),
+        toks.len()
+    );
+    assert!(
+        rel < 0.25 && same >= 16,
+        "rel err {rel}, argmax equal at {same}"
+    );
+}
