@@ -1639,6 +1639,23 @@ fn check_affine_product(w: &dflash::nn::AffineWeight, host: &Tensor, what: &str)
     assert!(e < 1e-2, "{what}, 40 rows: rel err {e}");
 }
 
+/// Each row of `f(x[..m])` for m = 2..=rows of `x` equals `f` of that row alone, bit for bit.
+fn assert_rows_as_alone(what: &str, x: &Tensor, f: impl Fn(&Tensor) -> Tensor) {
+    let rows = x.dim(0).unwrap();
+    let one: Vec<Vec<u32>> = (0..rows)
+        .map(|r| common::f32_bits(&f(&x.narrow(0, r, 1).unwrap())))
+        .collect();
+    for m in 2..=rows {
+        let y = f(&x.narrow(0, 0, m).unwrap());
+        for (r, want) in one.iter().enumerate().take(m) {
+            assert!(
+                &common::f32_bits(&y.narrow(0, r, 1).unwrap()) == want,
+                "{what}: row {r} of {m} differs from the row alone"
+            );
+        }
+    }
+}
+
 /// A random FP8 weight `[n, k]` on `dev`: every e4m3 byte but the NaN codes (signed,
 /// subnormal, up to 448), scales of 0.0005-0.0045 per `block`.
 fn random_fp8(
@@ -1700,32 +1717,13 @@ fn fp8_kernels_match_the_dequantized_weights() {
             bias: None,
         };
         let x40 = randn(&[40, k], 1.0, &dev);
-        let one: Vec<Vec<u32>> = (0..16)
-            .map(|r| common::f32_bits(&fp8.forward(&x40.narrow(0, r, 1).unwrap()).unwrap()))
-            .collect();
-        for m in 2..=16 {
-            let y = fp8.forward(&x40.narrow(0, 0, m).unwrap()).unwrap();
-            for (r, want) in one.iter().enumerate().take(m) {
-                assert!(
-                    &common::f32_bits(&y.narrow(0, r, 1).unwrap()) == want,
-                    "{what}: row {r} of {m} differs from the row alone"
-                );
-            }
-        }
+        let x16 = x40.narrow(0, 0, 16).unwrap();
+        assert_rows_as_alone(&what, &x16, |x| fp8.forward(x).unwrap());
         // the f32 forms (LM heads), FP8 and dense: a row alone == among m
         for (name, l) in [("fp8", &fp8), ("dense", &dense)] {
-            let one: Vec<Vec<u32>> = (0..16)
-                .map(|r| common::f32_bits(&l.forward_f32(&x40.narrow(0, r, 1).unwrap()).unwrap()))
-                .collect();
-            for m in 2..=16 {
-                let y = l.forward_f32(&x40.narrow(0, 0, m).unwrap()).unwrap();
-                for (r, want) in one.iter().enumerate().take(m) {
-                    assert!(
-                        &common::f32_bits(&y.narrow(0, r, 1).unwrap()) == want,
-                        "{what} {name} f32: row {r} of {m} differs from the row alone"
-                    );
-                }
-            }
+            assert_rows_as_alone(&format!("{what} {name} f32"), &x16, |x| {
+                l.forward_f32(x).unwrap()
+            });
         }
         for m in [1, 5, 16, 40] {
             let x = x40.narrow(0, 0, m).unwrap().contiguous().unwrap();
@@ -1788,25 +1786,15 @@ fn fp8_block_scale_trial_is_close_and_row_invariant() {
             bias: None,
         };
         let x16 = randn(&[16, k], 1.0, &dev);
-        let one: Vec<Vec<u32>> = (0..16)
-            .map(|r| common::f32_bits(&fp8.forward(&x16.narrow(0, r, 1).unwrap()).unwrap()))
-            .collect();
-        let one32: Vec<Vec<u32>> = (0..16)
-            .map(|r| common::f32_bits(&fp8.forward_f32(&x16.narrow(0, r, 1).unwrap()).unwrap()))
-            .collect();
+        assert_rows_as_alone(&what, &x16, |x| fp8.forward(x).unwrap());
+        assert_rows_as_alone(&format!("{what} f32"), &x16, |x| {
+            fp8.forward_f32(x).unwrap()
+        });
         for m in 1..=16 {
             let x = x16.narrow(0, 0, m).unwrap();
             let y = fp8.forward(&x).unwrap();
             let e = rel_err(&y, &f32_product(&x, &exact));
             assert!(e < 1e-2, "{what}, {m} rows: rel err {e}");
-            let y32 = fp8.forward_f32(&x).unwrap();
-            for r in 0..m {
-                assert!(
-                    common::f32_bits(&y.narrow(0, r, 1).unwrap()) == one[r]
-                        && common::f32_bits(&y32.narrow(0, r, 1).unwrap()) == one32[r],
-                    "{what}: row {r} of {m} differs from the row alone"
-                );
-            }
         }
         eprintln!("ok {what}");
     }

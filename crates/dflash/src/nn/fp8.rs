@@ -80,14 +80,9 @@ impl Fp8Weight {
     pub fn dequantize_host(&self) -> Result<Vec<f32>> {
         let q = self.q.flatten_all()?.to_vec1::<u8>()?;
         let s = self.scales.flatten_all()?.to_vec1::<f32>()?;
-        let ((bn, bk), k) = (self.block, self.k);
-        let cols = k / bk;
-        Ok(q.iter()
-            .enumerate()
-            .map(|(i, &b)| {
-                crate::source::fp8::e4m3_value(b) * s[(i / k / bn) * cols + (i % k) / bk]
-            })
-            .collect())
+        Ok(crate::source::fp8::dequantize(
+            &q, &s, self.block, self.n, self.k,
+        ))
     }
 
     /// The same weights with one scale row per weight row (`bn = 1`): exactly the same values;

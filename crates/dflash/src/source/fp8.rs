@@ -101,8 +101,9 @@ pub fn e4m3_value(b: u8) -> f32 {
 
 /// An FP8 weight as stored: its e4m3 bytes (row-major `[n, k]`), the f32 block scales
 /// `[ceil(n / bn), ceil(k / bk)]`, the block, and the tensors read.
-pub struct Stored {
-    pub bytes: Vec<u8>,
+pub struct Stored<'a> {
+    /// Borrowed from the memory-mapped file (no copy).
+    pub bytes: &'a [u8],
     pub scales: Tensor,
     pub block: (usize, usize),
     pub n: usize,
@@ -113,13 +114,13 @@ pub struct Stored {
 /// `name` as stored when it is an FP8 weight (float8 e4m3 with `name_scale_inv` beside it);
 /// None for an ordinary tensor. `shape` is the logical shape the model expects; `desc` names
 /// the checkpoint in errors.
-pub fn load_stored(
-    st: &MmapedSafetensors,
+pub fn load_stored<'a>(
+    st: &'a MmapedSafetensors,
     quant: Option<&Fp8Quant>,
     name: &str,
     shape: &[usize],
     desc: &str,
-) -> Result<Option<Stored>> {
+) -> Result<Option<Stored<'a>>> {
     let Ok(view) = st.get(name) else {
         return Ok(None); // the caller reports the missing tensor
     };
@@ -170,7 +171,7 @@ pub fn load_stored(
         )));
     }
     Ok(Some(Stored {
-        bytes: view.data().to_vec(),
+        bytes: view.data(),
         scales: scales.to_dtype(DType::F32)?,
         block: quant.block,
         n: *n,
@@ -203,24 +204,37 @@ pub fn load_dequantized(
     }))
 }
 
-impl Stored {
+impl Stored<'_> {
     /// The values `f32(e4m3) * scale`, row-major.
     pub fn dequantize(&self) -> Result<Vec<f32>> {
-        let ((bn, bk), k) = (self.block, self.k);
-        let sk = k.div_ceil(bk);
-        let scale = self.scales.flatten_all()?.to_vec1::<f32>()?;
-        let mut out = Vec::with_capacity(self.n * k);
-        for r in 0..self.n {
-            let row = &self.bytes[r * k..(r + 1) * k];
-            let srow = &scale[(r / bn) * sk..(r / bn + 1) * sk];
-            out.extend(
-                row.iter()
-                    .enumerate()
-                    .map(|(c, &b)| e4m3_value(b) * srow[c / bk]),
-            );
-        }
-        Ok(out)
+        let scales = self.scales.flatten_all()?.to_vec1::<f32>()?;
+        Ok(dequantize(self.bytes, &scales, self.block, self.n, self.k))
     }
+}
+
+/// The values `f32(e4m3) * scale` of a row-major `[n, k]` e4m3 matrix with scales
+/// `[ceil(n / bn), ceil(k / bk)]` (row-major): the load-time dequantization, and the reference
+/// the GPU kernels reproduce (`nn::Fp8Weight`).
+pub fn dequantize(
+    bytes: &[u8],
+    scales: &[f32],
+    block: (usize, usize),
+    n: usize,
+    k: usize,
+) -> Vec<f32> {
+    let (bn, bk) = block;
+    let sk = k.div_ceil(bk);
+    let mut out = Vec::with_capacity(n * k);
+    for r in 0..n {
+        let row = &bytes[r * k..(r + 1) * k];
+        let srow = &scales[(r / bn) * sk..(r / bn + 1) * sk];
+        out.extend(
+            row.iter()
+                .enumerate()
+                .map(|(c, &b)| e4m3_value(b) * srow[c / bk]),
+        );
+    }
+    out
 }
 
 /// The load report's part for FP8: `fp8 e4m3 128x128 x197; dequantized to bf16`, or with

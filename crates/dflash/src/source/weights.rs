@@ -479,14 +479,8 @@ impl Weights {
         else {
             return Ok(None);
         };
-        let w = crate::nn::Fp8Weight::from_stored(
-            &s.bytes,
-            &s.scales,
-            s.block,
-            s.n,
-            s.k,
-            &self.device,
-        )?;
+        let w =
+            crate::nn::Fp8Weight::from_stored(s.bytes, &s.scales, s.block, s.n, s.k, &self.device)?;
         self.used.borrow_mut().extend(s.read);
         *self.fp8_count.borrow_mut() += 1;
         *self.fp8_kept.borrow_mut() += 1;

@@ -28,17 +28,6 @@ fn config(n: usize, bits: usize, f16: bool) -> (&'static str, u32, u32) {
     }
 }
 
-fn u32_view<'a>(
-    s: &'a CudaStorage,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<CudaView<'a, u32>> {
-    let Some((o, e)) = l.contiguous_offsets() else {
-        candle_core::bail!("dflash affine kernel: {what} must be contiguous");
-    };
-    Ok(s.as_cuda_slice::<u32>()?.slice(o..e))
-}
-
 struct AffineMatmul {
     bits: usize,
     group: usize,
@@ -104,8 +93,8 @@ impl CustomOp3 for AffineMatmul {
             candle_core::bail!("{}: unaligned inputs", self.name());
         }
         let x = view(xs, xl, "x")?;
-        let q = u32_view(qs, ql, "q")?;
-        let sb = u32_view(ss, sl, "scales")?;
+        let q = view_of::<u32>(qs, ql, "q")?;
+        let sb = view_of::<u32>(ss, sl, "scales")?;
         let dev = xs.device();
         let (base, rows_per_block, warps) = config(n, self.bits, self.f16);
         let name = format!(
@@ -192,8 +181,8 @@ impl CustomOp2 for AffineDequant {
         if sl.shape().dims2()? != (n, k / a.group) {
             candle_core::bail!("{}: scales {:?} for [{n}, {k}]", self.name(), sl.shape());
         }
-        let q = u32_view(qs, ql, "q")?;
-        let sb = u32_view(ss, sl, "scales")?;
+        let q = view_of::<u32>(qs, ql, "q")?;
+        let sb = view_of::<u32>(ss, sl, "scales")?;
         let dev = qs.device();
         let func = dev.get_or_load_custom_func(
             &format!("affine_dequant_{}", a.suffix(false)),

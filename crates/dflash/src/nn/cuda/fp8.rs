@@ -13,17 +13,6 @@ struct Fp8Matmul {
     f32_out: bool,
 }
 
-fn slice_of<'a, T: candle_core::cuda_backend::CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<CudaView<'a, T>> {
-    let Some((o, e)) = l.contiguous_offsets() else {
-        candle_core::bail!("dflash fp8 kernel: {what} must be contiguous");
-    };
-    Ok(s.as_cuda_slice::<T>()?.slice(o..e))
-}
-
 impl CustomOp3 for Fp8Matmul {
     fn name(&self) -> &'static str {
         "dflash-fp8-matmul"
@@ -72,8 +61,8 @@ impl CustomOp3 for Fp8Matmul {
             candle_core::bail!("{}: unaligned inputs", self.name());
         }
         let x = view(xs, xl, "x")?;
-        let q = slice_of::<u8>(qs, ql, "q")?;
-        let s = slice_of::<f32>(ss, sl, "scales")?;
+        let q = view_of::<u8>(qs, ql, "q")?;
+        let s = view_of::<f32>(ss, sl, "scales")?;
         let dev = xs.device();
         let c = mma_config(n);
         // trial `fp8_block_scale`: the block-scaled accumulation (kernels/fp8.cu, BS)
@@ -174,8 +163,8 @@ impl CustomOp2 for Fp8Dequant {
         if !Fp8Weight::supported(k, self.0) || sl.shape().dims2()? != (n.div_ceil(bn), k / bk) {
             candle_core::bail!("{}: scales {:?} for [{n}, {k}]", self.name(), sl.shape());
         }
-        let q = slice_of::<u8>(qs, ql, "q")?;
-        let s = slice_of::<f32>(ss, sl, "scales")?;
+        let q = view_of::<u8>(qs, ql, "q")?;
+        let s = view_of::<f32>(ss, sl, "scales")?;
         if ql.start_offset() % 4 != 0 {
             candle_core::bail!("{}: unaligned weight", self.name());
         }

@@ -44,12 +44,21 @@ fn no_cpu(name: &str) -> candle_core::Result<(CpuStorage, Shape)> {
     candle_core::bail!("{name} is a CUDA kernel (the caller runs the portable path on CPU)")
 }
 
+/// The typed view of a contiguous operand.
+fn view_of<'a, T: candle_core::cuda_backend::CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<CudaView<'a, T>> {
+    let Some((o, e)) = l.contiguous_offsets() else {
+        candle_core::bail!("dflash kernel: {what} must be contiguous");
+    };
+    Ok(s.as_cuda_slice::<T>()?.slice(o..e))
+}
+
 /// The bf16 view of a contiguous operand.
 fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> candle_core::Result<CudaView<'a, bf16>> {
-    let Some((o, e)) = l.contiguous_offsets() else {
-        candle_core::bail!("dflash fused kernel: {what} must be contiguous");
-    };
-    Ok(s.as_cuda_slice::<bf16>()?.slice(o..e))
+    view_of(s, l, what)
 }
 
 fn is_bf16_cuda(ts: &[&Tensor]) -> bool {
