@@ -289,8 +289,15 @@ fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
     } else {
         String::new()
     };
+    // The model as loaded (the machine line's quantization speaks of the matrix rows).
+    let info = p.engine.target.info();
+    let weights = format!(
+        "target weights held: {} ({})",
+        dflash::archs::footprint::human_bytes(info.weight_bytes as u64),
+        info.quantization.as_deref().unwrap_or("float")
+    );
     let md = format!(
-        "Microbenchmarks: {} (draft {}), context {}, {} iterations; {}\n\n{}{graphs}",
+        "Microbenchmarks: {} (draft {}), context {}, {} iterations; {}\n{weights}\n\n{}{graphs}",
         a.model.as_deref().unwrap_or("?"),
         a.draft.as_deref().unwrap_or("none"),
         o.context,
@@ -302,7 +309,8 @@ fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
     if let Some(out) = &a.out {
         std::fs::create_dir_all(out)?;
         let v = serde_json::json!({"machine": machine, "options": o, "model": a.model,
-            "draft": a.draft, "results": res});
+            "draft": a.draft, "weight_bytes": info.weight_bytes,
+            "quantization": info.quantization, "results": res});
         std::fs::write(
             out.join("micro.json"),
             serde_json::to_string_pretty(&v)? + "\n",

@@ -430,3 +430,41 @@ fn bench_table_holds_dflash_and_dflash2_drafts_of_one_target() {
         assert!(line.contains(&format!("({arch}) | ok |")), "{line}");
     }
 }
+
+/// `bench --micro` says what target it timed as loaded: the weights held and the load's
+/// quantization (the machine line's `quantization` speaks of the matrix's rows), in the report
+/// and its JSON.
+#[test]
+fn bench_micro_reports_the_weights_as_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, draft) = write_pair(dir.path());
+    let out = dir.path().join("micro");
+    let (code, stdout, stderr) = dflash(
+        &[
+            "bench",
+            "--micro",
+            "--model",
+            &target,
+            "--draft",
+            &draft,
+            "--micro-context",
+            "8",
+            "--micro-q",
+            "1,2",
+            "--micro-iters",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("target weights held: "))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.ends_with("(float)"), "{line}");
+    let v = read(&out.join("micro.json"));
+    assert!(v["weight_bytes"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["quantization"].is_null(), "{v}");
+}
