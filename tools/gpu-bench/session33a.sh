@@ -27,7 +27,7 @@ run_micro() {  # NAME MODEL [VAR=VALUE]
   [ $((SECONDS - T0)) -gt ${DEADLINE:-520} ] && { echo "$name: skipped (deadline)"; return; }
   env "$@" timeout 120 /tmp/stash/dflash bench --micro --model "$M/$model" --draft "$M/draft-agree" --device cuda \
     --dtype bf16 --micro-context 128 --micro-q 1,4,8,16 --micro-iters 20 > "$R/$name.out" 2> "$R/$name.err" || tail -3 "$R/$name.err"
-  echo "### $name"; grep -E '^\| verify forward' "$R/$name.out" | head -4
+  echo "### $name"; grep -E '^\| verify forward|^target weights held' "$R/$name.out" | head -5
 }
 for round in 1 2; do
   run_micro fp8-$round target-fp8
