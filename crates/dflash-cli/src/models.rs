@@ -42,6 +42,7 @@ pub fn run(json: bool) -> Result<()> {
                     "memory": footprint(e).map(|f| serde_json::json!({
                         "params": f.params, "checkpoint_bytes": f.stored_bytes,
                         "loaded_bytes_bf16": f.loaded_bytes_bf16,
+                        "cuda_held_as_published": f.cuda_held_as_published,
                         "loaded_bytes_f32": 2 * f.loaded_bytes_bf16,
                         "cache_bytes_per_token_bf16": f.cache_bytes_per_token_bf16,
                         "fits_in_ram_bf16": host_memory().map(|(total, _)| f.loaded_bytes_bf16 < total),
@@ -55,6 +56,7 @@ pub fn run(json: bool) -> Result<()> {
                             "gpu": name, "context": FIT_CONTEXT,
                             "bf16": fits(&f, f.loaded_bytes_bf16, *b),
                             "as_published": f.stored_bytes.map(|s| fits(&f, s, *b)),
+                            "cuda_as_published": fits(&f, f.cuda_held_as_published, *b),
                             "q4": fits(&f, q4_bytes(&f), *b),
                             "cuda_affine_4bit": fits(&f, f.cuda_held_bytes(CudaStorage::Affine4), *b),
                             "cuda_affine_8bit": fits(&f, f.cuda_held_bytes(CudaStorage::Affine8), *b),
@@ -125,8 +127,13 @@ pub fn run(json: bool) -> Result<()> {
             Some(_) => "fits in RAM at bf16".into(),
             None => String::new(),
         };
+        let cuda = if f.cuda_held_as_published != f.loaded_bytes_bf16 {
+            format!(" (CUDA {})", human_bytes(f.cuda_held_as_published))
+        } else {
+            String::new()
+        };
         println!(
-            "  {:<22} {:>7} params  {:>9} -> {:>9}  + {} per 1k tokens of context  {}",
+            "  {:<22} {:>7} params  {:>9} -> {:>9}{cuda}  + {} per 1k tokens of context  {}",
             e.target,
             params,
             f.stored_bytes.map_or("?".into(), human_bytes),
@@ -136,7 +143,7 @@ pub fn run(json: bool) -> Result<()> {
         );
     }
     println!(
-        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / a ~4.5-bit checkpoint (Q4_K_M, MLX 4-bit g64: the file) / as dflash holds 4-bit, 8-bit and FP8 checkpoints on CUDA today.\nOn CUDA with bf16, the linear layers stay as stored: GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q5_1/Q5_K matrices become affine weights (a scale and bias per 32: 5 / 9 bits a weight), MLX 4/8-bit stays as stored, FP8 stays e4m3 (its LM head bf16); the embedding table and every routed expert (MLX, GGUF, FP8, MXFP4, int4) are dequantized to bf16, so the MoE rows need about their bf16 size."
+        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / a ~4.5-bit checkpoint (Q4_K_M, MLX 4-bit g64: the file) / as dflash holds 4-bit, 8-bit and FP8 checkpoints on CUDA today.\nOn CUDA with bf16, the linear layers stay as stored: GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q5_1/Q5_K matrices become affine weights (a scale and bias per 32: 5 / 9 bits a weight), MLX 4/8-bit stays as stored, FP8 stays e4m3 (its LM head bf16); gpt-oss's MXFP4 experts stay as stored (so the as-published column is what dflash holds for those rows); the embedding table and the other routed experts (MLX, GGUF, FP8, int4) are dequantized to bf16, so those MoE rows need about their bf16 size."
     );
     let yn = |b: bool| if b { "yes" } else { "no" };
     for e in DRAFT_REGISTRY {

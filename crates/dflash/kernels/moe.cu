@@ -532,19 +532,120 @@ MOE_GEMMS(16)
 
 #define MMA_WARPS 8
 
-// acc[a][t] += the products of weight rows wp[2a] (rows g) / wp[2a + 1] (rows g + 8) with the
-// gathered rows xp[t] (row 8t + g; xok false: zeros) over chunks [c0, c1) of 32 k. Pointers
-// include the lane's 16-byte column c; U chunks in flight (as kernels/mma.cu's gemm_rows).
-template <int A, int T, int U>
-__device__ __forceinline__ void mma_span(const uint4* const (&wp)[2 * A], const uint4* const (&xp)[T],
-                                         const bool (&xok)[T], int c0, int c1, float (&acc)[A][T][4]) {
+// Where a tile's weight rows come from. A source holds the 2A rows' pointers (lane column c
+// included) and hands out, per 32-wide chunk of k, a raw load (issued U chunks ahead) and then
+// the lane's 8 weights as bf16 (the uint4 the bf16 kernel loads): so every source feeds the
+// mma the same values in the same order, and a source whose weights dequantize exactly to a
+// bf16 matrix gives bit for bit the bf16 kernel's products on that matrix.
+
+// bf16 weights: 16 bytes a lane a chunk.
+template <int A>
+struct BfRows {
+  const uint4* p[2 * A];
+  typedef uint4 Raw;
+  __device__ __forceinline__ Raw load(int j, int ch) const { return load_weight(p[j] + ch * 4); }
+  __device__ __forceinline__ static uint4 unpack(const Raw& r) { return r; }
+};
+
+// MXFP4 (OCP microscaling, gpt-oss's experts as published): a 32-wide chunk of a row is one
+// group, 16 bytes of e2m1 codes (value 2i in byte i's low nibble, 2i + 1 in its high one) and
+// one e8m0 scale byte; lane c's 8 values are the 4 bytes at 4c, nibble v = value v. Each code
+// becomes its bf16 value by byte lookups (exact: e2m1 is {0, .5, 1, 1.5, 2, 3, 4, 6} x sign),
+// then one bf16x2 multiply by 2^(scale - 127), exact in bf16 (a power of two times a value of
+// two significant bits), so the weights are the load-time dequantization's to the bit.
+__device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t s) {
+  const uint32_t b = s != 0 ? s << 7 : 0x40u;  // 2^(s - 127); s = 0 is the subnormal 2^-127
+  return b | (b << 16);
+}
+
+__device__ __forceinline__ uint4 mxfp4_bf16(uint32_t q, uint32_t scale) {
+  // bf16 bytes of the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (codes 0-7): low, high
+  const uint32_t lo0 = 0xC0800000u, lo1 = 0xC0804000u, hi0 = 0x3F3F3F00u, hi1 = 0x40404040u;
+  const uint32_t sel = q & 0x77777777u, sel4 = sel >> 16;
+  const uint32_t l0 = __byte_perm(lo0, lo1, sel), h0 = __byte_perm(hi0, hi1, sel);
+  const uint32_t l1 = __byte_perm(lo0, lo1, sel4), h1 = __byte_perm(hi0, hi1, sel4);
+  // signs: value 2i's is bit 7 of byte i of q << 4, value 2i + 1's bit 7 of byte i of q
+  const uint32_t q4 = q << 4;
+  const uint32_t m = 0x80008000u;
+  uint32_t r[4];
+  r[0] = __byte_perm(l0, h0, 0x5140) | (__byte_perm(q4, q, 0x4000) & m);
+  r[1] = __byte_perm(l0, h0, 0x7362) | (__byte_perm(q4, q, 0x5010) & m);
+  r[2] = __byte_perm(l1, h1, 0x5140) | (__byte_perm(q4, q, 0x6020) & m);
+  r[3] = __byte_perm(l1, h1, 0x7362) | (__byte_perm(q4, q, 0x7030) & m);
+  const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162*>(&scale);
+  uint4 out;
+  uint32_t* o = &out.x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&r[i]), s2);
+    o[i] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return out;
+}
+
+template <int A>
+struct MxRows {
+  const uint32_t* q[2 * A];  // the row's codes, at lane c's word
+  const uint8_t* s[2 * A];   // the row's scales
+  struct Raw {
+    uint32_t q, s;
+  };
+  __device__ __forceinline__ Raw load(int j, int ch) const {
+    return Raw{__ldg(q[j] + ch * 4), (uint32_t)__ldg(s[j] + ch)};
+  }
+  __device__ __forceinline__ static uint4 unpack(const Raw& r) { return mxfp4_bf16(r.q, e8m0_bf16x2(r.s)); }
+};
+
+// An expert stack [E, rows, K] as a source of tiles: rows r[j] of expert e (sh: the layer's
+// shared expert, bf16 only).
+struct BfExperts {
+  const bf16* w;
+  const bf16* shared;
+  int rows, K;
+  template <int A>
+  __device__ __forceinline__ BfRows<A> at(int e, bool sh, const int (&r)[2 * A]) const {
+    const int c = threadIdx.x % 4;
+    const bf16* we = sh ? shared : w + (size_t)e * rows * K;
+    BfRows<A> src;
+#pragma unroll
+    for (int j = 0; j < 2 * A; ++j) src.p[j] = reinterpret_cast<const uint4*>(we + (size_t)r[j] * K) + c;
+    return src;
+  }
+};
+
+// MXFP4 stacks: codes [E, rows, K / 2], scales [E, rows, K / 32] (no shared expert).
+struct MxExperts {
+  const uint8_t* q;
+  const uint8_t* s;
+  int rows, K;
+  template <int A>
+  __device__ __forceinline__ MxRows<A> at(int e, bool, const int (&r)[2 * A]) const {
+    const int c = threadIdx.x % 4;
+    MxRows<A> src;
+#pragma unroll
+    for (int j = 0; j < 2 * A; ++j) {
+      const size_t row = (size_t)e * rows + r[j];
+      src.q[j] = reinterpret_cast<const uint32_t*>(q + row * (K / 2)) + c;
+      src.s[j] = s + row * (K / 32);
+    }
+    return src;
+  }
+};
+
+// acc[a][t] += the products of weight rows 2a (rows g) / 2a + 1 (rows g + 8) of src with the
+// gathered rows xp[t] (row 8t + g; xok false: zeros) over chunks [c0, c1) of 32 k. U chunks in
+// flight (as kernels/mma.cu's gemm_rows); U changes when loads are issued, not the arithmetic.
+template <int A, int T, int U, class Src>
+__device__ __forceinline__ void mma_span(const Src& src, const uint4* const (&xp)[T], const bool (&xok)[T],
+                                         int c0, int c1, float (&acc)[A][T][4]) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 wv[U][2 * A], xv[U][T];
+  typename Src::Raw wv[U][2 * A];
+  uint4 xv[U][T];
   auto load = [&](int ch) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < 2 * A; ++j) wv[u][j] = load_weight(wp[j] + min(ch + u, c1 - 1) * 4);
+      for (int j = 0; j < 2 * A; ++j) wv[u][j] = src.load(j, min(ch + u, c1 - 1));
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -552,7 +653,8 @@ __device__ __forceinline__ void mma_span(const uint4* const (&wp)[2 * A], const 
   };
   if (c0 < c1) load(c0);
   for (int ch = c0; ch < c1; ch += U) {
-    uint4 cw[U][2 * A], cx[U][T];
+    typename Src::Raw cw[U][2 * A];
+    uint4 cx[U][T];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -563,11 +665,15 @@ __device__ __forceinline__ void mma_span(const uint4* const (&wp)[2 * A], const 
     if (ch + U < c1) load(ch + U);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (ch + u < c1)
+      if (ch + u < c1) {
+        uint4 w[2 * A];
+#pragma unroll
+        for (int j = 0; j < 2 * A; ++j) w[j] = Src::unpack(cw[u][j]);
 #pragma unroll
         for (int a = 0; a < A; ++a)
 #pragma unroll
-          for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], cw[u][2 * a], cw[u][2 * a + 1], cx[u][t]);
+          for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], w[2 * a], w[2 * a + 1], cx[u][t]);
+      }
   }
 }
 
@@ -587,18 +693,19 @@ __device__ __forceinline__ void mma_rows(const bf16* __restrict__ rows, const in
 }
 
 // One slot's product, staged for the epilogue: the gathered rows (pair q's row rows +
-// (pairs[q] / div) * width) times the 2A weight rows wp, k = width split over the warps (the
-// same split for every A and T: an output's arithmetic depends on the widths alone).
-template <int A, int T, int U>
-__device__ __forceinline__ void slot_product(const uint4* const (&wp)[2 * A], const bf16* __restrict__ rows,
-                                             const int* pairs, int np, int div, int lim, int width,
+// (pairs[q] / div) * width) times the 2A weight rows of src, k = width split over the warps
+// (the same split for every A, T and source: an output's arithmetic depends on the widths
+// alone).
+template <int A, int T, int U, class Src>
+__device__ __forceinline__ void slot_product(const Src& src, const bf16* __restrict__ rows, const int* pairs,
+                                             int np, int div, int lim, int width,
                                              float (*red)[16 * A][8 * T]) {
   const uint4* xp[T];
   bool xok[T];
   mma_rows<T>(rows, pairs, np, div, lim, width, xp, xok);
   const int chunks = width / 32, warp = threadIdx.x / 32;
   float acc[A][T][4] = {};
-  mma_span<A, T, U>(wp, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
+  mma_span<A, T, U>(src, xp, xok, warp * chunks / MMA_WARPS, (warp + 1) * chunks / MMA_WARPS, acc);
   stage_rows<T, A>(acc, red);
 }
 
@@ -606,13 +713,12 @@ __device__ __forceinline__ void slot_product(const uint4* const (&wp)[2 * A], co
 // [8Ay, 8Ay + 8A). A = 2: m16 tile 0 holds gate units j0..j0+15, tile 1 the same units' up rows;
 // A = 1 (twice the blocks, half the work each; not instantiated, see MOE_MMA): the tile holds
 // gate units j0..j0+7 (rows 0-7) and their up rows (8-15). H % 32 == 0. The slot of expert
-// shared_e (>= 0: the layer's shared expert, E) takes shared_gu [2I, H] (no bias); its pairs
-// npairs + r read row r.
-template <int A, int T, int U>
+// shared_e (>= 0: the layer's shared expert, E) takes ex's shared stack [2I, H] (no bias); its
+// pairs npairs + r read row r.
+template <int A, int T, int U, class Ex>
 __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ slots, int nslots, int k,
-                            const bf16* __restrict__ gate_up, const bf16* __restrict__ bias, int inter,
-                            int hidden, int mode, float limit, float alpha, bf16* __restrict__ h,
-                            int shared_e, int npairs, const bf16* __restrict__ shared_gu) {
+                            const Ex& ex, const bf16* __restrict__ bias, int inter, int hidden, int mode,
+                            float limit, float alpha, bf16* __restrict__ h, int shared_e, int npairs) {
   __shared__ int pairs[MOE_MAX_PAIRS];
   __shared__ int e_sh;
   __shared__ float red[MMA_WARPS][16 * A][8 * T];
@@ -620,21 +726,20 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
   if (np == 0) return;
   const int e = e_sh;
   const bool sh = e == shared_e;
-  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int lane = threadIdx.x % 32, g = lane / 4;
   constexpr int UNITS = 8 * A;
   const int j0 = blockIdx.y * UNITS;
-  const bf16* we = sh ? shared_gu : gate_up + (size_t)e * 2 * inter * hidden;
-  // wp[j]: A = 2: gate g, gate g + 8, up g, up g + 8; A = 1: gate g, up g (clamped past I,
+  // row j: A = 2: gate g, gate g + 8, up g, up g + 8; A = 1: gate g, up g (clamped past I,
   // never stored). red row of gate unit r: r (A = 2: r < 16) / r (A = 1: r < 8); its up row:
   // 16 + r / 8 + r.
-  const uint4* wp[2 * A];
+  int r[2 * A];
 #pragma unroll
   for (int j = 0; j < 2 * A; ++j) {
     const int up = A == 2 ? j / 2 : j;
-    const int unit = min(j0 + g + (A == 2 ? 8 * (j % 2) : 0), inter - 1);
-    wp[j] = reinterpret_cast<const uint4*>(we + (size_t)(up * inter + unit) * hidden) + c;
+    r[j] = up * inter + min(j0 + g + (A == 2 ? 8 * (j % 2) : 0), inter - 1);
   }
-  slot_product<A, T, U>(wp, x, pairs, np, k, shared_e >= 0 ? npairs : INT_MAX, hidden, red);
+  slot_product<A, T, U>(ex.template at<A>(e, sh, r), x, pairs, np, k, shared_e >= 0 ? npairs : INT_MAX, hidden,
+                        red);
   for (int i = threadIdx.x; i < UNITS * np; i += blockDim.x) {
     const int r = i % UNITS, q = i / UNITS, j = j0 + r;
     if (j >= inter) continue;
@@ -653,47 +758,37 @@ __device__ void gate_up_mma(const bf16* __restrict__ x, const int* __restrict__ 
   }
 }
 
-// One slot block's share of down_mma: y rows of the slot's pairs, output rows [r0, r0 + 16A).
-template <int A, int T, int U>
-__device__ __forceinline__ void down_mma_slot(const bf16* __restrict__ h, const int* pairs, int np, int e,
-                                              const bf16* __restrict__ down, const bf16* __restrict__ bias,
-                                              int inter, int hidden, float* __restrict__ y,
-                                              float (*red)[16 * A][8 * T]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  constexpr int ROWS = 16 * A;
-  const int r0 = blockIdx.y * ROWS;
-  const bf16* we = down + (size_t)e * hidden * inter;
-  const uint4* wp[2 * A];
-#pragma unroll
-  for (int j = 0; j < 2 * A; ++j)
-    wp[j] = reinterpret_cast<const uint4*>(we + (size_t)min(r0 + 8 * j + g, hidden - 1) * inter) + c;
-  slot_product<A, T, U>(wp, h, pairs, np, 1, INT_MAX, inter, red);
-  for (int i = threadIdx.x; i < ROWS * np; i += blockDim.x) {
-    const int r = i % ROWS, q = i / ROWS, cc = r0 + r;
-    if (cc >= hidden) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < MMA_WARPS; ++w) s += red[w][r][q];
-    float v = rb(s);
-    if (bias != nullptr) v = rb(v + __bfloat162float(bias[(size_t)e * hidden + cc]));
-    y[(size_t)pairs[q] * hidden + cc] = v;
-  }
-}
-
 // As down_impl, on the tensor cores: grid (slots, ceil(H / 16A)); block y takes output rows
-// [16Ay, 16Ay + 16A). I % 32 == 0. The slot of expert shared_e takes shared_down [H, I].
-template <int A, int T, int U>
-__device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slots, int nslots,
-                         const bf16* __restrict__ down, const bf16* __restrict__ bias, int inter, int hidden,
-                         float* __restrict__ y, int shared_e, const bf16* __restrict__ shared_down) {
+// [16Ay, 16Ay + 16A). I % 32 == 0. The slot of expert shared_e takes ex's shared stack [H, I].
+template <int A, int T, int U, class Ex>
+__device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slots, int nslots, const Ex& ex,
+                         const bf16* __restrict__ bias, int inter, int hidden, float* __restrict__ y,
+                         int shared_e) {
   __shared__ int pairs[MOE_MAX_PAIRS];
   __shared__ int e_sh;
   __shared__ float red[MMA_WARPS][16 * A][8 * T];
   const int np = expert_pairs(slots, nslots, &e_sh, pairs);
   if (np == 0) return;
   const bool sh = e_sh == shared_e;
-  down_mma_slot<A, T, U>(h, pairs, np, sh ? 0 : e_sh, sh ? shared_down : down, sh ? nullptr : bias, inter, hidden,
-                         y, red);
+  const int e = sh ? 0 : e_sh;
+  if (sh) bias = nullptr;
+  const int g = (threadIdx.x % 32) / 4;
+  constexpr int ROWS = 16 * A;
+  const int r0 = blockIdx.y * ROWS;
+  int r[2 * A];
+#pragma unroll
+  for (int j = 0; j < 2 * A; ++j) r[j] = min(r0 + 8 * j + g, hidden - 1);
+  slot_product<A, T, U>(ex.template at<A>(e, sh, r), h, pairs, np, 1, INT_MAX, inter, red);
+  for (int i = threadIdx.x; i < ROWS * np; i += blockDim.x) {
+    const int rr = i % ROWS, q = i / ROWS, cc = r0 + rr;
+    if (cc >= hidden) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < MMA_WARPS; ++w) s += red[w][rr][q];
+    float v = rb(s);
+    if (bias != nullptr) v = rb(v + __bfloat162float(bias[(size_t)e * hidden + cc]));
+    y[(size_t)pairs[q] * hidden + cc] = v;
+  }
 }
 
 // moe_{gate_up,down}_mma_t{T}: tiles of 16 units / 32 output rows (A = 2), 2 chunks in flight.
@@ -705,16 +800,45 @@ __device__ void down_mma(const bf16* __restrict__ h, const int* __restrict__ slo
       const bf16* x, const int* slots, int nslots, int k, const bf16* gate_up, const bf16* bias,       \
       int inter, int hidden, int mode, float limit, float alpha, bf16* h, int shared_e, int npairs,     \
       const bf16* shared_gu) {                                                                          \
-    gate_up_mma<A, T, U>(x, slots, nslots, k, gate_up, bias, inter, hidden, mode, limit, alpha, h,      \
-                         shared_e, npairs, shared_gu);                                                  \
+    gate_up_mma<A, T, U>(x, slots, nslots, k, BfExperts{gate_up, shared_gu, 2 * inter, hidden}, bias,   \
+                         inter, hidden, mode, limit, alpha, h, shared_e, npairs);                       \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_down_mma_##NAME(                 \
       const bf16* h, const int* slots, int nslots, const bf16* down, const bf16* bias, int inter,      \
       int hidden, float* y, int shared_e, const bf16* shared_down) {                                    \
-    down_mma<A, T, U>(h, slots, nslots, down, bias, inter, hidden, y, shared_e, shared_down);            \
+    down_mma<A, T, U>(h, slots, nslots, BfExperts{down, shared_down, hidden, inter}, bias, inter, hidden, \
+                      y, shared_e);                                                                     \
   }
 MOE_MMA(t1, 2, 1, 2, 2)
 MOE_MMA(t2, 2, 2, 2, 2)
+
+// The same GEMMs over MXFP4 stacks (gpt-oss's experts kept as stored): codes [E, 2I, H / 2] /
+// [E, H, I / 2], scales [E, 2I, H / 32] / [E, H, I / 32]; no shared expert. 4 chunks in flight
+// (a chunk is 4 bytes a lane here, 16 for bf16).
+#define MOE_MMA_MX(NAME, A, T, U, MINB)                                                                \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_gate_up_mma_mx_##NAME(           \
+      const bf16* x, const int* slots, int nslots, int k, const uint8_t* q, const uint8_t* s,           \
+      const bf16* bias, int inter, int hidden, int mode, float limit, float alpha, bf16* h) {           \
+    gate_up_mma<A, T, U>(x, slots, nslots, k, MxExperts{q, s, 2 * inter, hidden}, bias, inter, hidden,  \
+                         mode, limit, alpha, h, -1, 0);                                                 \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_down_mma_mx_##NAME(              \
+      const bf16* h, const int* slots, int nslots, const uint8_t* q, const uint8_t* s, const bf16* bias, \
+      int inter, int hidden, float* y) {                                                                \
+    down_mma<A, T, U>(h, slots, nslots, MxExperts{q, s, hidden, inter}, bias, inter, hidden, y, -1);     \
+  }
+MOE_MMA_MX(t1, 2, 1, 4, 2)
+MOE_MMA_MX(t2, 2, 2, 4, 2)
+
+// An MXFP4 stack dequantized to bf16 (out [groups * 32]): one thread a word of 8 codes.
+// (Prefill's per-expert products, and the tests' device side of the dequantization.)
+extern "C" __global__ void mxfp4_dequant(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                                         long long groups, bf16* __restrict__ out) {
+  const long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (w >= groups * 4) return;
+  const uint32_t word = reinterpret_cast<const uint32_t*>(q)[w];
+  reinterpret_cast<uint4*>(out)[w] = mxfp4_bf16(word, e8m0_bf16x2(s[w / 4]));
+}
 
 // out[r, c] = bf16(sum_{s < k} w[r, s] * y[r * k + s, c] (+ w[n k + r] y[n k + r, c] with the
 // shared expert)), slots in order. grid (n, ceil(H / 256)).

@@ -653,9 +653,9 @@ fn moe_matches_host_routing_and_rows_are_invariant() {
                 device_tables: Default::default(),
             },
             experts: Experts {
-                gate_up: randn(&[e, 2 * inter, h], (h as f64).powf(-0.5), &dev),
+                gate_up: randn(&[e, 2 * inter, h], (h as f64).powf(-0.5), &dev).into(),
                 gate_up_bias: biases.then(|| randn(&[e, 2 * inter], 0.1, &dev)),
-                down: randn(&[e, h, inter], (inter as f64).powf(-0.5), &dev),
+                down: randn(&[e, h, inter], (inter as f64).powf(-0.5), &dev).into(),
                 down_bias: biases.then(|| randn(&[e, h], 0.1, &dev)),
                 act,
                 inter,
@@ -714,6 +714,151 @@ fn check_moe(name: &str, moe: &dflash::nn::SparseMoe, h: usize, dev: &Device) {
             );
         }
     }
+}
+
+/// gpt-oss's MXFP4 experts kept as stored (`nn::Mxfp4Stack`, the `moe_*_mma_mx` kernels): the
+/// device dequantization gives the host's bf16 values for every scale byte (0, the subnormal
+/// 2^-127, to 254) and code; a gpt-oss MoE block over MXFP4 stacks gives bit for bit the
+/// block over their dequantized bf16 twins for 1, 5 and 16 rows (the tensor-core kernels:
+/// each weight made in registers to its exact bf16 value) and for 40 rows (prefill: each
+/// expert dequantized, then candle's product); rows alone == among 16, and against the host
+/// routing as every family's MoE is ([`check_moe`]).
+#[test]
+fn mxfp4_experts_match_the_dequantized_experts() {
+    use dflash::nn::moe::{ExpertAct, ExpertMatrix, Experts, Router, Scoring};
+    use dflash::nn::{Mxfp4Stack, SparseMoe};
+    let Some(dev) = gpu() else { return };
+    // every scale byte but 255 (NaN, refused at load), every code
+    let groups = 8 * 255;
+    let (codes, _) = common::mxfp4::random_groups(groups, 0, 0, 3);
+    let scales: Vec<u8> = (0..groups).map(|g| (g % 255) as u8).collect();
+    let st = Mxfp4Stack::new("w", codes.clone(), scales.clone(), (8, 255, 32), &dev).unwrap();
+    let want = common::mxfp4::dequantized(&codes, &scales, &[8, 255, 32], &dev);
+    for e in 0..8 {
+        let got = st.dequantize(e).unwrap();
+        assert!(
+            common::f32_bits(&got.to_dtype(DType::F32).unwrap())
+                == common::f32_bits(&want.get(e).unwrap().to_dtype(DType::F32).unwrap()),
+            "expert {e}: device dequantization differs from the host's"
+        );
+    }
+    for (h, inter, e, k) in [
+        (64, 64, 32, 4),
+        (96, 32, 8, 2),
+        (2880 / 10, 2880 / 10, 16, 4),
+    ] {
+        let lin = |o: usize, i: usize| {
+            Linear::dense(
+                randn(&[o, i], (i as f64).powf(-0.5), &dev),
+                Some(randn(&[o], 0.1, &dev)),
+            )
+        };
+        // scales around 2^-4 (gpt-oss's experts' range): weights of O(0.1-1)
+        let (gc, gs) = common::mxfp4::random_groups(e * 2 * inter * h / 32, 119, 125, 5);
+        let (dc, ds) = common::mxfp4::random_groups(e * h * inter / 32, 119, 125, 6);
+        let gu_f = common::mxfp4::dequantized(&gc, &gs, &[e, 2 * inter, h], &dev);
+        let dn_f = common::mxfp4::dequantized(&dc, &ds, &[e, h, inter], &dev);
+        let gu_q = Mxfp4Stack::new("gate_up", gc, gs, (e, 2 * inter, h), &dev).unwrap();
+        let dn_q = Mxfp4Stack::new("down", dc, ds, (e, h, inter), &dev).unwrap();
+        let float = SparseMoe {
+            router: Router {
+                proj: lin(e, h),
+                f32_input: false,
+                scoring: Scoring::TopKSoftmax,
+                top_k: k,
+                scale: 1.0,
+                per_expert_scale: None,
+                device_tables: Default::default(),
+            },
+            experts: Experts {
+                gate_up: gu_f.into(),
+                gate_up_bias: Some(randn(&[e, 2 * inter], 0.1, &dev)),
+                down: dn_f.into(),
+                down_bias: Some(randn(&[e, h], 0.1, &dev)),
+                act: ExpertAct::ClampedGlu {
+                    limit: 7.0,
+                    alpha: 1.702,
+                },
+                inter,
+            },
+            shared: None,
+        };
+        let mut mx = float.clone();
+        mx.experts.gate_up = ExpertMatrix::Mxfp4(gu_q);
+        mx.experts.down = ExpertMatrix::Mxfp4(dn_q);
+        assert!(mx.experts.weight_bytes() * 3 < float.experts.weight_bytes());
+        let x = randn(&[40, h], 1.0, &dev);
+        for n in [1, 5, 16, 40] {
+            let xs = x.narrow(0, 0, n).unwrap().contiguous().unwrap();
+            let bits = |m: &SparseMoe| {
+                common::f32_bits(&m.forward(&xs).unwrap().to_dtype(DType::F32).unwrap())
+            };
+            assert!(
+                bits(&mx) == bits(&float),
+                "h {h} inter {inter}: {n} rows over MXFP4 differ from the dequantized experts"
+            );
+        }
+        check_moe(
+            &format!("gpt_oss mxfp4 (h {h}, inter {inter})"),
+            &mx,
+            h,
+            &dev,
+        );
+        eprintln!("ok mxfp4 experts h {h} inter {inter} e {e} k {k}");
+    }
+}
+
+/// The gpt_oss MXFP4 fixture on the GPU keeps its experts as stored (the load report says so,
+/// and the weights take under half their bf16 twin's bytes); every forward of a DFlash run
+/// (the prefill, verify windows of 1 / 2 / 7 / 16 rows with rollbacks) gives bit for bit the
+/// logits of its twin with the experts dequantized to bf16; greedy DFlash == plain decoding.
+#[test]
+fn gpt_oss_mxfp4_checkpoint_on_the_gpu_runs_as_stored() {
+    use dflash::archs::{load_target, LoadOptions};
+    use dflash::source::ModelSource;
+    let Some(dev) = gpu() else { return };
+    dflash::switches::set_batch_invariant(true);
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let fixture = common::fixture("gpt_oss_mxfp4");
+    let dir = tempfile::tempdir().unwrap();
+    let twin = dir.path().join("twin");
+    assert_eq!(common::mxfp4::dequantized_twin(&fixture, &twin), 8);
+    let (cfg, q) = load_target(&ModelSource::from_dir("t", &fixture).unwrap(), &opts).unwrap();
+    let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
+    let info = q.info().quantization.clone().unwrap();
+    assert_eq!(info, "MXFP4 x8; kept as stored");
+    // the experts at 17 bytes a 32 values instead of 64, the rest as the twin's
+    let (h, i, e) = (cfg.hidden_size, 32, 3);
+    let expert_values = cfg.num_hidden_layers * e * (2 * i * h + h * i);
+    assert_eq!(
+        f.info().weight_bytes - q.info().weight_bytes,
+        expert_values * (64 - 17) / 32,
+        "{} bytes held vs {} for bf16",
+        q.info().weight_bytes,
+        f.info().weight_bytes
+    );
+    let vocab = cfg.vocab_size;
+    let toks = common::ids(9, 80, vocab);
+    for rows in [1, 2, 7, 16] {
+        assert!(
+            verify_pattern_logits(q.as_ref(), &toks, rows)
+                == verify_pattern_logits(f.as_ref(), &toks, rows),
+            "logits differ from the dequantized twin's (verify windows of {rows})"
+        );
+    }
+    // a draft sized for this target (hidden, vocabulary and depth are what it reads)
+    let t = dflash::testing::TinyTarget {
+        hidden: cfg.hidden_size,
+        vocab,
+        layers: cfg.num_hidden_layers,
+        ..dflash::testing::TinyTarget::qwen3(0)
+    };
+    greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 73, "gpt_oss mxfp4 on CUDA");
+    eprintln!("ok gpt_oss mxfp4 on CUDA: {info}");
 }
 
 /// The greedy choice kernel (`nn::cuda::argmax_rows`) against the host's `sampling::argmax`,
@@ -1747,82 +1892,6 @@ fn fp8_kernels_match_the_dequantized_weights() {
     }
 }
 
-/// Trial `fp8_block_scale` (`kernels/fp8.cu`, BS): the exact e4m3 values on the tensor cores
-/// and the block scales on each scale column's partial sums. At every blocking, whole and
-/// partial blocks, subnormal and signed bytes: 1..16 rows within rounding of the f32 product of
-/// the dequantized weights (bf16 and f32 forms), each row of m == the row alone; and a tiny FP8
-/// qwen3 through it keeps greedy DFlash == plain. The trial is switched off again at the end.
-#[test]
-fn fp8_block_scale_trial_is_close_and_row_invariant() {
-    use dflash::nn::Linear;
-    use dflash::switches::{set_trials, Trial};
-    let Some(dev) = gpu() else { return };
-    // the trial off again however this test ends (the GPU suite runs on one thread)
-    struct Off;
-    impl Drop for Off {
-        fn drop(&mut self) {
-            set_trials(&[]);
-        }
-    }
-    let _off = Off;
-    set_trials(&[Trial::Fp8BlockScale]);
-    let mut rng = dflash::testing::Rng::new(9);
-    for &(n, k, block) in &[
-        (48usize, 256usize, (128usize, 128usize)),
-        (4096, 512, (128, 128)),
-        (12288, 1024, (128, 128)),
-        (20000, 256, (48, 64)),
-        (40, 96, (16, 32)),
-        (256, 128, (16, 32)),
-    ] {
-        let w = random_fp8(&mut rng, n, k, block, &dev);
-        let what = format!("fp8 block-scale trial [{n}, {k}] {block:?}");
-        let exact = Tensor::from_vec(w.dequantize_host().unwrap(), (n, k), &Device::Cpu)
-            .unwrap()
-            .to_device(&dev)
-            .unwrap();
-        let fp8 = Linear::Fp8 {
-            weight: std::sync::Arc::new(w),
-            bias: None,
-        };
-        let x16 = randn(&[16, k], 1.0, &dev);
-        assert_rows_as_alone(&what, &x16, |x| fp8.forward(x).unwrap());
-        assert_rows_as_alone(&format!("{what} f32"), &x16, |x| {
-            fp8.forward_f32(x).unwrap()
-        });
-        for m in 1..=16 {
-            let x = x16.narrow(0, 0, m).unwrap();
-            let y = fp8.forward(&x).unwrap();
-            let e = rel_err(&y, &f32_product(&x, &exact));
-            assert!(e < 1e-2, "{what}, {m} rows: rel err {e}");
-        }
-        eprintln!("ok {what}");
-    }
-    {
-        use dflash::archs::{load_target, LoadOptions};
-        use dflash::source::ModelSource;
-        let opts = LoadOptions {
-            dtype: DType::BF16,
-            device: dev.clone(),
-            ..Default::default()
-        };
-        let t = fp8_tiny_target();
-        let dir = tempfile::tempdir().unwrap();
-        let (fp8_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
-        common::fp8::write_fp8(&t, (128, 128), "-", &fp8_dir, &twin);
-        let (cfg, q) = load_target(&ModelSource::from_dir("t", &fp8_dir).unwrap(), &opts).unwrap();
-        greedy_with_tiny_draft(
-            q,
-            &cfg,
-            &t,
-            dir.path(),
-            &opts,
-            73,
-            "fp8 block-scale trial on CUDA",
-        );
-    }
-}
-
 /// Logits of every forward a greedy DFlash run makes, over `toks` (a 30-token prefill, then
 /// verify windows of `q` rows each followed by a rollback to a random accepted length, the
 /// engine's pattern; q = 1 is plain decoding), as f32 bits.
@@ -1910,11 +1979,9 @@ fn fp8_checkpoint_on_the_gpu_runs_as_stored() {
 /// the skinny GEMM is row-invariant at these shapes): its head_dim of 32 has no fused attention kernel
 /// (`ATTN_HEAD_DIMS`), so attention took the portable path, one cuBLAS product for the block,
 /// whose rounding depends on the row count. Fixed (same session) by running that path row by
-/// row on CUDA too in batch-invariant mode (`nn::attention::attend`), not yet run on a GPU:
-/// run this with `--ignored`, then drop the `ignore`. (The registry's models all have head
-/// dims with a kernel.)
+/// row on CUDA too in batch-invariant mode (`nn::attention::attend`): passes on the H200 since
+/// session 34. (The registry's models all have head dims with a kernel.)
 #[test]
-#[ignore = "fix written in session 32, not yet run on a GPU: run with --ignored, then un-ignore"]
 fn tiny_dense_qwen3_verify_equals_decode_steps() {
     use dflash::archs::{load_target, LoadOptions};
     use dflash::source::ModelSource;

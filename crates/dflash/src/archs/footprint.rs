@@ -18,6 +18,10 @@ pub struct Footprint {
     pub stored_bytes: Option<u64>,
     /// Bytes of the loaded weights with bf16 compute (f32 compute, the CPU default: twice).
     pub loaded_bytes_bf16: u64,
+    /// Bytes dflash holds on CUDA with bf16 compute for the checkpoint as published: MXFP4
+    /// experts (gpt-oss) stay as stored (`nn::mxfp4`), everything else as `loaded_bytes_bf16`
+    /// (int4 experts are dequantized at load).
+    pub cuda_held_as_published: u64,
     /// Target cache bytes per token of context with bf16 compute (the KV rows of attention
     /// layers, the latent row of MLA layers; recurrent layers add none).
     pub cache_bytes_per_token_bf16: u64,
@@ -112,10 +116,16 @@ pub fn estimate(cfg: &TargetConfig) -> Result<Option<Footprint>> {
     let c = plan.params;
     let stored = expert_bytes_per_value(cfg, fb)?
         .map(|eb| (c.plain as f64 * fb + c.experts as f64 * eb).round() as u64);
+    let mxfp4 = match cfg.quantization()? {
+        Some(q) => q.opt_str("quant_method")? == Some("mxfp4"),
+        None => false,
+    };
+    let mx_held = (c.plain as f64 * 2.0 + c.experts as f64 * 17.0 / 32.0).round() as u64;
     Ok(Some(Footprint {
         params: c.total(),
         stored_bytes: stored,
         loaded_bytes_bf16: 2 * c.total(),
+        cuda_held_as_published: if mxfp4 { mx_held } else { 2 * c.total() },
         cache_bytes_per_token_bf16: plan.cache_bytes_per_token(candle_core::DType::BF16),
         cache_fixed_bytes_bf16: plan.cache_fixed_bytes(candle_core::DType::BF16),
         expert_params: c.experts,
@@ -242,6 +252,12 @@ mod tests {
         let big = of("Qwen3.5-122B-A10B");
         assert!(big.expert_params > 110_000_000_000, "{}", big.expert_params);
         assert!(big.cuda_held_bytes(CudaStorage::Affine4) > 2 * big.expert_params);
+        // gpt-oss keeps its MXFP4 experts as stored on CUDA: the 120b holds its checkpoint's
+        // ~65 GB there (a bf16 load would be ~234 GB)
+        let oss = of("gpt-oss-120b");
+        assert_eq!(Some(oss.cuda_held_as_published), oss.stored_bytes);
+        assert!(oss.cuda_held_as_published < 70_000_000_000);
+        assert_eq!(q8.cuda_held_as_published, q8.loaded_bytes_bf16);
         // every row of the registry has a recorded config and is sized
         for e in DRAFT_REGISTRY {
             let v = published_target_config(e.target).unwrap_or_else(|| panic!("{}", e.target));

@@ -13,7 +13,9 @@
 //!   `l = swiglu_limit` (7.0);
 //! - expert weights stored as MXFP4 (`*_blocks` / `*_scales`, the published checkpoints) or as
 //!   floats in transformers' layout (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`). MXFP4
-//!   experts are dequantized exactly at load (`source::mxfp4`; memory figures there).
+//!   experts stay as stored on CUDA with bf16 compute (`nn::mxfp4`, dequantized in the MoE
+//!   kernels' registers) and are dequantized exactly at load elsewhere (`source::mxfp4`;
+//!   memory figures there).
 //!
 //! The harmony chat format needs nothing here: it comes from the checkpoint's
 //! `chat_template.jinja` like every other template.
@@ -24,8 +26,8 @@ use super::TargetModel;
 #[cfg(test)]
 use crate::config::RopeKind;
 use crate::config::{LayerType, RopeConfig, TargetConfig};
-use crate::nn::moe::{ExpertAct, Experts, MoeConfig, MoeDefaults, Router, Scoring};
-use crate::nn::{Attention, AttentionSpec, RmsNorm, Rope, SparseMoe, Visibility};
+use crate::nn::moe::{ExpertAct, ExpertMatrix, Experts, MoeConfig, MoeDefaults, Router, Scoring};
+use crate::nn::{Attention, AttentionSpec, Mxfp4Stack, RmsNorm, Rope, SparseMoe, Visibility};
 use crate::source::mxfp4::{self, Packed};
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -128,9 +130,19 @@ fn deinterleave_index(rows: usize, dev: &candle_core::Device) -> Result<Tensor> 
     Ok(Tensor::from_vec(idx, rows, dev)?)
 }
 
+/// How a layer's experts were stored and are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stored {
+    Float,
+    /// MXFP4, dequantized at load.
+    Dequantized,
+    /// MXFP4 kept as stored ([`crate::nn::quant::keeps_mxfp4`]).
+    Kept,
+}
+
 /// The experts of layer `p` (`{p}.mlp.experts.*`), from MXFP4 or float tensors, stacked as
-/// `Experts` wants them (gate rows, then up rows). Returns them and whether they were MXFP4.
-fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Experts, bool)> {
+/// `Experts` wants them (gate rows, then up rows). Returns them and how they are held.
+fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Experts, Stored)> {
     let (e, inter) = (g.moe.num_experts, g.moe.intermediate_size);
     let gu_name = format!("{p}.mlp.experts.gate_up_proj");
     let down_name = format!("{p}.mlp.experts.down_proj");
@@ -138,6 +150,31 @@ fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Exp
     let down_bias = w.get(&format!("{down_name}_bias"), (e, h))?;
     let perm = deinterleave_index(2 * inter, &w.device)?;
     let mx = mxfp4::is_mxfp4(w, &gu_name);
+    if mx && crate::nn::quant::keeps_mxfp4(&w.device, w.dtype, h, inter) {
+        // kept as stored: the codes with gate rows first, then up rows, as the floats below
+        let order: Vec<usize> = (0..2 * inter)
+            .step_by(2)
+            .chain((1..2 * inter).step_by(2))
+            .collect();
+        let (gc, gs) = Packed::load(w, &gu_name, &[e, 2 * inter], h)?.into_bytes(Some(&order));
+        let (dc, ds) = Packed::load(w, &down_name, &[e, h], inter)?.into_bytes(None);
+        let gate_up = Mxfp4Stack::new(&gu_name, gc, gs, (e, 2 * inter, h), &w.device)?;
+        let down = Mxfp4Stack::new(&down_name, dc, ds, (e, h, inter), &w.device)?;
+        return Ok((
+            Experts {
+                gate_up: ExpertMatrix::Mxfp4(gate_up),
+                gate_up_bias: Some(gu_bias.index_select(&perm, 1)?),
+                down: ExpertMatrix::Mxfp4(down),
+                down_bias: Some(down_bias),
+                act: ExpertAct::ClampedGlu {
+                    limit: g.swiglu_limit,
+                    alpha: ALPHA,
+                },
+                inter,
+            },
+            Stored::Kept,
+        ));
+    }
     // as (out, in): gate_up [E, 2I, H] (interleaved rows), down [E, H, I]
     let (gate_up, down) = if mx {
         let on = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(w.dtype)?.to_device(&w.device)?) };
@@ -161,9 +198,9 @@ fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Exp
     };
     Ok((
         Experts {
-            gate_up: gate_up.index_select(&perm, 1)?,
+            gate_up: gate_up.index_select(&perm, 1)?.into(),
             gate_up_bias: Some(gu_bias.index_select(&perm, 1)?),
-            down,
+            down: down.into(),
             down_bias: Some(down_bias),
             act: ExpertAct::ClampedGlu {
                 limit: g.swiglu_limit,
@@ -171,7 +208,11 @@ fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Exp
             },
             inter,
         },
-        mx,
+        if mx {
+            Stored::Dequantized
+        } else {
+            Stored::Float
+        },
     ))
 }
 
@@ -188,11 +229,12 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
     let spec = g.attention(cfg);
     let embed = w.embedding("model.embed_tokens.weight", v, h)?;
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-    let mut mxfp4_layers = 0;
+    let (mut deq_layers, mut kept_layers) = (0, 0);
     for i in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{i}");
-        let (experts, mx) = load_experts(w, &p, &g, h)?;
-        mxfp4_layers += mx as usize;
+        let (experts, stored) = load_experts(w, &p, &g, h)?;
+        deq_layers += (stored == Stored::Dequantized) as usize;
+        kept_layers += (stored == Stored::Kept) as usize;
         let mut attn = Attention::load(w, &format!("{p}.self_attn"), spec.clone())?;
         attn.sinks = Some(w.get(&format!("{p}.self_attn.sinks"), cfg.num_attention_heads)?);
         attn.fuse()?;
@@ -231,7 +273,17 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
         &embed,
     );
     let mut info = target_info(cfg, w, "gpt_oss");
-    let mxfp4 = (mxfp4_layers > 0).then(|| format!("MXFP4->{:?} x{}", w.dtype, 2 * mxfp4_layers));
+    let mxfp4 = match (deq_layers, kept_layers) {
+        (0, 0) => None,
+        (d, 0) => Some(format!("MXFP4->{:?} x{}", w.dtype, 2 * d)),
+        (0, k) => Some(format!("MXFP4 x{}; kept as stored", 2 * k)),
+        (d, k) => Some(format!(
+            "MXFP4 x{} kept as stored, MXFP4->{:?} x{}",
+            2 * k,
+            w.dtype,
+            2 * d
+        )),
+    };
     info.quantization = match (mxfp4, info.quantization.take()) {
         (Some(a), Some(b)) => Some(format!("{a}; {b}")),
         (a, b) => a.or(b),

@@ -323,15 +323,54 @@ pub enum ExpertAct {
     ClampedGlu { limit: f64, alpha: f64 },
 }
 
+/// A stack of expert matrices `[E, rows, k]` as held: floats, or MXFP4 codes and scales kept
+/// as stored (gpt-oss on CUDA; [`super::mxfp4`]).
+#[derive(Debug, Clone)]
+pub enum ExpertMatrix {
+    Float(Tensor),
+    Mxfp4(super::mxfp4::Mxfp4Stack),
+}
+
+impl From<Tensor> for ExpertMatrix {
+    fn from(t: Tensor) -> Self {
+        Self::Float(t)
+    }
+}
+
+impl ExpertMatrix {
+    /// `(E, rows, k)`.
+    pub fn dims(&self) -> Result<(usize, usize, usize)> {
+        Ok(match self {
+            Self::Float(t) => t.dims3()?,
+            Self::Mxfp4(m) => m.dims(),
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Float(t) => super::tensor_bytes(t),
+            Self::Mxfp4(m) => m.bytes(),
+        }
+    }
+
+    /// Expert `e`'s matrix `[rows, k]` in a float dtype (MXFP4: dequantized, exactly, to bf16).
+    pub fn expert(&self, e: usize) -> Result<Tensor> {
+        match self {
+            Self::Float(t) => Ok(t.get(e)?),
+            Self::Mxfp4(m) => m.dequantize(e),
+        }
+    }
+}
+
 /// The routed experts, stacked.
 #[derive(Debug, Clone)]
 pub struct Experts {
     /// `[E, 2I, H]`: each expert's gate rows, then its up rows.
-    pub gate_up: Tensor,
+    pub gate_up: ExpertMatrix,
     /// `[E, 2I]`
     pub gate_up_bias: Option<Tensor>,
     /// `[E, H, I]`
-    pub down: Tensor,
+    pub down: ExpertMatrix,
     /// `[E, H]`
     pub down_bias: Option<Tensor>,
     pub act: ExpertAct,
@@ -372,9 +411,9 @@ impl Experts {
             (Tensor::stack(&gu, 0)?, Tensor::stack(&dn, 0)?)
         };
         Ok(Self {
-            gate_up,
+            gate_up: gate_up.into(),
             gate_up_bias: None,
-            down,
+            down: down.into(),
             down_bias: None,
             act: ExpertAct::Glu(act),
             inter,
@@ -382,20 +421,20 @@ impl Experts {
     }
 
     pub fn count(&self) -> usize {
-        self.gate_up.dims()[0]
+        self.gate_up.dims().map_or(0, |d| d.0)
     }
 
     pub fn weight_bytes(&self) -> usize {
         let t = super::tensor_bytes;
-        t(&self.gate_up)
-            + t(&self.down)
+        self.gate_up.bytes()
+            + self.down.bytes()
             + self.gate_up_bias.as_ref().map_or(0, t)
             + self.down_bias.as_ref().map_or(0, t)
     }
 
     /// Expert `e` on its rows `x [m, hidden]` -> `[m, hidden]`.
     pub fn expert(&self, e: usize, x: &Tensor) -> Result<Tensor> {
-        let mut gu = x.matmul(&self.gate_up.get(e)?.t()?)?;
+        let mut gu = x.matmul(&self.gate_up.expert(e)?.t()?)?;
         if let Some(b) = &self.gate_up_bias {
             gu = gu.broadcast_add(&b.get(e)?)?;
         }
@@ -410,7 +449,7 @@ impl Experts {
                 ((u + 1.0)? * glu)?
             }
         };
-        let mut y = h.matmul(&self.down.get(e)?.t()?)?;
+        let mut y = h.matmul(&self.down.expert(e)?.t()?)?;
         if let Some(b) = &self.down_bias {
             y = y.broadcast_add(&b.get(e)?)?;
         }
@@ -654,7 +693,9 @@ impl SparseMoe {
             (e.act, s.mlp.act),
             (ExpertAct::Glu(a), b) if a == b
         );
-        if !act_ok || !super::cuda::mma_widths(hidden, e.inter) {
+        // (the MXFP4 kernels take no shared expert: it runs as its own MLP then)
+        let float = matches!(e.gate_up, ExpertMatrix::Float(_));
+        if !act_ok || !float || !super::cuda::mma_widths(hidden, e.inter) {
             return Ok(None);
         }
         let (Some(gate_up), Some(down)) =
@@ -773,9 +814,9 @@ mod tests {
         let gu = Tensor::stack(&[one.clone(), one], 0).unwrap();
         let down = Tensor::stack(&[eye.clone(), (eye.clone() * 2.0).unwrap()], 0).unwrap();
         let ex = Experts {
-            gate_up: gu,
+            gate_up: gu.into(),
             gate_up_bias: None,
-            down,
+            down: down.into(),
             down_bias: None,
             act: ExpertAct::Glu(Activation::Silu),
             inter: 2,

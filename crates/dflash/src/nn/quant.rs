@@ -26,6 +26,14 @@ pub fn keeps_affine(device: &Device, dtype: DType) -> bool {
     cfg!(feature = "cuda") && device.is_cuda() && dtype == DType::BF16
 }
 
+/// Whether MXFP4 expert stacks (gpt-oss) stay as stored ([`crate::nn::Mxfp4Stack`]): on CUDA
+/// with bf16 compute, where the MoE kernels dequantize them in registers, at widths those
+/// kernels take (hidden and expert width multiples of 32). Elsewhere they are dequantized
+/// exactly at load.
+pub fn keeps_mxfp4(device: &Device, dtype: DType, hidden: usize, inter: usize) -> bool {
+    keeps_affine(device, dtype) && hidden % 32 == 0 && inter % 32 == 0
+}
+
 /// The quantized type a CPU matmul weight of type `dt` is converted to at load, or None to
 /// keep it. candle's CPU kernels process many rows at once (verify blocks) only for Q8_0,
 /// Q4K and Q6K; the other types fall back to per-row dot products (a 16-row product then

@@ -127,6 +127,28 @@ impl Packed {
         Ok(Tensor::cat(&parts, 0)?)
     }
 
+    /// The codes and scales as stored, the rows (the second leading dim of a 2-dim lead) of
+    /// each first index taken in `order` when given: `(codes, scales)`.
+    pub fn into_bytes(self, order: Option<&[usize]>) -> (Vec<u8>, Vec<u8>) {
+        let Some(order) = order.filter(|_| self.lead.len() == 2) else {
+            return (self.blocks, self.scales);
+        };
+        let (outer, rows) = (self.lead[0], self.lead[1]);
+        let (cb, sb) = (self.cols / 2, self.cols / 32);
+        let (mut codes, mut scales) = (
+            Vec::with_capacity(self.blocks.len()),
+            Vec::with_capacity(self.scales.len()),
+        );
+        for e in 0..outer {
+            for &r in order {
+                let row = e * rows + r;
+                codes.extend_from_slice(&self.blocks[row * cb..(row + 1) * cb]);
+                scales.extend_from_slice(&self.scales[row * sb..(row + 1) * sb]);
+            }
+        }
+        (codes, scales)
+    }
+
     /// Bytes of the packed data (as stored).
     pub fn stored_bytes(&self) -> usize {
         self.blocks.len() + self.scales.len()

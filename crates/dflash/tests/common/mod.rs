@@ -3,6 +3,7 @@
 
 pub mod fp8;
 pub mod mlx;
+pub mod mxfp4;
 
 use candle_core::Tensor;
 use dflash::archs::{load_target, LoadOptions, Logits, TargetModel};

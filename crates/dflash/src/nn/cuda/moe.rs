@@ -3,6 +3,7 @@
 //! host round trip. `nn::moe` decides when it runs.
 
 use super::*;
+use crate::nn::moe::ExpertMatrix;
 
 const MOE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
 
@@ -45,10 +46,11 @@ pub struct MoeCall {
     /// `[E]` f32 on the device, or None.
     pub per_expert_scale: Option<Tensor>,
     pub scale: f32,
-    /// `[E, 2I, H]`, `[E, 2I]`, `[E, H, I]`, `[E, H]` bf16.
-    pub gate_up: Tensor,
+    /// `[E, 2I, H]`, `[E, 2I]`, `[E, H, I]`, `[E, H]`: bf16, the stacks also MXFP4 as stored
+    /// (the tensor-core kernels only, no shared expert).
+    pub gate_up: ExpertMatrix,
     pub gate_up_bias: Option<Tensor>,
-    pub down: Tensor,
+    pub down: ExpertMatrix,
     pub down_bias: Option<Tensor>,
     pub inter: usize,
     pub act: ActMode,
@@ -72,6 +74,45 @@ pub struct SharedCall {
 /// expert.
 pub fn mma_widths(hidden: usize, inter: usize) -> bool {
     hidden % 32 == 0 && inter % 32 == 0
+}
+
+/// `(E, rows, k)` of an expert stack.
+fn stack_dims(m: &ExpertMatrix) -> candle_core::Result<(usize, usize, usize)> {
+    match m {
+        ExpertMatrix::Float(t) => t.dims3(),
+        ExpertMatrix::Mxfp4(s) => Ok(s.dims()),
+    }
+}
+
+/// An expert stack's operands as the kernels take them: bf16, or MXFP4 codes and scales.
+enum StackView<'a> {
+    Bf16(CudaView<'a, bf16>),
+    Mx(CudaView<'a, u8>, CudaView<'a, u8>),
+}
+
+fn u8_view<'a>(h: &'a Held<'a>, what: &str) -> candle_core::Result<CudaView<'a, u8>> {
+    match &*h.0 {
+        Storage::Cuda(s) => view_of::<u8>(s, h.1, what),
+        _ => candle_core::bail!("dflash moe: {what} is not on the CUDA device"),
+    }
+}
+
+/// The tensors an expert stack's view borrows.
+struct StackHeld<'a>(Held<'a>, Option<Held<'a>>);
+
+impl<'a> StackHeld<'a> {
+    fn new(m: &'a ExpertMatrix) -> Self {
+        match m {
+            ExpertMatrix::Float(t) => StackHeld(Held::new(t), None),
+            ExpertMatrix::Mxfp4(s) => StackHeld(Held::new(&s.q), Some(Held::new(&s.scales))),
+        }
+    }
+    fn view(&'a self, what: &str) -> candle_core::Result<StackView<'a>> {
+        Ok(match &self.1 {
+            None => StackView::Bf16(self.0.view(what)?),
+            Some(s) => StackView::Mx(u8_view(&self.0, what)?, u8_view(s, what)?),
+        })
+    }
 }
 
 struct MoeOp {
@@ -101,12 +142,15 @@ impl CustomOp1 for MoeOp {
     fn cuda_fwd(&self, xs: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let c = &self.call;
         let (n, hidden) = xl.shape().dims2()?;
-        let (e_count, two_i, h2) = c.gate_up.dims3()?;
+        let (e_count, two_i, h2) = stack_dims(&c.gate_up)?;
+        let mx = matches!(c.gate_up, ExpertMatrix::Mxfp4(_));
         let k = c.top_k;
         let inter = c.inter;
         let ok = two_i == 2 * inter
             && h2 == hidden
-            && c.down.dims3()? == (e_count, hidden, inter)
+            && stack_dims(&c.down)? == (e_count, hidden, inter)
+            && mx == matches!(c.down, ExpertMatrix::Mxfp4(_))
+            && (!mx || (mma_widths(hidden, inter) && c.shared.is_none()))
             && self.logits.dims2()? == (n, e_count)
             && n <= MOE_MAX_ROWS
             && e_count <= MOE_MAX_EXPERTS
@@ -123,11 +167,11 @@ impl CustomOp1 for MoeOp {
             });
         if !ok {
             candle_core::bail!(
-                "dflash-moe: x {:?} logits {:?} gate_up {:?} down {:?} k {k}",
+                "dflash-moe: x {:?} logits {:?} gate_up {:?} down {:?} k {k} (mxfp4 {mx})",
                 xl.shape(),
                 self.logits.shape(),
-                c.gate_up.shape(),
-                c.down.shape()
+                stack_dims(&c.gate_up)?,
+                stack_dims(&c.down)?
             );
         }
         let dev = xs.device();
@@ -139,7 +183,7 @@ impl CustomOp1 for MoeOp {
         let logits_f = (!logits_bf16)
             .then(|| f32_view(&hl, "router logits"))
             .transpose()?;
-        let (hgu, hd) = (Held::new(&c.gate_up), Held::new(&c.down));
+        let (hgu, hd) = (StackHeld::new(&c.gate_up), StackHeld::new(&c.down));
         let (gu, down) = (hgu.view("expert gate_up")?, hd.view("expert down")?);
         let hgb = c.gate_up_bias.as_ref().map(Held::new);
         let hdb = c.down_bias.as_ref().map(Held::new);
@@ -291,10 +335,11 @@ impl CustomOp1 for MoeOp {
         // 3. gate/up of every chosen expert: 16 (tensor cores) or 8 units per block
         const UNITS: usize = 8;
         let (name, units) = if mma {
-            let name = if t2 {
-                "moe_gate_up_mma_t2"
-            } else {
-                "moe_gate_up_mma_t1"
+            let name = match (mx, t2) {
+                (false, false) => "moe_gate_up_mma_t1",
+                (false, true) => "moe_gate_up_mma_t2",
+                (true, false) => "moe_gate_up_mma_mx_t1",
+                (true, true) => "moe_gate_up_mma_mx_t2",
             };
             (name, 16)
         } else {
@@ -319,7 +364,10 @@ impl CustomOp1 for MoeOp {
         b.arg(&slots);
         b.arg(&ns_i);
         b.arg(&k_i);
-        b.arg(&gu);
+        match &gu {
+            StackView::Bf16(w) => b.arg(w),
+            StackView::Mx(q, s) => b.arg(q).arg(s),
+        };
         match &gub {
             Some(v) => b.arg(v),
             None => b.arg(&null),
@@ -334,7 +382,7 @@ impl CustomOp1 for MoeOp {
         b.arg(&alpha);
         b.arg(&h);
         let np_i = i(npairs);
-        if mma {
+        if mma && !mx {
             b.arg(&shared_e);
             b.arg(&np_i);
             match &shared {
@@ -348,10 +396,11 @@ impl CustomOp1 for MoeOp {
         // 4. down projections: 32 (tensor cores) or 16 output rows per block
         const ROWS: usize = 16;
         let (name, rows) = if mma {
-            let name = if t2 {
-                "moe_down_mma_t2"
-            } else {
-                "moe_down_mma_t1"
+            let name = match (mx, t2) {
+                (false, false) => "moe_down_mma_t1",
+                (false, true) => "moe_down_mma_t2",
+                (true, false) => "moe_down_mma_mx_t1",
+                (true, true) => "moe_down_mma_mx_t2",
             };
             (name, 32)
         } else {
@@ -375,7 +424,10 @@ impl CustomOp1 for MoeOp {
         b.arg(&h);
         b.arg(&slots);
         b.arg(&ns_i);
-        b.arg(&down);
+        match &down {
+            StackView::Bf16(w) => b.arg(w),
+            StackView::Mx(q, s) => b.arg(q).arg(s),
+        };
         match &db {
             Some(v) => b.arg(v),
             None => b.arg(&null),
@@ -386,7 +438,7 @@ impl CustomOp1 for MoeOp {
             b.arg(&rows_i);
         }
         b.arg(&y);
-        if mma {
+        if mma && !mx {
             b.arg(&shared_e);
             match &shared {
                 Some(s) => b.arg(&s.1),
@@ -425,18 +477,36 @@ impl CustomOp1 for MoeOp {
 /// None when the kernels do not apply (not CUDA, not bf16, more than [`MOE_MAX_ROWS`] rows,
 /// widths not a multiple of 8, too many experts).
 pub fn moe(x: &Tensor, logits: &Tensor, call: &MoeCall) -> candle_core::Result<Option<Tensor>> {
-    let mut ts = vec![x, &call.gate_up, &call.down];
+    let mut ts = vec![x];
+    let mut packed = vec![];
+    for m in [&call.gate_up, &call.down] {
+        match m {
+            ExpertMatrix::Float(t) => ts.push(t),
+            ExpertMatrix::Mxfp4(s) => packed.extend([&s.q, &s.scales]),
+        }
+    }
+    let packed_ok = packed
+        .iter()
+        .all(|t| t.device().is_cuda() && t.dtype() == DType::U8 && t.is_contiguous());
     ts.extend(call.gate_up_bias.as_ref());
     ts.extend(call.down_bias.as_ref());
     if let Some(sh) = &call.shared {
         ts.extend([&sh.gate_up, &sh.down]);
         ts.extend(sh.gate.as_ref());
     }
-    if !is_bf16_cuda(&ts) || x.rank() != 2 || !matches!(logits.dtype(), DType::F32 | DType::BF16) {
+    if !is_bf16_cuda(&ts)
+        || !packed_ok
+        || x.rank() != 2
+        || !matches!(logits.dtype(), DType::F32 | DType::BF16)
+    {
         return Ok(None);
     }
     let (n, hidden) = x.dims2()?;
-    let e = call.gate_up.dim(0)?;
+    let e = stack_dims(&call.gate_up)?.0;
+    // MXFP4 stacks: the tensor-core kernels only, without a shared expert
+    if !packed.is_empty() && (!mma_widths(hidden, call.inter) || call.shared.is_some()) {
+        return Ok(None);
+    }
     if n == 0
         || n > MOE_MAX_ROWS
         || e > MOE_MAX_EXPERTS
@@ -453,4 +523,75 @@ pub fn moe(x: &Tensor, logits: &Tensor, call: &MoeCall) -> candle_core::Result<O
         call: call.clone(),
     };
     Ok(Some(x.apply_op1_no_bwd(&op)?))
+}
+
+struct Mxfp4Dequant;
+
+impl CustomOp2 for Mxfp4Dequant {
+    fn name(&self) -> &'static str {
+        "dflash-mxfp4-dequant"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        qs: &CudaStorage,
+        ql: &Layout,
+        ss: &CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let groups = sl.shape().elem_count();
+        if ql.shape().elem_count() != 16 * groups || ql.start_offset() % 4 != 0 {
+            candle_core::bail!(
+                "{}: codes {:?} for scales {:?}",
+                self.name(),
+                ql.shape(),
+                sl.shape()
+            );
+        }
+        let q = view_of::<u8>(qs, ql, "codes")?;
+        let s = view_of::<u8>(ss, sl, "scales")?;
+        let dev = qs.device();
+        let func = dev.get_or_load_custom_func("mxfp4_dequant", "dflash_moe", MOE_PTX)?;
+        // SAFETY: every element is written (one thread a word of 8 codes).
+        let out = unsafe { dev.alloc::<bf16>(32 * groups)? };
+        let cfg = LaunchConfig {
+            grid_dim: (((4 * groups) as u32).div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let g = groups as i64;
+        let mut b = func.builder();
+        b.arg(&q);
+        b.arg(&s);
+        b.arg(&g);
+        b.arg(&out);
+        // SAFETY: argument types match the kernel; sizes checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(32 * groups),
+        ))
+    }
+}
+
+/// MXFP4 codes `q` (u8, 16 bytes a group) and scales `s` (u8, one a group) dequantized to bf16
+/// (flat, 32 values a group) on their CUDA device, exactly; None when they are not on one.
+pub fn mxfp4_dequantize(q: &Tensor, s: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !q.device().is_cuda() {
+        return Ok(None);
+    }
+    Ok(Some(
+        q.contiguous()?
+            .apply_op2_no_bwd(&s.contiguous()?, &Mxfp4Dequant)?,
+    ))
 }
