@@ -44,31 +44,7 @@ __device__ __forceinline__ uint4 fp8_words(const uint2& w, float s) {
                     fp8_pair(w.y >> 16, s));
 }
 
-// Trial `fp8_block_scale` (switches::Trial::Fp8BlockScale): the e4m3 pair in the low two bytes
-// of `pair` as its exact bf16 pair, without conversion instructions: each byte s.eeee.mmm moved
-// to bf16 bits s | eeee << 7 | mmm << 4 is the value times 2^-120 (subnormal bytes too, as bf16
-// subnormals), then one multiply by 2^120 (exact: a power of two, results in the normal range).
-__device__ __forceinline__ uint32_t e4m3_pair_bf16(uint32_t pair) {
-  const uint32_t v = __byte_perm(pair, 0, 0x1404);  // byte 0 -> bits 8-15, byte 1 -> 24-31
-  const uint32_t bits = ((v >> 4) & 0x07F007F0u) | (v & 0x80008000u);
-  const uint32_t p120 = 0x7B807B80u;  // bf16x2 (2^120, 2^120)
-  __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits),
-                             *reinterpret_cast<const __nv_bfloat162*>(&p120));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-__device__ __forceinline__ uint4 e4m3_words(const uint2& w) {
-  return make_uint4(e4m3_pair_bf16(w.x), e4m3_pair_bf16(w.x >> 16), e4m3_pair_bf16(w.y),
-                    e4m3_pair_bf16(w.y >> 16));
-}
-
-// BS (trial `fp8_block_scale`): the mma takes the exact e4m3 values and each scale column's
-// partial sums are scaled in f32 when the warp leaves the column (a fresh accumulator per
-// column, four FMAs a tile): one byte shuffle and four integer / half operations a weight pair
-// instead of four conversions. Within rounding of the dequantized weights' product (closer to
-// the exact one: no per-weight rounding of e4m3 * s), not bit-equal to it; still a function of
-// N and K only, so batch-invariant.
-template <int W, int T, int U, int BW, int TN, typename OutT, bool BS = false>
+template <int W, int T, int U, int BW, int TN, typename OutT>
 __device__ __forceinline__ void fp8_rows(const __nv_bfloat16* __restrict__ x,
                                          const uint8_t* __restrict__ w,
                                          const float* __restrict__ sc, OutT* __restrict__ y,
@@ -124,30 +100,6 @@ __device__ __forceinline__ void fp8_rows(const __nv_bfloat16* __restrict__ x,
         xv[u][t] = xok[t] ? __ldg(xp[t] + min(ch + u, c1 - 1) * 4) : zero;
   };
   if (c0 < c1) load(c0);
-  // BS: the open scale column's partial sums and its index.
-  float d[TN][T][4];
-  int cur = c0 / cps;
-  auto flush = [&]() {
-#pragma unroll
-    for (int a = 0; a < TN; ++a) {
-      const float s0 = __ldg(sp[2 * a] + cur), s1 = __ldg(sp[2 * a + 1] + cur);
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        acc[a][t][0] += s0 * d[a][t][0];
-        acc[a][t][1] += s0 * d[a][t][1];
-        acc[a][t][2] += s1 * d[a][t][2];
-        acc[a][t][3] += s1 * d[a][t][3];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) d[a][t][j] = 0.f;
-      }
-    }
-  };
-#pragma unroll
-  for (int a = 0; a < TN; ++a)
-#pragma unroll
-    for (int t = 0; t < T; ++t)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) d[a][t][j] = 0.f;
   for (int ch = c0; ch < c1; ch += U) {
     uint2 cw[U][2 * TN];
     uint4 cx[U][T];
@@ -164,50 +116,30 @@ __device__ __forceinline__ void fp8_rows(const __nv_bfloat16* __restrict__ x,
       if (ch + u < c1) {
         const int col = (ch + u) / cps;
         uint4 av[2 * TN];
-        if constexpr (BS) {
-          if (col != cur) {
-            flush();
-            cur = col;
-          }
 #pragma unroll
-          for (int j = 0; j < 2 * TN; ++j) av[j] = e4m3_words(cw[u][j]);
+        for (int j = 0; j < 2 * TN; ++j) av[j] = fp8_words(cw[u][j], __ldg(sp[j] + col));
 #pragma unroll
-          for (int a = 0; a < TN; ++a)
+        for (int a = 0; a < TN; ++a)
 #pragma unroll
-            for (int t = 0; t < T; ++t) mma_chunk(d[a][t], av[2 * a], av[2 * a + 1], cx[u][t]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 2 * TN; ++j) av[j] = fp8_words(cw[u][j], __ldg(sp[j] + col));
-#pragma unroll
-          for (int a = 0; a < TN; ++a)
-#pragma unroll
-            for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], av[2 * a], av[2 * a + 1], cx[u][t]);
-        }
+          for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], av[2 * a], av[2 * a + 1], cx[u][t]);
       }
-  }
-  if constexpr (BS) {
-    if (c0 < c1) flush();
   }
   store_rows<W, T, BW, TN, OutT>(acc, red, y, m_rows, n_rows, n0);
 }
 
 // Configurations: the bf16 kernel's W, BW, TN for the same N (nn::cuda::fp8 takes mma_config's
 // choice), U = 4 chunks in flight. NAME_t{1,2}: bf16 out; _f32: the f32 of each bf16 value.
-// fp8bs_*: the same blockings with the trial's block-scaled accumulation (BS).
-#define FP8_T(NAME, SUF, T, OutT, W, U, BW, MINB, TN, BS)                                       \
+#define FP8_T(NAME, SUF, T, OutT, W, U, BW, MINB, TN)                                           \
   extern "C" __global__ void __launch_bounds__(32 * BW, MINB)                                   \
       NAME##SUF(const __nv_bfloat16* x, const uint8_t* w, const float* sc, OutT* y, int m_rows, \
                 int n_rows, int k, int bn, int bk) {                                            \
-    fp8_rows<W, T, U, BW, TN, OutT, BS>(x, w, sc, y, m_rows, n_rows, k, bn, bk);                \
+    fp8_rows<W, T, U, BW, TN, OutT>(x, w, sc, y, m_rows, n_rows, k, bn, bk);                    \
   }
-#define FP8_BS(NAME, W, U, BW, MINB, TN, BS)                     \
-  FP8_T(NAME, _t1, 1, __nv_bfloat16, W, U, BW, MINB, TN, BS)     \
-  FP8_T(NAME, _t2, 2, __nv_bfloat16, W, U, BW, MINB, TN, BS)     \
-  FP8_T(NAME, _t1_f32, 1, float, W, U, BW, MINB, TN, BS)         \
-  FP8_T(NAME, _t2_f32, 2, float, W, U, BW, MINB, TN, BS)
-#define FP8(NAME, W, U, BW, MINB, TN)            \
-  FP8_BS(fp8_##NAME, W, U, BW, MINB, TN, false)  \
-  FP8_BS(fp8bs_##NAME, W, U, BW, MINB, TN, true)
+#define FP8(NAME, W, U, BW, MINB, TN)                                \
+  FP8_T(fp8_##NAME, _t1, 1, __nv_bfloat16, W, U, BW, MINB, TN)       \
+  FP8_T(fp8_##NAME, _t2, 2, __nv_bfloat16, W, U, BW, MINB, TN)       \
+  FP8_T(fp8_##NAME, _t1_f32, 1, float, W, U, BW, MINB, TN)           \
+  FP8_T(fp8_##NAME, _t2_f32, 2, float, W, U, BW, MINB, TN)
 FP8(w16u2, 16, 4, 16, 1, 1)
 FP8(w8u2, 8, 4, 8, 2, 1)
 FP8(w1u4, 1, 4, 4, 1, 1)

@@ -65,14 +65,9 @@ impl CustomOp3 for Fp8Matmul {
         let s = view_of::<f32>(ss, sl, "scales")?;
         let dev = xs.device();
         let c = mma_config(n);
-        // trial `fp8_block_scale`: the block-scaled accumulation (kernels/fp8.cu, BS)
-        let family = match crate::switches::trial(crate::switches::Trial::Fp8BlockScale) {
-            true => "fp8bs",
-            false => "fp8",
-        };
         let name = format!(
             "{}_t{}{}",
-            c.name.replacen("gemm", family, 1),
+            c.name.replacen("gemm", "fp8", 1),
             if m <= 8 { 1 } else { 2 },
             if self.f32_out { "_f32" } else { "" }
         );
