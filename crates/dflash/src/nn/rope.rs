@@ -159,6 +159,9 @@ impl Rope {
     /// autograd tracks `x` (draft training) the composite form runs (the fused kernel has no
     /// backward).
     pub fn apply(&self, x: &Tensor, t: &RopeTables) -> Result<Tensor> {
+        if let Some(y) = self.apply_cpu(x, t)? {
+            return Ok(y);
+        }
         let x4 = x.unsqueeze(0)?;
         let (cos, sin) = t.cos_sin()?;
         let rope = |x: &Tensor| -> Result<Tensor> {
@@ -177,5 +180,131 @@ impl Rope {
             Tensor::cat(&[&rot, &pass], 3)?
         };
         Ok(out.squeeze(0)?)
+    }
+
+    /// [`Self::apply`] for f32 on the CPU from the host tables: the same products as candle's
+    /// rope kernel (`x1 cos - x2 sin`, `x1 sin + x2 cos`, the rest of a partial rotation
+    /// copied), so the same bits, without its rayon dispatch: candle runs any rope of more than
+    /// one position on rayon's pool, whose threads then fight the spinning worker of candle's
+    /// barrier pool (the int8 products' and attention's) for the cores; on two cores that cost
+    /// a verify block ~2 ms over 60 ropes (docs/perf.md, session 35). Small ropes run inline,
+    /// prompt-sized ones on the barrier pool. None where it does not apply.
+    fn apply_cpu(&self, x: &Tensor, t: &RopeTables) -> Result<Option<Tensor>> {
+        if !x.device().is_cpu()
+            || x.dtype() != DType::F32
+            || t.dtype != DType::F32
+            || t.by_position
+            || x.track_op()
+            || !x.is_contiguous()
+        {
+            return Ok(None);
+        }
+        let (heads, len, d) = x.dims3()?;
+        let half = self.rotary_dim / 2;
+        let (cos, sin) = (&t.host.0, &t.host.1);
+        if d != self.head_dim || len != t.len || cos.len() != len * half || sin.len() != cos.len() {
+            return Err(crate::Error::input(format!(
+                "rope: input {:?} against tables of {} positions x {half} for head_dim {}",
+                x.dims(),
+                t.len,
+                self.head_dim
+            )));
+        }
+        let (storage, layout) = x.storage_and_layout();
+        let src = match &*storage {
+            candle_core::Storage::Cpu(c) => &c.as_slice::<f32>()?[layout.start_offset()..],
+            _ => return Ok(None),
+        };
+        let mut dst = vec![0f32; heads * len * d];
+        let rotate = |row: usize, src: &[f32], dst: &mut [f32]| {
+            let p = row % len;
+            let (c, s) = (
+                &cos[p * half..(p + 1) * half],
+                &sin[p * half..(p + 1) * half],
+            );
+            for i in 0..half {
+                let (x1, x2) = (src[i], src[i + half]);
+                dst[i] = x1 * c[i] - x2 * s[i];
+                dst[i + half] = x1 * s[i] + x2 * c[i];
+            }
+            dst[2 * half..].copy_from_slice(&src[2 * half..]);
+        };
+        let rows = heads * len;
+        /// Below this many values the pool's dispatch costs more than the rotation.
+        const INLINE_MAX: usize = 1 << 15;
+        if rows * d <= INLINE_MAX {
+            for (r, (s, o)) in src.chunks_exact(d).zip(dst.chunks_exact_mut(d)).enumerate() {
+                rotate(r, s, o);
+            }
+        } else {
+            let out = dst.as_mut_ptr() as usize;
+            candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
+                for r in range {
+                    // SAFETY: each row r is written by exactly one item, inside `dst`.
+                    let o =
+                        unsafe { std::slice::from_raw_parts_mut((out as *mut f32).add(r * d), d) };
+                    rotate(r, &src[r * d..(r + 1) * d], o);
+                }
+            });
+        }
+        drop(storage);
+        Ok(Some(Tensor::from_vec(dst, (heads, len, d), x.device())?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{RopeConfig, RopeKind};
+
+    /// The CPU rotation gives candle's rope kernel's bits (and its composite form's), for full
+    /// and partial rotations, one position and many, inline and on the pool.
+    #[test]
+    fn cpu_rope_equals_candles_bit_for_bit() {
+        let dev = Device::Cpu;
+        for (partial, heads, len, start) in [
+            (1.0, 9, 1, 130),
+            (1.0, 9, 16, 128),
+            (0.5, 4, 7, 3),
+            (1.0, 9, 600, 0),
+            (0.25, 8, 300, 17),
+        ] {
+            let cfg = RopeConfig {
+                theta: 10_000.0,
+                kind: RopeKind::Default,
+                partial_rotary_factor: partial,
+            };
+            let rope = Rope::new(&cfg, 64);
+            let t = rope.tables(start, len, &dev, DType::F32).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (heads, len, 64), &dev).unwrap();
+            let ours = rope
+                .apply_cpu(&x, &t)
+                .unwrap()
+                .expect("f32 on the CPU applies");
+            // candle's kernel, as `apply` ran it before
+            let (cos, sin) = t.cos_sin().unwrap();
+            let x4 = x.unsqueeze(0).unwrap();
+            let r = rope.rotary_dim;
+            let rot = x4.narrow(3, 0, r).unwrap().contiguous().unwrap();
+            let theirs = Tensor::cat(
+                &[
+                    &candle_nn::rotary_emb::rope(&rot, cos, sin).unwrap(),
+                    &x4.narrow(3, r, 64 - r).unwrap(),
+                ],
+                3,
+            )
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+                v.iter().map(|f| f.to_bits()).collect()
+            };
+            assert_eq!(
+                bits(&ours),
+                bits(&theirs),
+                "partial {partial}, {heads}x{len}"
+            );
+        }
     }
 }
