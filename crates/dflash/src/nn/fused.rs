@@ -8,6 +8,9 @@
 //! not handle, tensors tracked by autograd (draft training needs the differentiable candle
 //! path), or `DFLASH_FUSED=0` (the switchboard, to measure or rule out the kernels). The
 //! caller then runs the portable path, which is the definition the kernels are tested against.
+//!
+//! On the CPU in f32 the norm and SwiGLU entries run `nn::cpu_ops`' loops instead (one pass
+//! each, no rayon, bit for bit the portable path), under the same switches.
 
 use super::attention::Visibility;
 use crate::Result;
@@ -74,6 +77,12 @@ pub fn add_rms_norm(
     w: &Tensor,
     eps: f32,
 ) -> Result<Option<(Tensor, Tensor)>> {
+    if res.device().is_cpu() {
+        return match allowed_part(crate::switches::Part::Norm) {
+            true => super::cpu_ops::add_rms_norm(res, delta, w, eps),
+            false => Ok(None),
+        };
+    }
     if !usable(crate::switches::Part::Norm, &[res, delta, w]) {
         return Ok(None);
     }
@@ -90,6 +99,12 @@ pub fn add_rms_norm(
 
 /// `silu(gate) * up` of a stacked gate/up output `[n, 2I]`.
 pub fn swiglu(gu: &Tensor) -> Result<Option<Tensor>> {
+    if gu.device().is_cpu() {
+        return match allowed_part(crate::switches::Part::Norm) {
+            true => super::cpu_ops::swiglu(gu),
+            false => Ok(None),
+        };
+    }
     if !usable(crate::switches::Part::Norm, &[gu]) {
         return Ok(None);
     }

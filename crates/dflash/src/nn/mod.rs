@@ -9,6 +9,7 @@
 pub mod affine;
 pub mod attention;
 pub mod cpu_attention;
+pub mod cpu_ops;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dyn_conv;

@@ -59,6 +59,11 @@ impl RmsNorm {
         if x.track_op() || self.weight.track_op() {
             return Ok(candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps)?);
         }
+        if crate::switches::fused_part(crate::switches::Part::Norm) {
+            if let Some(y) = super::cpu_ops::rms_norm(x, &self.weight, self.eps)? {
+                return Ok(y);
+            }
+        }
         let x = if x.is_contiguous() {
             x.clone()
         } else {

@@ -357,12 +357,28 @@ impl QMatrix {
                 self.cols
             )));
         }
-        let xv = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let m = xv.len() / k.max(1);
-        let mut xr = quantize_rows(&xv, k);
+        // the activations in place when they are f32 and contiguous already (a copy otherwise)
+        let x = x.to_dtype(DType::F32)?;
+        let x = if x.is_contiguous() {
+            x
+        } else {
+            x.contiguous()?
+        };
+        let mut xr = {
+            let (st, l) = x.storage_and_layout();
+            let candle_core::Storage::Cpu(c) = &*st else {
+                return Err(crate::Error::input(
+                    "q8 matmul: the input is not on the CPU",
+                ));
+            };
+            let xv = &c.as_slice::<f32>()?[l.start_offset()..l.start_offset() + x.elem_count()];
+            quantize_rows(xv, k)
+        };
+        let m = x.elem_count() / k.max(1);
         self.prepare(&mut xr);
         let n = self.rows;
-        let mut out = vec![0f32; m * n];
+        // every (row, column) is written below, so the buffer starts uninitialized
+        let mut out: Vec<f32> = Vec::with_capacity(m * n);
         let out_ptr = out.as_mut_ptr() as usize;
         let simd = simd_level();
         candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(TR), |range| {
@@ -383,6 +399,8 @@ impl QMatrix {
                 }
             }
         });
+        // SAFETY: the tiles cover columns 0..n of rows 0..m, each written once above.
+        unsafe { out.set_len(m * n) };
         let mut od = dims;
         *od.last_mut().expect("rank >= 1") = n;
         Ok(Tensor::from_vec(out, od, &Device::Cpu)?)
@@ -428,12 +446,54 @@ fn quantize_rows(x: &[f32], k: usize) -> QRows {
         sum: vec![0i32; nb],
         h0: vec![],
     };
-    quantize_blocks_with(simd_level(), x, &mut r);
+    let simd = simd_level();
+    // rows split over the pool when there are enough of them (a verify block, a prompt): each
+    // row's blocks are its own, so the bits do not depend on the split
+    let (bpr, rows) = (k / QK, x.len() / k.max(1));
+    let ptrs = (
+        r.q.as_mut_ptr() as usize,
+        r.d.as_mut_ptr() as usize,
+        r.s.as_mut_ptr() as usize,
+        r.sum.as_mut_ptr() as usize,
+    );
+    super::cpu_ops::for_items(rows, k, |i| {
+        // SAFETY: row i's quants and blocks, inside the buffers and written by this item only.
+        let blocks = unsafe {
+            use std::slice::from_raw_parts_mut as part;
+            QBlocks {
+                q: part((ptrs.0 as *mut i8).add(i * k), k),
+                d: part((ptrs.1 as *mut f32).add(i * bpr), bpr),
+                s: part((ptrs.2 as *mut f32).add(i * bpr), bpr),
+                sum: part((ptrs.3 as *mut i32).add(i * bpr), bpr),
+            }
+        };
+        quantize_blocks_with(simd, &x[i * k..(i + 1) * k], blocks);
+    });
     r
 }
 
+/// Where [`quantize_blocks_with`] writes: the quants and per-block values of some rows.
+struct QBlocks<'a> {
+    q: &'a mut [i8],
+    d: &'a mut [f32],
+    s: &'a mut [f32],
+    sum: &'a mut [i32],
+}
+
+impl QRows {
+    #[cfg(test)]
+    fn blocks(&mut self) -> QBlocks<'_> {
+        QBlocks {
+            q: &mut self.q,
+            d: &mut self.d,
+            s: &mut self.s,
+            sum: &mut self.sum,
+        }
+    }
+}
+
 /// [`quantize_rows`]'s blocks with the given path (every path gives the same bits).
-fn quantize_blocks_with(simd: Simd, x: &[f32], r: &mut QRows) {
+fn quantize_blocks_with(simd: Simd, x: &[f32], r: QBlocks<'_>) {
     #[cfg(target_arch = "x86_64")]
     match simd {
         // SAFETY: the level is one the CPU has (simd_level / simd_levels); r holds the blocks.
@@ -453,7 +513,7 @@ fn block_scale(amax: f32) -> (f32, f32) {
 }
 
 /// [`quantize_rows`]'s reference (the SIMD path gives the same bits).
-fn quantize_blocks_scalar(x: &[f32], r: &mut QRows) {
+fn quantize_blocks_scalar(x: &[f32], r: QBlocks<'_>) {
     for (b, (xs, qs)) in x.chunks_exact(QK).zip(r.q.chunks_exact_mut(QK)).enumerate() {
         let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
         let (dd, id) = block_scale(amax);
@@ -717,7 +777,7 @@ fn simd_levels() -> Vec<Simd> {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{block_scale, QMatrix, QRows, QK, ROWS_PER_PASS, TR};
+    use super::{block_scale, QBlocks, QMatrix, QRows, QK, ROWS_PER_PASS, TR};
     use std::arch::x86_64::*;
 
     /// [`super::quantize_blocks_scalar`], 16 values a register: the same max, the same
@@ -727,7 +787,7 @@ mod x86 {
     /// # Safety
     /// AVX-512 F/BW; `r` holds `x.len() / 32` blocks.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn quantize_blocks(x: &[f32], r: &mut QRows) {
+    pub unsafe fn quantize_blocks(x: &[f32], r: QBlocks<'_>) {
         let sign = _mm512_set1_ps(-0.0);
         let half = _mm512_set1_ps(0.5);
         let one = _mm512_set1_ps(1.0);
@@ -967,7 +1027,7 @@ mod x86 {
     /// # Safety
     /// AVX2; `r` holds `x.len() / 32` blocks.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn quantize_blocks_avx2(x: &[f32], r: &mut QRows) {
+    pub unsafe fn quantize_blocks_avx2(x: &[f32], r: QBlocks<'_>) {
         let sign = _mm256_set1_ps(-0.0);
         let half = _mm256_set1_ps(0.5);
         let one = _mm256_set1_ps(1.0);
@@ -1203,7 +1263,7 @@ mod tests {
             sum: vec![0; xr.d.len()],
             h0: vec![],
         };
-        quantize_blocks_scalar(&xv, &mut xs);
+        quantize_blocks_scalar(&xv, xs.blocks());
         assert!(xs.q == xr.q && xs.d == xr.d && xs.s == xr.s && xs.sum == xr.sum);
         w.prepare(&mut xr);
         for simd in simd_levels() {
@@ -1214,7 +1274,7 @@ mod tests {
                 sum: vec![1; xr.d.len()],
                 h0: vec![],
             };
-            quantize_blocks_with(simd, &xv, &mut xl);
+            quantize_blocks_with(simd, &xv, xl.blocks());
             let same = xl.q == xs.q && xl.d == xs.d && xl.s == xs.s && xl.sum == xs.sum;
             assert!(
                 same,

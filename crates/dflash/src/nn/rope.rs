@@ -188,7 +188,7 @@ impl Rope {
     /// one position on rayon's pool, whose threads then fight the spinning worker of candle's
     /// barrier pool (the int8 products' and attention's) for the cores; on two cores that cost
     /// a verify block ~2 ms over 60 ropes (docs/perf.md, session 35). Small ropes run inline,
-    /// prompt-sized ones on the barrier pool. None where it does not apply.
+    /// larger ones on the barrier pool (`cpu_ops::for_items`). None where it does not apply.
     fn apply_cpu(&self, x: &Tensor, t: &RopeTables) -> Result<Option<Tensor>> {
         if !x.device().is_cpu()
             || x.dtype() != DType::F32
@@ -229,24 +229,12 @@ impl Rope {
             }
             dst[2 * half..].copy_from_slice(&src[2 * half..]);
         };
-        let rows = heads * len;
-        /// Below this many values the pool's dispatch costs more than the rotation.
-        const INLINE_MAX: usize = 1 << 15;
-        if rows * d <= INLINE_MAX {
-            for (r, (s, o)) in src.chunks_exact(d).zip(dst.chunks_exact_mut(d)).enumerate() {
-                rotate(r, s, o);
-            }
-        } else {
-            let out = dst.as_mut_ptr() as usize;
-            candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
-                for r in range {
-                    // SAFETY: each row r is written by exactly one item, inside `dst`.
-                    let o =
-                        unsafe { std::slice::from_raw_parts_mut((out as *mut f32).add(r * d), d) };
-                    rotate(r, &src[r * d..(r + 1) * d], o);
-                }
-            });
-        }
+        let out = dst.as_mut_ptr() as usize;
+        super::cpu_ops::for_items(heads * len, d, |r| {
+            // SAFETY: each row r is written by exactly one item, inside `dst`.
+            let o = unsafe { std::slice::from_raw_parts_mut((out as *mut f32).add(r * d), d) };
+            rotate(r, &src[r * d..(r + 1) * d], o);
+        });
         drop(storage);
         Ok(Some(Tensor::from_vec(dst, (heads, len, d), x.device())?))
     }
