@@ -97,15 +97,15 @@ pub fn add_rms_norm(
     }
 }
 
-/// `silu(gate) * up` of a stacked gate/up output `[n, 2I]`.
-pub fn swiglu(gu: &Tensor) -> Result<Option<Tensor>> {
+/// `act(gate) * up` of a stacked gate/up output `[n, 2I]` (the CUDA kernel: SiLU only).
+pub fn gated(gu: &Tensor, act: super::mlp::Activation) -> Result<Option<Tensor>> {
     if gu.device().is_cpu() {
         return match allowed_part(crate::switches::Part::Norm) {
-            true => super::cpu_ops::swiglu(gu),
+            true => super::cpu_ops::gated(gu, act),
             false => Ok(None),
         };
     }
-    if !usable(crate::switches::Part::Norm, &[gu]) {
+    if act != super::mlp::Activation::Silu || !usable(crate::switches::Part::Norm, &[gu]) {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]

@@ -118,10 +118,8 @@ impl GatedMlp {
         let (g, u) = match &self.gate_up {
             Some(gu) => {
                 let y = gu.forward(x)?;
-                if self.act == Activation::Silu {
-                    if let Some(h) = super::fused::swiglu(&y)? {
-                        return down(&h);
-                    }
+                if let Some(h) = super::fused::gated(&y, self.act)? {
+                    return down(&h);
                 }
                 let i = y.dim(D::Minus1)? / 2;
                 (y.narrow(D::Minus1, 0, i)?, y.narrow(D::Minus1, i, i)?)

@@ -754,7 +754,7 @@ pub fn simd_level() -> Simd {
 }
 
 /// Every path this CPU can run, slowest first (tests compare them all with the reference).
-fn simd_levels() -> Vec<Simd> {
+pub(crate) fn simd_levels() -> Vec<Simd> {
     let mut v = vec![Simd::Scalar];
     #[cfg(target_arch = "x86_64")]
     {
