@@ -277,6 +277,7 @@ pub(crate) mod glu {
     const K1: f32 = -1.595_769_121_605_730_7;
     const K3: f32 = 0.044715;
     const LOG2E: f32 = std::f32::consts::LOG2_E;
+    #[allow(clippy::excessive_precision)]
     const LN2_HI: f32 = 0.693_359_375;
     const LN2_LO: f32 = -2.121_944_4e-4;
     /// exp's argument is clamped here: below, `2^n` stays a normal f32 and the positive tail
@@ -301,6 +302,8 @@ pub(crate) mod glu {
         } else {
             -g
         };
+        // not `clamp`: a NaN becomes LO here as in the SIMD forms' max / min
+        #[allow(clippy::manual_clamp)]
         let x = x.max(LO).min(HI);
         let n = (x * LOG2E).round_ties_even();
         let r = n.mul_add(-LN2_HI, x);
