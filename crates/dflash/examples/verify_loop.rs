@@ -9,9 +9,15 @@ use std::time::Instant;
 fn main() -> dflash::Result<()> {
     let a: Vec<String> = std::env::args().skip(1).collect();
     if a.len() != 3 && !(a.len() == 4 && a[3] == "last") {
-        return Err(dflash::Error::input("usage: verify_loop FILE.gguf Q ITERS [last]"));
+        return Err(dflash::Error::input(
+            "usage: verify_loop FILE.gguf Q ITERS [last]",
+        ));
     }
-    let logits = if a.len() == 4 { Logits::Last } else { Logits::All };
+    let logits = if a.len() == 4 {
+        Logits::Last
+    } else {
+        Logits::All
+    };
     let num = |s: &str| {
         s.parse::<usize>()
             .map_err(|_| dflash::Error::input(format!("not a count: {s}")))

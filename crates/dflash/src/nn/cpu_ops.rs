@@ -41,6 +41,12 @@ impl Out {
     unsafe fn span(&self, at: usize, len: usize) -> &mut [f32] {
         std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
+
+    /// # Safety
+    /// `at` is inside the buffer.
+    unsafe fn at(&self, at: usize) -> *mut f32 {
+        self.0.add(at)
+    }
 }
 
 /// Whether `t` is a contiguous f32 CPU tensor outside autograd (what these loops take).
@@ -132,6 +138,75 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Option<Tensor>> {
         });
     });
     Ok(Some(Tensor::from_vec(o, x.shape().clone(), &Device::Cpu)?))
+}
+
+/// Columns of a product each pool item computes (at least; the last takes the rest).
+const MATMUL_COLS: usize = 64;
+
+/// `x [.., k] @ w^T` for a dense f32 weight `w [n, k]` on the CPU, with gemm (candle's f32
+/// GEMM) run single-threaded on column ranges split over the barrier pool, never on rayon's
+/// pool (candle's matmul would, beside the barrier pool's spinning worker). The split depends
+/// on `w` alone (`n`, and the pool's size), so every call of a weight, one row or many, takes
+/// the same column ranges. None where it does not apply (another device or dtype, a
+/// non-contiguous operand, autograd).
+pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    if w.rank() != 2 || ![x, w].into_iter().all(plain_f32) {
+        return Ok(None);
+    }
+    let (n, k) = w.dims2()?;
+    if x.dims().last() != Some(&k) || n == 0 || k == 0 {
+        return Ok(None);
+    }
+    let m = x.elem_count() / k;
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("rank >= 1") = n;
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (xv, wv) = (values(&xs, xl, m * k)?, values(&ws, wl, n * k)?);
+    let mut o: Vec<f32> = Vec::with_capacity(m * n);
+    let op = Out(o.as_mut_ptr());
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    // ranges of whole MATMUL_COLS blocks, a few per thread (balance), none empty
+    let blocks = n.div_ceil(MATMUL_COLS);
+    let parts = blocks.min(4 * threads).max(1);
+    let per = blocks.div_ceil(parts) * MATMUL_COLS;
+    let parts = n.div_ceil(per);
+    let run = |p: usize| {
+        let (a, len) = (p * per, per.min(n - p * per));
+        // SAFETY: columns a..a + len of every row of `o` (m x n), written by this part only;
+        // x is m x k and w's rows a..a + len are k long, as the strides say.
+        unsafe {
+            gemm::gemm(
+                m,
+                len,
+                k,
+                op.at(a),
+                1,
+                n as isize,
+                false,
+                xv.as_ptr(),
+                1,
+                k as isize,
+                wv.as_ptr().add(a * k),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    };
+    if m == 0 || parts == 1 {
+        (0..parts).for_each(run);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(parts, |r| r.for_each(&run));
+    }
+    // SAFETY: the parts cover columns 0..n of rows 0..m.
+    unsafe { o.set_len(m * n) };
+    Ok(Some(Tensor::from_vec(o, dims, &Device::Cpu)?))
 }
 
 /// `act(gate) * up` of a stacked gate/up output `[.., 2I]` -> `[.., I]` for f32 on the CPU,
@@ -226,6 +301,46 @@ mod tests {
         assert!(add_rms_norm(&x, &x.narrow(1, 0, 4).unwrap(), &w, 1e-6)
             .unwrap()
             .is_none());
+    }
+
+    /// The pool-split product equals candle's matmul within float error and repeats its bits
+    /// call after call (gemm, like candle's product, is not row-invariant: a row alone and
+    /// among 16 may differ in the last bits, as with candle's own matmul).
+    #[test]
+    fn matmul_t_matches_candle() {
+        let dev = Device::Cpu;
+        for (m, n, k) in [
+            (1, 576, 576),
+            (16, 1536, 576),
+            (16, 49152, 64),
+            (7, 100, 30),
+            (300, 640, 576),
+        ] {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+            let w = Tensor::randn(0f32, 0.1, (n, k), &dev).unwrap();
+            let ours = matmul_t(&x, &w).unwrap().unwrap();
+            let theirs = x.matmul(&w.t().unwrap()).unwrap();
+            let d: f32 = (&ours - &theirs)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(d < 1e-4, "{m}x{n}x{k}: {d}");
+            assert_eq!(
+                bits(&ours),
+                bits(&matmul_t(&x, &w).unwrap().unwrap()),
+                "{m}x{n}x{k} again"
+            );
+        }
+        let x3 = Tensor::randn(0f32, 1.0, (2, 3, 64), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (128, 64), &dev).unwrap();
+        assert_eq!(matmul_t(&x3, &w).unwrap().unwrap().dims(), [2, 3, 128]);
+        assert!(matmul_t(&x3, &w.t().unwrap()).unwrap().is_none());
     }
 
     /// SwiGLU and GeGLU equal candle's `act(gate) * up` within float error, for one row, a

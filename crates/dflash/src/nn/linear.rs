@@ -307,6 +307,15 @@ impl Linear {
                         None => y,
                     });
                 }
+                // f32 on the CPU: on the barrier pool, not rayon's (`cpu_ops::matmul_t`)
+                if crate::switches::fused_part(crate::switches::Part::Norm) {
+                    if let Some(y) = super::cpu_ops::matmul_t(x, weight)? {
+                        return Ok(match bias {
+                            Some(b) => y.broadcast_add(b)?,
+                            None => y,
+                        });
+                    }
+                }
                 (x.matmul(&weight.t()?)?, bias)
             }
             Linear::Quant { weight, bias, .. } => {
