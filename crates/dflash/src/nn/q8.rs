@@ -791,33 +791,63 @@ mod x86 {
         let sign = _mm512_set1_ps(-0.0);
         let half = _mm512_set1_ps(0.5);
         let one = _mm512_set1_ps(1.0);
-        for b in 0..x.len() / QK {
-            let p = x.as_ptr().add(b * QK);
-            let (v0, v1) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(
-                _mm512_andnot_ps(sign, v0),
-                _mm512_andnot_ps(sign, v1),
-            ));
-            let (dd, id) = block_scale(amax);
-            let idv = _mm512_set1_ps(id);
-            let mut sum = _mm512_setzero_si512();
-            for (h, v) in [v0, v1].into_iter().enumerate() {
-                let y = _mm512_mul_ps(v, idv);
-                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-                let frac = _mm512_andnot_ps(sign, _mm512_sub_ps(y, t));
-                let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
-                let step = _mm512_or_ps(_mm512_and_ps(y, sign), one); // +-1 with y's sign
-                let q = _mm512_cvttps_epi32(_mm512_mask_add_ps(t, away, t, step));
-                sum = _mm512_add_epi32(sum, q);
-                _mm_storeu_si128(
-                    r.q.as_mut_ptr().add(b * QK + 16 * h) as *mut __m128i,
-                    _mm512_cvtepi32_epi8(q),
-                );
+        let nb = x.len() / QK;
+        // 16 blocks at a time: their largest magnitudes first, then their scales in one pass of
+        // vector divisions and f16 roundings (`block_scale`'s operations, lane by lane: the same
+        // bits), then the quants
+        let mut b0 = 0;
+        while b0 < nb {
+            let g = (nb - b0).min(16);
+            let mut amax = [0f32; 16];
+            for (t, a) in amax.iter_mut().enumerate().take(g) {
+                let p = x.as_ptr().add((b0 + t) * QK);
+                let (v0, v1) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+                *a = _mm512_reduce_max_ps(_mm512_max_ps(
+                    _mm512_andnot_ps(sign, v0),
+                    _mm512_andnot_ps(sign, v1),
+                ));
             }
-            let sum = _mm512_reduce_add_epi32(sum);
-            r.d[b] = dd;
-            r.s[b] = dd * sum as f32;
-            r.sum[b] = sum;
+            let dd = _mm512_div_ps(_mm512_loadu_ps(amax.as_ptr()), _mm512_set1_ps(127.0));
+            // `dd != 0.0` as Rust reads it (true for NaN): unordered not-equal
+            let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(dd, _mm512_setzero_ps());
+            let id = _mm512_maskz_div_ps(nz, one, dd);
+            let d16 = _mm512_cvtph_ps(_mm512_cvtps_ph::<
+                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+            >(dd));
+            let (mut ids, mut ds) = ([0f32; 16], [0f32; 16]);
+            _mm512_storeu_ps(ids.as_mut_ptr(), id);
+            _mm512_storeu_ps(ds.as_mut_ptr(), d16);
+            let mut sums = [0i32; 16];
+            for t in 0..g {
+                let b = b0 + t;
+                let p = x.as_ptr().add(b * QK);
+                let idv = _mm512_set1_ps(ids[t]);
+                let mut sum = _mm512_setzero_si512();
+                for h in 0..2 {
+                    let y = _mm512_mul_ps(_mm512_loadu_ps(p.add(16 * h)), idv);
+                    let tr = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                    let frac = _mm512_andnot_ps(sign, _mm512_sub_ps(y, tr));
+                    let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
+                    let step = _mm512_or_ps(_mm512_and_ps(y, sign), one); // +-1 with y's sign
+                    let q = _mm512_cvttps_epi32(_mm512_mask_add_ps(tr, away, tr, step));
+                    sum = _mm512_add_epi32(sum, q);
+                    _mm_storeu_si128(
+                        r.q.as_mut_ptr().add(b * QK + 16 * h) as *mut __m128i,
+                        _mm512_cvtepi32_epi8(q),
+                    );
+                }
+                sums[t] = _mm512_reduce_add_epi32(sum);
+            }
+            let sv = _mm512_mul_ps(
+                d16,
+                _mm512_cvtepi32_ps(_mm512_loadu_si512(sums.as_ptr() as *const _)),
+            );
+            let mut ss = [0f32; 16];
+            _mm512_storeu_ps(ss.as_mut_ptr(), sv);
+            r.d[b0..b0 + g].copy_from_slice(&ds[..g]);
+            r.s[b0..b0 + g].copy_from_slice(&ss[..g]);
+            r.sum[b0..b0 + g].copy_from_slice(&sums[..g]);
+            b0 += g;
         }
     }
 
