@@ -79,7 +79,9 @@ fn swiglu_matches_candle() {
     let Some(dev) = gpu() else { return };
     for (n, i) in [(1, 12288), (16, 12288), (7, 100)] {
         let gu = randn(&[n, 2 * i], 2.0, &dev);
-        let got = dflash::nn::fused::swiglu(&gu).unwrap().expect("applies");
+        let got = dflash::nn::fused::gated(&gu, dflash::nn::mlp::Activation::Silu)
+            .unwrap()
+            .expect("applies");
         let g = gu.narrow(1, 0, i).unwrap();
         let u = gu.narrow(1, i, i).unwrap();
         let want = (candle_nn::ops::silu(&g).unwrap() * u).unwrap();
