@@ -202,15 +202,7 @@ pub fn attend(
             let mut inv = Vec::with_capacity(spans.len());
             for &(h, _, lo, hi, off) in &spans {
                 let sc = &mut scores[off..off + hi - lo];
-                let m = sc.iter().fold(
-                    sinks.as_ref().map_or(f32::NEG_INFINITY, |s| s[h]),
-                    |m, &s| m.max(s),
-                );
-                let mut sum = sinks.as_ref().map_or(0f32, |s| (s[h] - m).exp());
-                for s in sc.iter_mut() {
-                    *s = (*s - m).exp();
-                    sum += *s;
-                }
+                let sum = simd::softmax_terms(simd, sc, sinks.as_ref().map(|s| s[h]));
                 inv.push(if sum > 0.0 { 1.0 / sum } else { 0.0 });
             }
             // the weighted sums of the values, value block by value block (each query's sum
@@ -294,6 +286,70 @@ mod simd {
         for (a, b) in acc.iter_mut().zip(x) {
             *a = w.mul_add(*b, *a);
         }
+    }
+
+    /// A softmax's unnormalized terms in place, `s_j <- exp(s_j - m)` with `m` the largest
+    /// score (and the sink logit, if any), and their sum (the sink's term included). exp is
+    /// `cpu_ops::glu`'s (the same bits on every path); the sum runs in 8 lanes over the keys in
+    /// order (lane t takes keys t, t + 8, ...), the lanes summed as `reduce8`, then the keys
+    /// past the last whole 8 in order, then the sink's term: one fixed order for a row's keys,
+    /// whatever call the row runs in.
+    pub fn softmax_terms(simd: bool, sc: &mut [f32], sink: Option<f32>) -> f32 {
+        use crate::nn::cpu_ops::glu::exp_one;
+        let m = sc
+            .iter()
+            .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &s| m.max(s));
+        let n8 = sc.len() / 8 * 8;
+        let mut total;
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: `simd` is only true when the CPU has AVX2 and FMA.
+            total = unsafe { exp_sum_avx2(&mut sc[..n8], m) };
+        } else {
+            total = exp_sum_lanes(&mut sc[..n8], m);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = simd;
+            total = exp_sum_lanes(&mut sc[..n8], m);
+        }
+        for s in &mut sc[n8..] {
+            *s = exp_one(*s - m);
+            total += *s;
+        }
+        if let Some(k) = sink {
+            total += exp_one(k - m);
+        }
+        total
+    }
+
+    /// [`softmax_terms`]' whole-8 part, portable.
+    fn exp_sum_lanes(sc: &mut [f32], m: f32) -> f32 {
+        let mut lanes = [0f32; 8];
+        for c in sc.chunks_exact_mut(8) {
+            for t in 0..8 {
+                c[t] = crate::nn::cpu_ops::glu::exp_one(c[t] - m);
+                lanes[t] += c[t];
+            }
+        }
+        reduce8(&lanes)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_sum_avx2(sc: &mut [f32], m: f32) -> f32 {
+        use std::arch::x86_64::*;
+        let mv = _mm256_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        for c in sc.chunks_exact_mut(8) {
+            let e =
+                crate::nn::cpu_ops::glu::x86::exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        reduce8(&lanes)
     }
 
     fn reduce8(l: &[f32; 8]) -> f32 {
@@ -442,6 +498,37 @@ mod simd {
 
     #[cfg(test)]
     mod tests {
+        #[test]
+        fn softmax_terms_are_the_same_on_both_paths_and_sum_to_one() {
+            for len in [1, 7, 8, 9, 64, 77, 300] {
+                let sc: Vec<f32> = (0..len)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 9.0)
+                    .collect();
+                for sink in [None, Some(2.5f32), Some(40.0)] {
+                    let (mut a, mut b) = (sc.clone(), sc.clone());
+                    let sa = super::softmax_terms(super::available(), &mut a, sink);
+                    let sb = super::softmax_terms(false, &mut b, sink);
+                    assert_eq!(sa.to_bits(), sb.to_bits(), "len {len} sink {sink:?}");
+                    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+                    // against f64: the normalized weights
+                    let m = sc
+                        .iter()
+                        .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &s| m.max(s))
+                        as f64;
+                    let z: f64 = sc.iter().map(|&s| (s as f64 - m).exp()).sum::<f64>()
+                        + sink.map_or(0.0, |k| (k as f64 - m).exp());
+                    for (j, &s) in sc.iter().enumerate() {
+                        let want = (s as f64 - m).exp() / z;
+                        let got = (a[j] / sa) as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-6 * want.max(1e-30) + 1e-12,
+                            "len {len} key {j}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+
         #[test]
         fn the_avx2_loops_equal_the_portable_ones() {
             let a: Vec<f32> = (0..77)

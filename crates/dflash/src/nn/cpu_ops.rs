@@ -417,6 +417,14 @@ pub(crate) mod glu {
         } else {
             -g
         };
+        g / (1.0 + exp_one(x))
+    }
+
+    /// `exp(x)`, the reference of the vector forms (`x86::exp8`, `x86::exp16`): x clamped to
+    /// [-87, 89] (below: a normal result; above: +inf from x ~ 88.4), then the reduction and
+    /// polynomial, each step one IEEE operation.
+    #[inline(always)]
+    pub(crate) fn exp_one(x: f32) -> f32 {
         // not `clamp`: a NaN becomes LO here as in the SIMD forms' max / min
         #[allow(clippy::manual_clamp)]
         let x = x.max(LO).min(HI);
@@ -428,8 +436,7 @@ pub(crate) mod glu {
             p = p.mul_add(r, *c);
         }
         let p = p.mul_add(r, 1.0).mul_add(r, 1.0);
-        let e = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
-        g / (1.0 + e)
+        p * f32::from_bits(((n as i32 + 127) as u32) << 23)
     }
 
     /// `out[i] = act(g[i]) * u[i]` on the given path (every path gives the same bits).
@@ -456,9 +463,61 @@ pub(crate) mod glu {
     }
 
     #[cfg(target_arch = "x86_64")]
-    mod x86 {
+    pub(crate) mod x86 {
         use super::*;
         use std::arch::x86_64::*;
+
+        /// [`super::exp_one`] on 16 lanes.
+        ///
+        /// # Safety
+        /// AVX-512 F and FMA.
+        #[inline]
+        #[target_feature(enable = "avx512f,fma")]
+        pub unsafe fn exp16(x: __m512) -> __m512 {
+            let s = |v: f32| _mm512_set1_ps(v);
+            let x = _mm512_min_ps(_mm512_max_ps(x, s(LO)), s(HI));
+            let nf = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(x, s(LOG2E)),
+            );
+            let r = _mm512_fmadd_ps(nf, s(-LN2_HI), x);
+            let r = _mm512_fmadd_ps(nf, s(-LN2_LO), r);
+            let mut p = s(C[0]);
+            for c in &C[1..] {
+                p = _mm512_fmadd_ps(p, r, s(*c));
+            }
+            let p = _mm512_fmadd_ps(_mm512_fmadd_ps(p, r, s(1.0)), r, s(1.0));
+            let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(nf),
+                _mm512_set1_epi32(127),
+            ));
+            _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
+        }
+
+        /// [`super::exp_one`] on 8 lanes.
+        ///
+        /// # Safety
+        /// AVX2 and FMA.
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn exp8(x: __m256) -> __m256 {
+            let s = |v: f32| _mm256_set1_ps(v);
+            let x = _mm256_min_ps(_mm256_max_ps(x, s(LO)), s(HI));
+            let nf = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(x, s(LOG2E)),
+            );
+            let r = _mm256_fmadd_ps(nf, s(-LN2_HI), x);
+            let r = _mm256_fmadd_ps(nf, s(-LN2_LO), r);
+            let mut p = s(C[0]);
+            for c in &C[1..] {
+                p = _mm256_fmadd_ps(p, r, s(*c));
+            }
+            let p = _mm256_fmadd_ps(_mm256_fmadd_ps(p, r, s(1.0)), r, s(1.0));
+            let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(nf),
+                _mm256_set1_epi32(127),
+            ));
+            _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
+        }
 
         /// The values `0 .. k` (whole registers) of [`super::act_mul`] with AVX-512; returns k.
         ///
@@ -480,22 +539,7 @@ pub(crate) mod glu {
                 } else {
                     _mm512_xor_ps(gv, s(-0.0))
                 };
-                let x = _mm512_min_ps(_mm512_max_ps(x, s(LO)), s(HI));
-                let nf = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                    _mm512_mul_ps(x, s(LOG2E)),
-                );
-                let r = _mm512_fmadd_ps(nf, s(-LN2_HI), x);
-                let r = _mm512_fmadd_ps(nf, s(-LN2_LO), r);
-                let mut p = s(C[0]);
-                for c in &C[1..] {
-                    p = _mm512_fmadd_ps(p, r, s(*c));
-                }
-                let p = _mm512_fmadd_ps(_mm512_fmadd_ps(p, r, s(1.0)), r, s(1.0));
-                let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-                    _mm512_cvtps_epi32(nf),
-                    _mm512_set1_epi32(127),
-                ));
-                let e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+                let e = exp16(x);
                 let y = _mm512_div_ps(gv, _mm512_add_ps(s(1.0), e));
                 let y = _mm512_mul_ps(y, _mm512_loadu_ps(u.as_ptr().add(i)));
                 _mm512_storeu_ps(out.as_mut_ptr().add(i), y);
@@ -523,22 +567,7 @@ pub(crate) mod glu {
                 } else {
                     _mm256_xor_ps(gv, s(-0.0))
                 };
-                let x = _mm256_min_ps(_mm256_max_ps(x, s(LO)), s(HI));
-                let nf = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                    _mm256_mul_ps(x, s(LOG2E)),
-                );
-                let r = _mm256_fmadd_ps(nf, s(-LN2_HI), x);
-                let r = _mm256_fmadd_ps(nf, s(-LN2_LO), r);
-                let mut p = s(C[0]);
-                for c in &C[1..] {
-                    p = _mm256_fmadd_ps(p, r, s(*c));
-                }
-                let p = _mm256_fmadd_ps(_mm256_fmadd_ps(p, r, s(1.0)), r, s(1.0));
-                let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-                    _mm256_cvtps_epi32(nf),
-                    _mm256_set1_epi32(127),
-                ));
-                let e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+                let e = exp8(x);
                 let y = _mm256_div_ps(gv, _mm256_add_ps(s(1.0), e));
                 let y = _mm256_mul_ps(y, _mm256_loadu_ps(u.as_ptr().add(i)));
                 _mm256_storeu_ps(out.as_mut_ptr().add(i), y);
