@@ -1,17 +1,22 @@
-//! The small f32 pieces between the CPU products, in own loops: residual add + RMSNorm and
-//! the gated activations (SwiGLU, GeGLU) (`nn::fused` picks them for f32 tensors on the CPU, as it picks the CUDA kernels
-//! there), and the pool helper the CPU rope shares.
+//! The f32 work between and beside the CPU's int8 products, on candle's barrier pool and never
+//! on rayon's: residual add + RMSNorm, RMSNorm and the gated activations (SwiGLU, GeGLU), which
+//! `nn::fused` picks for f32 tensors on the CPU as it picks the CUDA kernels there; dense f32
+//! products (`matmul_t`, from `Linear::forward`); the exp they and the CPU attention's softmax
+//! share ([`glu`]); and the pool helper the CPU rope uses.
 //!
-//! Why: through candle each of these is several ops (an add, a norm; a strided SiLU, a strided
-//! product), each allocating and walking its tensor once on the calling thread while the
-//! barrier pool's worker spins, and candle sends a norm of more than 32 rows to rayon's pool,
-//! whose threads then fight that spinning worker for the cores. Here each is one pass, split
-//! over the barrier pool when it is large enough to pay for the dispatch.
+//! Why: through candle each small piece is several ops (an add, a norm; a strided SiLU, a
+//! strided product), each allocating and walking its tensor on the calling thread while the
+//! barrier pool's worker spins, and candle sends norms of more than 32 rows, ropes of more than
+//! one position and every f32 GEMM to rayon's pool, whose threads then fight that spinning
+//! worker for the cores (on two cores, 19% of a verify block's samples were the worker
+//! spinning; docs/perf.md, session 35). Here each piece is one pass, split over the barrier
+//! pool when it is large enough to pay for the dispatch.
 //!
-//! Bits: every value is computed by the same expression, in the same order, as candle's op
-//! (`rms_norm`'s sequential sum of squares and `x / m * w`; `silu(g) = g / (1 + exp(-g))` or
-//! the tanh `gelu`, then `* u`), so the results equal the portable path bit for bit (unit tests below), and a row
-//! does not depend on the rows beside it.
+//! Bits: the norms compute every value by candle's expressions in candle's order (the
+//! sequential sum of squares, `x / m * w`), so they equal the portable path bit for bit. The
+//! activations use an own vectorized exp, the same bits on the scalar, AVX2 and AVX-512 paths
+//! and within a few ulp of f64 (not libm's). Every row's result here is independent of the
+//! rows beside it, except `matmul_t`'s (gemm's, like candle's product, is not row-invariant).
 
 use super::mlp::Activation;
 use crate::Result;
