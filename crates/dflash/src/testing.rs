@@ -13,6 +13,17 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
 
+/// The largest `|a - b|` over two tensors of one shape (f32 or any float dtype), for tests.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let d = (a - b).and_then(|d| d.abs()).and_then(|d| d.flatten_all());
+    d.and_then(|d| {
+        d.to_dtype(candle_core::DType::F32)?
+            .max(0)?
+            .to_scalar::<f32>()
+    })
+    .expect("max_abs_diff: tensors of one shape")
+}
+
 /// Deterministic PRNG (splitmix64).
 #[derive(Debug, Clone)]
 pub struct Rng(u64);

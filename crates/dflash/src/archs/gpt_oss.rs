@@ -122,12 +122,8 @@ pub fn plan(cfg: &TargetConfig) -> Result<Plan> {
 }
 
 /// Row order that puts the even rows (gate) first, then the odd rows (up).
-fn deinterleave_index(rows: usize, dev: &candle_core::Device) -> Result<Tensor> {
-    let idx: Vec<u32> = (0..rows as u32)
-        .step_by(2)
-        .chain((1..rows as u32).step_by(2))
-        .collect();
-    Ok(Tensor::from_vec(idx, rows, dev)?)
+fn deinterleave_order(rows: usize) -> Vec<usize> {
+    (0..rows).step_by(2).chain((1..rows).step_by(2)).collect()
 }
 
 /// How a layer's experts were stored and are held.
@@ -148,35 +144,38 @@ fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Exp
     let down_name = format!("{p}.mlp.experts.down_proj");
     let gu_bias = w.get(&format!("{gu_name}_bias"), (e, 2 * inter))?;
     let down_bias = w.get(&format!("{down_name}_bias"), (e, h))?;
-    let perm = deinterleave_index(2 * inter, &w.device)?;
+    let order = deinterleave_order(2 * inter);
+    let perm = Tensor::from_vec(
+        order.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+        2 * inter,
+        &w.device,
+    )?;
     let mx = mxfp4::is_mxfp4(w, &gu_name);
-    if mx && crate::nn::quant::keeps_mxfp4(&w.device, w.dtype, h, inter) {
+    let (gate_up, down, stored) = if mx
+        && crate::nn::quant::keeps_mxfp4(&w.device, w.dtype, h, inter)
+    {
         // kept as stored: the codes with gate rows first, then up rows, as the floats below
-        let order: Vec<usize> = (0..2 * inter)
-            .step_by(2)
-            .chain((1..2 * inter).step_by(2))
-            .collect();
         let (gc, gs) = Packed::load(w, &gu_name, &[e, 2 * inter], h)?.into_bytes(Some(&order));
         let (dc, ds) = Packed::load(w, &down_name, &[e, h], inter)?.into_bytes(None);
-        let gate_up = Mxfp4Stack::new(&gu_name, gc, gs, (e, 2 * inter, h), &w.device)?;
-        let down = Mxfp4Stack::new(&down_name, dc, ds, (e, h, inter), &w.device)?;
-        return Ok((
-            Experts {
-                gate_up: ExpertMatrix::Mxfp4(gate_up),
-                gate_up_bias: Some(gu_bias.index_select(&perm, 1)?),
-                down: ExpertMatrix::Mxfp4(down),
-                down_bias: Some(down_bias),
-                act: ExpertAct::ClampedGlu {
-                    limit: g.swiglu_limit,
-                    alpha: ALPHA,
-                },
-                inter,
-            },
+        (
+            ExpertMatrix::Mxfp4(Mxfp4Stack::new(
+                &gu_name,
+                gc,
+                gs,
+                (e, 2 * inter, h),
+                &w.device,
+            )?),
+            ExpertMatrix::Mxfp4(Mxfp4Stack::new(
+                &down_name,
+                dc,
+                ds,
+                (e, h, inter),
+                &w.device,
+            )?),
             Stored::Kept,
-        ));
-    }
-    // as (out, in): gate_up [E, 2I, H] (interleaved rows), down [E, H, I]
-    let (gate_up, down) = if mx {
+        )
+    } else if mx {
+        // as (out, in): gate_up [E, 2I, H] (interleaved rows), down [E, H, I]
         let on = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(w.dtype)?.to_device(&w.device)?) };
         let gu = Packed::load(w, &gu_name, &[e, 2 * inter], h)?;
         let dn = Packed::load(w, &down_name, &[e, h], inter)?;
@@ -185,22 +184,30 @@ fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Exp
             gus.push(on(gu.slice(x)?)?);
             dns.push(on(dn.slice(x)?)?);
         }
-        (Tensor::stack(&gus, 0)?, Tensor::stack(&dns, 0)?)
+        (
+            Tensor::stack(&gus, 0)?.index_select(&perm, 1)?.into(),
+            Tensor::stack(&dns, 0)?.into(),
+            Stored::Dequantized,
+        )
     } else {
         (
             w.get(&gu_name, (e, h, 2 * inter))?
                 .transpose(1, 2)?
-                .contiguous()?,
+                .contiguous()?
+                .index_select(&perm, 1)?
+                .into(),
             w.get(&down_name, (e, inter, h))?
                 .transpose(1, 2)?
-                .contiguous()?,
+                .contiguous()?
+                .into(),
+            Stored::Float,
         )
     };
     Ok((
         Experts {
-            gate_up: gate_up.index_select(&perm, 1)?.into(),
+            gate_up,
             gate_up_bias: Some(gu_bias.index_select(&perm, 1)?),
-            down: down.into(),
+            down,
             down_bias: Some(down_bias),
             act: ExpertAct::ClampedGlu {
                 limit: g.swiglu_limit,
@@ -208,11 +215,7 @@ fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Exp
             },
             inter,
         },
-        if mx {
-            Stored::Dequantized
-        } else {
-            Stored::Float
-        },
+        stored,
     ))
 }
 

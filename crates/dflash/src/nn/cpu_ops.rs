@@ -37,13 +37,33 @@ pub(crate) fn for_items(items: usize, per_item: usize, f: impl Fn(usize) + Sync)
 }
 
 /// An output buffer written by several pool threads, each item its own disjoint span.
-struct Out(*mut f32);
+pub(crate) struct Out(*mut f32);
 unsafe impl Sync for Out {}
+
+/// `N` buffers of `len` values, each value written once by `fill` (through the [`Out`]s, from
+/// any pool thread) and never read first: no zeroing pass.
+///
+/// # Safety
+/// `fill` writes every one of the `len` values of every buffer.
+pub(crate) unsafe fn written<const N: usize>(
+    len: usize,
+    fill: impl FnOnce([&Out; N]),
+) -> [Vec<f32>; N] {
+    let mut v: [Vec<f32>; N] = std::array::from_fn(|_| Vec::with_capacity(len));
+    let outs: [Out; N] = std::array::from_fn(|i| Out(v[i].as_mut_ptr()));
+    fill(std::array::from_fn(|i| &outs[i]));
+    for b in &mut v {
+        // SAFETY: the caller's contract (every value written)
+        b.set_len(len);
+    }
+    v
+}
+
 impl Out {
     /// # Safety
     /// `[at, at + len)` is inside the buffer and no other item writes it.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn span(&self, at: usize, len: usize) -> &mut [f32] {
+    pub(crate) unsafe fn span(&self, at: usize, len: usize) -> &mut [f32] {
         std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
 
@@ -104,17 +124,20 @@ pub fn add_rms_norm(
         values(&ds, dl, len)?,
         values(&ws, wl, n)?,
     );
-    let (mut s, mut o) = (vec![0f32; len], vec![0f32; len]);
-    let (sp, op) = (Out(s.as_mut_ptr()), Out(o.as_mut_ptr()));
-    for_items(len / n, n, |i| {
-        let span = i * n..(i + 1) * n;
-        // SAFETY: row i's span, written by this item only.
-        let (si, oi) = unsafe { (sp.span(i * n, n), op.span(i * n, n)) };
-        for ((x, &a), &b) in si.iter_mut().zip(&r[span.clone()]).zip(&d[span]) {
-            *x = a + b;
-        }
-        rms_row(si, wv, eps, oi);
-    });
+    // SAFETY: the rows 0 .. len / n cover both buffers
+    let [s, o] = unsafe {
+        written(len, |[sp, op]| {
+            for_items(len / n, n, |i| {
+                let span = i * n..(i + 1) * n;
+                // SAFETY: row i's span, written by this item only.
+                let (si, oi) = (sp.span(i * n, n), op.span(i * n, n));
+                for ((x, &a), &b) in si.iter_mut().zip(&r[span.clone()]).zip(&d[span]) {
+                    *x = a + b;
+                }
+                rms_row(si, wv, eps, oi);
+            })
+        })
+    };
     let shape = res.shape().clone();
     Ok(Some((
         Tensor::from_vec(s, shape.clone(), &Device::Cpu)?,
@@ -134,14 +157,15 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Option<Tensor>> {
     let (xs, xl) = x.storage_and_layout();
     let (ws, wl) = w.storage_and_layout();
     let (xv, wv) = (values(&xs, xl, len)?, values(&ws, wl, n)?);
-    let mut o = vec![0f32; len];
-    let op = Out(o.as_mut_ptr());
-    for_items(len / n, n, |i| {
-        // SAFETY: row i's span, written by this item only.
-        rms_row(&xv[i * n..(i + 1) * n], wv, eps, unsafe {
-            op.span(i * n, n)
-        });
-    });
+    // SAFETY: the rows 0 .. len / n cover the buffer
+    let [o] = unsafe {
+        written(len, |[op]| {
+            for_items(len / n, n, |i| {
+                // SAFETY: row i's span, written by this item only.
+                rms_row(&xv[i * n..(i + 1) * n], wv, eps, op.span(i * n, n));
+            })
+        })
+    };
     Ok(Some(Tensor::from_vec(o, x.shape().clone(), &Device::Cpu)?))
 }
 
@@ -168,15 +192,13 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     let (xs, xl) = x.storage_and_layout();
     let (ws, wl) = w.storage_and_layout();
     let (xv, wv) = (values(&xs, xl, m * k)?, values(&ws, wl, n * k)?);
-    let mut o: Vec<f32> = Vec::with_capacity(m * n);
-    let op = Out(o.as_mut_ptr());
     let threads = candle_core::utils::barrier_pool().n_workers() + 1;
     // ranges of whole MATMUL_COLS blocks, a few per thread (balance), none empty
     let blocks = n.div_ceil(MATMUL_COLS);
     let parts = blocks.min(4 * threads).max(1);
     let per = blocks.div_ceil(parts) * MATMUL_COLS;
     let parts = n.div_ceil(per);
-    let run = |p: usize| {
+    let run = |op: &Out, p: usize| {
         let (a, len) = (p * per, per.min(n - p * per));
         // SAFETY: columns a..a + len of every row of `o` (m x n), written by this part only;
         // x is m x k and w's rows a..a + len are k long, as the strides say.
@@ -204,13 +226,17 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
             )
         }
     };
-    if m == 0 || parts == 1 {
-        (0..parts).for_each(run);
-    } else {
-        candle_core::utils::barrier_pool().execute_chunked(parts, |r| r.for_each(&run));
-    }
     // SAFETY: the parts cover columns 0..n of rows 0..m.
-    unsafe { o.set_len(m * n) };
+    let [o] = unsafe {
+        written(m * n, |[op]| {
+            if m == 0 || parts == 1 {
+                (0..parts).for_each(|p| run(op, p));
+            } else {
+                candle_core::utils::barrier_pool()
+                    .execute_chunked(parts, |r| r.for_each(|p| run(op, p)));
+            }
+        })
+    };
     Ok(Some(Tensor::from_vec(o, dims, &Device::Cpu)?))
 }
 
@@ -232,24 +258,26 @@ pub fn gated(gu: &Tensor, act: Activation) -> Result<Option<Tensor>> {
     let (gs, gl) = gu.storage_and_layout();
     let v = values(&gs, gl, gu.elem_count())?;
     let rows = v.len() / two_i;
-    let mut o = vec![0f32; rows * i];
-    let op = Out(o.as_mut_ptr());
     let simd = super::q8::simd_level();
     // items of at most 512 values, so one row of a wide MLP splits too
     let per_row = i.div_ceil(512);
     let chunk = i.div_ceil(per_row);
-    for_items(rows * per_row, chunk, |item| {
-        let (r, c) = (item / per_row, item % per_row * chunk);
-        if c >= i {
-            return;
-        }
-        let len = chunk.min(i - c);
-        let row = &v[r * two_i..(r + 1) * two_i];
-        let (g, u) = (&row[c..c + len], &row[i + c..i + c + len]);
-        // SAFETY: this item's span of row r, written by it only.
-        let out = unsafe { op.span(r * i + c, len) };
-        glu::act_mul(simd, act, g, u, out);
-    });
+    // SAFETY: the items cover every row's i values (per_row * chunk >= i)
+    let [o] = unsafe {
+        written(rows * i, |[op]| {
+            for_items(rows * per_row, chunk, |item| {
+                let (r, c) = (item / per_row, item % per_row * chunk);
+                if c >= i {
+                    return;
+                }
+                let len = chunk.min(i - c);
+                let row = &v[r * two_i..(r + 1) * two_i];
+                let (g, u) = (&row[c..c + len], &row[i + c..i + c + len]);
+                // SAFETY: this item's span of row r, written by it only.
+                glu::act_mul(simd, act, g, u, op.span(r * i + c, len));
+            })
+        })
+    };
     Ok(Some(Tensor::from_vec(o, dims, &Device::Cpu)?))
 }
 
@@ -325,16 +353,7 @@ mod tests {
             let w = Tensor::randn(0f32, 0.1, (n, k), &dev).unwrap();
             let ours = matmul_t(&x, &w).unwrap().unwrap();
             let theirs = x.matmul(&w.t().unwrap()).unwrap();
-            let d: f32 = (&ours - &theirs)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+            let d = crate::testing::max_abs_diff(&ours, &theirs);
             assert!(d < 1e-4, "{m}x{n}x{k}: {d}");
             assert_eq!(
                 bits(&ours),
@@ -360,13 +379,7 @@ mod tests {
                 let g = gu.narrow(1, 0, i).unwrap();
                 let u = gu.narrow(1, i, i).unwrap();
                 let theirs = (act.apply(&g).unwrap() * u).unwrap();
-                let diff = (&ours - &theirs)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap();
-                let d: f32 = diff.max(0).unwrap().to_scalar().unwrap();
+                let d = crate::testing::max_abs_diff(&ours, &theirs);
                 // |g u| reaches ~16^2 here; a few ulp of that
                 assert!(d < 1e-4, "{act:?} {rows} x {i}: {d}");
                 let last = gu.narrow(0, rows - 1, 1).unwrap().contiguous().unwrap();

@@ -698,18 +698,7 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
-    fn maxdiff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
+    use crate::testing::max_abs_diff as maxdiff;
 
     #[test]
     fn chunked_equals_sequential_and_rollback_equals_prefix() {

@@ -285,38 +285,36 @@ impl Linear {
         Ok(self.forward(x)?.to_dtype(DType::F32)?)
     }
 
+    /// A dense product through dflash's own kernels where one applies, else None (candle's
+    /// matmul then). CUDA, batch-invariant mode (`DFLASH_BATCH_INVARIANT=1`): 1..=16 rows
+    /// through the tensor-core skinny GEMM, whose bits for a row do not depend on the rows
+    /// beside it (a verify reproduces the decode steps); otherwise the GEMV kernel for one row
+    /// and cuBLAS above it (faster, not batch-invariant). f32 on the CPU: gemm on the barrier
+    /// pool, not rayon's (`cpu_ops::matmul_t`; off with `DFLASH_FUSED=0`).
+    fn dense_kernel(x: &Tensor, weight: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let Some(y) = super::cuda::mma(x, weight)? {
+            return Ok(Some(y));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(y) = super::cuda::gemv(x, weight)? {
+            return Ok(Some(y));
+        }
+        if !super::fused::allowed() {
+            return Ok(None);
+        }
+        super::cpu_ops::matmul_t(x, weight)
+    }
+
     /// `x [n, in] -> [n, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = match self {
             Linear::Dense { weight, bias } => {
-                // CUDA, batch-invariant mode (`DFLASH_BATCH_INVARIANT=1`): 1..=16 rows through
-                // the tensor-core skinny GEMM, whose bits for a row do not depend on the rows
-                // beside it (a verify reproduces the decode steps). Otherwise the GEMV kernel
-                // for one row and cuBLAS above it (faster, not batch-invariant).
-                #[cfg(feature = "cuda")]
-                if let Some(y) = super::cuda::mma(x, weight)? {
-                    return Ok(match bias {
-                        Some(b) => y.broadcast_add(b)?,
-                        None => y,
-                    });
-                }
-                #[cfg(feature = "cuda")]
-                if let Some(y) = super::cuda::gemv(x, weight)? {
-                    return Ok(match bias {
-                        Some(b) => y.broadcast_add(b)?,
-                        None => y,
-                    });
-                }
-                // f32 on the CPU: on the barrier pool, not rayon's (`cpu_ops::matmul_t`)
-                if crate::switches::fused_part(crate::switches::Part::Norm) {
-                    if let Some(y) = super::cpu_ops::matmul_t(x, weight)? {
-                        return Ok(match bias {
-                            Some(b) => y.broadcast_add(b)?,
-                            None => y,
-                        });
-                    }
-                }
-                (x.matmul(&weight.t()?)?, bias)
+                let y = match Self::dense_kernel(x, weight)? {
+                    Some(y) => y,
+                    None => x.matmul(&weight.t()?)?,
+                };
+                (y, bias)
             }
             Linear::Quant { weight, bias, .. } => {
                 // candle's quantized CPU kernels take f32 activations.

@@ -339,7 +339,7 @@ impl From<Tensor> for ExpertMatrix {
 
 impl ExpertMatrix {
     /// `(E, rows, k)`.
-    pub fn dims(&self) -> Result<(usize, usize, usize)> {
+    pub fn dims(&self) -> candle_core::Result<(usize, usize, usize)> {
         Ok(match self {
             Self::Float(t) => t.dims3()?,
             Self::Mxfp4(m) => m.dims(),

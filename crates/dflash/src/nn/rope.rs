@@ -215,7 +215,6 @@ impl Rope {
             candle_core::Storage::Cpu(c) => &c.as_slice::<f32>()?[layout.start_offset()..],
             _ => return Ok(None),
         };
-        let mut dst = vec![0f32; heads * len * d];
         let rotate = |row: usize, src: &[f32], dst: &mut [f32]| {
             let p = row % len;
             let (c, s) = (
@@ -229,12 +228,15 @@ impl Rope {
             }
             dst[2 * half..].copy_from_slice(&src[2 * half..]);
         };
-        let out = dst.as_mut_ptr() as usize;
-        super::cpu_ops::for_items(heads * len, d, |r| {
-            // SAFETY: each row r is written by exactly one item, inside `dst`.
-            let o = unsafe { std::slice::from_raw_parts_mut((out as *mut f32).add(r * d), d) };
-            rotate(r, &src[r * d..(r + 1) * d], o);
-        });
+        // SAFETY: the rows 0 .. heads * len cover the buffer
+        let [dst] = unsafe {
+            super::cpu_ops::written(heads * len * d, |[out]| {
+                super::cpu_ops::for_items(heads * len, d, |r| {
+                    // SAFETY: row r, written by this item only.
+                    rotate(r, &src[r * d..(r + 1) * d], out.span(r * d, d));
+                })
+            })
+        };
         drop(storage);
         Ok(Some(Tensor::from_vec(dst, (heads, len, d), x.device())?))
     }

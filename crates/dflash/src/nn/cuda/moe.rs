@@ -76,14 +76,6 @@ pub fn mma_widths(hidden: usize, inter: usize) -> bool {
     hidden % 32 == 0 && inter % 32 == 0
 }
 
-/// `(E, rows, k)` of an expert stack.
-fn stack_dims(m: &ExpertMatrix) -> candle_core::Result<(usize, usize, usize)> {
-    match m {
-        ExpertMatrix::Float(t) => t.dims3(),
-        ExpertMatrix::Mxfp4(s) => Ok(s.dims()),
-    }
-}
-
 /// An expert stack's operands as the kernels take them: bf16, or MXFP4 codes and scales.
 enum StackView<'a> {
     Bf16(CudaView<'a, bf16>),
@@ -142,13 +134,13 @@ impl CustomOp1 for MoeOp {
     fn cuda_fwd(&self, xs: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let c = &self.call;
         let (n, hidden) = xl.shape().dims2()?;
-        let (e_count, two_i, h2) = stack_dims(&c.gate_up)?;
+        let (e_count, two_i, h2) = c.gate_up.dims()?;
         let mx = matches!(c.gate_up, ExpertMatrix::Mxfp4(_));
         let k = c.top_k;
         let inter = c.inter;
         let ok = two_i == 2 * inter
             && h2 == hidden
-            && stack_dims(&c.down)? == (e_count, hidden, inter)
+            && c.down.dims()? == (e_count, hidden, inter)
             && mx == matches!(c.down, ExpertMatrix::Mxfp4(_))
             && (!mx || (mma_widths(hidden, inter) && c.shared.is_none()))
             && self.logits.dims2()? == (n, e_count)
@@ -170,8 +162,8 @@ impl CustomOp1 for MoeOp {
                 "dflash-moe: x {:?} logits {:?} gate_up {:?} down {:?} k {k} (mxfp4 {mx})",
                 xl.shape(),
                 self.logits.shape(),
-                stack_dims(&c.gate_up)?,
-                stack_dims(&c.down)?
+                c.gate_up.dims()?,
+                c.down.dims()?
             );
         }
         let dev = xs.device();
@@ -502,7 +494,7 @@ pub fn moe(x: &Tensor, logits: &Tensor, call: &MoeCall) -> candle_core::Result<O
         return Ok(None);
     }
     let (n, hidden) = x.dims2()?;
-    let e = stack_dims(&call.gate_up)?.0;
+    let e = call.gate_up.dims()?.0;
     // MXFP4 stacks: the tensor-core kernels only, without a shared expert
     if !packed.is_empty() && (!mma_widths(hidden, call.inter) || call.shared.is_some()) {
         return Ok(None);
