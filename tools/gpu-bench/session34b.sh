@@ -13,8 +13,8 @@ T0=$SECONDS
 . "$(dirname "$0")/env.sh" dflash fused_cuda
 R=${OUT:-/tmp}/s34b
 mkdir -p "$R"
-free -g | head -2
-fused_tests tests 100 gpt_oss_mxfp4 tiny_dense
+free -g | head -2; df -h /dev/shm / | tail -2
+fused_tests tests ${TEST_LIMIT:-100} ${TESTS:-gpt_oss_mxfp4 tiny_dense}
 echo "### tests done in $((SECONDS - T0)) s"
 M=/dev/shm/m
 mkdir -p $M

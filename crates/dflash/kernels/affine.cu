@@ -32,6 +32,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "affine.cuh"
 #include "skinny.cuh"
 
 
@@ -61,16 +62,7 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
 template <int BITS>
 __device__ __forceinline__ uint4 unpack(const uint4& w, int u) {
   if (BITS == 4) {
-    const uint32_t x = comp(w, u);
-    const uint32_t m = 0x000F000Fu, one28 = 0x43004300u;
-    // (v & m) | one28 in one LOP3 (the compiler splits it in two: an instruction takes one
-    // immediate, and it does not keep the second constant in a register by itself)
-    auto pick = [&](uint32_t v) {
-      uint32_t d;
-      asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(v), "r"(m), "r"(one28));
-      return d;
-    };
-    return make_uint4(pick(x), pick(x >> 4), pick(x >> 8), pick(x >> 12));
+    return nibbles_128(comp(w, u));
   } else {
     const uint32_t a = comp(w, 2 * u), b = comp(w, 2 * u + 1);
     auto v = [](uint32_t x, int i) { return (float)(int)((x >> (8 * i)) & 0xff) - 128.f; };
@@ -83,29 +75,12 @@ __device__ __forceinline__ uint4 unpack(const uint4& w, int u) {
 template <int BITS>
 __device__ __forceinline__ uint4 order_x(const uint4& x) {
   if (BITS == 8) return x;
-  return make_uint4(__byte_perm(x.x, x.z, 0x5410), __byte_perm(x.x, x.z, 0x7632),
-                    __byte_perm(x.y, x.w, 0x5410), __byte_perm(x.y, x.w, 0x7632));
-}
-
-__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
+  return order_x4(x);
 }
 
 // The DEQ path's A fragment words of chunk u: bf16(s q + b) for the words' nibble pairs, with
 // p the group's packed bf16 (scale, bias).
-__device__ __forceinline__ uint4 dequant4(const uint4& w, int u, uint32_t p) {
-  const uint32_t s2 = __byte_perm(p, 0, 0x1010), b2 = __byte_perm(p, 0, 0x3232);
-  const uint32_t q128 = 0x43004300u;  // bf16x2 (128, 128)
-  uint4 a = unpack<4>(w, u);          // 128 + q, exact
-  auto one = [&](uint32_t v) {
-    __nv_bfloat162 q = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&v),
-                               *reinterpret_cast<const __nv_bfloat162*>(&q128));
-    return bf16x2_fma(*reinterpret_cast<uint32_t*>(&q), s2, b2);
-  };
-  return make_uint4(one(a.x), one(a.y), one(a.z), one(a.w));
-}
+__device__ __forceinline__ uint4 dequant4(const uint4& w, int u, uint32_t p) { return dequant4_word(comp(w, u), p); }
 
 // UW: super-chunks in the ring; DEQ: the dequantizing path (4 bits, bf16 scales only).
 template <int BITS, int G, typename ST, int W, int T, int BW, int TN, int UW, bool DEQ>

@@ -33,6 +33,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "affine.cuh"
 #include "skinny.cuh"
 
 typedef __nv_bfloat16 bf16;
@@ -545,6 +546,7 @@ struct BfRows {
   typedef uint4 Raw;
   __device__ __forceinline__ Raw load(int j, int ch) const { return load_weight(p[j] + ch * 4); }
   __device__ __forceinline__ static uint4 unpack(const Raw& r) { return r; }
+  __device__ __forceinline__ static uint4 order(const uint4& x) { return x; }
 };
 
 // MXFP4 (OCP microscaling, gpt-oss's experts as published): a 32-wide chunk of a row is one
@@ -594,6 +596,27 @@ struct MxRows {
     return Raw{__ldg(q[j] + ch * 4), (uint32_t)__ldg(s[j] + ch)};
   }
   __device__ __forceinline__ static uint4 unpack(const Raw& r) { return mxfp4_bf16(r.q, e8m0_bf16x2(r.s)); }
+  __device__ __forceinline__ static uint4 order(const uint4& x) { return x; }
+};
+
+// MLX affine 4-bit with bf16 scales (Qwen MoE experts as mlx-community publishes them), in
+// nn::AffineWeight's layout: each row's words permuted inside blocks of 16 so that lane c's
+// word of chunk ch is word (ch / 4) 16 + 4c + ch % 4, and a group's scale and bias one u32
+// (scale low). A weight becomes bf16(s q + b) rounded once (kernels/affine.cuh, as the dense
+// affine kernels' DEQ path), in the nibble-pair k order, so x is permuted to match.
+template <int A>
+struct AfRows {
+  const uint32_t* q[2 * A];   // the row's words, at lane c's
+  const uint32_t* sb[2 * A];  // the row's (scale, bias) words
+  int gshift;                 // log2(group / 32)
+  struct Raw {
+    uint32_t q, p;
+  };
+  __device__ __forceinline__ Raw load(int j, int ch) const {
+    return Raw{__ldg(q[j] + (ch >> 2) * 16 + (ch & 3)), __ldg(sb[j] + (ch >> gshift))};
+  }
+  __device__ __forceinline__ static uint4 unpack(const Raw& r) { return dequant4_word(r.q, r.p); }
+  __device__ __forceinline__ static uint4 order(const uint4& x) { return order_x4(x); }
 };
 
 // An expert stack [E, rows, K] as a source of tiles: rows r[j] of expert e (sh: the layer's
@@ -627,6 +650,27 @@ struct MxExperts {
       const size_t row = (size_t)e * rows + r[j];
       src.q[j] = reinterpret_cast<const uint32_t*>(q + row * (K / 2)) + c;
       src.s[j] = s + row * (K / 32);
+    }
+    return src;
+  }
+};
+
+// Affine stacks: words [E, rows, K / 8] (permuted as above), (scale, bias) [E, rows, K / G]
+// (no shared expert).
+struct AfExperts {
+  const uint32_t* q;
+  const uint32_t* sb;
+  int rows, K, gshift;
+  template <int A>
+  __device__ __forceinline__ AfRows<A> at(int e, bool, const int (&r)[2 * A]) const {
+    const int c = threadIdx.x % 4;
+    AfRows<A> src;
+    src.gshift = gshift;
+#pragma unroll
+    for (int j = 0; j < 2 * A; ++j) {
+      const size_t row = (size_t)e * rows + r[j];
+      src.q[j] = q + row * (K / 8) + 4 * c;
+      src.sb[j] = sb + row * (K >> (5 + gshift));
     }
     return src;
   }
@@ -666,13 +710,15 @@ __device__ __forceinline__ void mma_span(const Src& src, const uint4* const (&xp
 #pragma unroll
     for (int u = 0; u < U; ++u)
       if (ch + u < c1) {
-        uint4 w[2 * A];
+        uint4 w[2 * A], xo[T];
 #pragma unroll
         for (int j = 0; j < 2 * A; ++j) w[j] = Src::unpack(cw[u][j]);
 #pragma unroll
+        for (int t = 0; t < T; ++t) xo[t] = Src::order(cx[u][t]);
+#pragma unroll
         for (int a = 0; a < A; ++a)
 #pragma unroll
-          for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], w[2 * a], w[2 * a + 1], cx[u][t]);
+          for (int t = 0; t < T; ++t) mma_chunk(acc[a][t], w[2 * a], w[2 * a + 1], xo[t]);
       }
   }
 }
@@ -829,6 +875,25 @@ MOE_MMA(t2, 2, 2, 2, 2)
   }
 MOE_MMA_MX(t1, 2, 1, 4, 2)
 MOE_MMA_MX(t2, 2, 2, 4, 2)
+
+// The same GEMMs over MLX affine 4-bit stacks (bf16 scales, groups of 32 << gshift): words
+// [E, 2I, H / 8] / [E, H, I / 8], (scale, bias) [E, 2I, H / G] / [E, H, I / G]; no shared
+// expert. 4 chunks in flight (4 bytes a lane a chunk).
+#define MOE_MMA_AF(NAME, A, T, U, MINB)                                                                \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_gate_up_mma_af_##NAME(           \
+      const bf16* x, const int* slots, int nslots, int k, const uint32_t* q, const uint32_t* sb,        \
+      int gshift, const bf16* bias, int inter, int hidden, int mode, float limit, float alpha, bf16* h) { \
+    gate_up_mma<A, T, U>(x, slots, nslots, k, AfExperts{q, sb, 2 * inter, hidden, gshift}, bias, inter,  \
+                         hidden, mode, limit, alpha, h, -1, 0);                                         \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MINB) moe_down_mma_af_##NAME(              \
+      const bf16* h, const int* slots, int nslots, const uint32_t* q, const uint32_t* sb, int gshift,   \
+      const bf16* bias, int inter, int hidden, float* y) {                                              \
+    down_mma<A, T, U>(h, slots, nslots, AfExperts{q, sb, hidden, inter, gshift}, bias, inter, hidden, y, \
+                      -1);                                                                              \
+  }
+MOE_MMA_AF(t1, 2, 1, 4, 2)
+MOE_MMA_AF(t2, 2, 2, 4, 2)
 
 // An MXFP4 stack dequantized to bf16 (out [groups * 32]): one thread a word of 8 codes.
 // (Prefill's per-expert products, and the tests' device side of the dequantization.)

@@ -810,6 +810,146 @@ fn mxfp4_experts_match_the_dequantized_experts() {
     }
 }
 
+/// `v` (finite, in bf16's normal range or 0) rounded once to bf16, to nearest even, as an f32.
+fn bf16_once(v: f64) -> f32 {
+    let b = v.to_bits();
+    const DROP: u32 = 45; // f64's 52 fraction bits less bf16's 7
+    let lsb = (b >> DROP) & 1;
+    let r = (b + (1u64 << (DROP - 1)) - 1 + lsb) & !((1u64 << DROP) - 1);
+    f64::from_bits(r) as f32
+}
+
+/// MLX affine 4-bit expert stacks kept as stored (`ExpertMatrix::Affine`, the `moe_*_mma_af`
+/// kernels: each weight made in registers as bf16(s q + b), rounded once): a Qwen MoE block
+/// over them gives bit for bit the block over the same experts dequantized on the host with
+/// one rounding, for 1, 5 and 16 rows, for groups of 32, 64 and 128; 40 rows (prefill: each
+/// expert dequantized by the dense affine kernel, whose f32 sum rounds twice) within bf16
+/// rounding; rows alone == among 16, and against the host routing ([`check_moe`]).
+#[test]
+fn affine_experts_match_the_dequantized_experts() {
+    use dflash::nn::moe::{ExpertAct, ExpertMatrix, Experts, Router, Scoring};
+    use dflash::nn::{Activation, AffineWeight, SparseMoe};
+    use std::sync::Arc;
+    let Some(dev) = gpu() else { return };
+    let mut rng = dflash::testing::Rng::new(17);
+    // (stack, host bf16 values) for `e` experts of `rows` x `k`
+    let mut stack = |e: usize, rows: usize, k: usize, group: usize| {
+        let n = e * rows;
+        let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.below(256) as u8).collect();
+        let g = k / group;
+        let mut side = |scale: f64, centre: f64| -> Vec<f32> {
+            (0..n * g)
+                .map(|_| half::bf16::from_f64(centre + (rng.uniform() - 0.5) * scale).to_f32())
+                .collect()
+        };
+        let (s, b) = (side(0.02, 0.01), side(0.2, -0.1));
+        let host: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let (r, c) = (i / k, i % k);
+                let q = (packed[i / 2] >> (4 * (i % 2))) & 15;
+                let gi = r * g + c / group;
+                bf16_once(s[gi] as f64 * q as f64 + b[gi] as f64)
+            })
+            .collect();
+        let t = |v: Vec<f32>| {
+            Tensor::from_vec(v, (n, g), &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap()
+        };
+        let w = AffineWeight::from_stored(&packed, &t(s), &t(b), 4, group, n, k, &dev).unwrap();
+        let host = Tensor::from_vec(host, (e, rows, k), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        (ExpertMatrix::Affine { w: Arc::new(w), experts: e }, host)
+    };
+    for (h, inter, e, k, group) in [(128, 128, 8, 2, 64), (256, 128, 16, 4, 32), (384, 256, 32, 8, 128)] {
+        let (gu_q, gu_f) = stack(e, 2 * inter, h, group);
+        let (dn_q, dn_f) = stack(e, h, inter, group);
+        let float = SparseMoe {
+            router: Router {
+                proj: Linear::dense(randn(&[e, h], (h as f64).powf(-0.5), &dev), None),
+                f32_input: false,
+                scoring: Scoring::Softmax { renormalize: true },
+                top_k: k,
+                scale: 1.0,
+                per_expert_scale: None,
+                device_tables: Default::default(),
+            },
+            experts: Experts {
+                gate_up: gu_f.into(),
+                gate_up_bias: None,
+                down: dn_f.into(),
+                down_bias: None,
+                act: ExpertAct::Glu(Activation::Silu),
+                inter,
+            },
+            shared: None,
+        };
+        let mut af = float.clone();
+        af.experts.gate_up = gu_q;
+        af.experts.down = dn_q;
+        assert!(af.experts.weight_bytes() * 3 < float.experts.weight_bytes());
+        let x = randn(&[40, h], 1.0, &dev);
+        for n in [1, 5, 16, 40] {
+            let xs = x.narrow(0, 0, n).unwrap().contiguous().unwrap();
+            let (a, b) = (af.forward(&xs).unwrap(), float.forward(&xs).unwrap());
+            if n <= 16 {
+                assert!(
+                    common::f32_bits(&a.to_dtype(DType::F32).unwrap())
+                        == common::f32_bits(&b.to_dtype(DType::F32).unwrap()),
+                    "h {h} inter {inter} g{group}: {n} rows over affine stacks differ from the dequantized experts"
+                );
+            } else {
+                let err = rel_err(&a, &b);
+                assert!(err < 1e-2, "h {h} inter {inter} g{group}: {n} rows: rel err {err}");
+            }
+        }
+        check_moe(&format!("affine experts (h {h}, inter {inter}, g{group})"), &af, h, &dev);
+        eprintln!("ok affine experts h {h} inter {inter} e {e} k {k} g{group}");
+    }
+}
+
+/// An MLX MoE checkpoint (experts as mlx-lm's `switch_mlp` stacks, 4-bit) on the GPU keeps its
+/// experts as stored (the load report counts them kept, the weights take about a quarter of
+/// the twin's bytes), follows its dequantized twin's logits (bf16), verify rows with rollbacks
+/// equal the decode steps bit for bit, and greedy DFlash == plain decoding.
+#[test]
+fn mlx_moe_checkpoint_on_the_gpu_runs_as_stored() {
+    use common::mlx::{qwen3_moe_128, write_mlx_moe};
+    use dflash::archs::{load_target, LoadOptions};
+    use dflash::source::ModelSource;
+    let Some(dev) = gpu() else { return };
+    dflash::switches::set_batch_invariant(true);
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    for (group, seed) in [(64, 63), (32, 64)] {
+        let (t, layout) = qwen3_moe_128(seed, 4, group);
+        let dir = tempfile::tempdir().unwrap();
+        let (mlx_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
+        write_mlx_moe(&t, &layout, &mlx_dir, &twin);
+        let (cfg, q) = load_target(&ModelSource::from_dir("t", &mlx_dir).unwrap(), &opts).unwrap();
+        let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
+        let info = q.info().quantization.clone().unwrap();
+        // the expert stacks are most of the weights: under 0.45x the twin only if kept
+        assert!(info.contains("kept as stored"), "{info}");
+        assert!(
+            (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * 0.45,
+            "{} bytes held vs {} for bf16",
+            q.info().weight_bytes,
+            f.info().weight_bytes
+        );
+        let toks = common::ids(8, 30, t.vocab);
+        check_against_twin(q.as_ref(), f.as_ref(), &toks, &format!("mlx moe g{group} on CUDA"));
+        greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 65, "mlx moe on CUDA");
+        eprintln!("ok mlx moe 4-bit g{group} on CUDA: {info}");
+    }
+}
+
 /// The gpt_oss MXFP4 fixture on the GPU keeps its experts as stored (the load report says so,
 /// and the weights take under half their bf16 twin's bytes); every forward of a DFlash run
 /// (the prefill, verify windows of 1 / 2 / 7 / 16 rows with rollbacks) gives bit for bit the

@@ -7,7 +7,7 @@
 
 mod common;
 use candle_core::{DType, Device, Tensor};
-use common::mlx::{dequantize, pack, quantize, round_to, write_mlx, Layout};
+use common::mlx::{dequantize, pack, qwen3_moe_128, quantize, round_to, write_mlx, write_mlx_moe, Layout};
 use common::*;
 use dflash::archs::{load_target, LoadOptions, Logits, TargetModel};
 use dflash::source::mlx::MlxQuant;
@@ -313,6 +313,42 @@ fn mlx_checkpoint_gives_the_logits_of_its_dequantized_twin() {
             rel < 0.5,
             "{}: relative diff to the float model {rel}",
             t.model_type
+        );
+    }
+}
+
+/// A MoE checkpoint as mlx-lm writes it (the experts stacked per projection under
+/// `mlp.switch_mlp`, quantized as 3-D tensors; the routers at 8 bits) gives exactly the
+/// logits of its twin holding the dequantized weights per expert in the Hugging Face layout.
+#[test]
+fn mlx_moe_checkpoint_gives_the_logits_of_its_dequantized_twin() {
+    for (bits, group, seed) in [(4, 64, 47), (4, 32, 48), (8, 128, 49)] {
+        let (t, layout) = qwen3_moe_128(seed, bits, group);
+        let dir = tempfile::tempdir().unwrap();
+        let (mlx_dir, twin) = (dir.path().join("mlx"), dir.path().join("twin"));
+        let n = write_mlx_moe(&t, &layout, &mlx_dir, &twin);
+        let names = candle_core::safetensors::load(mlx_dir.join("model.safetensors"), &Device::Cpu)
+            .unwrap();
+        assert!(names.contains_key("model.layers.0.mlp.switch_mlp.down_proj.scales"));
+        assert!(!names.keys().any(|k| k.contains(".experts.")));
+        let q = load_with(&mlx_dir).unwrap();
+        let f = load_with(&twin).unwrap();
+        let info = q.info().quantization.clone().unwrap();
+        // three routers at 8 bits g64; 3 MoE layers x 3 stacks among the rest
+        assert!(info.contains("8-bit g64 x3"), "{info}");
+        let counted: usize = info
+            .split([',', ';'])
+            .filter_map(|p| p.trim().rsplit_once(" x"))
+            .map(|(_, k)| k.parse::<usize>().unwrap())
+            .sum();
+        assert_eq!(counted, n, "{info}");
+        assert_eq!(q.info().weight_bytes, f.info().weight_bytes);
+        let toks = ids(t.seed, 24, t.vocab);
+        let (a, b) = (all_logits(q.as_ref(), &toks), all_logits(f.as_ref(), &toks));
+        assert_eq!(
+            bits_of(&f32s(&a)),
+            bits_of(&f32s(&b)),
+            "{bits}-bit g{group}: logits differ from the dequantized twin's"
         );
     }
 }

@@ -323,12 +323,18 @@ pub enum ExpertAct {
     ClampedGlu { limit: f64, alpha: f64 },
 }
 
-/// A stack of expert matrices `[E, rows, k]` as held: floats, or MXFP4 codes and scales kept
-/// as stored (gpt-oss on CUDA; [`super::mxfp4`]).
+/// A stack of expert matrices `[E, rows, k]` as held: floats, MXFP4 codes and scales kept as
+/// stored (gpt-oss on CUDA; [`super::mxfp4`]), or MLX affine 4-bit kept as stored (MLX Qwen
+/// MoE checkpoints on CUDA; [`crate::source::Weights::mlx_expert_stack`]).
 #[derive(Debug, Clone)]
 pub enum ExpertMatrix {
     Float(Tensor),
     Mxfp4(super::mxfp4::Mxfp4Stack),
+    /// The `E * rows` rows of all experts as one affine matrix `[E * rows, k]`.
+    Affine {
+        w: std::sync::Arc<super::AffineWeight>,
+        experts: usize,
+    },
 }
 
 impl From<Tensor> for ExpertMatrix {
@@ -343,6 +349,7 @@ impl ExpertMatrix {
         Ok(match self {
             Self::Float(t) => t.dims3()?,
             Self::Mxfp4(m) => m.dims(),
+            Self::Affine { w, experts } => (*experts, w.n / experts, w.k),
         })
     }
 
@@ -350,14 +357,20 @@ impl ExpertMatrix {
         match self {
             Self::Float(t) => super::tensor_bytes(t),
             Self::Mxfp4(m) => m.bytes(),
+            Self::Affine { w, .. } => w.bytes(),
         }
     }
 
-    /// Expert `e`'s matrix `[rows, k]` in a float dtype (MXFP4: dequantized, exactly, to bf16).
+    /// Expert `e`'s matrix `[rows, k]` in a float dtype (MXFP4: dequantized, exactly, to bf16;
+    /// affine: dequantized to bf16 as the dense affine weights are for prefill).
     pub fn expert(&self, e: usize) -> Result<Tensor> {
         match self {
             Self::Float(t) => Ok(t.get(e)?),
             Self::Mxfp4(m) => m.dequantize(e),
+            Self::Affine { w, experts } => {
+                let rows = w.n / experts;
+                w.rows(e * rows, rows)?.dequantize(DType::BF16)
+            }
         }
     }
 }
@@ -379,9 +392,11 @@ pub struct Experts {
 
 impl Experts {
     /// Load `{prefix}.experts` without biases, either per expert
-    /// (`{prefix}.experts.{e}.{gate,up,down}_proj.weight`, the checkpoint layout) or stacked
+    /// (`{prefix}.experts.{e}.{gate,up,down}_proj.weight`, the checkpoint layout), stacked
     /// (`{prefix}.experts.gate_up_proj [E, 2I, H]`, `{prefix}.experts.down_proj [E, H, I]`,
-    /// transformers 5's in-memory layout).
+    /// transformers 5's in-memory layout) or stacked per projection as mlx-lm writes them
+    /// (`{prefix}.switch_mlp.{gate,up,down}_proj.weight`, `[E, I, H]` / `[E, H, I]`, usually
+    /// MLX-quantized: kept as stored where [`Weights::mlx_expert_stack`] takes them).
     pub fn load(
         w: &Weights,
         prefix: &str,
@@ -391,14 +406,43 @@ impl Experts {
         act: Activation,
     ) -> Result<Self> {
         let stacked = format!("{prefix}.experts.gate_up_proj");
-        let (gate_up, down) = if w.contains(&stacked) {
+        let switch = format!("{prefix}.switch_mlp");
+        let (gate, up, down_name) = (
+            format!("{switch}.gate_proj.weight"),
+            format!("{switch}.up_proj.weight"),
+            format!("{switch}.down_proj.weight"),
+        );
+        let (gate_up, down): (ExpertMatrix, ExpertMatrix) = if w.contains(&stacked) {
             (
-                w.get(&stacked, (experts, 2 * inter, hidden))?,
+                w.get(&stacked, (experts, 2 * inter, hidden))?.into(),
                 w.get(
                     &format!("{prefix}.experts.down_proj"),
                     (experts, hidden, inter),
-                )?,
+                )?
+                .into(),
             )
+        } else if w.contains(&gate) {
+            // kept as stored only all three (the device kernels take one storage per layer)
+            let keep = w.mlx_keeps_stack(&gate, (experts, inter, hidden))?
+                && w.mlx_keeps_stack(&up, (experts, inter, hidden))?
+                && w.mlx_keeps_stack(&down_name, (experts, hidden, inter))?;
+            if keep {
+                let affine = |w| ExpertMatrix::Affine {
+                    w: std::sync::Arc::new(w),
+                    experts,
+                };
+                (
+                    affine(w.mlx_expert_stack(&[&gate, &up], (experts, inter, hidden))?),
+                    affine(w.mlx_expert_stack(&[&down_name], (experts, hidden, inter))?),
+                )
+            } else {
+                let g = w.get(&gate, (experts, inter, hidden))?;
+                let u = w.get(&up, (experts, inter, hidden))?;
+                (
+                    Tensor::cat(&[&g, &u], 1)?.into(),
+                    w.get(&down_name, (experts, hidden, inter))?.into(),
+                )
+            }
         } else {
             let (mut gu, mut dn) = (Vec::with_capacity(experts), Vec::with_capacity(experts));
             for e in 0..experts {
@@ -408,12 +452,12 @@ impl Experts {
                 gu.push(Tensor::cat(&[&g, &u], 0)?);
                 dn.push(w.get(&format!("{p}.down_proj.weight"), (hidden, inter))?);
             }
-            (Tensor::stack(&gu, 0)?, Tensor::stack(&dn, 0)?)
+            (Tensor::stack(&gu, 0)?.into(), Tensor::stack(&dn, 0)?.into())
         };
         Ok(Self {
-            gate_up: gate_up.into(),
+            gate_up,
             gate_up_bias: None,
-            down: down.into(),
+            down,
             down_bias: None,
             act: ExpertAct::Glu(act),
             inter,

@@ -453,6 +453,84 @@ impl Weights {
         }))
     }
 
+    /// Whether the MLX expert stack `name` (logical `[E, rows, k]`) stays as stored
+    /// ([`Self::mlx_expert_stack`]): on CUDA with bf16 compute, 4 bits with bf16 scales, at
+    /// widths the MoE tensor-core kernels and the affine layout take (`k` a multiple of 128,
+    /// `rows` of 32). False for a float tensor or where it is dequantized instead.
+    pub fn mlx_keeps_stack(&self, name: &str, (e, rows, k): (usize, usize, usize)) -> Result<bool> {
+        let Backend::Safetensors { st, .. } = &self.backend else {
+            return Ok(false);
+        };
+        if !crate::nn::quant::keeps_affine(&self.device, self.dtype)
+            || self.mlx.is_none()
+            || rows % 32 != 0
+        {
+            return Ok(false);
+        }
+        let Some(s) =
+            super::mlx::load_stored(st, self.mlx.as_ref(), name, &[e, rows, k], &self.file_desc())?
+        else {
+            return Ok(false);
+        };
+        Ok(s.params.bits == 4
+            && crate::nn::AffineWeight::supported(4, s.params.group_size, k, s.scales.dtype())
+            && s.scales.dtype() == DType::BF16)
+    }
+
+    /// MLX expert stacks `names` (each logical `[E, rows, k]`, [`Self::mlx_keeps_stack`] true
+    /// for each, same group size) as one affine matrix of `E * rows * names.len()` rows, kept as
+    /// stored: expert e's rows of `names[0]`, then its rows of `names[1]`, ... (gate rows then
+    /// up rows, as the MoE kernels take `gate_up`).
+    pub fn mlx_expert_stack(
+        &self,
+        names: &[&str],
+        (e, rows, k): (usize, usize, usize),
+    ) -> Result<crate::nn::AffineWeight> {
+        let Backend::Safetensors { st, .. } = &self.backend else {
+            return Err(Error::input("MLX expert stacks are read from safetensors only"));
+        };
+        let mut parts = Vec::with_capacity(names.len());
+        for name in names {
+            let s = super::mlx::load_stored(st, self.mlx.as_ref(), name, &[e, rows, k], &self.file_desc())?
+                .ok_or_else(|| Error::weights(self.file_desc(), format!("tensor `{name}` is not MLX-quantized")))?;
+            parts.push(s);
+        }
+        let group = parts[0].params.group_size;
+        if parts.iter().any(|p| p.params != parts[0].params) {
+            return Err(Error::weights(
+                self.file_desc(),
+                format!("the expert stacks {names:?} differ in bits or group size"),
+            ));
+        }
+        // interleave per expert: expert x's rows of each part, in order
+        let row_bytes = k / 2;
+        let block = rows * row_bytes;
+        let mut packed = Vec::with_capacity(e * block * parts.len());
+        for x in 0..e {
+            for p in &parts {
+                packed.extend_from_slice(&p.packed[x * block..(x + 1) * block]);
+            }
+        }
+        let scales = Tensor::cat(&parts.iter().map(|p| &p.scales).collect::<Vec<_>>(), 1)?;
+        let biases = Tensor::cat(&parts.iter().map(|p| &p.biases).collect::<Vec<_>>(), 1)?;
+        let w = crate::nn::AffineWeight::from_stored(
+            &packed,
+            &scales,
+            &biases,
+            4,
+            group,
+            e * rows * parts.len(),
+            k,
+            &self.device,
+        )?;
+        for p in parts {
+            self.used.borrow_mut().extend(p.read);
+            *self.mlx_report.borrow_mut().entry(p.params).or_default() += 1;
+            *self.mlx_kept.borrow_mut() += 1;
+        }
+        Ok(w)
+    }
+
     /// An FP8 matrix kept as stored ([`Linear::Fp8`]) where the kernels take it: on CUDA with
     /// bf16 compute, column blocks of whole 32-wide chunks. None: load it dense (`get`
     /// dequantizes it).

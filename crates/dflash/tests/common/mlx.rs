@@ -139,8 +139,9 @@ impl Layout {
     }
 }
 
-/// The tensors of a float checkpoint in the MLX layout (every 2-D `.weight` quantized
-/// unless its module is kept in float), and the same checkpoint holding exactly the
+/// The tensors of a float checkpoint in the MLX layout (every 2-D `.weight`, and 3-D expert
+/// stack, quantized unless its module is kept in float or, as mlx-lm does, its input width
+/// is not a multiple of the group size), and the same checkpoint holding exactly the
 /// dequantized weights in f32; plus the number of quantized tensors.
 pub fn quantize_checkpoint(
     float: &HashMap<String, Tensor>,
@@ -149,14 +150,21 @@ pub fn quantize_checkpoint(
     let (mut mlx, mut deq): (HashMap<String, Tensor>, HashMap<String, Tensor>) = Default::default();
     let mut n = 0;
     for (name, w) in float {
-        let module = name.strip_suffix(".weight").filter(|_| w.rank() == 2);
-        let Some((bits, group)) = module.and_then(|m| layout.params(m)) else {
+        let module = name
+            .strip_suffix(".weight")
+            .filter(|_| matches!(w.rank(), 2 | 3));
+        let cols = *w.dims().last().unwrap();
+        let params = module
+            .and_then(|m| layout.params(m))
+            .filter(|&(_, group)| cols % group == 0);
+        let Some((bits, group)) = params else {
             mlx.insert(name.clone(), w.clone());
             deq.insert(name.clone(), w.clone());
             continue;
         };
         let module = module.unwrap();
-        let (rows, cols) = w.dims2().unwrap();
+        let lead = &w.dims()[..w.rank() - 1];
+        let with_last = |last: usize| [lead, &[last]].concat();
         let a = quantize(
             &w.flatten_all().unwrap().to_vec1().unwrap(),
             cols,
@@ -168,22 +176,23 @@ pub fn quantize_checkpoint(
             round_to(&a.biases, layout.scale_dtype),
         );
         let d = dequantize(&a.q, &s, &b, group);
-        let gshape = (rows, cols / group);
+        let gshape = with_last(cols / group);
         let side = |v: Vec<f32>| {
-            Tensor::from_vec(v, gshape, &Device::Cpu)
+            Tensor::from_vec(v, gshape.as_slice(), &Device::Cpu)
                 .unwrap()
                 .to_dtype(layout.scale_dtype)
                 .unwrap()
         };
         mlx.insert(
             name.clone(),
-            Tensor::from_vec(pack(&a.q, bits), (rows, cols * bits / 32), &Device::Cpu).unwrap(),
+            Tensor::from_vec(pack(&a.q, bits), with_last(cols * bits / 32), &Device::Cpu)
+                .unwrap(),
         );
         mlx.insert(format!("{module}.scales"), side(s));
         mlx.insert(format!("{module}.biases"), side(b));
         deq.insert(
             name.clone(),
-            Tensor::from_vec(d, (rows, cols), &Device::Cpu).unwrap(),
+            Tensor::from_vec(d, w.dims(), &Device::Cpu).unwrap(),
         );
         n += 1;
     }
@@ -205,4 +214,91 @@ pub fn write_mlx(t: &TinyTarget, layout: &Layout, dir: &Path, twin: &Path) -> us
     cfg[layout.key] = layout.config_entry();
     write_json(&dir.join("config.json"), &cfg).unwrap();
     n
+}
+
+/// The projections of a Qwen MoE expert, as both layouts name them.
+const EXPERT_PROJS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// A float checkpoint's per-expert tensors (`{p}.experts.{e}.{proj}.weight`) stacked per
+/// projection as mlx-lm's sanitize writes them (`{p}.switch_mlp.{proj}.weight [E, ..]`).
+pub fn to_switch_mlp(float: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    let mut out = HashMap::new();
+    let mut stacks: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
+    for (name, t) in float {
+        let split = name.split_once(".experts.").and_then(|(p, rest)| {
+            let (e, proj) = rest.split_once('.')?;
+            let proj = proj.strip_suffix(".weight")?;
+            EXPERT_PROJS.contains(&proj).then(|| (p, e.parse::<usize>().ok(), proj))
+        });
+        match split {
+            Some((p, Some(e), proj)) => stacks
+                .entry(format!("{p}.switch_mlp.{proj}.weight"))
+                .or_default()
+                .push((e, t.clone())),
+            _ => {
+                out.insert(name.clone(), t.clone());
+            }
+        }
+    }
+    for (name, mut v) in stacks {
+        v.sort_by_key(|(e, _)| *e);
+        let ts: Vec<Tensor> = v.into_iter().map(|(_, t)| t).collect();
+        out.insert(name, Tensor::stack(&ts, 0).unwrap());
+    }
+    out
+}
+
+/// The inverse of [`to_switch_mlp`]: stacks split into per-expert tensors.
+pub fn from_switch_mlp(t: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    let mut out = HashMap::new();
+    for (name, w) in t {
+        match name.split_once(".switch_mlp.") {
+            Some((p, proj)) => {
+                for e in 0..w.dim(0).unwrap() {
+                    out.insert(format!("{p}.experts.{e}.{proj}"), w.get(e).unwrap());
+                }
+            }
+            None => {
+                out.insert(name.clone(), w.clone());
+            }
+        }
+    }
+    out
+}
+
+/// [`write_mlx`] for a MoE target: the MLX checkpoint holds the experts as mlx-lm's
+/// `switch_mlp` stacks (quantized as 3-D tensors), the twin the dequantized weights per
+/// expert in the Hugging Face layout.
+pub fn write_mlx_moe(t: &TinyTarget, layout: &Layout, dir: &Path, twin: &Path) -> usize {
+    t.write(twin).unwrap();
+    let float =
+        candle_core::safetensors::load(twin.join("model.safetensors"), &Device::Cpu).unwrap();
+    let (mlx, deq, n) = quantize_checkpoint(&to_switch_mlp(&float), layout);
+    std::fs::create_dir_all(dir).unwrap();
+    candle_core::safetensors::save(&mlx, dir.join("model.safetensors")).unwrap();
+    candle_core::safetensors::save(&from_switch_mlp(&deq), twin.join("model.safetensors")).unwrap();
+    let mut cfg = t.config();
+    cfg[layout.key] = layout.config_entry();
+    write_json(&dir.join("config.json"), &cfg).unwrap();
+    n
+}
+
+/// A qwen3_moe of hidden 128 with 4 experts of width 128 (every in-width takes groups of 32,
+/// 64 and 128; the layer-1 MLP dense) and mlx-lm's layout for it: `bits` / `group` for every
+/// matrix, the routers (`mlp.gate`) at 8 bits g64 as mlx-lm's qwen3_moe `quant_predicate`.
+pub fn qwen3_moe_128(seed: u64, bits: usize, group: usize) -> (TinyTarget, Layout) {
+    let t = TinyTarget {
+        model_type: "qwen3_moe".into(),
+        hidden: 128,
+        intermediate: 256,
+        extra: json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+            "norm_topk_prob": true, "mlp_only_layers": [1]}),
+        ..TinyTarget::qwen3(seed)
+    };
+    let mut layout = Layout::new(bits, group);
+    for l in (0..t.layers).filter(|&l| l != 1) {
+        let m: &'static str = Box::leak(format!("model.layers.{l}.mlp.gate").into_boxed_str());
+        layout.modules.push((m, Some((8, 64))));
+    }
+    (t, layout)
 }

@@ -46,8 +46,8 @@ pub struct MoeCall {
     /// `[E]` f32 on the device, or None.
     pub per_expert_scale: Option<Tensor>,
     pub scale: f32,
-    /// `[E, 2I, H]`, `[E, 2I]`, `[E, H, I]`, `[E, H]`: bf16, the stacks also MXFP4 as stored
-    /// (the tensor-core kernels only, no shared expert).
+    /// `[E, 2I, H]`, `[E, 2I]`, `[E, H, I]`, `[E, H]`: bf16, the stacks also MXFP4 or MLX
+    /// affine 4-bit as stored (the tensor-core kernels only, no shared expert).
     pub gate_up: ExpertMatrix,
     pub gate_up_bias: Option<Tensor>,
     pub down: ExpertMatrix,
@@ -76,10 +76,31 @@ pub fn mma_widths(hidden: usize, inter: usize) -> bool {
     hidden % 32 == 0 && inter % 32 == 0
 }
 
-/// An expert stack's operands as the kernels take them: bf16, or MXFP4 codes and scales.
+/// An expert stack's operands as the kernels take them: bf16, MXFP4 codes and scales, or
+/// affine 4-bit words and (scale, bias) words with log2(group / 32).
 enum StackView<'a> {
     Bf16(CudaView<'a, bf16>),
     Mx(CudaView<'a, u8>, CudaView<'a, u8>),
+    Af(CudaView<'a, u32>, CudaView<'a, u32>, i32),
+}
+
+/// The storage kind of an expert stack, as the kernels' names spell it.
+fn stack_kind(m: &ExpertMatrix) -> &'static str {
+    match m {
+        ExpertMatrix::Float(_) => "",
+        ExpertMatrix::Mxfp4(_) => "mx_",
+        ExpertMatrix::Affine { .. } => "af_",
+    }
+}
+
+/// Whether an affine stack is the kind the `_af` kernels take (4 bits, bf16 scales).
+fn affine_ok(m: &ExpertMatrix) -> bool {
+    match m {
+        ExpertMatrix::Affine { w, .. } => {
+            w.bits == 4 && !w.f16 && matches!(w.group, 32 | 64 | 128) && w.q.dtype() == DType::U32
+        }
+        _ => true,
+    }
 }
 
 fn u8_view<'a>(h: &'a Held<'a>, what: &str) -> candle_core::Result<CudaView<'a, u8>> {
@@ -89,20 +110,37 @@ fn u8_view<'a>(h: &'a Held<'a>, what: &str) -> candle_core::Result<CudaView<'a, 
     }
 }
 
-/// The tensors an expert stack's view borrows.
-struct StackHeld<'a>(Held<'a>, Option<Held<'a>>);
+fn u32_view<'a>(h: &'a Held<'a>, what: &str) -> candle_core::Result<CudaView<'a, u32>> {
+    match &*h.0 {
+        Storage::Cuda(s) => view_of::<u32>(s, h.1, what),
+        _ => candle_core::bail!("dflash moe: {what} is not on the CUDA device"),
+    }
+}
+
+/// The tensors an expert stack's view borrows (the second: scales; the group for affine).
+struct StackHeld<'a>(Held<'a>, Option<Held<'a>>, Option<usize>);
 
 impl<'a> StackHeld<'a> {
     fn new(m: &'a ExpertMatrix) -> Self {
         match m {
-            ExpertMatrix::Float(t) => StackHeld(Held::new(t), None),
-            ExpertMatrix::Mxfp4(s) => StackHeld(Held::new(&s.q), Some(Held::new(&s.scales))),
+            ExpertMatrix::Float(t) => StackHeld(Held::new(t), None, None),
+            ExpertMatrix::Mxfp4(s) => {
+                StackHeld(Held::new(&s.q), Some(Held::new(&s.scales)), None)
+            }
+            ExpertMatrix::Affine { w, .. } => {
+                StackHeld(Held::new(&w.q), Some(Held::new(&w.sb)), Some(w.group))
+            }
         }
     }
     fn view(&'a self, what: &str) -> candle_core::Result<StackView<'a>> {
-        Ok(match &self.1 {
-            None => StackView::Bf16(self.0.view(what)?),
-            Some(s) => StackView::Mx(u8_view(&self.0, what)?, u8_view(s, what)?),
+        Ok(match (&self.1, self.2) {
+            (None, _) => StackView::Bf16(self.0.view(what)?),
+            (Some(s), None) => StackView::Mx(u8_view(&self.0, what)?, u8_view(s, what)?),
+            (Some(s), Some(g)) => StackView::Af(
+                u32_view(&self.0, what)?,
+                u32_view(s, what)?,
+                (g / 32).trailing_zeros() as i32,
+            ),
         })
     }
 }
@@ -135,14 +173,19 @@ impl CustomOp1 for MoeOp {
         let c = &self.call;
         let (n, hidden) = xl.shape().dims2()?;
         let (e_count, two_i, h2) = c.gate_up.dims()?;
-        let mx = matches!(c.gate_up, ExpertMatrix::Mxfp4(_));
+        // "" (bf16), "mx_" (MXFP4) or "af_" (affine): the quantized kinds take the tensor-core
+        // kernels only, without a shared expert
+        let kind = stack_kind(&c.gate_up);
+        let quant = !kind.is_empty();
         let k = c.top_k;
         let inter = c.inter;
         let ok = two_i == 2 * inter
             && h2 == hidden
             && c.down.dims()? == (e_count, hidden, inter)
-            && mx == matches!(c.down, ExpertMatrix::Mxfp4(_))
-            && (!mx || (mma_widths(hidden, inter) && c.shared.is_none()))
+            && kind == stack_kind(&c.down)
+            && affine_ok(&c.gate_up)
+            && affine_ok(&c.down)
+            && (!quant || (mma_widths(hidden, inter) && c.shared.is_none()))
             && self.logits.dims2()? == (n, e_count)
             && n <= MOE_MAX_ROWS
             && e_count <= MOE_MAX_EXPERTS
@@ -159,7 +202,7 @@ impl CustomOp1 for MoeOp {
             });
         if !ok {
             candle_core::bail!(
-                "dflash-moe: x {:?} logits {:?} gate_up {:?} down {:?} k {k} (mxfp4 {mx})",
+                "dflash-moe: x {:?} logits {:?} gate_up {:?} down {:?} k {k} (stacks {kind:?})",
                 xl.shape(),
                 self.logits.shape(),
                 c.gate_up.dims()?,
@@ -326,14 +369,10 @@ impl CustomOp1 for MoeOp {
 
         // 3. gate/up of every chosen expert: 16 (tensor cores) or 8 units per block
         const UNITS: usize = 8;
+        let t_name = if t2 { "t2" } else { "t1" };
+        let mma_name = |op: &str| format!("moe_{op}_mma_{kind}{t_name}");
         let (name, units) = if mma {
-            let name = match (mx, t2) {
-                (false, false) => "moe_gate_up_mma_t1",
-                (false, true) => "moe_gate_up_mma_t2",
-                (true, false) => "moe_gate_up_mma_mx_t1",
-                (true, true) => "moe_gate_up_mma_mx_t2",
-            };
-            (name, 16)
+            (mma_name("gate_up"), 16)
         } else {
             const NAMES: [&str; 5] = [
                 "moe_gate_up_p1",
@@ -342,9 +381,9 @@ impl CustomOp1 for MoeOp {
                 "moe_gate_up_p8",
                 "moe_gate_up_p16",
             ];
-            (NAMES[pi], UNITS)
+            (NAMES[pi].to_string(), UNITS)
         };
-        let func = dev.get_or_load_custom_func(name, "dflash_moe", MOE_PTX)?;
+        let func = dev.get_or_load_custom_func(&name, "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (grid_x, inter.div_ceil(units) as u32, 1),
             block_dim: (256, 1, 1),
@@ -359,6 +398,7 @@ impl CustomOp1 for MoeOp {
         match &gu {
             StackView::Bf16(w) => b.arg(w),
             StackView::Mx(q, s) => b.arg(q).arg(s),
+            StackView::Af(q, sb, gs) => b.arg(q).arg(sb).arg(gs),
         };
         match &gub {
             Some(v) => b.arg(v),
@@ -374,7 +414,7 @@ impl CustomOp1 for MoeOp {
         b.arg(&alpha);
         b.arg(&h);
         let np_i = i(npairs);
-        if mma && !mx {
+        if mma && !quant {
             b.arg(&shared_e);
             b.arg(&np_i);
             match &shared {
@@ -388,13 +428,7 @@ impl CustomOp1 for MoeOp {
         // 4. down projections: 32 (tensor cores) or 16 output rows per block
         const ROWS: usize = 16;
         let (name, rows) = if mma {
-            let name = match (mx, t2) {
-                (false, false) => "moe_down_mma_t1",
-                (false, true) => "moe_down_mma_t2",
-                (true, false) => "moe_down_mma_mx_t1",
-                (true, true) => "moe_down_mma_mx_t2",
-            };
-            (name, 32)
+            (mma_name("down"), 32)
         } else {
             const NAMES: [&str; 5] = [
                 "moe_down_p1",
@@ -403,9 +437,9 @@ impl CustomOp1 for MoeOp {
                 "moe_down_p8",
                 "moe_down_p16",
             ];
-            (NAMES[pi], ROWS)
+            (NAMES[pi].to_string(), ROWS)
         };
-        let func = dev.get_or_load_custom_func(name, "dflash_moe", MOE_PTX)?;
+        let func = dev.get_or_load_custom_func(&name, "dflash_moe", MOE_PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (grid_x, hidden.div_ceil(rows) as u32, 1),
             block_dim: (256, 1, 1),
@@ -419,6 +453,7 @@ impl CustomOp1 for MoeOp {
         match &down {
             StackView::Bf16(w) => b.arg(w),
             StackView::Mx(q, s) => b.arg(q).arg(s),
+            StackView::Af(q, sb, gs) => b.arg(q).arg(sb).arg(gs),
         };
         match &db {
             Some(v) => b.arg(v),
@@ -430,7 +465,7 @@ impl CustomOp1 for MoeOp {
             b.arg(&rows_i);
         }
         b.arg(&y);
-        if mma && !mx {
+        if mma && !quant {
             b.arg(&shared_e);
             match &shared {
                 Some(s) => b.arg(&s.1),
@@ -474,12 +509,17 @@ pub fn moe(x: &Tensor, logits: &Tensor, call: &MoeCall) -> candle_core::Result<O
     for m in [&call.gate_up, &call.down] {
         match m {
             ExpertMatrix::Float(t) => ts.push(t),
-            ExpertMatrix::Mxfp4(s) => packed.extend([&s.q, &s.scales]),
+            ExpertMatrix::Mxfp4(s) => packed.extend([(&s.q, DType::U8), (&s.scales, DType::U8)]),
+            ExpertMatrix::Affine { w, .. } => {
+                packed.extend([(&w.q, DType::U32), (&w.sb, DType::U32)])
+            }
         }
     }
     let packed_ok = packed
         .iter()
-        .all(|t| t.device().is_cuda() && t.dtype() == DType::U8 && t.is_contiguous());
+        .all(|(t, dt)| t.device().is_cuda() && t.dtype() == *dt && t.is_contiguous())
+        && affine_ok(&call.gate_up)
+        && affine_ok(&call.down);
     ts.extend(call.gate_up_bias.as_ref());
     ts.extend(call.down_bias.as_ref());
     if let Some(sh) = &call.shared {
@@ -495,7 +535,7 @@ pub fn moe(x: &Tensor, logits: &Tensor, call: &MoeCall) -> candle_core::Result<O
     }
     let (n, hidden) = x.dims2()?;
     let e = call.gate_up.dims()?.0;
-    // MXFP4 stacks: the tensor-core kernels only, without a shared expert
+    // MXFP4 and affine stacks: the tensor-core kernels only, without a shared expert
     if !packed.is_empty() && (!mma_widths(hidden, call.inter) || call.shared.is_some()) {
         return Ok(None);
     }
