@@ -8,27 +8,36 @@
 //! embed -> N x [ h += mixer(norm(h)) ; h += ffn(norm(h)) ]  (tap k = h after layer k)
 //!       -> norm -> lm_head
 //! ```
-//! Norms are zero-centred RMSNorms (`x * (1 + w)`, folded into w at load) for the layer, final
-//! and q/k norms; the DeltaNet's output norm is a plain gated RMSNorm. The feed-forward is a
-//! SwiGLU MLP or a MoE block: softmax top-k routed experts plus a shared expert scaled by
-//! `sigmoid(shared_expert_gate(x))`.
+//! Norms are zero-centred RMSNorms (`x * (1 + w)`, folded into w at load; mlx-lm's converted
+//! checkpoints store `1 + w`) for the layer, final and q/k norms; the DeltaNet's output norm
+//! is a plain gated RMSNorm. The feed-forward is a SwiGLU MLP or a MoE block: softmax top-k
+//! routed experts plus a shared expert scaled by `sigmoid(shared_expert_gate(x))`.
 //!
 //! Family files (`qwen3_5.rs`, `qwen3_5_moe.rs`, `qwen3_next.rs`) choose the input-projection
 //! layout of the DeltaNet and the MoE layers; the rest is here. Tensor names are read under
 //! `model.language_model.` (the published `...ForConditionalGeneration` checkpoints, vision
-//! tower and `mtp.*` ignored) or `model.` (text-only `...ForCausalLM` checkpoints).
+//! tower and `mtp.*` ignored), `language_model.model.` (head `language_model.lm_head`: the
+//! Qwen3.5 / 3.6 checkpoints mlx-lm converts) or `model.` (text-only `...ForCausalLM`
+//! checkpoints, and Qwen3-Next in either layout).
+//!
+//! mlx-lm's conversion (`sanitize` in mlx_lm/models/qwen3_5.py, qwen3_next.py) also reshapes
+//! the conv1d weights `[C, 1, K]` to `[C, K, 1]` and stores the zero-centred norms (layer,
+//! final, q/k; not the DeltaNet's) as the plain `1 + w`. As mlx-lm itself does, the conv1d
+//! shape tells the two layouts apart ([`CheckpointLayout::detect`]); experts in its
+//! `switch_mlp` stacks and its quantized matrices are read by `nn::moe` and `source::mlx`.
 
 use super::decoder::{embedding_params, gqa, lm_head, target_info, DecoderLayer, Ffn, Mixer};
 use super::stack::{CacheKind, Head, Plan, Stack};
 use super::{Capabilities, TargetModel};
 use crate::config::{LayerType, RopeConfig, TargetConfig};
+use crate::nn::gated_delta::ConvLayout;
 use crate::nn::moe::MoeConfig;
 use crate::nn::{
     Activation, Attention, AttentionSpec, GatedDeltaNet, GatedDeltaSpec, GatedMlp, InProjLayout,
     RmsNorm, Rope, Visibility,
 };
 use crate::source::Weights;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Longest run of rows one pass through the layer stack takes; longer inputs (prompts) go
 /// through in pieces (a multiple of the delta rule's chunk).
@@ -187,18 +196,97 @@ pub fn plan(cfg: &TargetConfig, spec: &HybridSpec) -> Result<Plan> {
     Ok(Plan { caches, params: p })
 }
 
+/// Where a checkpoint keeps the decoder and which convention its tensors follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointLayout {
+    /// Prefix of the decoder's tensors: `model.language_model.`, `language_model.model.`
+    /// or `model.`.
+    pub prefix: &'static str,
+    /// The head's module: `lm_head` or (mlx-lm's composite) `language_model.lm_head`.
+    pub head: &'static str,
+    /// The conv1d weights' shape; `ConvLayout::Mlx` also means the layer, final and q/k norms
+    /// are stored as the plain `1 + w` (mlx-lm adds the one when, and only when, it
+    /// reshapes the conv1d weights).
+    pub conv: ConvLayout,
+}
+
+impl CheckpointLayout {
+    /// The layout of `w`: the prefix from where the embedding is; mlx-lm's conversion from
+    /// the conv1d weights, `[C, K, 1]` rather than `[C, 1, K]` (mlx-lm's own test, in its
+    /// `sanitize`). A checkpoint whose DeltaNet layers disagree is refused; one without a
+    /// telling conv1d (no DeltaNet layer, or a kernel of 1) is read as Hugging Face's.
+    pub fn detect(w: &Weights, hc: &HybridConfig) -> Result<Self> {
+        let (prefix, head) = if w.contains("model.language_model.embed_tokens.weight") {
+            ("model.language_model.", "lm_head")
+        } else if w.contains("language_model.model.embed_tokens.weight") {
+            ("language_model.model.", "language_model.lm_head")
+        } else {
+            ("model.", "lm_head")
+        };
+        let k = hc.delta.conv_kernel;
+        let mut seen: Option<(ConvLayout, String, Vec<usize>)> = None;
+        for (i, _) in hc
+            .layer_types
+            .iter()
+            .enumerate()
+            .filter(|(_, &t)| t == LayerType::Linear)
+        {
+            let name = format!("{prefix}layers.{i}.linear_attn.conv1d.weight");
+            let Some(shape) = w.shape(&name) else {
+                continue; // GatedDeltaNet::load reports it missing
+            };
+            let conv = match shape[..] {
+                [_, 1, kk] if kk == k && k != 1 => ConvLayout::Torch,
+                [_, kk, 1] if kk == k && k != 1 => ConvLayout::Mlx,
+                _ => continue, // ... or malformed
+            };
+            match &seen {
+                None => seen = Some((conv, name, shape)),
+                Some((first, fname, fshape)) if *first != conv => {
+                    return Err(Error::weights(
+                        w.file_desc(),
+                        format!(
+                            "`{fname}` is {fshape:?} ({}) but `{name}` is {shape:?} ({}): the conv1d weights mix the Hugging Face and mlx-lm layouts",
+                            describe(*first),
+                            describe(conv)
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(Self {
+            prefix,
+            head,
+            conv: seen.map_or(ConvLayout::Torch, |s| s.0),
+        })
+    }
+
+    /// The layer, final and q/k norms are stored zero-centred (`x * (1 + w)`).
+    pub fn norm_add_one(&self) -> bool {
+        self.conv == ConvLayout::Torch
+    }
+}
+
+fn describe(c: ConvLayout) -> &'static str {
+    match c {
+        ConvLayout::Torch => "[C, 1, K], Hugging Face",
+        ConvLayout::Mlx => "[C, K, 1], mlx-lm",
+    }
+}
+
 pub fn load(cfg: &TargetConfig, w: &Weights, spec: HybridSpec) -> Result<Box<dyn TargetModel>> {
     let hc = HybridConfig::parse(cfg, spec.layout)?;
     let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
     let act = Activation::parse(&cfg.file, &cfg.hidden_act)?;
-    let pre = if w.contains("model.language_model.embed_tokens.weight") {
-        "model.language_model."
-    } else {
-        "model."
-    };
+    let layout = CheckpointLayout::detect(w, &hc)?;
+    let pre = layout.prefix;
     let embed = w.embedding(&format!("{pre}embed_tokens.weight"), v, h)?;
-    let norm = |name: &str, dim| RmsNorm::load(w, name, dim, eps, true);
-    let attn_spec = attention_spec(cfg, &hc);
+    let norm = |name: &str, dim| RmsNorm::load(w, name, dim, eps, layout.norm_add_one());
+    let attn_spec = AttentionSpec {
+        qk_norm_add_one: layout.norm_add_one(),
+        ..attention_spec(cfg, &hc)
+    };
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for i in 0..cfg.num_hidden_layers {
         let p = format!("{pre}layers.{i}");
@@ -207,6 +295,7 @@ pub fn load(cfg: &TargetConfig, w: &Weights, spec: HybridSpec) -> Result<Box<dyn
                 w,
                 &format!("{p}.linear_attn"),
                 hc.delta.clone(),
+                layout.conv,
             )?),
             _ => {
                 let mut attn = Attention::load(w, &format!("{p}.self_attn"), attn_spec.clone())?;
@@ -243,7 +332,7 @@ pub fn load(cfg: &TargetConfig, w: &Weights, spec: HybridSpec) -> Result<Box<dyn
     // Tied checkpoints have no head; composite configs may say so only at the top level.
     let head = Head::new(
         norm(&format!("{pre}norm.weight"), h)?,
-        lm_head(w, "lm_head", &embed, tied(cfg)?, h, v)?,
+        lm_head(w, layout.head, &embed, tied(cfg)?, h, v)?,
         None,
         &embed,
     );

@@ -108,9 +108,19 @@ pub struct GatedDeltaNet {
     pub spec: GatedDeltaSpec,
 }
 
+/// How a checkpoint stores the depthwise conv1d weight (same bytes, only the shape differs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvLayout {
+    /// `[conv_dim, 1, kernel]`: PyTorch's `Conv1d` (Hugging Face checkpoints).
+    Torch,
+    /// `[conv_dim, kernel, 1]`: MLX's `Conv1d` (checkpoints converted by mlx-lm).
+    Mlx,
+}
+
 impl GatedDeltaNet {
-    /// Load `{prefix}.{in_proj_*, conv1d, A_log, dt_bias, norm, out_proj}`.
-    pub fn load(w: &Weights, prefix: &str, spec: GatedDeltaSpec) -> Result<Self> {
+    /// Load `{prefix}.{in_proj_*, conv1d, A_log, dt_bias, norm, out_proj}`, the conv1d
+    /// weight in the shape `conv` says.
+    pub fn load(w: &Weights, prefix: &str, spec: GatedDeltaSpec, conv: ConvLayout) -> Result<Self> {
         let s = &spec;
         let (h, hk, hv, dk, dv) = (s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim);
         if hk == 0 || hv % hk != 0 {
@@ -153,8 +163,12 @@ impl GatedDeltaNet {
         };
         let in_proj = Linear::dense(Tensor::cat(&rows, 0)?, None);
         let k = s.conv_kernel;
+        let conv_shape = match conv {
+            ConvLayout::Torch => (s.conv_dim(), 1, k),
+            ConvLayout::Mlx => (s.conv_dim(), k, 1),
+        };
         let conv_w = w
-            .get_dtype(&name("conv1d"), (s.conv_dim(), 1, k), DType::F32)?
+            .get_dtype(&name("conv1d"), conv_shape, DType::F32)?
             .reshape((s.conv_dim(), k))?
             .t()?
             .contiguous()?;
