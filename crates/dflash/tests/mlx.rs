@@ -553,3 +553,143 @@ fn mlx_quantized_draft_proposes_like_its_dequantized_twin() {
         "the draft never got a token accepted: the comparison is empty"
     );
 }
+
+/// Qwen3.5 / Qwen3.6 (dense, MoE, text-only tied) and Qwen3-Next checkpoints as mlx-lm
+/// converts them (`common::mlx::convert_hybrid_like_mlx_lm`: `language_model.model.` names,
+/// conv1d `[C, K, 1]`, the layer / final / q-k norms stored as `1 + w`, experts in
+/// `switch_mlp` stacks, quantized with the routers and shared-expert gates at 8 bits g64)
+/// give exactly the logits of their twin in the Hugging Face layout holding the dequantized
+/// weights (norms zero-centred, as the source has them).
+#[test]
+fn mlx_lm_hybrid_checkpoint_gives_the_logits_of_its_dequantized_twin() {
+    use common::mlx::{convert_hybrid_like_mlx_lm, mlx_lm_hybrid_name, SHIFTED_NORMS};
+    use dflash::nn::RmsNorm;
+    let cases = [
+        ("qwen3_5", 4, 32),
+        ("qwen3_5", 8, 64),
+        ("qwen3_5_moe", 4, 32),
+        ("qwen3_5_moe", 3, 64),
+        ("qwen3_next", 4, 32),
+        ("qwen3_next", 6, 64),
+        ("qwen3_5_text_tied", 5, 32),
+    ];
+    for (name, bits, group) in cases {
+        let case = format!("{name} {bits}-bit g{group}");
+        let src = fixture(name);
+        let dir = tempfile::tempdir().unwrap();
+        let (mlx_dir, twin) = (dir.path().join("mlx"), dir.path().join("twin"));
+        let (n, sanitized) = convert_hybrid_like_mlx_lm(&src, bits, group, &mlx_dir, &twin);
+        let stored =
+            candle_core::safetensors::load(mlx_dir.join("model.safetensors"), &Device::Cpu)
+                .unwrap();
+        let qwen3_5 = name != "qwen3_next";
+        let pre = if qwen3_5 {
+            "language_model.model."
+        } else {
+            "model."
+        };
+        let conv = format!("{pre}layers.0.linear_attn.conv1d.weight");
+        assert_eq!(stored[&conv].dims()[1..], [4, 1], "{case}");
+        assert!(
+            !stored.keys().any(|k| k.starts_with("model.language_model")
+                || k.contains("visual")
+                || k.contains(".experts.")),
+            "{case}"
+        );
+        if qwen3_5 && name != "qwen3_5_text_tied" {
+            assert!(
+                stored.contains_key("language_model.lm_head.scales"),
+                "{case}"
+            );
+        }
+
+        // the loader's `1 + w` (in f32) of a zero-centred norm is bit for bit mlx-lm's
+        let hf =
+            candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+        let to_map = |m: &HashMap<String, Tensor>| m.clone().into_iter().collect();
+        let (wh, wm) = (
+            Weights::from_tensors(to_map(&hf), DType::F32, &Device::Cpu),
+            Weights::from_tensors(to_map(&sanitized), DType::F32, &Device::Cpu),
+        );
+        let mut shifted = 0;
+        for (k, t) in &hf {
+            if t.rank() != 1 || !SHIFTED_NORMS.iter().any(|s| k.ends_with(s)) {
+                continue;
+            }
+            let m = mlx_lm_hybrid_name(k, qwen3_5).unwrap();
+            let d = t.dim(0).unwrap();
+            let a = RmsNorm::load(&wh, k, d, 1e-6, true).unwrap().weight;
+            let b = RmsNorm::load(&wm, &m, d, 1e-6, false).unwrap().weight;
+            assert_eq!(bits_of(&f32s(&a)), bits_of(&f32s(&b)), "{case}: {k}");
+            assert_ne!(bits_of(&f32s(t)), bits_of(&f32s(&b)), "{case}: {k}");
+            shifted += 1;
+        }
+        assert!(shifted >= 5, "{case}: {shifted} shifted norms");
+
+        let q = load_with(&mlx_dir).unwrap();
+        let f = load_with(&twin).unwrap();
+        let info = q.info().quantization.clone().unwrap();
+        let gates = sanitized
+            .keys()
+            .filter(|k| k.ends_with("mlp.gate.weight") || k.ends_with("shared_expert_gate.weight"))
+            .count();
+        if gates > 0 {
+            assert!(
+                info.contains(&format!("8-bit g64 x{gates}")),
+                "{case}: {info}"
+            );
+        }
+        let counted: usize = info
+            .split([',', ';'])
+            .filter_map(|p| p.trim().rsplit_once(" x"))
+            .map(|(_, k)| k.parse::<usize>().unwrap())
+            .sum();
+        assert_eq!(counted, n, "{case}: {info}");
+        assert_eq!(f.info().quantization, None);
+        assert_eq!(q.info().family, f.info().family);
+        assert_eq!(q.info().weight_bytes, f.info().weight_bytes, "{case}");
+        let toks = ids(bits as u64 * 100 + group as u64, 24, 256);
+        let (a, b) = (all_logits(q.as_ref(), &toks), all_logits(f.as_ref(), &toks));
+        assert_eq!(
+            bits_of(&f32s(&a)),
+            bits_of(&f32s(&b)),
+            "{case}: logits differ from the dequantized twin's"
+        );
+        // and the quantized model approximates the source
+        let o = all_logits(load(&src).as_ref(), &toks);
+        let rel = max_abs_diff(&a, &o) / max_abs_diff(&o, &o.zeros_like().unwrap());
+        eprintln!("{case}: {n} quantized ({info}); relative diff to the source {rel}");
+        // (the fixtures' matrices, sd 0.12 at width 64, make 3- to 5-bit noise comparable
+        // to the logits themselves; from 6 bits on the model stays close)
+        if bits >= 6 {
+            assert!(rel < 0.5, "{case}: relative diff to the source {rel}");
+        }
+    }
+}
+
+/// A checkpoint whose conv1d weights mix the Hugging Face `[C, 1, K]` and mlx-lm's
+/// `[C, K, 1]` shapes (so whether its norms hold `w` or `1 + w` is unknown) is refused.
+#[test]
+fn hybrid_checkpoint_mixing_conv1d_layouts_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mlx_dir, twin) = (dir.path().join("mlx"), dir.path().join("twin"));
+    common::mlx::convert_hybrid_like_mlx_lm(&fixture("qwen3_5"), 4, 32, &mlx_dir, &twin);
+    let st = mlx_dir.join("model.safetensors");
+    let mut t = candle_core::safetensors::load(&st, &Device::Cpu).unwrap();
+    let c2 = "language_model.model.layers.2.linear_attn.conv1d.weight";
+    let back = t[c2].transpose(1, 2).unwrap().contiguous().unwrap();
+    t.insert(c2.to_string(), back);
+    candle_core::safetensors::save(&t, &st).unwrap();
+    let e = match load_with(&mlx_dir) {
+        Ok(_) => panic!("a checkpoint mixing conv1d layouts loaded"),
+        Err(e) => e.to_string(),
+    };
+    expect(
+        &e,
+        &[
+            "language_model.model.layers.0.linear_attn.conv1d.weight` is [128, 4, 1]",
+            &format!("`{c2}` is [128, 1, 4]"),
+            "mix the Hugging Face and mlx-lm layouts",
+        ],
+    );
+}
