@@ -143,7 +143,7 @@ pub fn run(json: bool) -> Result<()> {
         );
     }
     println!(
-        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / a ~4.5-bit checkpoint (Q4_K_M, MLX 4-bit g64: the file) / as dflash holds 4-bit, 8-bit and FP8 checkpoints on CUDA today.\nOn CUDA with bf16, the linear layers stay as stored: GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q5_1/Q5_K matrices become affine weights (a scale and bias per 32: 5 / 9 bits a weight), MLX 4/8-bit stays as stored, FP8 stays e4m3 (its LM head bf16); gpt-oss's MXFP4 experts stay as stored (so the as-published column is what dflash holds for those rows); the embedding table and the other routed experts (MLX, GGUF, FP8, int4) are dequantized to bf16, so those MoE rows need about their bf16 size."
+        "\nGPU fit (weights + {FIT_CONTEXT} tokens of cache in 95% of the card): bf16 / as published / a ~4.5-bit checkpoint (Q4_K_M, MLX 4-bit g64: the file) / as dflash holds 4-bit, 8-bit and FP8 checkpoints on CUDA today.\nOn CUDA with bf16, the linear layers stay as stored: GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q5_1/Q5_K matrices become affine weights (a scale and bias per 32: 5 / 9 bits a weight), MLX 4/8-bit stays as stored, FP8 stays e4m3 (its LM head bf16); gpt-oss's MXFP4 experts stay as stored (so the as-published column is what dflash holds for those rows), and so do MLX 4-bit expert stacks whose widths are multiples of 128 (the Qwen MoE rows); the embedding table and the other routed experts (MLX 8-bit, GGUF, FP8, int4) are dequantized to bf16, so those MoE rows need about their bf16 size."
     );
     let yn = |b: bool| if b { "yes" } else { "no" };
     for e in DRAFT_REGISTRY {

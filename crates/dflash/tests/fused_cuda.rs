@@ -862,9 +862,19 @@ fn affine_experts_match_the_dequantized_experts() {
             .unwrap()
             .to_dtype(DType::BF16)
             .unwrap();
-        (ExpertMatrix::Affine { w: Arc::new(w), experts: e }, host)
+        (
+            ExpertMatrix::Affine {
+                w: Arc::new(w),
+                experts: e,
+            },
+            host,
+        )
     };
-    for (h, inter, e, k, group) in [(128, 128, 8, 2, 64), (256, 128, 16, 4, 32), (384, 256, 32, 8, 128)] {
+    for (h, inter, e, k, group) in [
+        (128, 128, 8, 2, 64),
+        (256, 128, 16, 4, 32),
+        (384, 256, 32, 8, 128),
+    ] {
         let (gu_q, gu_f) = stack(e, 2 * inter, h, group);
         let (dn_q, dn_f) = stack(e, h, inter, group);
         let float = SparseMoe {
@@ -903,10 +913,18 @@ fn affine_experts_match_the_dequantized_experts() {
                 );
             } else {
                 let err = rel_err(&a, &b);
-                assert!(err < 1e-2, "h {h} inter {inter} g{group}: {n} rows: rel err {err}");
+                assert!(
+                    err < 1e-2,
+                    "h {h} inter {inter} g{group}: {n} rows: rel err {err}"
+                );
             }
         }
-        check_moe(&format!("affine experts (h {h}, inter {inter}, g{group})"), &af, h, &dev);
+        check_moe(
+            &format!("affine experts (h {h}, inter {inter}, g{group})"),
+            &af,
+            h,
+            &dev,
+        );
         eprintln!("ok affine experts h {h} inter {inter} e {e} k {k} g{group}");
     }
 }
@@ -944,7 +962,12 @@ fn mlx_moe_checkpoint_on_the_gpu_runs_as_stored() {
             f.info().weight_bytes
         );
         let toks = common::ids(8, 30, t.vocab);
-        check_against_twin(q.as_ref(), f.as_ref(), &toks, &format!("mlx moe g{group} on CUDA"));
+        check_against_twin(
+            q.as_ref(),
+            f.as_ref(),
+            &toks,
+            &format!("mlx moe g{group} on CUDA"),
+        );
         greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 65, "mlx moe on CUDA");
         eprintln!("ok mlx moe 4-bit g{group} on CUDA: {info}");
     }

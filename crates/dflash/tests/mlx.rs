@@ -7,7 +7,9 @@
 
 mod common;
 use candle_core::{DType, Device, Tensor};
-use common::mlx::{dequantize, pack, qwen3_moe_128, quantize, round_to, write_mlx, write_mlx_moe, Layout};
+use common::mlx::{
+    dequantize, pack, quantize, qwen3_moe_128, round_to, write_mlx, write_mlx_moe, Layout,
+};
 use common::*;
 use dflash::archs::{load_target, LoadOptions, Logits, TargetModel};
 use dflash::source::mlx::MlxQuant;

@@ -327,6 +327,7 @@ impl DecoderSpec {
                     let q = m.params(cfg.hidden_size);
                     p.plain += q.plain;
                     p.experts += q.experts;
+                    p.affine_experts += q.affine_experts;
                 }
                 _ => {
                     p.plain +=
@@ -364,6 +365,7 @@ pub fn embedding_params(cfg: &TargetConfig, tied: bool) -> Params {
     Params {
         plain: v * h + h + if tied { 0 } else { v * h },
         experts: 0,
+        affine_experts: 0,
     }
 }
 

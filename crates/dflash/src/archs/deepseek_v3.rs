@@ -307,6 +307,7 @@ pub fn plan(cfg: &TargetConfig) -> Result<Plan> {
             // no shared-expert gate; the correction bias
             p.plain += q.plain - h + m.moe.num_experts as u64;
             p.experts += q.experts;
+            p.affine_experts += q.affine_experts;
         }
     }
     let width = m.kv_lora_rank + m.qk_rope_head_dim;

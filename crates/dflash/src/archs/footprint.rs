@@ -29,6 +29,9 @@ pub struct Footprint {
     pub cache_fixed_bytes_bf16: u64,
     /// Routed-expert parameters (part of `params`).
     pub expert_params: u64,
+    /// Of those, the ones a 4-bit affine checkpoint keeps as stored on CUDA (widths the
+    /// affine MoE kernels take); the rest are dequantized to bf16 at load.
+    pub affine_expert_params: u64,
     /// The token embedding table's parameters (part of `params`).
     pub embedding_params: u64,
     /// An untied LM head's parameters (part of `params`; 0 when tied to the embedding).
@@ -49,8 +52,9 @@ pub enum CudaStorage {
 
 impl Footprint {
     /// Bytes of weights dflash holds on CUDA (bf16 compute) for a checkpoint of `storage`: the
-    /// linear layers' matrices as stored; the embedding table and the routed experts as bf16
-    /// (dequantized at load: the expert kernels take bf16 only); the LM head as stored for the
+    /// linear layers' matrices as stored; the routed experts as stored at 4 bits where the
+    /// affine MoE kernels take their widths (MLX 4-bit `switch_mlp` stacks), else as bf16
+    /// (dequantized at load); the embedding table as bf16; the LM head as stored for the
     /// affine formats (MLX quantizes it) and bf16 for FP8 (the published FP8 checkpoints keep
     /// it so). Norms and biases are counted with the linear layers.
     pub fn cuda_held_bytes(&self, storage: CudaStorage) -> u64 {
@@ -59,7 +63,10 @@ impl Footprint {
             .saturating_sub(self.expert_params + self.embedding_params + self.head_params);
         let bf16 = 2 * (self.expert_params + self.embedding_params);
         match storage {
-            CudaStorage::Affine4 => (linear + self.head_params) * 5 / 8 + bf16,
+            CudaStorage::Affine4 => {
+                (linear + self.head_params + self.affine_expert_params) * 5 / 8 + bf16
+                    - 2 * self.affine_expert_params
+            }
             CudaStorage::Affine8 => (linear + self.head_params) * 9 / 8 + bf16,
             CudaStorage::Fp8 => linear + 2 * self.head_params + bf16,
         }
@@ -129,6 +136,7 @@ pub fn estimate(cfg: &TargetConfig) -> Result<Option<Footprint>> {
         cache_bytes_per_token_bf16: plan.cache_bytes_per_token(candle_core::DType::BF16),
         cache_fixed_bytes_bf16: plan.cache_fixed_bytes(candle_core::DType::BF16),
         expert_params: c.experts,
+        affine_expert_params: c.affine_experts,
         embedding_params: (cfg.vocab_size * cfg.hidden_size) as u64,
         head_params: if cfg.tie_word_embeddings {
             0
@@ -247,11 +255,17 @@ mod tests {
             (lin + table) * 5 / 8 + 2 * table
         );
         assert_eq!(q8.cuda_held_bytes(CudaStorage::Fp8), lin + 4 * table);
-        // MoE: the routed experts stay bf16, so Qwen3.5-122B-A10B at 4 bits is far above its
-        // ~69 GB checkpoint and does not fit one H200 with dflash today
+        // MoE: 4-bit experts stay as stored where the affine MoE kernels take their widths, so
+        // Qwen3.5-122B-A10B at 4 bits holds ~5 bits a weight: about its checkpoint, one H200;
+        // at 8 bits the experts are dequantized to bf16
         let big = of("Qwen3.5-122B-A10B");
         assert!(big.expert_params > 110_000_000_000, "{}", big.expert_params);
-        assert!(big.cuda_held_bytes(CudaStorage::Affine4) > 2 * big.expert_params);
+        assert_eq!(big.affine_expert_params, big.expert_params);
+        let held = big.cuda_held_bytes(CudaStorage::Affine4);
+        assert!(held < 80_000_000_000 && held > big.params / 2, "{held}");
+        assert!(big.cuda_held_bytes(CudaStorage::Affine8) > 2 * big.expert_params);
+        // gpt-oss's experts (2,880 wide) are not taken by the affine MoE kernels
+        assert_eq!(of("gpt-oss-20b").affine_expert_params, 0);
         // gpt-oss keeps its MXFP4 experts as stored on CUDA: the 120b holds its checkpoint's
         // ~65 GB there (a bf16 load would be ~234 GB)
         let oss = of("gpt-oss-120b");

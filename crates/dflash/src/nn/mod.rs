@@ -63,6 +63,10 @@ pub struct Params {
     pub plain: u64,
     /// Routed-expert matrices (what MXFP4 / int4 checkpoints quantize).
     pub experts: u64,
+    /// Of `experts`, those whose widths the affine MoE kernels take (`nn::moe::ExpertMatrix::
+    /// Affine`: in-widths multiples of 128), so that a 4-bit MLX checkpoint keeps them as
+    /// stored on CUDA.
+    pub affine_experts: u64,
 }
 
 impl Params {
@@ -75,5 +79,6 @@ impl std::ops::AddAssign for Params {
     fn add_assign(&mut self, o: Params) {
         self.plain += o.plain;
         self.experts += o.experts;
+        self.affine_experts += o.affine_experts;
     }
 }

@@ -121,9 +121,12 @@ impl MoeConfig {
             0 => 0,
             s => GatedMlp::params(hidden, s, false) + h,
         };
+        let experts = e * GatedMlp::params(hidden, self.intermediate_size, false);
+        let affine = hidden % 128 == 0 && self.intermediate_size % 128 == 0;
         super::Params {
             plain: e * h + shared,
-            experts: e * GatedMlp::params(hidden, self.intermediate_size, false),
+            experts,
+            affine_experts: if affine { experts } else { 0 },
         }
     }
 

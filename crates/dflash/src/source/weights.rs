@@ -467,8 +467,13 @@ impl Weights {
         {
             return Ok(false);
         }
-        let Some(s) =
-            super::mlx::load_stored(st, self.mlx.as_ref(), name, &[e, rows, k], &self.file_desc())?
+        let Some(s) = super::mlx::load_stored(
+            st,
+            self.mlx.as_ref(),
+            name,
+            &[e, rows, k],
+            &self.file_desc(),
+        )?
         else {
             return Ok(false);
         };
@@ -487,12 +492,25 @@ impl Weights {
         (e, rows, k): (usize, usize, usize),
     ) -> Result<crate::nn::AffineWeight> {
         let Backend::Safetensors { st, .. } = &self.backend else {
-            return Err(Error::input("MLX expert stacks are read from safetensors only"));
+            return Err(Error::input(
+                "MLX expert stacks are read from safetensors only",
+            ));
         };
         let mut parts = Vec::with_capacity(names.len());
         for name in names {
-            let s = super::mlx::load_stored(st, self.mlx.as_ref(), name, &[e, rows, k], &self.file_desc())?
-                .ok_or_else(|| Error::weights(self.file_desc(), format!("tensor `{name}` is not MLX-quantized")))?;
+            let s = super::mlx::load_stored(
+                st,
+                self.mlx.as_ref(),
+                name,
+                &[e, rows, k],
+                &self.file_desc(),
+            )?
+            .ok_or_else(|| {
+                Error::weights(
+                    self.file_desc(),
+                    format!("tensor `{name}` is not MLX-quantized"),
+                )
+            })?;
             parts.push(s);
         }
         let group = parts[0].params.group_size;

@@ -185,8 +185,7 @@ pub fn quantize_checkpoint(
         };
         mlx.insert(
             name.clone(),
-            Tensor::from_vec(pack(&a.q, bits), with_last(cols * bits / 32), &Device::Cpu)
-                .unwrap(),
+            Tensor::from_vec(pack(&a.q, bits), with_last(cols * bits / 32), &Device::Cpu).unwrap(),
         );
         mlx.insert(format!("{module}.scales"), side(s));
         mlx.insert(format!("{module}.biases"), side(b));
@@ -228,7 +227,9 @@ pub fn to_switch_mlp(float: &HashMap<String, Tensor>) -> HashMap<String, Tensor>
         let split = name.split_once(".experts.").and_then(|(p, rest)| {
             let (e, proj) = rest.split_once('.')?;
             let proj = proj.strip_suffix(".weight")?;
-            EXPERT_PROJS.contains(&proj).then(|| (p, e.parse::<usize>().ok(), proj))
+            EXPERT_PROJS
+                .contains(&proj)
+                .then(|| (p, e.parse::<usize>().ok(), proj))
         });
         match split {
             Some((p, Some(e), proj)) => stacks

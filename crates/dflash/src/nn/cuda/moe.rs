@@ -124,9 +124,7 @@ impl<'a> StackHeld<'a> {
     fn new(m: &'a ExpertMatrix) -> Self {
         match m {
             ExpertMatrix::Float(t) => StackHeld(Held::new(t), None, None),
-            ExpertMatrix::Mxfp4(s) => {
-                StackHeld(Held::new(&s.q), Some(Held::new(&s.scales)), None)
-            }
+            ExpertMatrix::Mxfp4(s) => StackHeld(Held::new(&s.q), Some(Held::new(&s.scales)), None),
             ExpertMatrix::Affine { w, .. } => {
                 StackHeld(Held::new(&w.q), Some(Held::new(&w.sb)), Some(w.group))
             }
