@@ -2277,6 +2277,69 @@ fn mlx_checkpoint_on_the_gpu_runs_as_stored() {
     }
 }
 
+/// AWQ, GPTQ and compressed-tensors checkpoints on the GPU keep their integer matrices as
+/// stored (rewritten at load into the affine layout, source/intq.rs): the load report says
+/// so, the bytes held are those of 4 bits (+ scales), the logits follow the dequantized twin's
+/// (bf16), verify rows with rollbacks equal the decode steps, greedy DFlash == plain.
+#[test]
+fn int_checkpoint_on_the_gpu_runs_as_stored() {
+    use common::intq::{write_int, Format, Scheme};
+    use dflash::archs::{load_target, LoadOptions};
+    use dflash::source::ModelSource;
+    use dflash::testing::TinyTarget;
+    let Some(dev) = gpu() else { return };
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let schemes = [
+        Scheme::new(Format::Awq, 4, 128),
+        Scheme::new(
+            Format::Gptq {
+                v2: false,
+                sym: true,
+            },
+            4,
+            64,
+        ),
+        Scheme::new(
+            Format::Gptq {
+                v2: true,
+                sym: false,
+            },
+            8,
+            32,
+        ),
+        Scheme::new(Format::PackQuantized, 4, 32),
+    ];
+    for (i, scheme) in schemes.iter().enumerate() {
+        let t = TinyTarget {
+            hidden: 128,
+            intermediate: 256,
+            ..TinyTarget::qwen3(63 + i as u64)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (q_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
+        write_int(&t, scheme, &q_dir, &twin);
+        let (cfg, q) = load_target(&ModelSource::from_dir("t", &q_dir).unwrap(), &opts).unwrap();
+        let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
+        let info = q.info().quantization.clone().unwrap();
+        assert!(info.ends_with("x28; kept as stored"), "{info}");
+        let bits = scheme.bits as f64;
+        assert!(
+            (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * (bits / 16.0 + 0.3),
+            "{info}: {} bytes held vs {} for bf16",
+            q.info().weight_bytes,
+            f.info().weight_bytes
+        );
+        let toks = common::ids(9, 30, t.vocab);
+        check_against_twin(q.as_ref(), f.as_ref(), &toks, &info);
+        greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 64, &info);
+        eprintln!("ok {info}");
+    }
+}
+
 /// A type per tensor of a tiny GGUF target: every GGUF type that maps onto the affine layout
 /// (nn::gguf_affine), at in-widths 128 and 256 (K-quants: 256).
 fn gguf_affine_mix(name: &str) -> candle_core::quantized::GgmlDType {

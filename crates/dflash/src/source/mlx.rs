@@ -74,15 +74,18 @@ impl MlxQuant {
                     {
                         return Ok(None);
                     }
-                    // FP8 block-quantized weights: source/fp8.rs
-                    if m.as_str() == Some("fp8") {
+                    // FP8 block-quantized weights: source/fp8.rs; integer groups: source/intq.rs
+                    if matches!(
+                        m.as_str(),
+                        Some("fp8" | "awq" | "gptq" | "compressed-tensors")
+                    ) {
                         return Ok(None);
                     }
                     return Err(Error::config(
                         file,
                         "quantization_config.quant_method",
                         format!(
-                            "{m} is not supported; this build loads float safetensors, MLX affine-quantized safetensors (`quantization: {{group_size, bits}}`), FP8 block-quantized safetensors (`quant_method: \"fp8\"`) and GGUF files"
+                            "{m} is not supported; this build loads float safetensors, MLX affine-quantized safetensors (`quantization: {{group_size, bits}}`), FP8 block-quantized safetensors (`quant_method: \"fp8\"`), AWQ / GPTQ / compressed-tensors pack-quantized integer weights and GGUF files"
                         ),
                     ));
                 }
@@ -257,21 +260,22 @@ pub struct Dequantized {
     pub tensor: Tensor,
     pub params: AffineParams,
     /// The stored tensors it read (`.weight`, `.scales`, `.biases`).
-    pub read: [String; 3],
+    pub read: Vec<String>,
 }
 
 /// An MLX-quantized weight as stored, checked: the packed bytes (the little-endian bytes of
 /// the `u32` words, rows of `cols * bits / 8`), its scales and biases as stored (bf16, f16 or
 /// f32, `[rows.., cols / group_size]`, on the CPU).
 pub struct Stored<'a> {
-    /// Borrowed from the memory-mapped file (no copy).
-    pub packed: &'a [u8],
+    /// Borrowed from the memory-mapped file (no copy), or repacked ([`super::intq`]).
+    pub packed: std::borrow::Cow<'a, [u8]>,
     pub scales: Tensor,
     pub biases: Tensor,
     pub params: AffineParams,
     pub rows: usize,
     pub cols: usize,
-    pub read: [String; 3],
+    /// The stored tensors it was read from.
+    pub read: Vec<String>,
 }
 
 impl Stored<'_> {
@@ -281,7 +285,7 @@ impl Stored<'_> {
             Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
         };
         Ok(dequantize(
-            self.packed,
+            &self.packed,
             &f(&self.scales)?,
             &f(&self.biases)?,
             self.rows,
@@ -412,13 +416,13 @@ pub fn load_stored<'a>(
     let biases = side(&biases_name)?;
     // the u32 words as stored (little-endian) are the bit stream `dequantize` reads
     Ok(Some(Stored {
-        packed: view.data(),
+        packed: std::borrow::Cow::Borrowed(view.data()),
         scales,
         biases,
         params,
         rows,
         cols,
-        read: [name.to_string(), scales_name, biases_name],
+        read: vec![name.to_string(), scales_name, biases_name],
     }))
 }
 

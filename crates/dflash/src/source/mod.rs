@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod gguf_header;
 pub mod gguf_tokenizer;
 pub mod hub;
+pub mod intq;
 pub mod mlx;
 pub mod mxfp4;
 pub mod weights;
@@ -116,7 +117,8 @@ impl ModelSource {
     }
 
     /// The weights, memory-mapped: a GGUF file's tensors (`keep_quant`: quantized matrices as
-    /// stored), or the safetensors files with their MLX or FP8 quantization (from
+    /// stored), or the safetensors files with their MLX, FP8 or integer (AWQ / GPTQ /
+    /// compressed-tensors) quantization (from
     /// `config.json`).
     pub fn weights(
         &self,
@@ -131,9 +133,11 @@ impl ModelSource {
         let file = self.config.display().to_string();
         let mlx = mlx::MlxQuant::from_config(&file, &cfg)?;
         let fp8 = fp8::Fp8Quant::from_config(&file, &cfg)?;
+        let intq = intq::IntQuant::from_config(&file, &cfg)?;
         Ok(Weights::open(&self.weight_files, dtype, device)?
             .with_mlx_quant(mlx)
-            .with_fp8_quant(fp8))
+            .with_fp8_quant(fp8)
+            .with_int_quant(intq))
     }
 
     /// Tokenizer, chat template and stop ids: from a GGUF file's metadata, else from

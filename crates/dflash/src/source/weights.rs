@@ -58,6 +58,11 @@ pub struct Weights {
     fp8_count: RefCell<usize>,
     /// FP8 matrices kept as stored (CUDA, [`Linear::Fp8`]).
     fp8_kept: RefCell<usize>,
+    /// The AWQ / GPTQ / compressed-tensors `quantization_config`, see [`Self::with_int_quant`].
+    intq: Option<super::intq::IntQuant>,
+    /// Integer-quantized matrices loaded so far, and those kept as stored.
+    intq_count: RefCell<usize>,
+    intq_kept: RefCell<usize>,
 }
 
 impl Weights {
@@ -79,21 +84,14 @@ impl Weights {
                 e.to_string(),
             )
         })?;
-        Ok(Self {
-            backend: Backend::Safetensors {
+        Ok(Self::new(
+            Backend::Safetensors {
                 st,
                 files: files.to_vec(),
             },
             dtype,
-            device: device.clone(),
-            used: RefCell::default(),
-            mlx: None,
-            mlx_report: RefCell::default(),
-            mlx_kept: RefCell::default(),
-            fp8: None,
-            fp8_count: RefCell::default(),
-            fp8_kept: RefCell::default(),
-        })
+            device,
+        ))
     }
 
     /// A GGUF file. `keep_quant` keeps every quantized matrix in its stored type.
@@ -112,30 +110,27 @@ impl Weights {
         } else {
             None
         };
-        Ok(Self {
-            backend: Backend::Gguf(GgufSource {
+        Ok(Self::new(
+            Backend::Gguf(GgufSource {
                 file,
                 qk_permuted,
                 keep_quant,
                 report: RefCell::default(),
             }),
             dtype,
-            device: device.clone(),
-            used: RefCell::default(),
-            mlx: None,
-            mlx_report: RefCell::default(),
-            mlx_kept: RefCell::default(),
-            fp8: None,
-            fp8_count: RefCell::default(),
-            fp8_kept: RefCell::default(),
-        })
+            device,
+        ))
     }
 
     /// Tensors held in memory, e.g. the trainable variables of a draft in training: loaders
     /// then build the model on those very tensors (autograd reaches them).
     pub fn from_tensors(tensors: BTreeMap<String, Tensor>, dtype: DType, device: &Device) -> Self {
+        Self::new(Backend::Memory(tensors), dtype, device)
+    }
+
+    fn new(backend: Backend, dtype: DType, device: &Device) -> Self {
         Self {
-            backend: Backend::Memory(tensors),
+            backend,
             dtype,
             device: device.clone(),
             used: RefCell::default(),
@@ -145,6 +140,9 @@ impl Weights {
             fp8: None,
             fp8_count: RefCell::default(),
             fp8_kept: RefCell::default(),
+            intq: None,
+            intq_count: RefCell::default(),
+            intq_kept: RefCell::default(),
         }
     }
 
@@ -161,6 +159,14 @@ impl Weights {
     /// Without it, a float8 weight with scales is an error naming the missing config entry.
     pub fn with_fp8_quant(mut self, quant: Option<super::fp8::Fp8Quant>) -> Self {
         self.fp8 = quant;
+        self
+    }
+
+    /// The AWQ / GPTQ / compressed-tensors quantization named by the checkpoint's config (see
+    /// [`super::intq::IntQuant::from_config`]): its integer weights are then rewritten into the
+    /// affine layout at load. Without it, an integer-quantized weight is an error.
+    pub fn with_int_quant(mut self, quant: Option<super::intq::IntQuant>) -> Self {
+        self.intq = quant;
         self
     }
 
@@ -198,7 +204,9 @@ impl Weights {
 
     pub fn contains(&self, name: &str) -> bool {
         match (&self.backend, self.stored_name(name)) {
-            (Backend::Safetensors { st, .. }, _) => st.get(name).is_ok(),
+            (Backend::Safetensors { st, .. }, _) => {
+                st.get(name).is_ok() || super::intq::is_quantized(st, name)
+            }
             (Backend::Memory(m), _) => m.contains_key(name),
             (Backend::Gguf(g), Some(n)) => g.file.has_tensor(&n),
             (Backend::Gguf(_), None) => false,
@@ -260,17 +268,31 @@ impl Weights {
                         *self.mlx_report.borrow_mut().entry(d.params).or_default() += 1;
                         Some((d.tensor, d.read.to_vec()))
                     }
-                    None => super::fp8::load_dequantized(
+                    None => match super::fp8::load_dequantized(
                         st,
                         self.fp8.as_ref(),
                         name,
                         shape.dims(),
                         &desc,
-                    )?
-                    .map(|d| {
-                        *self.fp8_count.borrow_mut() += 1;
-                        (d.tensor, d.read.to_vec())
-                    }),
+                    )? {
+                        Some(d) => {
+                            *self.fp8_count.borrow_mut() += 1;
+                            Some((d.tensor, d.read.to_vec()))
+                        }
+                        None => super::intq::load_stored(
+                            st,
+                            self.intq.as_ref(),
+                            name,
+                            shape.dims(),
+                            &desc,
+                        )?
+                        .map(|s| -> Result<_> {
+                            *self.intq_count.borrow_mut() += 1;
+                            let t = Tensor::from_vec(s.dequantize()?, shape.dims(), &Device::Cpu)?;
+                            Ok((t, s.read))
+                        })
+                        .transpose()?,
+                    },
                 };
                 if let Some((t, read)) = deq {
                     self.used.borrow_mut().extend(read);
@@ -319,10 +341,13 @@ impl Weights {
     /// Shape of `name` (HF naming) from the header, without loading it.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
         match &self.backend {
-            Backend::Safetensors { st, .. } => st.get(name).ok().map(|v| {
-                super::mlx::logical_shape(st, self.mlx.as_ref(), name, v.shape())
-                    .unwrap_or_else(|| v.shape().to_vec())
-            }),
+            Backend::Safetensors { st, .. } => match st.get(name) {
+                Ok(v) => Some(
+                    super::mlx::logical_shape(st, self.mlx.as_ref(), name, v.shape())
+                        .unwrap_or_else(|| v.shape().to_vec()),
+                ),
+                Err(_) => super::intq::logical_shape(st, self.intq.as_ref(), name),
+            },
             Backend::Memory(m) => m.get(name).map(|t| t.dims().to_vec()),
             Backend::Gguf(g) => self.stored_name(name).and_then(|n| g.file.tensor_shape(&n)),
         }
@@ -417,27 +442,29 @@ impl Weights {
         let Backend::Safetensors { st, .. } = &self.backend else {
             return Ok(None);
         };
-        if !crate::nn::quant::keeps_affine(&self.device, self.dtype) || self.mlx.is_none() {
+        if !crate::nn::quant::keeps_affine(&self.device, self.dtype)
+            || (self.mlx.is_none() && self.intq.is_none())
+        {
             return Ok(None);
         }
-        let Some(s) = super::mlx::load_stored(
-            st,
-            self.mlx.as_ref(),
-            name,
-            &[out_dim, in_dim],
-            &self.file_desc(),
-        )?
-        else {
+        let (dims, desc) = ([out_dim, in_dim], self.file_desc());
+        let stored = match &self.mlx {
+            Some(q) => super::mlx::load_stored(st, Some(q), name, &dims, &desc)?,
+            None => super::intq::load_stored(st, self.intq.as_ref(), name, &dims, &desc)?,
+        };
+        let Some(s) = stored else {
             return Ok(None);
         };
         let (bits, group) = (s.params.bits, s.params.group_size);
         if !crate::nn::AffineWeight::supported(bits, group, in_dim, s.scales.dtype()) {
             return Ok(None); // dequantized by `get`
         }
+        // integer formats carry f32 biases (-s z): rounded to the scales' dtype here, exact
+        // for the symmetric ones (source/intq.rs)
         let w = crate::nn::AffineWeight::from_stored(
             &s.packed,
             &s.scales,
-            &s.biases,
+            &s.biases.to_dtype(s.scales.dtype())?,
             bits,
             group,
             out_dim,
@@ -445,8 +472,13 @@ impl Weights {
             &self.device,
         )?;
         self.used.borrow_mut().extend(s.read);
-        *self.mlx_report.borrow_mut().entry(s.params).or_default() += 1;
-        *self.mlx_kept.borrow_mut() += 1;
+        if self.mlx.is_some() {
+            *self.mlx_report.borrow_mut().entry(s.params).or_default() += 1;
+            *self.mlx_kept.borrow_mut() += 1;
+        } else {
+            *self.intq_count.borrow_mut() += 1;
+            *self.intq_kept.borrow_mut() += 1;
+        }
         Ok(Some(Linear::Affine {
             weight: std::sync::Arc::new(w),
             bias: bias.clone(),
@@ -650,6 +682,12 @@ impl Weights {
                     self.fp8.as_ref(),
                     *self.fp8_count.borrow(),
                     *self.fp8_kept.borrow(),
+                    self.dtype,
+                ),
+                super::intq::report(
+                    self.intq.as_ref(),
+                    *self.intq_count.borrow(),
+                    *self.intq_kept.borrow(),
                     self.dtype,
                 ),
             ]

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod fp8;
+pub mod intq;
 pub mod mlx;
 pub mod mxfp4;
 
