@@ -18,6 +18,7 @@ import time
 
 import torch
 from safetensors.torch import save_file
+from spill import shard_path
 
 SHAPES = {
     "120b": dict(num_hidden_layers=36, num_local_experts=128),
@@ -88,7 +89,8 @@ def main():
     def save(tensors, k, out=a.out):
         name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         tensors = {key: t.cpu().contiguous() for key, t in tensors.items()}
-        save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, shard_path(out, name, nbytes), metadata={"format": "pt"})
         for key, t in tensors.items():
             maps[out][key] = name
             totals[out] += t.numel() * t.element_size()

@@ -19,6 +19,7 @@ import time
 
 import torch
 from safetensors.torch import save_file
+from spill import shard_path
 
 SHAPES = {
     "122b": dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32,
@@ -122,7 +123,8 @@ def main():
             else:
                 out[name] = floating(name, shape)
         fname = f"model-{key + 1:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(a.out, fname),
+        nbytes = sum(v.numel() * v.element_size() for v in out.values())
+        save_file({k: v.contiguous() for k, v in out.items()}, shard_path(a.out, fname, nbytes),
                   metadata={"format": "mlx"})
         for k, v in out.items():
             weight_map[k] = fname

@@ -16,6 +16,7 @@ free -g | head -2; df -h /dev/shm / | tail -2
 fused_tests tests ${TEST_LIMIT:-200} ${TESTS:-affine_experts mlx_moe mxfp4_experts moe_matches affine_kernels mlx_checkpoint every_family}
 echo "### tests done in $((SECONDS - T0)) s"
 M=/dev/shm/m
+export SPILL_DIR=/root/spill
 mkdir -p $M
 LAYERS=${LAYERS:-0}
 timeout ${MAKE_LIMIT:-240} $PY "$here/make_mlx_moe.py" $M/q122 --published ${PUBLISHED:-122b} --layers $LAYERS \
@@ -31,5 +32,5 @@ kill $smi 2>/dev/null
 echo "### q122 (peak GPU memory $(sort -n "$R/q122.mem" | tail -1) MiB)"
 grep -iE "quantiz|kept|loaded" "$R/q122.err" | head -5
 grep -E '^\| verify forward|^target weights held|^\| prefill|floor' "$R/q122.out" | head -8
-rm -rf $M
+rm -rf $M $SPILL_DIR
 echo "done in $((SECONDS - T0)) s"
