@@ -150,7 +150,7 @@ pub const DRAFT_REGISTRY: &[DraftEntry] = &[
         "kimi_k25",
         Some(8),
         DraftFormat::ZLab,
-        "the published checkpoint's int4 experts are refused: a bf16 export loads"
+        "int4 experts (compressed-tensors) load, kept as stored on CUDA; ~0.6 TB: beyond one GPU"
     ),
     row!(
         "Llama-3.1-8B-Instruct",

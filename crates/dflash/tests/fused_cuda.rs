@@ -973,6 +973,51 @@ fn mlx_moe_checkpoint_on_the_gpu_runs_as_stored() {
     }
 }
 
+/// A MoE checkpoint with 4-bit integer experts stored per expert (compressed-tensors, as
+/// Kimi-K2.5 publishes its routed experts) keeps them as stored on the GPU, stacked into the
+/// affine expert matrices the MoE kernels take (`Weights::int_expert_stack`): the load report
+/// says so, the bytes held are under 0.45x the bf16 twin's, the logits follow the twin's,
+/// verify rows with rollbacks equal the decode steps, greedy DFlash == plain decoding.
+#[test]
+fn int4_moe_checkpoint_on_the_gpu_runs_as_stored() {
+    use common::intq::{write_int, Format, Scheme};
+    use common::mlx::qwen3_moe_128;
+    use dflash::archs::{load_target, LoadOptions};
+    use dflash::source::ModelSource;
+    let Some(dev) = gpu() else { return };
+    dflash::switches::set_batch_invariant(true);
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    for (group, seed) in [(32, 66), (128, 67)] {
+        let (t, _) = qwen3_moe_128(seed, 4, group);
+        let dir = tempfile::tempdir().unwrap();
+        let (q_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
+        write_int(
+            &t,
+            &Scheme::new(Format::PackQuantized, 4, group),
+            &q_dir,
+            &twin,
+        );
+        let (cfg, q) = load_target(&ModelSource::from_dir("t", &q_dir).unwrap(), &opts).unwrap();
+        let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
+        let info = q.info().quantization.clone().unwrap();
+        assert!(info.ends_with("; kept as stored"), "{info}");
+        assert!(
+            (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * 0.45,
+            "{info}: {} bytes held vs {} for bf16",
+            q.info().weight_bytes,
+            f.info().weight_bytes
+        );
+        let toks = common::ids(10, 30, t.vocab);
+        check_against_twin(q.as_ref(), f.as_ref(), &toks, &info);
+        greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 68, &info);
+        eprintln!("ok int4 moe g{group} on CUDA: {info}");
+    }
+}
+
 /// The gpt_oss MXFP4 fixture on the GPU keeps its experts as stored (the load report says so,
 /// and the weights take under half their bf16 twin's bytes); every forward of a DFlash run
 /// (the prefill, verify windows of 1 / 2 / 7 / 16 rows with rollbacks) gives bit for bit the

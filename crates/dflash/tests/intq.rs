@@ -104,6 +104,50 @@ fn int_checkpoints_give_the_logits_of_their_dequantized_twin() {
     }
 }
 
+/// MoE checkpoints with integer experts as published per expert (compressed-tensors, 4-bit
+/// g32, the routers in float): a tiny qwen3_moe with every expert projection quantized, and
+/// the transformers-made kimi_k25 fixture (its quantization_config under `text_config`, as
+/// Kimi-K2.5 publishes it) with its routed experts' gate/up projections quantized (their
+/// down projections are 16 wide, under a group) give exactly their twin's logits.
+#[test]
+fn int4_moe_experts_give_the_logits_of_their_dequantized_twin() {
+    use common::intq::quantize_dir;
+    let scheme = Scheme::new(Format::PackQuantized, 4, 32);
+    let dir = tempfile::tempdir().unwrap();
+    let (q_dir, twin) = (dir.path().join("q"), dir.path().join("twin"));
+    let (t, _) = common::mlx::qwen3_moe_128(88, 4, 32);
+    let n = write_int(&t, &scheme, &q_dir, &twin);
+    let toks = ids(5, 20, t.vocab);
+    let cases: Vec<(std::path::PathBuf, std::path::PathBuf, usize, Vec<u32>)> = {
+        let kimi = common::fixture("kimi_k25");
+        let (kq, ktwin) = (dir.path().join("kq"), dir.path().join("ktwin"));
+        let experts = |name: &str, w: &Tensor| {
+            w.rank() == 2
+                && name.contains(".mlp.experts.")
+                && (name.ends_with("gate_proj.weight") || name.ends_with("up_proj.weight"))
+        };
+        let kn = quantize_dir(&kimi, &scheme, &experts, true, &kq, &ktwin);
+        assert_eq!(kn, 2 * 2 * 8, "2 MoE layers x 8 experts x gate/up");
+        vec![(q_dir, twin, n, toks), (kq, ktwin, kn, ids(6, 20, 256))]
+    };
+    for (q_dir, twin, n, toks) in cases {
+        let q = load_with(&q_dir).unwrap();
+        let f = load_with(&twin).unwrap();
+        let info = q.info().quantization.clone().unwrap();
+        assert_eq!(
+            info,
+            format!("compressed-tensors pack-quantized 4-bit g32 x{n}; dequantized to f32")
+        );
+        let (a, b) = (all_logits(q.as_ref(), &toks), all_logits(f.as_ref(), &toks));
+        assert!(
+            f32_bits(&a) == f32_bits(&b),
+            "{info}: logits differ from the twin's (max |diff| {})",
+            max_abs_diff(&a, &b)
+        );
+        eprintln!("ok {} ({info})", q.info().family);
+    }
+}
+
 /// A GPTQ (v1, symmetric, 4-bit g32) llama checkpoint with one edit to its tensors or config:
 /// the load's error.
 fn load_error(

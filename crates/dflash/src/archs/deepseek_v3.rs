@@ -175,16 +175,15 @@ impl MlaConfig {
     }
 }
 
-/// Float and FP8 checkpoints (the FP8 blocks are dequantized at load, source/fp8.rs): the
-/// published Kimi-K2.5 (int4 routed experts, compressed-tensors) is refused with what it would
-/// need.
+/// Float, FP8 (source/fp8.rs) and integer group-quantized checkpoints (source/intq.rs: the
+/// published Kimi-K2.5's int4 routed experts, compressed-tensors pack-quantized); any other
+/// method is refused with what its weights would take dequantized.
 fn refuse_quantized(cfg: &TargetConfig) -> Result<()> {
     let Some(q) = cfg.quantization()? else {
         return Ok(());
     };
     let method = q.opt_str("quant_method")?.unwrap_or("unknown");
-    // FP8 block-quantized weights are dequantized at load (source/fp8.rs).
-    if method == "fp8" {
+    if matches!(method, "fp8" | "compressed-tensors" | "awq" | "gptq") {
         return Ok(());
     }
     let need = super::footprint::estimate(cfg)
@@ -511,15 +510,18 @@ mod tests {
     }
 
     #[test]
-    fn published_int4_checkpoint_is_refused_with_its_size() {
+    fn published_int4_checkpoint_passes_and_other_methods_are_refused_with_their_size() {
         let mut v = kimi_k25();
         v["text_config"]["quantization_config"] = json!({"quant_method": "compressed-tensors",
             "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}}});
+        let cfg = TargetConfig::from_value("config.json", v.clone()).unwrap();
+        assert!(refuse_quantized(&cfg).is_ok());
+        v["text_config"]["quantization_config"] = json!({"quant_method": "bitsandbytes"});
         let cfg = TargetConfig::from_value("config.json", v).unwrap();
         let e = refuse_quantized(&cfg).unwrap_err().to_string();
         assert!(
             e.contains("text_config.quantization_config.quant_method")
-                && e.contains("compressed-tensors")
+                && e.contains("bitsandbytes")
                 && e.contains("TB at bf16"),
             "{e}"
         );

@@ -1,8 +1,8 @@
 //! How much memory a checkpoint needs, from its config's shapes alone (nothing is read but
 //! `config.json`): the parameter count and cache kinds from the family's plan, the bytes of the
 //! checkpoint as published (bf16, or MXFP4 / int4 experts where its `quantization_config`
-//! says so) and the bytes this engine holds once loaded (every weight in the compute dtype:
-//! quantized experts are dequantized at load).
+//! says so) and the bytes this engine holds once loaded (every weight in the compute dtype,
+//! or, on CUDA, MXFP4 and 4-bit integer experts as stored).
 //!
 //! `dflash models` prints these for the registry rows (from the published configs in
 //! `registry::published_target_config`) next to this machine's memory.
@@ -19,8 +19,9 @@ pub struct Footprint {
     /// Bytes of the loaded weights with bf16 compute (f32 compute, the CPU default: twice).
     pub loaded_bytes_bf16: u64,
     /// Bytes dflash holds on CUDA with bf16 compute for the checkpoint as published: MXFP4
-    /// experts (gpt-oss) stay as stored (`nn::mxfp4`), everything else as `loaded_bytes_bf16`
-    /// (int4 experts are dequantized at load).
+    /// experts (gpt-oss) stay as stored (`nn::mxfp4`), 4-bit integer experts (Kimi-K2.5) too
+    /// with a bf16 bias beside each scale (`source::intq`), everything else as
+    /// `loaded_bytes_bf16`.
     pub cuda_held_as_published: u64,
     /// Target cache bytes per token of context with bf16 compute (the KV rows of attention
     /// layers, the latent row of MLA layers; recurrent layers add none).
@@ -83,23 +84,35 @@ fn expert_bytes_per_value(cfg: &TargetConfig, float_bytes: f64) -> Result<Option
         Some("mxfp4") => Some(17.0 / 32.0),
         // pack-quantized int groups with a bf16 scale per group (Kimi-K2.5: 4 bits, 32)
         Some("compressed-tensors") => {
-            let mut found = None;
-            if let Some(groups) = q.sub("config_groups")? {
-                for name in groups.obj.keys() {
-                    if let Some(wt) = groups
-                        .sub(name)?
-                        .and_then(|g| g.sub("weights").ok().flatten())
-                    {
-                        let bits = wt.opt_usize("num_bits")?.unwrap_or(4) as f64;
-                        let group = wt.opt_usize("group_size")?.unwrap_or(32).max(1) as f64;
-                        found = Some(bits / 8.0 + 2.0 / group);
-                    }
-                }
-            }
-            found
+            int_expert_scheme(cfg)?.map(|(bits, group)| bits as f64 / 8.0 + 2.0 / group as f64)
         }
         _ => None,
     })
+}
+
+/// The (bits, group size) of a compressed-tensors checkpoint's integer weights (the last
+/// config group that names them); None for other checkpoints.
+fn int_expert_scheme(cfg: &TargetConfig) -> Result<Option<(usize, usize)>> {
+    let Some(q) = cfg.quantization()? else {
+        return Ok(None);
+    };
+    if q.opt_str("quant_method")? != Some("compressed-tensors") {
+        return Ok(None);
+    }
+    let mut found = None;
+    if let Some(groups) = q.sub("config_groups")? {
+        for name in groups.obj.keys() {
+            if let Some(wt) = groups
+                .sub(name)?
+                .and_then(|g| g.sub("weights").ok().flatten())
+            {
+                let bits = wt.opt_usize("num_bits")?.unwrap_or(4);
+                let group = wt.opt_usize("group_size")?.unwrap_or(32).max(1);
+                found = Some((bits, group));
+            }
+        }
+    }
+    Ok(found)
 }
 
 fn float_bytes(cfg: &TargetConfig) -> f64 {
@@ -128,11 +141,23 @@ pub fn estimate(cfg: &TargetConfig) -> Result<Option<Footprint>> {
         None => false,
     };
     let mx_held = (c.plain as f64 * 2.0 + c.experts as f64 * 17.0 / 32.0).round() as u64;
+    // 4-bit integer experts stay as stored on CUDA (source/intq.rs -> the affine MoE kernels):
+    // the packed values, a bf16 scale and a bf16 bias per group
+    let int4_held = match int_expert_scheme(cfg)? {
+        Some((4, group)) => Some(
+            (c.plain as f64 * 2.0 + c.experts as f64 * (0.5 + 4.0 / group as f64)).round() as u64,
+        ),
+        _ => None,
+    };
     Ok(Some(Footprint {
         params: c.total(),
         stored_bytes: stored,
         loaded_bytes_bf16: 2 * c.total(),
-        cuda_held_as_published: if mxfp4 { mx_held } else { 2 * c.total() },
+        cuda_held_as_published: match (mxfp4, int4_held) {
+            (true, _) => mx_held,
+            (false, Some(b)) => b,
+            _ => 2 * c.total(),
+        },
         cache_bytes_per_token_bf16: plan.cache_bytes_per_token(candle_core::DType::BF16),
         cache_fixed_bytes_bf16: plan.cache_fixed_bytes(candle_core::DType::BF16),
         expert_params: c.experts,
@@ -272,6 +297,15 @@ mod tests {
         assert_eq!(Some(oss.cuda_held_as_published), oss.stored_bytes);
         assert!(oss.cuda_held_as_published < 70_000_000_000);
         assert_eq!(q8.cuda_held_as_published, q8.loaded_bytes_bf16);
+        // Kimi-K2.5's int4 experts stay as stored on CUDA (a bf16 bias beside each scale: 5
+        // bits a weight at groups of 32), the rest bf16: ~0.65 TB instead of ~2 TB
+        let kimi = of("Kimi-K2.5");
+        let rest = kimi.params - kimi.expert_params;
+        assert_eq!(
+            kimi.cuda_held_as_published,
+            rest * 2 + (kimi.expert_params as f64 * 0.625).round() as u64
+        );
+        assert!(kimi.cuda_held_as_published < kimi.loaded_bytes_bf16 / 3);
         // every row of the registry has a recorded config and is sized
         for e in DRAFT_REGISTRY {
             let v = published_target_config(e.target).unwrap_or_else(|| panic!("{}", e.target));

@@ -446,6 +446,8 @@ impl Experts {
                     w.get(&down_name, (experts, hidden, inter))?.into(),
                 )
             }
+        } else if let Some(stacks) = Self::int_stacks(w, prefix, hidden, inter, experts)? {
+            stacks
         } else {
             let (mut gu, mut dn) = (Vec::with_capacity(experts), Vec::with_capacity(experts));
             for e in 0..experts {
@@ -465,6 +467,39 @@ impl Experts {
             act: ExpertAct::Glu(act),
             inter,
         })
+    }
+
+    /// Per-expert integer-quantized matrices kept as stored
+    /// ([`Weights::int_expert_stack`]): all three projections of every expert, or None (then
+    /// loaded dense).
+    fn int_stacks(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        experts: usize,
+    ) -> Result<Option<(ExpertMatrix, ExpertMatrix)>> {
+        let names = |projs: &[&str]| -> Vec<String> {
+            (0..experts)
+                .flat_map(|e| {
+                    projs
+                        .iter()
+                        .map(move |p| format!("{prefix}.experts.{e}.{p}.weight"))
+                })
+                .collect()
+        };
+        let (gu, dn) = (names(&["gate_proj", "up_proj"]), names(&["down_proj"]));
+        // one storage per layer (the device kernels take one): all three kept, or none
+        if !(w.int_keeps_stack(&gu, (inter, hidden))? && w.int_keeps_stack(&dn, (hidden, inter))?) {
+            return Ok(None);
+        }
+        let gu = w.int_expert_stack(&gu, (inter, hidden))?;
+        let dn = w.int_expert_stack(&dn, (hidden, inter))?;
+        let affine = |w| ExpertMatrix::Affine {
+            w: std::sync::Arc::new(w),
+            experts,
+        };
+        Ok(Some((affine(gu), affine(dn))))
     }
 
     pub fn count(&self) -> usize {

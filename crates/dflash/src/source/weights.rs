@@ -581,6 +581,83 @@ impl Weights {
         Ok(w)
     }
 
+    /// Whether the integer-quantized per-expert matrices `names` (each logical `[rows, k]`)
+    /// stay as stored ([`Self::int_expert_stack`]): on CUDA with bf16 compute, 4 bits with bf16
+    /// scales (compressed-tensors, as Kimi-K2.5 publishes its experts), `rows` a multiple of 32,
+    /// `k` a width the affine layout takes. False where they are loaded dense instead.
+    pub fn int_keeps_stack(&self, names: &[String], (rows, k): (usize, usize)) -> Result<bool> {
+        let Backend::Safetensors { st, .. } = &self.backend else {
+            return Ok(false);
+        };
+        let Some(quant) = self.intq.as_ref() else {
+            return Ok(false);
+        };
+        if !crate::nn::quant::keeps_affine(&self.device, self.dtype)
+            || quant.params.bits != 4
+            || rows % 32 != 0
+            || !crate::nn::AffineWeight::supported(4, quant.params.group_size, k, DType::BF16)
+            || names.iter().any(|n| !super::intq::is_quantized(st, n))
+        {
+            return Ok(false);
+        }
+        let Some(first) = names.first() else {
+            return Ok(false);
+        };
+        let s = super::intq::load_stored(st, Some(quant), first, &[rows, k], &self.file_desc())?;
+        Ok(s.is_some_and(|s| s.scales.dtype() == DType::BF16))
+    }
+
+    /// The matrices `names` ([`Self::int_keeps_stack`] true) as one affine matrix of
+    /// `names.len() * rows` rows in that order (expert 0's gate, its up, expert 1's gate, ...),
+    /// kept as stored.
+    pub fn int_expert_stack(
+        &self,
+        names: &[String],
+        (rows, k): (usize, usize),
+    ) -> Result<crate::nn::AffineWeight> {
+        let Backend::Safetensors { st, .. } = &self.backend else {
+            return Err(Error::input(
+                "integer expert stacks are read from safetensors only",
+            ));
+        };
+        let quant = self.intq.as_ref();
+        let desc = self.file_desc();
+        let mut parts = Vec::with_capacity(names.len());
+        for name in names {
+            let s = super::intq::load_stored(st, quant, name, &[rows, k], &desc)?
+                .filter(|s| s.scales.dtype() == DType::BF16 && s.params.bits == 4)
+                .ok_or_else(|| {
+                    Error::weights(
+                        &desc,
+                        format!("tensor `{name}` is not 4-bit integer-quantized with bf16 scales like the other experts"),
+                    )
+                })?;
+            parts.push(s);
+        }
+        let packed: Vec<u8> = parts
+            .iter()
+            .flat_map(|p| p.packed.iter().copied())
+            .collect();
+        let scales = Tensor::cat(&parts.iter().map(|p| &p.scales).collect::<Vec<_>>(), 0)?;
+        let biases = Tensor::cat(&parts.iter().map(|p| &p.biases).collect::<Vec<_>>(), 0)?;
+        let w = crate::nn::AffineWeight::from_stored(
+            &packed,
+            &scales,
+            &biases.to_dtype(DType::BF16)?,
+            4,
+            parts[0].params.group_size,
+            rows * parts.len(),
+            k,
+            &self.device,
+        )?;
+        for p in parts {
+            self.used.borrow_mut().extend(p.read);
+            *self.intq_count.borrow_mut() += 1;
+            *self.intq_kept.borrow_mut() += 1;
+        }
+        Ok(w)
+    }
+
     /// An FP8 matrix kept as stored ([`Linear::Fp8`]) where the kernels take it: on CUDA with
     /// bf16 compute, column blocks of whole 32-wide chunks. None: load it dense (`get`
     /// dequantizes it).

@@ -242,25 +242,50 @@ fn store(
     }
 }
 
-/// Write `t` integer-quantized in `sc`'s layout into `dir` (every 2-D `.weight` but the
-/// embedding and the LM head, as the published checkpoints do) and, into `twin`, the float
-/// checkpoint holding exactly the dequantized weights in f32. Returns the number of quantized
-/// matrices.
+/// What the published checkpoints quantize: the 2-D `.weight`s but the embedding, the LM head
+/// and the MoE routers (`mlp.gate`).
+pub fn published_choice(name: &str, w: &Tensor) -> bool {
+    w.rank() == 2
+        && name.ends_with(".weight")
+        && !name.contains("embed_tokens")
+        && !name.contains("lm_head")
+        && !name.ends_with("mlp.gate.weight")
+}
+
+/// Write `t` integer-quantized in `sc`'s layout into `dir` ([`published_choice`]) and, into
+/// `twin`, the float checkpoint holding exactly the dequantized weights in f32. Returns the
+/// number of quantized matrices.
 pub fn write_int(t: &TinyTarget, sc: &Scheme, dir: &Path, twin: &Path) -> usize {
     t.write(twin).unwrap();
+    quantize_dir(twin, sc, &published_choice, false, dir, twin)
+}
+
+/// The checkpoint in `src` (`model.safetensors`, `config.json`) with the tensors `choose`
+/// picks integer-quantized in `sc`'s layout into `dir`, its config's `quantization_config`
+/// set (under `text_config` when `in_text_config`), and into `twin` the float checkpoint
+/// holding exactly the dequantized weights in f32 (`twin` may be `src`). Returns the number
+/// of quantized matrices.
+pub fn quantize_dir(
+    src: &Path,
+    sc: &Scheme,
+    choose: &dyn Fn(&str, &Tensor) -> bool,
+    in_text_config: bool,
+    dir: &Path,
+    twin: &Path,
+) -> usize {
     let float =
-        candle_core::safetensors::load(twin.join("model.safetensors"), &Device::Cpu).unwrap();
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let (mut qt, mut deq): (HashMap<String, Tensor>, HashMap<String, Tensor>) = Default::default();
     let mut n = 0;
     for (name, w) in float {
-        let module = name.strip_suffix(".weight").filter(|_| {
-            w.rank() == 2 && !name.contains("embed_tokens") && !name.starts_with("lm_head")
-        });
-        let Some(module) = module else {
+        if !choose(&name, &w) {
             qt.insert(name.clone(), w.clone());
             deq.insert(name, w);
             continue;
-        };
+        }
+        let module = name.strip_suffix(".weight").unwrap();
         let (out, inp) = w.dims2().unwrap();
         let vals: Vec<f32> = w
             .to_dtype(DType::F32)
@@ -285,11 +310,17 @@ pub fn write_int(t: &TinyTarget, sc: &Scheme, dir: &Path, twin: &Path) -> usize 
         qt.extend(store(module, &q, &z, &s, out, inp, sc));
         n += 1;
     }
-    std::fs::create_dir_all(dir).unwrap();
+    for d in [dir, twin] {
+        std::fs::create_dir_all(d).unwrap();
+    }
     candle_core::safetensors::save(&qt, dir.join("model.safetensors")).unwrap();
     candle_core::safetensors::save(&deq, twin.join("model.safetensors")).unwrap();
-    let mut cfg = t.config();
-    cfg["quantization_config"] = sc.config_entry();
+    write_json(&twin.join("config.json"), &cfg).unwrap();
+    if in_text_config {
+        cfg["text_config"]["quantization_config"] = sc.config_entry();
+    } else {
+        cfg["quantization_config"] = sc.config_entry();
+    }
     write_json(&dir.join("config.json"), &cfg).unwrap();
     n
 }
