@@ -12,7 +12,7 @@ T0=$SECONDS
 R=${OUT:-/tmp}/s37a
 mkdir -p "$R"
 free -g | head -2; df -h /dev/shm / | tail -2
-fused_tests tests ${TEST_LIMIT:-200} ${TESTS:-mxfp4 affine mlx_moe gpt_oss int_checkpoint tiny_dense mlx_checkpoint moe_matches}
+fused_tests tests ${TEST_LIMIT:-200} ${TESTS:-mxfp4 affine mlx_moe gpt_oss int_checkpoint int4_moe tiny_dense mlx_checkpoint moe_matches}
 echo "### tests done in $((SECONDS - T0)) s"
 M=/dev/shm/m
 export SPILL_DIR=/root/spill
