@@ -494,10 +494,10 @@ fn malformed_mlx_checkpoints_name_the_tensor_or_field() {
         o.remove("quantization");
         o.insert(
             "quantization_config".into(),
-            json!({"quant_method": "awq", "bits": 4, "group_size": 128}),
+            json!({"quant_method": "bitsandbytes", "load_in_4bit": true}),
         );
     });
-    expect(&e, &["quantization_config.quant_method", "awq"]);
+    expect(&e, &["quantization_config.quant_method", "bitsandbytes"]);
 }
 
 #[test]
