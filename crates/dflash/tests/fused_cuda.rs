@@ -909,7 +909,14 @@ fn affine_experts_match_the_dequantized_experts() {
                 assert!(
                     common::f32_bits(&a.to_dtype(DType::F32).unwrap())
                         == common::f32_bits(&b.to_dtype(DType::F32).unwrap()),
-                    "h {h} inter {inter} g{group}: {n} rows over affine stacks differ from the dequantized experts"
+                    "h {h} inter {inter} g{group}: {n} rows over affine stacks differ from the dequantized experts (rel err {:.3e}, {} of {} values differ)",
+                    rel_err(&a, &b),
+                    common::f32_bits(&a.to_dtype(DType::F32).unwrap())
+                        .iter()
+                        .zip(common::f32_bits(&b.to_dtype(DType::F32).unwrap()))
+                        .filter(|(x, y)| **x != *y)
+                        .count(),
+                    a.elem_count()
                 );
             } else {
                 let err = rel_err(&a, &b);
