@@ -9,16 +9,11 @@
 mod common;
 use candle_core::{DType, Device, Tensor};
 use common::fp8::{quantize_dir, write_fp8};
-use dflash::archs::{load_target, LoadOptions, Logits, TargetModel};
-use dflash::source::ModelSource;
+use common::load_with;
+use dflash::archs::{Logits, TargetModel};
 use dflash::testing::{write_json, TinyTarget};
 use std::collections::HashMap;
 use std::path::Path;
-
-fn load_with(dir: &Path) -> dflash::Result<Box<dyn TargetModel>> {
-    let src = ModelSource::from_dir("test", dir)?;
-    load_target(&src, &LoadOptions::default()).map(|x| x.1)
-}
 
 /// Every position's logits, as f32 bits.
 fn all_logits(m: &dyn TargetModel, toks: &[u32]) -> Vec<u32> {

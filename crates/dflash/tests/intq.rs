@@ -8,32 +8,8 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::intq::{write_int, Format, Scheme};
 use common::*;
-use dflash::archs::{load_target, LoadOptions, Logits, TargetModel};
-use dflash::source::ModelSource;
 use dflash::testing::TinyTarget;
 use std::collections::HashMap;
-use std::path::Path;
-
-fn load_with(dir: &Path) -> dflash::Result<Box<dyn TargetModel>> {
-    let src = ModelSource::from_dir("test", dir)?;
-    load_target(&src, &LoadOptions::default()).map(|x| x.1)
-}
-
-fn all_logits(m: &dyn TargetModel, toks: &[u32]) -> Tensor {
-    let mut c = m.new_cache(toks.len()).unwrap();
-    m.forward(toks, 0, &mut c, &[], Logits::All)
-        .unwrap()
-        .logits
-        .unwrap()
-}
-
-fn qwen3_128(seed: u64) -> TinyTarget {
-    TinyTarget {
-        hidden: 128,
-        intermediate: 256,
-        ..TinyTarget::qwen3(seed)
-    }
-}
 
 #[test]
 fn int_checkpoints_give_the_logits_of_their_dequantized_twin() {

@@ -11,7 +11,7 @@ use common::mlx::{
     dequantize, pack, quantize, qwen3_moe_128, round_to, write_mlx, write_mlx_moe, Layout,
 };
 use common::*;
-use dflash::archs::{load_target, LoadOptions, Logits, TargetModel};
+use dflash::archs::{load_target, LoadOptions};
 use dflash::source::mlx::MlxQuant;
 use dflash::source::{ModelSource, Weights};
 use dflash::testing::{Rng, TinyTarget};
@@ -222,28 +222,6 @@ fn dequantized_weights_equal_the_mlx_formula() {
             // the constant group comes back exactly
             assert!(want[..group].iter().all(|&x| x == -0.25));
         }
-    }
-}
-
-fn load_with(dir: &Path) -> dflash::Result<Box<dyn TargetModel>> {
-    let src = ModelSource::from_dir("test", dir)?;
-    load_target(&src, &LoadOptions::default()).map(|x| x.1)
-}
-
-fn all_logits(m: &dyn TargetModel, toks: &[u32]) -> Tensor {
-    let mut c = m.new_cache(toks.len()).unwrap();
-    m.forward(toks, 0, &mut c, &[], Logits::All)
-        .unwrap()
-        .logits
-        .unwrap()
-}
-
-/// A qwen3 of hidden 128 (so that every in-dimension takes group size 128).
-fn qwen3_128(seed: u64) -> TinyTarget {
-    TinyTarget {
-        hidden: 128,
-        intermediate: 256,
-        ..TinyTarget::qwen3(seed)
     }
 }
 

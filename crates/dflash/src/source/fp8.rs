@@ -27,14 +27,8 @@ impl Fp8Quant {
     /// `text_config`), None when it names another method or none. `file` names the config in
     /// errors.
     pub fn from_config(file: &str, cfg: &Value) -> Result<Option<Self>> {
-        let (key, q) = match (
-            cfg.get("quantization_config"),
-            cfg.get("text_config")
-                .and_then(|t| t.get("quantization_config")),
-        ) {
-            (Some(q), _) => ("quantization_config", q),
-            (None, Some(q)) => ("text_config.quantization_config", q),
-            (None, None) => return Ok(None),
+        let Some((key, q)) = super::quantization_config(cfg) else {
+            return Ok(None);
         };
         if q.get("quant_method").and_then(Value::as_str) != Some("fp8") {
             return Ok(None);
@@ -242,14 +236,7 @@ pub fn dequantize(
 /// dequantized to bf16`.
 pub fn report(quant: Option<&Fp8Quant>, count: usize, kept: usize, dtype: DType) -> Option<String> {
     let q = quant.filter(|_| count > 0)?;
-    let how = match kept {
-        0 => format!("dequantized to {}", dtype.as_str()),
-        k if k == count => "kept as stored".to_string(),
-        k => format!(
-            "{k} kept as stored, the rest dequantized to {}",
-            dtype.as_str()
-        ),
-    };
+    let how = super::kept_or_dequantized(count, kept, dtype);
     Some(format!(
         "fp8 e4m3 {}x{} x{count}; {how}",
         q.block.0, q.block.1

@@ -61,14 +61,8 @@ impl IntQuant {
     /// under `text_config`); None when it names another method or none. Unsupported variants
     /// of these methods are errors naming the field.
     pub fn from_config(file: &str, cfg: &Value) -> Result<Option<Self>> {
-        let (key, q) = match (
-            cfg.get("quantization_config"),
-            cfg.get("text_config")
-                .and_then(|t| t.get("quantization_config")),
-        ) {
-            (Some(q), _) => ("quantization_config", q),
-            (None, Some(q)) => ("text_config.quantization_config", q),
-            (None, None) => return Ok(None),
+        let Some((key, q)) = super::quantization_config(cfg) else {
+            return Ok(None);
         };
         let field = |f: &str| format!("{key}.{f}");
         let err = |f: &str, msg: String| Error::config(file, field(f), msg);
@@ -525,12 +519,7 @@ pub fn load_stored<'a>(
 /// to f32` (`kept` of them kept as stored).
 pub fn report(quant: Option<&IntQuant>, count: usize, kept: usize, dtype: DType) -> Option<String> {
     let q = quant.filter(|_| count > 0)?;
-    let dt = format!("{dtype:?}").to_lowercase();
-    let what = match kept {
-        0 => format!("dequantized to {dt}"),
-        k if k == count => "kept as stored".to_string(),
-        k => format!("{k} kept as stored, the rest dequantized to {dt}"),
-    };
+    let what = super::kept_or_dequantized(count, kept, dtype);
     Some(format!("{} x{count}; {what}", q.describe()))
 }
 

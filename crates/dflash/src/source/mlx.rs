@@ -450,11 +450,6 @@ pub fn report(counts: &BTreeMap<AffineParams, usize>, kept: usize, dtype: DType)
         return None;
     }
     let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{p} x{n}")).collect();
-    let dt = format!("{dtype:?}").to_lowercase();
-    let what = match kept {
-        0 => format!("dequantized to {dt}"),
-        k if k == counts.values().sum::<usize>() => "kept as stored".to_string(),
-        k => format!("{k} kept as stored, the rest dequantized to {dt}"),
-    };
+    let what = super::kept_or_dequantized(counts.values().sum(), kept, dtype);
     Some(format!("mlx affine {}; {what}", parts.join(", ")))
 }

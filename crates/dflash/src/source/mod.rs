@@ -296,3 +296,32 @@ fn find_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     Ok(found)
 }
+
+/// A checkpoint config's `quantization_config` (top level, or under `text_config` as
+/// multimodal checkpoints put it) with the field path errors name; None when it has none.
+pub(crate) fn quantization_config(
+    cfg: &serde_json::Value,
+) -> Option<(&'static str, &serde_json::Value)> {
+    match (
+        cfg.get("quantization_config"),
+        cfg.get("text_config")
+            .and_then(|t| t.get("quantization_config")),
+    ) {
+        (Some(q), _) => Some(("quantization_config", q)),
+        (None, Some(q)) => Some(("text_config.quantization_config", q)),
+        (None, None) => None,
+    }
+}
+
+/// How a load treated `count` quantized tensors of one format, `kept` of them as stored:
+/// `kept as stored`, `dequantized to bf16`, or `3 kept as stored, the rest dequantized to bf16`.
+pub(crate) fn kept_or_dequantized(count: usize, kept: usize, dtype: candle_core::DType) -> String {
+    match kept {
+        0 => format!("dequantized to {}", dtype.as_str()),
+        k if k == count => "kept as stored".to_string(),
+        k => format!(
+            "{k} kept as stored, the rest dequantized to {}",
+            dtype.as_str()
+        ),
+    }
+}

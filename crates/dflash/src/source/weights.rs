@@ -257,43 +257,7 @@ impl Weights {
             Backend::Safetensors { st, .. } => {
                 // Quantized safetensors formats, dequantized here: MLX affine, then FP8 blocks.
                 let desc = self.file_desc();
-                let deq = match super::mlx::load_dequantized(
-                    st,
-                    self.mlx.as_ref(),
-                    name,
-                    shape.dims(),
-                    &desc,
-                )? {
-                    Some(d) => {
-                        *self.mlx_report.borrow_mut().entry(d.params).or_default() += 1;
-                        Some((d.tensor, d.read.to_vec()))
-                    }
-                    None => match super::fp8::load_dequantized(
-                        st,
-                        self.fp8.as_ref(),
-                        name,
-                        shape.dims(),
-                        &desc,
-                    )? {
-                        Some(d) => {
-                            *self.fp8_count.borrow_mut() += 1;
-                            Some((d.tensor, d.read.to_vec()))
-                        }
-                        None => super::intq::load_stored(
-                            st,
-                            self.intq.as_ref(),
-                            name,
-                            shape.dims(),
-                            &desc,
-                        )?
-                        .map(|s| -> Result<_> {
-                            *self.intq_count.borrow_mut() += 1;
-                            let t = Tensor::from_vec(s.dequantize()?, shape.dims(), &Device::Cpu)?;
-                            Ok((t, s.read))
-                        })
-                        .transpose()?,
-                    },
-                };
+                let deq = self.dequantized(st, name, shape.dims(), &desc)?;
                 if let Some((t, read)) = deq {
                     self.used.borrow_mut().extend(read);
                     return Ok(t.to_dtype(dtype)?.to_device(&self.device)?);
@@ -319,6 +283,32 @@ impl Weights {
             t
         };
         Ok(t.to_device(&self.device)?)
+    }
+
+    /// `name` dequantized to f32 on the CPU when a quantized safetensors format stores it (MLX
+    /// affine, FP8 blocks, integer groups; counted for the load report), with the stored
+    /// tensors it read; None for an ordinary tensor.
+    fn dequantized(
+        &self,
+        st: &MmapedSafetensors,
+        name: &str,
+        dims: &[usize],
+        desc: &str,
+    ) -> Result<Option<(Tensor, Vec<String>)>> {
+        if let Some(d) = super::mlx::load_dequantized(st, self.mlx.as_ref(), name, dims, desc)? {
+            *self.mlx_report.borrow_mut().entry(d.params).or_default() += 1;
+            return Ok(Some((d.tensor, d.read)));
+        }
+        if let Some(d) = super::fp8::load_dequantized(st, self.fp8.as_ref(), name, dims, desc)? {
+            *self.fp8_count.borrow_mut() += 1;
+            return Ok(Some((d.tensor, d.read.to_vec())));
+        }
+        if let Some(s) = super::intq::load_stored(st, self.intq.as_ref(), name, dims, desc)? {
+            *self.intq_count.borrow_mut() += 1;
+            let t = Tensor::from_vec(s.dequantize()?, dims, &Device::Cpu)?;
+            return Ok(Some((t, s.read)));
+        }
+        Ok(None)
     }
 
     /// `name` exactly as stored (dtype unchanged, on the CPU), shape-checked: packed

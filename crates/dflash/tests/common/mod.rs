@@ -16,6 +16,30 @@ pub fn load(dir: &Path) -> Box<dyn TargetModel> {
     load_target(&src, &LoadOptions::default()).unwrap().1
 }
 
+/// A target from `dir` with the default options (f32 on the CPU), or the load's error.
+pub fn load_with(dir: &Path) -> dflash::Result<Box<dyn TargetModel>> {
+    let src = ModelSource::from_dir("test", dir)?;
+    load_target(&src, &LoadOptions::default()).map(|x| x.1)
+}
+
+/// The logits of every position of `toks`, from a fresh cache.
+pub fn all_logits(m: &dyn TargetModel, toks: &[u32]) -> Tensor {
+    let mut c = m.new_cache(toks.len()).unwrap();
+    m.forward(toks, 0, &mut c, &[], Logits::All)
+        .unwrap()
+        .logits
+        .unwrap()
+}
+
+/// A tiny qwen3 of hidden 128 (so that every in-dimension takes group size 128).
+pub fn qwen3_128(seed: u64) -> dflash::testing::TinyTarget {
+    dflash::testing::TinyTarget {
+        hidden: 128,
+        intermediate: 256,
+        ..dflash::testing::TinyTarget::qwen3(seed)
+    }
+}
+
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let a = a
         .to_dtype(candle_core::DType::F32)
