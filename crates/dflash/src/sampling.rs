@@ -124,7 +124,6 @@ struct History {
     prompt: std::collections::HashSet<u32>,
 }
 
-/// First index of the maximum (ties -> lowest id, like torch.argmax).
 /// Greedy choice of every row of f32 `logits [rows, vocab]`, as [`argmax`] on each row (the
 /// largest value, the lowest index among equal ones): on CUDA with our own kernel (candle's
 /// argmax gives a 152k-word row to one block: tens of us), elsewhere with candle's.
@@ -157,6 +156,70 @@ pub fn choose_rows_at_once(
     sample_rows_on_device(logits, sampler)
 }
 
+/// [`choose_rows_at_once`] for several sequences at once (a batch's verify rows): the
+/// sequences that choose the same way on the device (greedy, or plain temperature sampling at
+/// one temperature) get one launch and one read-back together instead of one each, the rows'
+/// logits concatenated and each row with its own sequence's uniforms. Every row's choice is the
+/// one [`choose_rows_at_once`] makes for its sequence alone (each row is chosen from its own
+/// logits and uniform). `None` for a sequence that has no choice at once (CPU, adjusted logits,
+/// top-k / top-p / min-p): the caller chooses its rows as it would alone.
+pub fn choose_rows_at_once_many(
+    parts: &[(&candle_core::Tensor, &Sampler)],
+) -> crate::Result<Vec<Option<Vec<u32>>>> {
+    let mut out: Vec<Option<Vec<u32>>> = vec![None; parts.len()];
+    // groups of parts by how they choose: greedy (None) or a temperature's bits
+    let mut groups: Vec<(Option<u32>, Vec<usize>)> = Vec::new();
+    for (i, (logits, sampler)) in parts.iter().enumerate() {
+        let key = if sampler.adjusts() || !logits.device().is_cuda() || logits.rank() != 2 {
+            continue;
+        } else if sampler.params.is_greedy() {
+            None
+        } else if sampler.is_plain_temperature() {
+            Some(sampler.params.temperature.to_bits())
+        } else {
+            continue;
+        };
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, g)) => g.push(i),
+            None => groups.push((key, vec![i])),
+        }
+    }
+    for (key, idx) in groups {
+        let vocab = parts[idx[0]].0.dim(1)?;
+        if idx.len() == 1 || idx.iter().any(|&i| parts[i].0.dim(1).ok() != Some(vocab)) {
+            for i in idx {
+                out[i] = choose_rows_at_once(parts[i].0, parts[i].1)?;
+            }
+            continue;
+        }
+        let rows: Vec<&candle_core::Tensor> = idx.iter().map(|&i| parts[i].0).collect();
+        let all = candle_core::Tensor::cat(&rows, 0)?;
+        let ids = match key {
+            None => Some(argmax_rows(&all)?),
+            Some(_) => {
+                let u: Vec<f64> = idx
+                    .iter()
+                    .flat_map(|&i| parts[i].1.peek_uniforms(parts[i].0.dim(0).unwrap_or(0)))
+                    .collect();
+                sample_rows_with(&all, parts[idx[0]].1, &u)?
+            }
+        };
+        let Some(ids) = ids else {
+            for i in idx {
+                out[i] = choose_rows_at_once(parts[i].0, parts[i].1)?;
+            }
+            continue;
+        };
+        let mut at = 0;
+        for i in idx {
+            let n = parts[i].0.dim(0)?;
+            out[i] = Some(ids[at..at + n].to_vec());
+            at += n;
+        }
+    }
+    Ok(out)
+}
+
 /// Every row of f32 `logits [rows, vocab]` sampled on the device with plain temperature
 /// sampling, row i with the sampler's i-th next uniform, as [`Sampler::sample`] would draw it
 /// on the host (the same rule; sums grouped differently, so a draw can differ only when the
@@ -168,15 +231,26 @@ pub fn sample_rows_on_device(
     logits: &candle_core::Tensor,
     sampler: &Sampler,
 ) -> crate::Result<Option<Vec<u32>>> {
-    #[cfg(feature = "cuda")]
     if sampler.is_plain_temperature() && logits.rank() == 2 {
-        let u = sampler.peek_uniforms(logits.dim(0)?);
+        return sample_rows_with(logits, sampler, &sampler.peek_uniforms(logits.dim(0)?));
+    }
+    Ok(None)
+}
+
+/// Rows of `logits` drawn on the device at `sampler`'s temperature, row i with `u[i]`.
+fn sample_rows_with(
+    logits: &candle_core::Tensor,
+    sampler: &Sampler,
+    u: &[f64],
+) -> crate::Result<Option<Vec<u32>>> {
+    #[cfg(feature = "cuda")]
+    {
         let t = sampler.params.temperature.max(1e-6);
-        if let Some(ids) = crate::nn::cuda::sample_rows(logits, t, &u)? {
+        if let Some(ids) = crate::nn::cuda::sample_rows(logits, t, u)? {
             return Ok(Some(ids.to_vec1::<u32>()?));
         }
     }
-    let _ = (logits, sampler);
+    let _ = (logits, sampler, u);
     Ok(None)
 }
 

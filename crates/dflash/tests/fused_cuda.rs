@@ -1189,6 +1189,63 @@ fn device_sampler_matches_host_sampler() {
     assert!(sample_rows_on_device(&x, &topp).unwrap().is_none());
 }
 
+/// A batch's verify choices made together (`sampling::choose_rows_at_once_many`: one launch
+/// and one read-back per way of choosing) equal each sequence's choices made alone
+/// (`choose_rows_at_once`), for a mix of greedy sequences, plain temperature sampling at two
+/// temperatures and several seeds, and sequences with no choice at once (top-k, a logit bias:
+/// None, as alone); the samplers are not advanced.
+#[test]
+fn batch_choices_equal_each_sequence_alone() {
+    use dflash::sampling::{
+        choose_rows_at_once, choose_rows_at_once_many, Sampler, SamplingParams,
+    };
+    let Some(dev) = gpu() else { return };
+    let vocab = 151936;
+    let p = |temperature: f32, seed: u64, top_k: usize| SamplingParams {
+        temperature,
+        seed,
+        top_k,
+        ..Default::default()
+    };
+    let mut biased = p(1.0, 9, 0);
+    biased.logit_bias.push((5, 3.0));
+    let params = [
+        p(0.0, 0, 0),
+        p(1.0, 1, 0),
+        p(1.0, 2, 0),
+        p(0.0, 0, 0),
+        p(0.7, 3, 0),
+        p(1.0, 4, 20),
+        p(1.0, 5, 0),
+        biased,
+        p(0.7, 6, 0),
+    ];
+    let samplers: Vec<Sampler> = params.iter().cloned().map(Sampler::new).collect();
+    // 1-16 rows a sequence, as a verify's blocks
+    let rows = [1usize, 8, 16, 3, 8, 8, 5, 4, 16];
+    let logits: Vec<Tensor> = rows
+        .iter()
+        .map(|&n| randn(&[n, vocab], 3.0, &dev).to_dtype(DType::F32).unwrap())
+        .collect();
+    let parts: Vec<(&Tensor, &Sampler)> = logits.iter().zip(&samplers).collect();
+    let many = choose_rows_at_once_many(&parts).unwrap();
+    assert_eq!(many.len(), parts.len());
+    let mut together = 0;
+    for (i, (l, s)) in parts.iter().enumerate() {
+        let alone = choose_rows_at_once(l, s).unwrap();
+        assert_eq!(many[i], alone, "sequence {i} ({:?})", params[i]);
+        together += many[i].is_some() as usize;
+        assert_eq!(
+            s.peek_uniforms(1),
+            Sampler::new(params[i].clone()).peek_uniforms(1)
+        );
+    }
+    assert_eq!(
+        together, 7,
+        "greedy and plain temperature sequences choose on the device"
+    );
+}
+
 /// Every family on the GPU through the fused kernels (`DFLASH_FAMILY_MODELS`: small random
 /// models of each family with their drafts, made by `tools/gpu-bench/families.py build
 /// --small`; skipped when unset): (1) a prompt and a 16-row verify with the fused kernels

@@ -296,10 +296,13 @@ impl Engine {
 
     /// Target choices `post[0..=a]` where `a` is the number of accepted draft tokens:
     /// `block[i] == post[i-1]` for i in 1..=a, and `post[a]` is the bonus token.
+    /// `at_once`: the rows' choices when the caller made them already
+    /// ([`crate::sampling::choose_rows_at_once_many`] for a batch).
     fn choose_until_mismatch(
         logits: &Tensor,
         block: &[u32],
         sampler: &mut Sampler,
+        at_once: Option<Vec<u32>>,
     ) -> Result<Vec<u32>> {
         let q = block.len();
         // Every row chosen at once (greedy, or drawn on the device with the uniforms the host
@@ -307,7 +310,10 @@ impl Engine {
         // first mismatch are kept, and only their uniforms drawn.
         // With logit adjustments row i is adjusted for the history plain decoding would have
         // there: the committed tokens and the proposals block[1..=i] (sampling's docs).
-        let all = crate::sampling::choose_rows_at_once(logits, sampler)?;
+        let all = match at_once {
+            Some(ids) => Some(ids),
+            None => crate::sampling::choose_rows_at_once(logits, sampler)?,
+        };
         let mut rows = match all {
             Some(_) => Vec::new(),
             None => logits.to_vec2::<f32>()?,

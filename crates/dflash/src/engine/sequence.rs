@@ -404,9 +404,10 @@ impl<'e> Sequence<'e> {
     /// Accept, first half: the target's choices row by row up to the first mismatch (the
     /// last one is the bonus token). This reads the verify's result to the host, so on a GPU
     /// it is where the cycle waits for the verify.
-    pub fn choose(&mut self, fw: ForwardOutput) -> Result<Verified> {
+    /// `at_once`: the rows' choices, when the batch made them for every sequence together.
+    pub fn choose(&mut self, fw: ForwardOutput, at_once: Option<Vec<u32>>) -> Result<Verified> {
         let logits = fw.logits.as_ref().expect("verify logits");
-        let post = Engine::choose_until_mismatch(logits, &self.block, &mut self.sampler)?;
+        let post = Engine::choose_until_mismatch(logits, &self.block, &mut self.sampler, at_once)?;
         Ok(Verified {
             post,
             taps: fw.taps,
@@ -469,7 +470,7 @@ impl<'e> Sequence<'e> {
         self.propose()?;
         let tv = Instant::now();
         let fw = self.verify()?;
-        let v = self.choose(fw)?;
+        let v = self.choose(fw, None)?;
         let verify_s = tv.elapsed().as_secs_f64();
         self.engine
             .observe_costs(1, q, verify_s, self.draft_s.map(|d| (q, d)));
@@ -715,14 +716,29 @@ impl<'e> Batch<'e> {
             prof.mark("verify forward");
             match r {
                 Ok(outs) => {
-                    // Every sequence's choices first (the first read waits for the forward),
-                    // then the verify's time, then accept, roll back and commit.
+                    // Every sequence's choices first (one launch and one read for all the
+                    // sequences that choose alike on the device; the first read waits for the
+                    // forward), then the verify's time, then accept, roll back and commit.
+                    let at_once = {
+                        let parts: Vec<(&Tensor, &Sampler)> = idx
+                            .iter()
+                            .zip(&outs)
+                            .filter_map(|(k, fw)| {
+                                let l = fw.as_ref().ok()?.logits.as_ref()?;
+                                Some((l, &self.seqs[*k].1.sampler))
+                            })
+                            .collect();
+                        match crate::sampling::choose_rows_at_once_many(&parts) {
+                            Ok(ids) if parts.len() == idx.len() => ids,
+                            _ => vec![None; idx.len()],
+                        }
+                    };
                     let mut chosen = Vec::with_capacity(idx.len());
                     let mut rows = 0;
-                    for (k, fw) in idx.iter().zip(outs) {
+                    for ((k, fw), ids) in idx.iter().zip(outs).zip(at_once) {
                         let s = &mut self.seqs[*k].1;
                         rows += s.block.len();
-                        match fw.and_then(|fw| s.choose(fw)) {
+                        match fw.and_then(|fw| s.choose(fw, ids)) {
                             Ok(v) => chosen.push((*k, v)),
                             Err(e) => failed.push((*k, e)),
                         }
