@@ -36,7 +36,7 @@ fn free_space(dir: &Path) -> String {
 }
 
 pub fn run(m: crate::flags::ModelFlags) -> Result<()> {
-    let keep_quant = m.load.keep_quant;
+    let (keep_quant, tensor_parallel) = (m.load.keep_quant, m.load.tensor_parallel);
     let (model, draft, device, dtype) = (m.model, m.draft, m.load.device, m.load.dtype);
     println!("dflash {}", env!("CARGO_PKG_VERSION"));
     println!(
@@ -121,6 +121,7 @@ pub fn run(m: crate::flags::ModelFlags) -> Result<()> {
                         dtype: dt,
                         device: dev.clone(),
                         keep_quant,
+                        tensor_parallel,
                     },
                 ) {
                     Err(e) => println!("  will not run: {e}"),

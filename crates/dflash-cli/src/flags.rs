@@ -24,6 +24,10 @@ pub struct LoadFlags {
     /// Memory to plan with instead of what the machine reports, e.g. 8G or 512M.
     #[arg(long)]
     pub memory_limit: Option<String>,
+    /// Split the target's attention heads and MLP units over N ranks (CPU threads for now;
+    /// GPUs over NCCL are not built yet).
+    #[arg(long = "tensor-parallel", visible_alias = "tp", default_value_t = 1)]
+    pub tensor_parallel: usize,
 }
 
 impl LoadFlags {
@@ -34,6 +38,7 @@ impl LoadFlags {
             device: self.device.clone(),
             keep_quant: self.keep_quant,
             force_memory: self.force_memory,
+            tensor_parallel: self.tensor_parallel,
             memory_limit: self
                 .memory_limit
                 .as_deref()

@@ -34,6 +34,8 @@ pub struct PipelineOptions {
     /// Bytes to treat as available instead of what the machine reports (tests; leaving
     /// room for other processes).
     pub memory_limit: Option<u64>,
+    /// Tensor-parallel ranks for the target (0 or 1: none; `archs::parallel`).
+    pub tensor_parallel: usize,
 }
 
 /// The model to load: the user's `--model`, or the demo default (SmolLM2-135M-Instruct GGUF,
@@ -202,6 +204,7 @@ impl Pipeline {
             dtype,
             device: device.clone(),
             keep_quant: opts.keep_quant,
+            tensor_parallel: opts.tensor_parallel.max(1),
         };
         let src = ModelSource::resolve(&opts.model)?;
         let mut notices = vec![];

@@ -155,6 +155,7 @@ fn gemma4_bf16_runs() {
             dtype: candle_core::DType::BF16,
             device: candle_core::Device::Cpu,
             keep_quant: false,
+            tensor_parallel: 1,
         };
         let m = load_target(&src, &opts).unwrap().1;
         let mut c = m.new_cache(ids.len()).unwrap();
@@ -386,6 +387,7 @@ fn gemma4_cuda_matches_transformers() {
                 dtype: dt,
                 device: dev.clone(),
                 keep_quant: false,
+                tensor_parallel: 1,
             };
             let m = load_target(&src, &opts).unwrap().1;
             let tol = if dt == candle_core::DType::F32 {

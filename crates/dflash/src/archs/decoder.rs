@@ -230,6 +230,15 @@ impl Layer for DecoderLayer {
         }
     }
 
+    fn kv_heads(&self) -> Option<(usize, usize)> {
+        match &self.mixer {
+            Mixer::Attention { attn, .. } if !attn.spec.shared_kv => {
+                Some((self.slot, attn.spec.kv_heads))
+            }
+            _ => None,
+        }
+    }
+
     fn weight_bytes(&self) -> usize {
         let mixer = match &self.mixer {
             Mixer::Attention { attn, .. } => attn.weight_bytes(),

@@ -406,7 +406,7 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
                 device_tables: Default::default(),
             };
             let shared = if mc.shared_intermediate_size > 0 {
-                let mut m = GatedMlp::load(
+                let mut m = GatedMlp::load_whole(
                     w,
                     &format!("{p}.mlp.shared_experts"),
                     h,

@@ -469,6 +469,10 @@ impl Layer for Gemma4Layer {
         self.weight_bytes() as f64 - moe
     }
 
+    fn kv_heads(&self) -> Option<(usize, usize)> {
+        (!self.attn.spec.shared_kv).then_some((self.slot, self.attn.spec.kv_heads))
+    }
+
     fn weight_bytes(&self) -> usize {
         let norms = [
             &self.input_norm,

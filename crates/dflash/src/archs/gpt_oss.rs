@@ -239,7 +239,7 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
         deq_layers += (stored == Stored::Dequantized) as usize;
         kept_layers += (stored == Stored::Kept) as usize;
         let mut attn = Attention::load(w, &format!("{p}.self_attn"), spec.clone())?;
-        attn.sinks = Some(w.get(&format!("{p}.self_attn.sinks"), cfg.num_attention_heads)?);
+        attn.set_sinks(w.get(&format!("{p}.self_attn.sinks"), cfg.num_attention_heads)?)?;
         attn.fuse()?;
         let vis = match g.layer_types[i] {
             LayerType::Sliding => Visibility::sliding(g.sliding_window),

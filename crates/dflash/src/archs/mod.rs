@@ -13,6 +13,7 @@ pub mod gpt_oss;
 pub mod graphs;
 pub mod hybrid;
 pub mod llama;
+pub mod parallel;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_5;
@@ -85,6 +86,9 @@ pub struct TargetCache {
     pub layers: Vec<LayerCache>,
     len: usize,
     capacity: usize,
+    /// A tensor-parallel model's caches of ranks 1.. (their shares of the heads; `layers` is
+    /// rank 0's), kept in step with this one (`parallel::Sharded`).
+    pub ranks: Vec<TargetCache>,
 }
 
 /// The state one layer keeps between forward passes.
@@ -114,6 +118,7 @@ impl TargetCache {
             layers,
             len: 0,
             capacity,
+            ranks: Vec::new(),
         }
     }
 
@@ -138,10 +143,15 @@ impl TargetCache {
                 self.len
             )));
         }
-        for l in &self.layers {
-            if let LayerCache::Recurrent(r) = l {
-                r.check_truncate(len)?;
+        for c in std::iter::once(&*self).chain(&self.ranks) {
+            for l in &c.layers {
+                if let LayerCache::Recurrent(r) = l {
+                    r.check_truncate(len)?;
+                }
             }
+        }
+        for c in &mut self.ranks {
+            c.truncate(len)?;
         }
         for l in &mut self.layers {
             match l {
@@ -189,6 +199,11 @@ impl TargetCache {
             layers,
             len,
             capacity,
+            ranks: self
+                .ranks
+                .iter()
+                .map(|c| c.fork(len, capacity))
+                .collect::<Result<_>>()?,
         })
     }
 
@@ -202,6 +217,7 @@ impl TargetCache {
     pub fn advance(&mut self, n: usize) {
         self.len += n;
     }
+    /// Bytes held, every rank's included.
     pub fn bytes(&self) -> usize {
         self.layers
             .iter()
@@ -210,7 +226,8 @@ impl TargetCache {
                 LayerCache::Recurrent(r) => r.bytes(),
                 LayerCache::Latent(c) => c.bytes(),
             })
-            .sum()
+            .sum::<usize>()
+            + self.ranks.iter().map(TargetCache::bytes).sum::<usize>()
     }
 }
 
@@ -393,6 +410,8 @@ pub struct LoadOptions {
     /// GGUF: keep quantized matrices in their stored type instead of requantizing types
     /// without a fast multi-row CPU kernel (see [`crate::nn::quant::requant_target`]).
     pub keep_quant: bool,
+    /// Tensor-parallel ranks (1: the whole model in one copy; see [`parallel::Sharded`]).
+    pub tensor_parallel: usize,
 }
 
 impl Default for LoadOptions {
@@ -401,6 +420,7 @@ impl Default for LoadOptions {
             dtype: DType::F32,
             device: Device::Cpu,
             keep_quant: false,
+            tensor_parallel: 1,
         }
     }
 }
@@ -571,6 +591,15 @@ pub fn load_target(
 ) -> Result<(TargetConfig, Box<dyn TargetModel>)> {
     let cfg = src.target_config()?;
     let fam = family_for(&cfg)?;
+    if opts.tensor_parallel > 1 {
+        let model = parallel::Sharded::load(opts.tensor_parallel, |shard| {
+            let w = src
+                .weights(opts.dtype, &opts.device, opts.keep_quant)?
+                .with_shard(Some(shard));
+            (fam.load)(&cfg, &w)
+        })?;
+        return Ok((cfg, Box::new(model)));
+    }
     let w = src.weights(opts.dtype, &opts.device, opts.keep_quant)?;
     let model = (fam.load)(&cfg, &w)?;
     Ok((cfg, model))

@@ -375,6 +375,11 @@ pub trait Layer: Send + Sync {
     fn graph_safe(&self) -> bool {
         false
     }
+    /// `(cache slot, key/value heads)` of an attention layer as loaded (a tensor-parallel
+    /// rank's share); None for other layers.
+    fn kv_heads(&self) -> Option<(usize, usize)> {
+        None
+    }
     /// Bytes of weights held (fused copies included).
     fn weight_bytes(&self) -> usize;
     /// Bytes of weights a forward of `rows` rows reads: all of them, but for a MoE block only
@@ -522,6 +527,15 @@ impl<L: Layer> Stack<L> {
     /// Fill `info.weight_bytes` from what the model holds.
     pub fn finish_load(mut self) -> Self {
         self.info.weight_bytes = self.weight_bytes();
+        // KV slots sized by the layers as loaded (a tensor-parallel rank holds its share of
+        // the key/value heads; the config's plan counts them all)
+        for l in &self.layers {
+            if let Some((slot, heads)) = l.kv_heads() {
+                if let Some(CacheKind::Kv { kv_heads, .. }) = self.caches.get_mut(slot) {
+                    *kv_heads = heads;
+                }
+            }
+        }
         self
     }
 

@@ -483,6 +483,7 @@ pub fn bench_pair(
         keep_quant: opts.keep_quant,
         force_memory: opts.force_memory,
         memory_limit: opts.memory_limit,
+        tensor_parallel: 1,
     }) {
         Ok(p) => p,
         Err(e) => return row.fail(classify(&e, load_role(&e, spec))),

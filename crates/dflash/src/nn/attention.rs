@@ -225,15 +225,55 @@ pub struct Attention {
     pub kv: Option<Linear>,
     /// Attention sinks `[heads]` (gpt-oss): a learned logit per head joining the softmax.
     pub sinks: Option<Tensor>,
+    /// A tensor-parallel rank's layer (its share of the heads; `spec` counts them): `o_proj`'s
+    /// output is this rank's partial sum, all-reduced over the ranks.
+    pub shard: Option<super::parallel::Shard>,
 }
 
 impl Attention {
     /// Load `{prefix}.{q,k,v,o}_proj` (those the spec has) and, with `qk_norm`,
     /// `{prefix}.{q,k}_norm`.
+    ///
+    /// In a tensor-parallel load (`w.shard()`) the layer keeps its rank's share of the query
+    /// and key/value heads (q/k/v rows, o_proj columns; the returned spec counts that share)
+    /// and all-reduces `o_proj`'s output.
     pub fn load(w: &Weights, prefix: &str, spec: AttentionSpec) -> Result<Self> {
         let h = spec.hidden;
         let (qd, kd) = (spec.heads * spec.head_dim, spec.kv_width());
-        let lin = |n: &str, i, o, b| Linear::load(w, &format!("{prefix}.{n}"), i, o, b);
+        // (gated queries are head-major, `[heads, 2 head_dim]` rows, so a rank's rows are
+        // whole heads with their gates; KV-shared layers read the owner's share of the heads)
+        let shard = w.shard().cloned();
+        let mut spec = spec;
+        // key/value heads per rank: a share, or (fewer heads than ranks) the one head this
+        // rank's queries read, replicated over the ranks that read it
+        let mut kv_rows = None;
+        if let Some(sh) = &shard {
+            sh.check_divides(spec.heads, &format!("attention heads of `{prefix}`"))?;
+            if spec.kv_heads < sh.world {
+                if !sh.world.is_multiple_of(spec.kv_heads) {
+                    return Err(crate::Error::input(format!(
+                        "tensor parallel {}: the {} key/value heads of `{prefix}` can neither split over nor be replicated evenly on {} ranks",
+                        sh.world, spec.kv_heads, sh.world
+                    )));
+                }
+                let head = sh.rank * spec.kv_heads / sh.world;
+                kv_rows = Some((head * spec.head_dim, spec.head_dim));
+            } else {
+                sh.check_divides(spec.kv_heads, &format!("key/value heads of `{prefix}`"))?;
+            }
+        }
+        use crate::source::Split;
+        let lin = |n: &str, i, o, b| {
+            let name = format!("{prefix}.{n}");
+            match (&shard, n, kv_rows) {
+                (None, _, _) => w.linear(&name, i, o, b),
+                (Some(_), "o_proj", _) => w.linear_split(&name, i, o, b, Split::In),
+                (Some(_), "k_proj" | "v_proj", Some((at, len))) => {
+                    w.linear_split(&name, i, o, b, Split::Rows(at, len))
+                }
+                (Some(_), _, _) => w.linear_split(&name, i, o, b, Split::Out),
+            }
+        };
         let norm = |n: &str| {
             RmsNorm::load(
                 w,
@@ -260,11 +300,40 @@ impl Attention {
             v_norm: (spec.v_norm && own_kv)
                 .then(|| RmsNorm::unit(spec.head_dim, spec.eps, w.dtype, &w.device))
                 .transpose()?,
-            spec,
+            spec: {
+                if let Some(sh) = &shard {
+                    spec.heads /= sh.world;
+                    spec.kv_heads = (spec.kv_heads / sh.world).max(1);
+                }
+                spec
+            },
             qkv: None,
             kv: None,
             sinks: None,
+            shard,
         })
+    }
+
+    /// Attention sinks, one logit per head of the whole layer (this rank's heads kept when
+    /// sharded).
+    pub fn set_sinks(&mut self, sinks: Tensor) -> Result<()> {
+        self.sinks = Some(match &self.shard {
+            Some(sh) => {
+                let (at, n) = sh.range(sinks.dim(0)?);
+                sinks.narrow(0, at, n)?.contiguous()?
+            }
+            None => sinks,
+        });
+        Ok(())
+    }
+
+    /// `o_proj` over the attention output `o` (all-reduced over the ranks when sharded).
+    fn o_proj_forward(&self, o: &Tensor) -> Result<Tensor> {
+        let y = self.o_proj.forward(o)?;
+        match &self.shard {
+            Some(sh) => sh.all_reduce(&y),
+            None => Ok(y),
+        }
     }
 
     /// Stack q/k/v into one linear when [`Linear::concat`] can (dense, or quantized of one
@@ -581,7 +650,7 @@ impl Attention {
     fn project_out(&self, o: &Tensor, at: &Site) -> Result<Tensor> {
         match &at.out_conv {
             Some(c) => super::dyn_conv::project_then_conv(&self.o_proj, o, c),
-            None => self.o_proj.forward(o),
+            None => self.o_proj_forward(o),
         }
     }
 
@@ -656,7 +725,7 @@ impl Attention {
             Some(g) if !g.is_empty() => (o * candle_nn::ops::sigmoid(&Tensor::cat(&g, 0)?)?)?,
             _ => o,
         };
-        self.o_proj.forward(&o)
+        self.o_proj_forward(&o)
     }
 
     /// [`Self::forward`] of a forward whose positions live on the device (`step`; a CUDA
@@ -766,7 +835,7 @@ impl Attention {
         };
         if !self.spec.shared_kv {
             if let Some(o) = self.attend_fused_one_launch(&y, sites, caches, lens)? {
-                return Ok(Some(self.o_proj.forward(&o)?));
+                return Ok(Some(self.o_proj_forward(&o)?));
             }
         }
         let mut outs = Vec::with_capacity(sites.len());
@@ -782,7 +851,7 @@ impl Attention {
             }
             off += n;
         }
-        Ok(Some(self.o_proj.forward(&Tensor::cat(&outs, 0)?)?))
+        Ok(Some(self.o_proj_forward(&Tensor::cat(&outs, 0)?)?))
     }
 
     /// Every segment's K/V write in one launch and their attention in one more (each segment's

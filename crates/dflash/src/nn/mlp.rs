@@ -39,6 +39,9 @@ pub struct GatedMlp {
     pub act: Activation,
     /// `gate` and `up` stacked (see `fuse`): one matmul for both.
     pub gate_up: Option<Linear>,
+    /// A tensor-parallel rank's MLP (its share of the units): `down`'s output is this rank's
+    /// partial sum, all-reduced over the ranks.
+    pub shard: Option<super::parallel::Shard>,
 }
 
 impl GatedMlp {
@@ -50,12 +53,15 @@ impl GatedMlp {
             down,
             act,
             gate_up: None,
+            shard: None,
         };
         m.fuse()?;
         Ok(m)
     }
 
-    /// Load `{prefix}.{gate,up,down}_proj`.
+    /// Load `{prefix}.{gate,up,down}_proj`; in a tensor-parallel load (`w.shard()`) this
+    /// rank's share of the `inter` units (gate/up rows, down columns), `down`'s output
+    /// all-reduced.
     pub fn load(
         w: &Weights,
         prefix: &str,
@@ -64,12 +70,46 @@ impl GatedMlp {
         bias: bool,
         act: Activation,
     ) -> Result<Self> {
+        Self::load_as(w, prefix, hidden, inter, bias, act, true)
+    }
+
+    /// [`Self::load`] whole on every tensor-parallel rank (a MoE block's shared expert, which
+    /// the block's own kernels take as whole weights: it stays with the routed experts).
+    pub fn load_whole(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+        act: Activation,
+    ) -> Result<Self> {
+        Self::load_as(w, prefix, hidden, inter, bias, act, false)
+    }
+
+    fn load_as(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+        act: Activation,
+        split: bool,
+    ) -> Result<Self> {
+        use crate::source::Split;
+        let lin = |n: &str, i, o, part| {
+            let name = format!("{prefix}.{n}");
+            match split {
+                true => w.linear_split(&name, i, o, bias, part),
+                false => w.linear(&name, i, o, bias),
+            }
+        };
         Ok(Self {
-            gate: Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inter, bias)?,
-            up: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inter, bias)?,
-            down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?,
+            gate: lin("gate_proj", hidden, inter, Split::Out)?,
+            up: lin("up_proj", hidden, inter, Split::Out)?,
+            down: lin("down_proj", inter, hidden, Split::In)?,
             act,
             gate_up: None,
+            shard: w.shard().filter(|_| split).cloned(),
         })
     }
 
@@ -111,9 +151,15 @@ impl GatedMlp {
         x: &Tensor,
         after: Option<&super::dyn_conv::ConvAfter>,
     ) -> Result<Tensor> {
-        let down = |h: &Tensor| match after {
-            Some(c) => super::dyn_conv::project_then_conv(&self.down, h, c),
-            None => self.down.forward(h),
+        let down = |h: &Tensor| {
+            match (after, &self.shard) {
+            (Some(c), None) => super::dyn_conv::project_then_conv(&self.down, h, c),
+            (None, None) => self.down.forward(h),
+            (None, Some(sh)) => sh.all_reduce(&self.down.forward(h)?),
+            (Some(_), Some(_)) => Err(Error::input(
+                "tensor parallel: a convolution after a sharded MLP (a DFlash2 draft layer) is not supported",
+            )),
+        }
         };
         let (g, u) = match &self.gate_up {
             Some(gu) => {

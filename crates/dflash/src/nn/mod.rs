@@ -26,6 +26,7 @@ pub mod mlp;
 pub mod moe;
 pub mod mxfp4;
 pub mod norm;
+pub mod parallel;
 pub mod q8;
 pub mod quant;
 pub mod recurrent_cache;

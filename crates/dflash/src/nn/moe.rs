@@ -605,7 +605,7 @@ impl SparseMoe {
         act: Activation,
     ) -> Result<Self> {
         let shared = if c.shared_intermediate_size > 0 {
-            let mut mlp = GatedMlp::load(
+            let mut mlp = GatedMlp::load_whole(
                 w,
                 &format!("{prefix}.shared_expert"),
                 hidden,

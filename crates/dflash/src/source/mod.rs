@@ -20,7 +20,7 @@ pub mod mxfp4;
 pub mod weights;
 
 pub use demo::demo_model_path;
-pub use weights::Weights;
+pub use weights::{Split, Weights};
 
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};

@@ -63,6 +63,21 @@ pub struct Weights {
     /// Integer-quantized matrices loaded so far, and those kept as stored.
     intq_count: RefCell<usize>,
     intq_kept: RefCell<usize>,
+    /// The tensor-parallel rank this load is for ([`Self::with_shard`]).
+    shard: Option<crate::nn::parallel::Shard>,
+}
+
+/// How a linear's weight splits over tensor-parallel ranks ([`Weights::linear_split`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Column-parallel: each rank keeps its share of the output rows (and of the bias).
+    Out,
+    /// Row-parallel: each rank keeps its share of the input columns; its output is a partial
+    /// sum, the bias kept on rank 0 only (so the all-reduce adds it once).
+    In,
+    /// The output rows `[at, at + len)` (the key/value head a rank needs when there are fewer
+    /// of them than ranks: replicated over the ranks whose queries read it).
+    Rows(usize, usize),
 }
 
 impl Weights {
@@ -143,7 +158,20 @@ impl Weights {
             intq: None,
             intq_count: RefCell::default(),
             intq_kept: RefCell::default(),
+            shard: None,
         }
+    }
+
+    /// Load one tensor-parallel rank's part of the model: the layers that split
+    /// ([`Self::linear_split`]) keep this rank's slice; everything else is loaded whole.
+    pub fn with_shard(mut self, shard: Option<crate::nn::parallel::Shard>) -> Self {
+        self.shard = shard.filter(|s| s.world > 1);
+        self
+    }
+
+    /// The rank this load is for (None: the whole model).
+    pub fn shard(&self) -> Option<&crate::nn::parallel::Shard> {
+        self.shard.as_ref()
     }
 
     /// The MLX affine quantization named by the checkpoint's config (see
@@ -418,6 +446,55 @@ impl Weights {
                 bias,
             },
         })
+    }
+
+    /// [`Self::linear`] split over the tensor-parallel ranks ([`Split`]); the whole linear
+    /// when the load is not sharded. `out_dim` / `in_dim` are the whole matrix's. Dense
+    /// weights only for now: a quantized weight in a sharded load is an error naming it.
+    pub fn linear_split(
+        &self,
+        prefix: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+        split: Split,
+    ) -> Result<Linear> {
+        let Some(sh) = self.shard.clone() else {
+            return self.linear(prefix, in_dim, out_dim, bias);
+        };
+        let (dim, (at, len)) = match split {
+            Split::Out | Split::In => {
+                let (dim, n) = if split == Split::Out {
+                    (0, out_dim)
+                } else {
+                    (1, in_dim)
+                };
+                let what = if dim == 0 { "rows" } else { "columns" };
+                sh.check_divides(n, &format!("{what} of `{prefix}`"))?;
+                (dim, sh.range(n))
+            }
+            Split::Rows(at, len) if at + len <= out_dim => (0, (at, len)),
+            Split::Rows(at, len) => {
+                return Err(Error::input(format!(
+                    "tensor parallel: rows {at}..{} of `{prefix}`, which has {out_dim}",
+                    at + len
+                )))
+            }
+        };
+        match self.linear(prefix, in_dim, out_dim, bias)? {
+            Linear::Dense { weight, bias } => Ok(Linear::Dense {
+                weight: weight.narrow(dim, at, len)?.contiguous()?,
+                bias: match (split, bias) {
+                    (Split::Out | Split::Rows(..), Some(b)) => Some(b.narrow(0, at, len)?.contiguous()?),
+                    (Split::In, b) if sh.rank == 0 => b,
+                    _ => None,
+                },
+            }),
+            _ => Err(Error::input(format!(
+                "tensor parallel: `{prefix}` is quantized ({}); sharding keeps dense weights only so far (load it unquantized or without --tensor-parallel)",
+                self.file_desc()
+            ))),
+        }
     }
 
     /// An MLX-quantized matrix kept as stored ([`Linear::Affine`]) where the kernels take it:
