@@ -229,6 +229,58 @@ fn greedy_dflash_equals_plain_through_the_sharded_target() {
     }
 }
 
+/// A GGUF target (Q8_0 and Q4_0 matrices, kept as stored: the CPU's int8 products) split over
+/// 2 and 4 ranks: each rank's matrices are whole blocks of the stored ones (rows, or columns
+/// at block boundaries), logits follow the whole model's (the int8 partial sums add in another
+/// order), and greedy DFlash == plain decoding through the sharded target (every rank's
+/// products are row-invariant, so a verify row equals its decode step).
+#[test]
+fn gguf_blocks_split_as_stored() {
+    use candle_core::quantized::GgmlDType;
+    use dflash::testing::{write_gguf_with, TinyDraft, TinyTarget};
+    let mut t = TinyTarget::qwen3(41);
+    t.dominant = vec![(3, 4.0), (7, 3.0)];
+    let dir = tempfile::tempdir().unwrap();
+    t.write(dir.path()).unwrap();
+    let gguf = write_gguf_with(&t, dir.path(), |name: &str| {
+        if name.contains("mlp") {
+            GgmlDType::Q4_0
+        } else {
+            GgmlDType::Q8_0
+        }
+    })
+    .unwrap();
+    let d = TinyDraft::for_target(&t, 2, vec![0, 2], 16, 78);
+    let ddir = tempfile::tempdir().unwrap();
+    d.write(ddir.path(), t.vocab).unwrap();
+    let opts = |tp| LoadOptions {
+        keep_quant: true,
+        tensor_parallel: tp,
+        ..Default::default()
+    };
+    let src = || ModelSource::from_gguf("t", &gguf);
+    let (cfg, whole) = load_target(&src(), &opts(1)).unwrap();
+    for tp in [2usize, 4] {
+        let split = load_target(&src(), &opts(tp)).unwrap().1;
+        let info = split.info().quantization.clone().unwrap_or_default();
+        assert!(
+            info.contains("Q8_0") && info.contains(&format!("tensor parallel {tp}")),
+            "{info}"
+        );
+        let e = compare("gguf qwen3", whole.as_ref(), split.as_ref(), tp);
+        let draft = dflash::draft::load_draft(
+            &ModelSource::from_dir("d", ddir.path()).unwrap(),
+            &cfg,
+            "t",
+            &LoadOptions::default(),
+        )
+        .unwrap();
+        let engine = dflash::engine::Engine::new(split, Some(draft));
+        let n = common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "gguf");
+        eprintln!("ok gguf tp {tp}: logits rel err {e:.2e}, {n} generations greedy DFlash == plain; {info}");
+    }
+}
+
 /// What cannot split says so in one line naming the count: 4 heads over 3 ranks.
 #[test]
 fn uneven_splits_are_one_line_errors() {

@@ -450,7 +450,9 @@ impl Weights {
 
     /// [`Self::linear`] split over the tensor-parallel ranks ([`Split`]); the whole linear
     /// when the load is not sharded. `out_dim` / `in_dim` are the whole matrix's. Dense
-    /// weights only for now: a quantized weight in a sharded load is an error naming it.
+    /// weights, and GGUF block types (whole blocks: a row split at any row, a column split at
+    /// block boundaries); MLX / FP8 / integer-quantized safetensors are an error naming the
+    /// tensor.
     pub fn linear_split(
         &self,
         prefix: &str,
@@ -481,17 +483,45 @@ impl Weights {
                 )))
             }
         };
-        match self.linear(prefix, in_dim, out_dim, bias)? {
-            Linear::Dense { weight, bias } => Ok(Linear::Dense {
-                weight: weight.narrow(dim, at, len)?.contiguous()?,
-                bias: match (split, bias) {
-                    (Split::Out | Split::Rows(..), Some(b)) => Some(b.narrow(0, at, len)?.contiguous()?),
-                    (Split::In, b) if sh.rank == 0 => b,
-                    _ => None,
+        let bias = match bias {
+            true => Some(self.get(&format!("{prefix}.bias"), out_dim)?),
+            false => None,
+        };
+        let bias = match (split, bias) {
+            (Split::Out | Split::Rows(..), Some(b)) => Some(b.narrow(0, at, len)?.contiguous()?),
+            (Split::In, b) if sh.rank == 0 => b,
+            _ => None,
+        };
+        let out_len = if dim == 0 { len } else { out_dim };
+        if self.is_gguf() {
+            let name = format!("{prefix}.weight");
+            let q = self.qtensor(&name, &Shape::from((out_dim, in_dim)))?;
+            let q = Arc::new(
+                slice_qtensor(&q, dim, at, len)
+                    .map_err(|e| Error::input(format!("tensor parallel: `{name}`: {e}")))?,
+            );
+            return Ok(match self.matmul_weight(q.clone(), &name)? {
+                Placed::Quant(weight) => Linear::quant(weight, bias, out_len)?,
+                Placed::Affine(weight) => Linear::Affine {
+                    weight: Arc::new(weight),
+                    bias,
                 },
+                Placed::Float => Linear::Dense {
+                    weight: q
+                        .dequantize(&Device::Cpu)?
+                        .to_dtype(self.dtype)?
+                        .to_device(&self.device)?,
+                    bias,
+                },
+            });
+        }
+        match self.linear(prefix, in_dim, out_dim, false)? {
+            Linear::Dense { weight, .. } => Ok(Linear::Dense {
+                weight: weight.narrow(dim, at, len)?.contiguous()?,
+                bias,
             }),
             _ => Err(Error::input(format!(
-                "tensor parallel: `{prefix}` is quantized ({}); sharding keeps dense weights only so far (load it unquantized or without --tensor-parallel)",
+                "tensor parallel: `{prefix}` is quantized ({}); sharding keeps dense and GGUF weights only so far (run it without --tensor-parallel)",
                 self.file_desc()
             ))),
         }
@@ -1029,4 +1059,42 @@ pub fn parse_safetensors_header(header: &[u8], data_len: u64, file: &str) -> Res
         }
     }
     Ok(out)
+}
+
+/// Rows (`dim` 0) or columns (`dim` 1) `[at, at + len)` of a 2-D quantized matrix, as
+/// stored: a row is a run of self-contained blocks, so rows slice at any row and columns at
+/// block boundaries (an error otherwise, naming the block size).
+pub fn slice_qtensor(q: &QTensor, dim: usize, at: usize, len: usize) -> Result<QTensor> {
+    use candle_core::quantized::QStorage;
+    use std::borrow::Cow;
+    let dims = q.shape().dims().to_vec();
+    let (rows, cols) = match dims[..] {
+        [r, c] => (r, c),
+        _ => return Err(Error::input(format!("a 2-D matrix, not {dims:?}"))),
+    };
+    let dt = q.dtype();
+    let (bs, ts) = (dt.block_size(), dt.type_size());
+    let data = q.data()?;
+    let row_bytes = data.len() / rows.max(1);
+    let (out, shape) = if dim == 0 {
+        (
+            data[at * row_bytes..(at + len) * row_bytes].to_vec(),
+            (len, cols),
+        )
+    } else {
+        if at % bs != 0 || len % bs != 0 {
+            return Err(Error::input(format!(
+                "columns {at}..{} do not fall on its {dt:?} blocks of {bs} (choose a tensor-parallel size that splits the width into whole blocks)",
+                at + len
+            )));
+        }
+        let (b0, nb) = (at / bs * ts, len / bs * ts);
+        let mut out = Vec::with_capacity(rows * nb);
+        for r in 0..rows {
+            out.extend_from_slice(&data[r * row_bytes + b0..r * row_bytes + b0 + nb]);
+        }
+        (out, (rows, len))
+    };
+    let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, dt)?;
+    Ok(QTensor::new(storage, shape)?)
 }
