@@ -661,6 +661,7 @@ fn moe_matches_host_routing_and_rows_are_invariant() {
                 down_bias: biases.then(|| randn(&[e, h], 0.1, &dev)),
                 act,
                 inter,
+                rank: None,
             },
             shared: shared.then(|| SharedExpert {
                 mlp: GatedMlp::new(
@@ -782,6 +783,7 @@ fn mxfp4_experts_match_the_dequantized_experts() {
                     alpha: 1.702,
                 },
                 inter,
+                rank: None,
             },
             shared: None,
         };
@@ -898,6 +900,7 @@ fn affine_experts_match_the_dequantized_experts() {
                 down_bias: None,
                 act: ExpertAct::Glu(Activation::Silu),
                 inter,
+                rank: None,
             },
             shared: None,
         };

@@ -214,7 +214,9 @@ fn load_experts(w: &Weights, p: &str, g: &GptOssConfig, h: usize) -> Result<(Exp
                 alpha: ALPHA,
             },
             inter,
-        },
+            rank: None,
+        }
+        .keep_rank(w)?,
         stored,
     ))
 }

@@ -4,11 +4,13 @@
 //! engine sees one [`TargetModel`]: rank 0's logits and taps are the model's; each rank keeps
 //! its own share of the KV cache (`TargetCache::ranks`).
 //!
-//! What splits today: plain / GQA attention (key/value heads replicated when there are fewer
-//! of them than ranks) and dense gated MLPs, dense (unquantized) weights, ranks as threads of
-//! one CPU process. Everything else of a layer (MoE experts, Gated DeltaNet mixers, latent
-//! attention, gated attention, the embedding and the LM head) is loaded whole on every rank
-//! and computed there, so the output is still the model's; the load report states each
+//! What splits today: attention heads (key/value heads replicated when there are fewer of them
+//! than ranks; gated and KV-shared attention too), dense gated MLP units, and routed experts
+//! (expert parallelism: an even share of the experts a rank, the routing whole on every rank,
+//! the block's output all-reduced); dense and GGUF weights (whole blocks); ranks as threads of
+//! one CPU process. The rest (Gated DeltaNet mixers, latent attention, shared experts, norms,
+//! the embedding and the LM head) is loaded whole on every rank and computed there, so the
+//! output is still the model's; the load report states each
 //! rank's share. NCCL ranks on GPUs plug in behind `nn::parallel::Comm` (issue 28).
 
 use super::{BatchItem, ForwardOutput, Logits, TargetCache, TargetInfo, TargetModel};
@@ -47,7 +49,7 @@ impl Sharded {
         let per_rank: Vec<usize> = ranks.iter().map(|r| r.info().weight_bytes).collect();
         info.weight_bytes = per_rank.iter().sum();
         let note = format!(
-            "tensor parallel {world}: {:.1} MB of weights a rank (attention heads and dense MLP units split, the rest whole on every rank)",
+            "tensor parallel {world}: {:.1} MB of weights a rank (attention heads, dense MLP units and routed experts split; the rest whole on every rank)",
             per_rank[0] as f64 / 1e6
         );
         info.quantization = Some(match info.quantization.take() {

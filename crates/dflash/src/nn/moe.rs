@@ -391,9 +391,53 @@ pub struct Experts {
     pub down_bias: Option<Tensor>,
     pub act: ExpertAct,
     pub inter: usize,
+    /// Expert parallelism: this tensor-parallel rank holds experts `[first, first + count)`
+    /// only (the stacks above), computes those the rows route to, and the block all-reduces
+    /// the partial sums ([`Self::keep_rank`]).
+    pub rank: Option<(super::parallel::Shard, usize)>,
 }
 
 impl Experts {
+    /// In a tensor-parallel load (`w.shard()`), keep this rank's experts only: a contiguous
+    /// share of the `E` experts by index (expert parallelism; the routing stays whole on every
+    /// rank, so it is exact). Float stacks (the CPU's); experts kept quantized on a GPU are not
+    /// split yet.
+    pub fn keep_rank(mut self, w: &Weights) -> Result<Self> {
+        let Some(sh) = w.shard().cloned() else {
+            return Ok(self);
+        };
+        // a rank's experts: [rank E / N, (rank + 1) E / N), uneven when N does not divide E
+        let e = self.count();
+        if e < sh.world {
+            return Err(Error::input(format!(
+                "tensor parallel {}: {e} routed experts are fewer than the ranks (choose a tensor-parallel size of at most {e})",
+                sh.world
+            )));
+        }
+        let first = sh.rank * e / sh.world;
+        let n = (sh.rank + 1) * e / sh.world - first;
+        let narrow = |m: &ExpertMatrix| -> Result<ExpertMatrix> {
+            match m {
+                ExpertMatrix::Float(t) => Ok(t.narrow(0, first, n)?.contiguous()?.into()),
+                _ => Err(Error::input(
+                    "tensor parallel: experts kept quantized are not split yet (run them without --tensor-parallel)",
+                )),
+            }
+        };
+        self.gate_up = narrow(&self.gate_up)?;
+        self.down = narrow(&self.down)?;
+        let rows = |b: &Option<Tensor>| -> Result<Option<Tensor>> {
+            Ok(match b {
+                Some(b) => Some(b.narrow(0, first, n)?.contiguous()?),
+                None => None,
+            })
+        };
+        self.gate_up_bias = rows(&self.gate_up_bias)?;
+        self.down_bias = rows(&self.down_bias)?;
+        self.rank = Some((sh, first));
+        Ok(self)
+    }
+
     /// Load `{prefix}.experts` without biases, either per expert
     /// (`{prefix}.experts.{e}.{gate,up,down}_proj.weight`, the checkpoint layout), stacked
     /// (`{prefix}.experts.gate_up_proj [E, 2I, H]`, `{prefix}.experts.down_proj [E, H, I]`,
@@ -459,14 +503,16 @@ impl Experts {
             }
             (Tensor::stack(&gu, 0)?.into(), Tensor::stack(&dn, 0)?.into())
         };
-        Ok(Self {
+        Self {
             gate_up,
             gate_up_bias: None,
             down,
             down_bias: None,
             act: ExpertAct::Glu(act),
             inter,
-        })
+            rank: None,
+        }
+        .keep_rank(w)
     }
 
     /// Per-expert integer-quantized matrices kept as stored
@@ -540,13 +586,19 @@ impl Experts {
 
     /// `sum_e weight(row, e) * expert(e, x[rows of e])` for `x [n, hidden]`, experts taken in
     /// index order.
+    /// (Expert parallelism: this rank's experts only, a partial sum; see [`Self::keep_rank`].)
     pub fn forward(&self, x: &Tensor, routes: &Routes) -> Result<Tensor> {
         let n = x.dim(0)?;
         let mut out = x.zeros_like()?;
+        let (first, held) = match &self.rank {
+            Some((_, first)) => (*first, self.count()),
+            None => (0, routes.per_expert.len()),
+        };
         for (e, rows) in routes.per_expert.iter().enumerate() {
-            if rows.is_empty() {
+            if rows.is_empty() || e < first || e >= first + held {
                 continue;
             }
+            let e = e - first;
             let wts: Vec<f32> = rows.iter().map(|r| r.1).collect();
             let wts = Tensor::from_vec(wts, (rows.len(), 1), x.device())?.to_dtype(x.dtype())?;
             // Rows are pushed in order, so all n of them means exactly 0..n.
@@ -672,7 +724,12 @@ impl SparseMoe {
             Some(y) => y,
             None => {
                 let routes = self.router.route(router_x)?;
-                (self.experts.forward(x, &routes)?, false)
+                let y = self.experts.forward(x, &routes)?;
+                let y = match &self.experts.rank {
+                    Some((sh, _)) => sh.all_reduce(&y)?,
+                    None => y,
+                };
+                (y, false)
             }
         };
         Ok(match &self.shared {
@@ -689,6 +746,7 @@ impl SparseMoe {
     fn forward_device(&self, router_x: &Tensor, x: &Tensor) -> Result<Option<(Tensor, bool)>> {
         use super::cuda::{ActMode, MoeCall, RouteMode};
         if !super::fused::allowed_part(crate::switches::Part::Moe)
+            || self.experts.rank.is_some()
             || !x.device().is_cuda()
             || x.track_op()
             || x.dim(0)? > super::cuda::MOE_MAX_ROWS
@@ -902,6 +960,7 @@ mod tests {
             down_bias: None,
             act: ExpertAct::Glu(Activation::Silu),
             inter: 2,
+            rank: None,
         };
         let mut r = Routes::new(2);
         r.push(0, 0, 0.5);
