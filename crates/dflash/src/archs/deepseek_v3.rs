@@ -31,7 +31,7 @@ use crate::nn::moe::{Experts, MoeConfig, Router, Scoring, SharedExpert};
 use crate::nn::{
     Activation, GatedMlp, LatentAttention, Linear, MlaShape, QProj, RmsNorm, Rope, SparseMoe,
 };
-use crate::source::Weights;
+use crate::source::{Split, Weights};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -336,7 +336,15 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
     let (base, head_name) = tensor_prefix(w)?;
     let dev = &w.device;
     let eps = cfg.rms_norm_eps;
-    let q_perm = rope_deinterleave_index(heads, qk, rope_d, dev)?;
+    // tensor parallel: a rank's share of the heads (q / q_b rows, kv_b rows, o_proj columns,
+    // all head-major); the compressed row (q_a, kv_a, the latent cache) whole on every rank
+    let shard = w.shard().cloned();
+    if let Some(sh) = &shard {
+        sh.check_divides(heads, "attention heads")?;
+    }
+    let (rank, world) = shard.as_ref().map_or((0, 1), |s| (s.rank, s.world));
+    let lh = heads / world;
+    let q_perm = rope_deinterleave_index(lh, qk, rope_d, dev)?;
     let kv_perm = rope_deinterleave_index(1, kvr + rope_d, rope_d, dev)?;
     let embed = w.embedding(&format!("{base}.embed_tokens.weight"), v, h)?;
     let norm = |name: &str, dim: usize, eps: f64| RmsNorm::load(w, name, dim, eps, false);
@@ -345,6 +353,7 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
         let p = format!("{base}.layers.{i}");
         let a = format!("{p}.self_attn");
         let lin = |n: &str, i, o, b| Linear::load(w, &format!("{a}.{n}"), i, o, b);
+        let split = |n: &str, i, o, b, part| w.linear_split(&format!("{a}.{n}"), i, o, b, part);
         let interleave = |l: Linear, idx: &Tensor| {
             if c.rope_interleave {
                 permute_rows(l, idx)
@@ -353,26 +362,35 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
             }
         };
         let q = match c.q_lora_rank {
-            None => QProj::Plain(interleave(lin("q_proj", h, heads * qk, false)?, &q_perm)?),
+            None => QProj::Plain(interleave(
+                split("q_proj", h, heads * qk, false, Split::Out)?,
+                &q_perm,
+            )?),
             Some(r) => QProj::LowRank {
                 a: lin("q_a_proj", h, r, c.attention_bias)?,
                 norm: norm(&format!("{a}.q_a_layernorm.weight"), r, LORA_NORM_EPS)?,
-                b: interleave(lin("q_b_proj", r, heads * qk, false)?, &q_perm)?,
+                b: interleave(
+                    split("q_b_proj", r, heads * qk, false, Split::Out)?,
+                    &q_perm,
+                )?,
             },
         };
         let kv_a = interleave(
             lin("kv_a_proj_with_mqa", h, kvr + rope_d, c.attention_bias)?,
             &kv_perm,
         )?;
-        let kv_b = w.get(&format!("{a}.kv_b_proj.weight"), (heads * (nope + vd), kvr))?;
-        let attn = LatentAttention::new(
+        let kv_b = w
+            .get(&format!("{a}.kv_b_proj.weight"), (heads * (nope + vd), kvr))?
+            .narrow(0, rank * lh * (nope + vd), lh * (nope + vd))?;
+        let mut attn = LatentAttention::new(
             q,
             kv_a,
             norm(&format!("{a}.kv_a_layernorm.weight"), kvr, LORA_NORM_EPS)?,
             &kv_b,
-            lin("o_proj", heads * vd, h, c.attention_bias)?,
-            c.shape(heads),
+            split("o_proj", heads * vd, h, c.attention_bias, Split::In)?,
+            c.shape(lh),
         )?;
+        attn.shard = shard.clone();
         let ffn = if i < c.first_k_dense_replace {
             let mut m =
                 GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, false, act)?;

@@ -5,10 +5,11 @@
 //! its own share of the KV cache (`TargetCache::ranks`).
 //!
 //! What splits today: attention heads (key/value heads replicated when there are fewer of them
-//! than ranks; gated and KV-shared attention too), dense gated MLP units, and routed experts
+//! than ranks; gated and KV-shared attention too; latent attention's heads, its compressed
+//! row and cache whole on every rank), dense gated MLP units, and routed experts
 //! (expert parallelism: an even share of the experts a rank, the routing whole on every rank,
 //! the block's output all-reduced); dense and GGUF weights (whole blocks); ranks as threads of
-//! one CPU process. The rest (Gated DeltaNet mixers, latent attention, shared experts, norms,
+//! one CPU process. The rest (Gated DeltaNet mixers, shared experts, norms,
 //! the embedding and the LM head) is loaded whole on every rank and computed there, so the
 //! output is still the model's; the load report states each
 //! rank's share. NCCL ranks on GPUs plug in behind `nn::parallel::Comm` (issue 28).

@@ -46,7 +46,10 @@ pub struct LatentAttention {
     /// `[heads, v, kv_lora]`: maps a head's latent output to its value space.
     pub w_uv: Tensor,
     pub o_proj: Linear,
+    /// Per rank when tensor-parallel: `heads` counts this rank's share.
     pub shape: MlaShape,
+    /// A tensor-parallel rank's layer: `o_proj`'s output all-reduced over the ranks.
+    pub shard: Option<super::parallel::Shard>,
 }
 
 impl LatentAttention {
@@ -69,6 +72,7 @@ impl LatentAttention {
             w_uv: kv_b.narrow(1, s.nope, s.v_dim)?.contiguous()?,
             o_proj,
             shape,
+            shard: None,
         })
     }
 
@@ -156,7 +160,11 @@ impl LatentAttention {
             .transpose(0, 1)?
             .contiguous()?
             .reshape((n, s.heads * s.v_dim))?;
-        self.o_proj.forward(&o)
+        let y = self.o_proj.forward(&o)?;
+        match &self.shard {
+            Some(sh) => sh.all_reduce(&y),
+            None => Ok(y),
+        }
     }
 
     /// The latent attention kernel (CUDA, bf16, 512 + 64 dims, `nn::cuda::attention_latent`):
