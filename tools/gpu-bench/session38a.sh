@@ -1,37 +1,31 @@
 #!/usr/bin/env bash
-# Session 38 (issues 21, 23), first call with this session's binaries:
-# (1) tests/fused_cuda.rs: the affine-expert test with its corrected bound (the tensor cores'
-#     rounding, not bit equality), and the MoE checkpoint tests over affine stacks;
-# (2) issue 23 on today's build (graphs, merged attention splits, f32 head logits since the
-#     last measurement in session 21): Qwen3-8B shape, controlled-acceptance draft, T = 1,
-#     c = 1 / 8 / 32, plain and DFlash (block 8, block 16, the adaptive policy);
-# (3) where a c = 32 DFlash cycle goes: `DFLASH_PROFILE=1` (wall per section, device synced)
-#     and `DFLASH_PROFILE=gpu` (kernel time per section) over the batch steps.
-#   run(command="bash tools/gpu-bench/session38a.sh", carry=[".device/fused_cuda.xz", ".device/concurrency.xz", "tools/goldens/wheels"])
+# Session 38 (issue 23), many requests at once on today's build (graphs, merged attention
+# splits, f32 head logits: none of them measured at concurrency since session 21), A/B in one
+# run: `concurrency_base` (c34f96d) against `concurrency` (this session's build: a batch's
+# verify choices in one launch and one read-back per way of choosing, not one per sequence).
+# Qwen3-8B shape, controlled-acceptance draft, T = 1, prompts of 128, 128 new tokens,
+# c = 1 / 8 / 32, plain and DFlash block 8 (alternating builds), then the adaptive policy (new
+# build), then where a c = 32 DFlash cycle goes (`DFLASH_PROFILE=1`: wall
+# per section, device synced; `gpu`: kernel time per section), both builds.
+#   run(command="bash tools/gpu-bench/session38a.sh", carry=[".device/concurrency_base.xz", ".device/concurrency.xz", "tools/goldens/wheels"])
 set -uo pipefail
 T0=$SECONDS
-. "$(dirname "$0")/env.sh" fused_cuda concurrency
+. "$(dirname "$0")/env.sh" concurrency_base concurrency
 R=${OUT:-/tmp}/s38a
 mkdir -p "$R"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 M=/root/s20-models
 mkdir -p $M
-ensure_models "$M" &
-mk=$!
-fused_tests tests ${TEST_LIMIT:-150} ${TESTS:-affine_experts int4_moe mlx_moe}
-wait $mk || { echo "models failed"; tail -5 "$M.log"; }
-echo "### tests + models in $((SECONDS - T0)) s"
-C="/tmp/stash/concurrency --model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"
-timeout 150 $C --block 8 --concurrency 1,8,32 --modes plain,dflash > "$R/block8.md" 2> "$R/block8.err"
-echo "### block 8 in $((SECONDS - T0)) s"; grep -E '^\| (plain|dflash)' "$R/block8.md"
-timeout 90 $C --block 16 --concurrency 1,8,32 --modes dflash > "$R/block16.md" 2> "$R/block16.err"
-echo "### block 16 in $((SECONDS - T0)) s"; grep -E '^\| dflash' "$R/block16.md"
-timeout 90 $C --concurrency 1,8,32 --modes dflash > "$R/adaptive.md" 2> "$R/adaptive.err"
-echo "### adaptive in $((SECONDS - T0)) s"; grep -E '^\| dflash' "$R/adaptive.md"
-for p in 1 gpu; do
-  DFLASH_PROFILE=$p timeout 60 $C --block 8 --concurrency 32 --modes dflash > "$R/prof-$p.md" 2> "$R/prof-$p.err"
-  echo "### DFLASH_PROFILE=$p, c=32 block 8 (mean ms per batch step over steps with a verify)"
-  grep "profile batch step" "$R/prof-$p.err" | $PY -c '
+ensure_models "$M" || { echo "models failed"; tail -5 "$M.log"; }
+echo "### models in $((SECONDS - T0)) s"
+args="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"
+for b in concurrency_base concurrency concurrency_base concurrency; do
+  [ $((SECONDS - T0)) -gt 250 ] && break
+  timeout 120 /tmp/stash/$b $args --block 8 --concurrency 1,8,32 --modes plain,dflash > "$R/block8-$b.md" 2> "$R/block8-$b.err"
+  echo "### $b block 8 ($((SECONDS - T0)) s)"; grep -E '^\| (plain|dflash)' "$R/block8-$b.md"
+done
+summ() {
+  grep "profile batch step" "$1" | $PY -c '
 import sys, re, collections
 acc = collections.defaultdict(float); n = 0
 for line in sys.stdin:
@@ -40,5 +34,15 @@ for line in sys.stdin:
     n += 1
     for k, v in parts.items(): acc[k] += v
 print(f"{n} steps: " + ", ".join(f"{k} {v / max(n, 1):.3f}" for k, v in acc.items()))'
+}
+for b in concurrency_base concurrency; do
+  for p in 1 gpu; do
+    DFLASH_PROFILE=$p timeout 45 /tmp/stash/$b $args --block 8 --concurrency 32 --modes dflash > "$R/prof-$p-$b.md" 2> "$R/prof-$p-$b.err"
+    echo "### $b DFLASH_PROFILE=$p, c=32 block 8, mean ms per batch step with a verify: $(summ "$R/prof-$p-$b.err")"
+  done
 done
+if [ $((SECONDS - T0)) -lt 380 ]; then
+  timeout 90 /tmp/stash/concurrency $args --concurrency 1,8,32 --modes dflash > "$R/adaptive.md" 2> "$R/adaptive.err"
+  echo "### adaptive ($((SECONDS - T0)) s)"; grep -E '^\| dflash' "$R/adaptive.md"
+fi
 echo "### done in $((SECONDS - T0)) s"
