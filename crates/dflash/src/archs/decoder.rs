@@ -230,13 +230,16 @@ impl Layer for DecoderLayer {
         }
     }
 
-    fn kv_heads(&self) -> Option<(usize, usize)> {
-        match &self.mixer {
-            Mixer::Attention { attn, .. } if !attn.spec.shared_kv => {
-                Some((self.slot, attn.spec.kv_heads))
-            }
-            _ => None,
-        }
+    fn cache_kind(&self) -> Option<(usize, CacheKind)> {
+        let kind = match &self.mixer {
+            Mixer::Attention { attn, .. } if !attn.spec.shared_kv => CacheKind::Kv {
+                kv_heads: attn.spec.kv_heads,
+                head_dim: attn.spec.head_dim,
+            },
+            Mixer::Delta(d) => CacheKind::Recurrent(d.spec.clone()),
+            _ => return None,
+        };
+        Some((self.slot, kind))
     }
 
     fn weight_bytes(&self) -> usize {

@@ -469,8 +469,15 @@ impl Layer for Gemma4Layer {
         self.weight_bytes() as f64 - moe
     }
 
-    fn kv_heads(&self) -> Option<(usize, usize)> {
-        (!self.attn.spec.shared_kv).then_some((self.slot, self.attn.spec.kv_heads))
+    fn cache_kind(&self) -> Option<(usize, CacheKind)> {
+        (!self.attn.spec.shared_kv).then(|| {
+            let s = &self.attn.spec;
+            let kind = CacheKind::Kv {
+                kv_heads: s.kv_heads,
+                head_dim: s.head_dim,
+            };
+            (self.slot, kind)
+        })
     }
 
     fn weight_bytes(&self) -> usize {

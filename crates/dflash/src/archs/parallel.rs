@@ -6,10 +6,12 @@
 //!
 //! What splits today: attention heads (key/value heads replicated when there are fewer of them
 //! than ranks; gated and KV-shared attention too; latent attention's heads, its compressed
-//! row and cache whole on every rank), dense gated MLP units, and routed experts
+//! row and cache whole on every rank), Gated DeltaNet mixers by key heads with their value
+//! heads (conv channels, decay and recurrent state per rank; one key head replicated when
+//! there are fewer than ranks), dense gated MLP units, and routed experts
 //! (expert parallelism: an even share of the experts a rank, the routing whole on every rank,
 //! the block's output all-reduced); dense and GGUF weights (whole blocks); ranks as threads of
-//! one CPU process. The rest (Gated DeltaNet mixers, shared experts, norms,
+//! one CPU process. The rest (shared experts, norms,
 //! the embedding and the LM head) is loaded whole on every rank and computed there, so the
 //! output is still the model's; the load report states each
 //! rank's share. NCCL ranks on GPUs plug in behind `nn::parallel::Comm` (issue 28).
@@ -50,7 +52,7 @@ impl Sharded {
         let per_rank: Vec<usize> = ranks.iter().map(|r| r.info().weight_bytes).collect();
         info.weight_bytes = per_rank.iter().sum();
         let note = format!(
-            "tensor parallel {world}: {:.1} MB of weights a rank (attention heads, dense MLP units and routed experts split; the rest whole on every rank)",
+            "tensor parallel {world}: {:.1} MB of weights a rank (attention and linear-attention heads, dense MLP units and routed experts split; the rest whole on every rank)",
             per_rank[0] as f64 / 1e6
         );
         info.quantization = Some(match info.quantization.take() {

@@ -375,9 +375,9 @@ pub trait Layer: Send + Sync {
     fn graph_safe(&self) -> bool {
         false
     }
-    /// `(cache slot, key/value heads)` of an attention layer as loaded (a tensor-parallel
-    /// rank's share); None for other layers.
-    fn kv_heads(&self) -> Option<(usize, usize)> {
+    /// `(cache slot, what it holds)` for the layer as loaded (a tensor-parallel rank's share
+    /// of the heads); None: the plan's slot as it is (or no slot of its own).
+    fn cache_kind(&self) -> Option<(usize, CacheKind)> {
         None
     }
     /// Bytes of weights held (fused copies included).
@@ -527,12 +527,12 @@ impl<L: Layer> Stack<L> {
     /// Fill `info.weight_bytes` from what the model holds.
     pub fn finish_load(mut self) -> Self {
         self.info.weight_bytes = self.weight_bytes();
-        // KV slots sized by the layers as loaded (a tensor-parallel rank holds its share of
-        // the key/value heads; the config's plan counts them all)
+        // cache slots sized by the layers as loaded (a tensor-parallel rank holds its share
+        // of the heads; the config's plan counts them all)
         for l in &self.layers {
-            if let Some((slot, heads)) = l.kv_heads() {
-                if let Some(CacheKind::Kv { kv_heads, .. }) = self.caches.get_mut(slot) {
-                    *kv_heads = heads;
+            if let Some((slot, kind)) = l.cache_kind() {
+                if let Some(c) = self.caches.get_mut(slot) {
+                    *c = kind;
                 }
             }
         }

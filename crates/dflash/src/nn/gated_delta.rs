@@ -105,7 +105,11 @@ pub struct GatedDeltaNet {
     /// Gated RMSNorm weight `[v_dim]`.
     norm: Tensor,
     pub out_proj: Linear,
+    /// Per rank when tensor-parallel: `k_heads` / `v_heads` count this rank's share.
     pub spec: GatedDeltaSpec,
+    /// A tensor-parallel rank's layer (its share of the key heads and their value heads):
+    /// `out_proj`'s output all-reduced over the ranks.
+    pub shard: Option<super::parallel::Shard>,
 }
 
 /// How a checkpoint stores the depthwise conv1d weight (same bytes, only the shape differs).
@@ -130,13 +134,19 @@ impl GatedDeltaNet {
         }
         let r = hv / hk;
         let name = |n: &str| format!("{prefix}.{n}.weight");
+        // [q, k, v, z, b, a] rows (all heads, head-major within each)
         let rows = match s.layout {
-            InProjLayout::Split => vec![
-                w.get(&name("in_proj_qkv"), (s.conv_dim(), h))?,
-                w.get(&name("in_proj_z"), (hv * dv, h))?,
-                w.get(&name("in_proj_b"), (hv, h))?,
-                w.get(&name("in_proj_a"), (hv, h))?,
-            ],
+            InProjLayout::Split => {
+                let qkv = w.get(&name("in_proj_qkv"), (s.conv_dim(), h))?;
+                vec![
+                    qkv.narrow(0, 0, hk * dk)?,
+                    qkv.narrow(0, hk * dk, hk * dk)?,
+                    qkv.narrow(0, 2 * hk * dk, hv * dv)?,
+                    w.get(&name("in_proj_z"), (hv * dv, h))?,
+                    w.get(&name("in_proj_b"), (hv, h))?,
+                    w.get(&name("in_proj_a"), (hv, h))?,
+                ]
+            }
             InProjLayout::Fused => {
                 let per = 2 * dk + 2 * r * dv;
                 let qkvz = w
@@ -161,34 +171,99 @@ impl GatedDeltaNet {
                 ]
             }
         };
-        let in_proj = Linear::dense(Tensor::cat(&rows, 0)?, None);
+        // tensor parallel: a rank's share of the key heads, with the value heads they serve
+        // (every per-head piece is head-major: rows of q, k, v, z, b, a, conv channels, decay)
+        // (fewer key heads than ranks: a rank's value heads and the one key head they read,
+        // replicated over the ranks that read it)
+        let shard = w.shard().cloned();
+        let (k0, hk_l, v0, hv_l) = match &shard {
+            Some(sh) if hk < sh.world && sh.world.is_multiple_of(hk) => {
+                sh.check_divides(hv, &format!("linear-attention value heads of `{prefix}`"))?;
+                let (v0, hv_l) = sh.range(hv);
+                (v0 / r, 1, v0, hv_l)
+            }
+            Some(sh) => {
+                sh.check_divides(hk, &format!("linear-attention key heads of `{prefix}`"))?;
+                let (k0, hk_l) = sh.range(hk);
+                (k0, hk_l, k0 * r, hk_l * r)
+            }
+            None => (0, hk, 0, hv),
+        };
+        let heads = |t: &Tensor, per: usize, first: usize, n: usize| -> Result<Tensor> {
+            Ok(t.narrow(0, first * per, n * per)?)
+        };
+        let mine = [
+            heads(&rows[0], dk, k0, hk_l)?,
+            heads(&rows[1], dk, k0, hk_l)?,
+            heads(&rows[2], dv, v0, hv_l)?,
+            heads(&rows[3], dv, v0, hv_l)?,
+            heads(&rows[4], 1, v0, hv_l)?,
+            heads(&rows[5], 1, v0, hv_l)?,
+        ];
+        let in_proj = Linear::dense(Tensor::cat(&mine, 0)?, None);
         let k = s.conv_kernel;
         let conv_shape = match conv {
             ConvLayout::Torch => (s.conv_dim(), 1, k),
             ConvLayout::Mlx => (s.conv_dim(), k, 1),
         };
-        let conv_w = w
+        let conv_all = w
             .get_dtype(&name("conv1d"), conv_shape, DType::F32)?
-            .reshape((s.conv_dim(), k))?
-            .t()?
-            .contiguous()?;
-        let a_neg = w
-            .get_dtype(&format!("{prefix}.A_log"), hv, DType::F32)?
-            .exp()?
-            .neg()?
-            .reshape((1, hv))?;
-        let dt_bias = w
-            .get_dtype(&format!("{prefix}.dt_bias"), hv, DType::F32)?
-            .reshape((1, hv))?;
+            .reshape((s.conv_dim(), k))?;
+        let conv_w = Tensor::cat(
+            &[
+                heads(&conv_all, dk, k0, hk_l)?,
+                heads(&conv_all.narrow(0, hk * dk, hk * dk)?, dk, k0, hk_l)?,
+                heads(&conv_all.narrow(0, 2 * hk * dk, hv * dv)?, dv, v0, hv_l)?,
+            ],
+            0,
+        )?
+        .t()?
+        .contiguous()?;
+        let a_neg = heads(
+            &w.get_dtype(&format!("{prefix}.A_log"), hv, DType::F32)?,
+            1,
+            v0,
+            hv_l,
+        )?
+        .exp()?
+        .neg()?
+        .reshape((1, hv_l))?;
+        let dt_bias = heads(
+            &w.get_dtype(&format!("{prefix}.dt_bias"), hv, DType::F32)?,
+            1,
+            v0,
+            hv_l,
+        )?
+        .reshape((1, hv_l))?;
+        let out_proj = w.linear_split(
+            &format!("{prefix}.out_proj"),
+            hv * dv,
+            h,
+            false,
+            crate::source::Split::In,
+        )?;
+        let mut spec = spec;
+        spec.k_heads = hk_l;
+        spec.v_heads = hv_l;
         Ok(Self {
             in_proj,
             conv_w,
             a_neg,
             dt_bias,
             norm: w.get(&name("norm"), dv)?,
-            out_proj: Linear::load(w, &format!("{prefix}.out_proj"), hv * dv, h, false)?,
+            out_proj,
             spec,
+            shard,
         })
+    }
+
+    /// `out_proj`'s output, all-reduced over the ranks when tensor-parallel.
+    fn project_out(&self, o: &Tensor) -> Result<Tensor> {
+        let y = self.out_proj.forward(o)?;
+        match &self.shard {
+            Some(sh) => sh.all_reduce(&y),
+            None => Ok(y),
+        }
     }
 
     /// Bytes of weights held.
@@ -287,7 +362,7 @@ impl GatedDeltaNet {
         let o = (o.to_dtype(DType::F32)? * gate)?
             .to_dtype(dt)?
             .reshape((n, hv * dv))?;
-        let out = self.out_proj.forward(&o)?;
+        let out = self.project_out(&o)?;
         // Commit: new window = last k-1 inputs; undo = the last chunk and its conv inputs.
         // A multi-chunk call copies what it keeps so that the prompt's buffers can go.
         let c_last = last.rows()?;
@@ -394,7 +469,7 @@ impl GatedDeltaNet {
         else {
             return Ok(None);
         };
-        let out = self.out_proj.forward(&y)?;
+        let out = self.project_out(&y)?;
         let chunk = ReplayChunk {
             s0: io.state_in.clone(),
             conv,
