@@ -285,6 +285,52 @@ fn gguf_blocks_split_as_stored() {
     }
 }
 
+/// The Gated DeltaNet hybrids at head counts that split 4 ways (the golden fixtures have 2 key
+/// heads): qwen3_5, qwen3_5_moe and qwen3_next with 4 key / 8 value heads == the whole model at
+/// 2 and 4 ranks (each rank's conv window and recurrent state hold its heads only), and greedy
+/// DFlash == plain through the split qwen3_next.
+#[test]
+fn hybrids_split_by_linear_attention_heads() {
+    use dflash::testing::{TinyDraft, TinyHybrid};
+    for fam in ["qwen3_5", "qwen3_5_moe", "qwen3_next"] {
+        let mut h = TinyHybrid::new(fam, 51);
+        h.lin_k_heads = 4;
+        h.lin_v_heads = 8;
+        h.dominant = vec![(3, 4.0), (7, 3.0)];
+        let dir = tempfile::tempdir().unwrap();
+        h.write(&dir.path().join("t")).unwrap();
+        let whole = load(&dir.path().join("t"), 1).unwrap();
+        for tp in [2usize, 4] {
+            let split = load(&dir.path().join("t"), tp).unwrap();
+            let e = compare(fam, whole.as_ref(), split.as_ref(), tp);
+            eprintln!("ok {fam} (4 / 8 linear heads) tp {tp}: worst logits rel err {e:.2e}");
+        }
+        if fam == "qwen3_next" {
+            let d = TinyDraft::for_target(&h.as_tiny_target(), 2, vec![0, 3], 16, 79);
+            d.write(&dir.path().join("d"), h.vocab).unwrap();
+            let opts = LoadOptions {
+                tensor_parallel: 2,
+                ..Default::default()
+            };
+            let (cfg, target) = load_target(
+                &ModelSource::from_dir("t", &dir.path().join("t")).unwrap(),
+                &opts,
+            )
+            .unwrap();
+            let draft = dflash::draft::load_draft(
+                &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+                &cfg,
+                "t",
+                &LoadOptions::default(),
+            )
+            .unwrap();
+            let engine = dflash::engine::Engine::new(target, Some(draft));
+            let n = common::assert_greedy_dflash_equals_plain(&engine, h.vocab, &[2, 8, 16], fam);
+            eprintln!("ok {fam} tp 2: {n} generations greedy DFlash == plain");
+        }
+    }
+}
+
 /// What cannot split says so in one line naming the count: 4 heads over 3 ranks.
 #[test]
 fn uneven_splits_are_one_line_errors() {
