@@ -367,6 +367,7 @@ fn attention_layer(c: &Case, dev: &Device) -> (Attention, Rope) {
         qkv: None,
         kv: None,
         sinks: c.sinks.then(|| randn(&[c.heads], 2.0, dev)),
+        shard: None,
     };
     a.fuse().unwrap();
     let rope = Rope::new(
