@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Session 38, one call for what 38a and 38b do (when one start is all there is): this
+# session's fused_cuda tests (the affine-expert bound, batch choices == alone, the batched /
+# verify == decode invariants), then issue 23 on this session's build alone (no A/B: the base
+# binary does not fit the carry with fused_cuda): Qwen3-8B shape, controlled-acceptance draft,
+# T = 1, c = 1 / 8 / 32 plain and DFlash block 8, and where a c = 32 DFlash cycle goes
+# (`DFLASH_PROFILE=1` wall per section, `gpu` kernel time per section).
+#   run(command="bash tools/gpu-bench/session38c.sh", carry=[".device/fused_cuda.xz", ".device/concurrency.xz", "tools/goldens/wheels"])
+set -uo pipefail
+T0=$SECONDS
+. "$(dirname "$0")/env.sh" fused_cuda concurrency
+R=${OUT:-/tmp}/s38c
+mkdir -p "$R"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+M=/root/s20-models
+mkdir -p $M
+ensure_models "$M" &
+mk=$!
+fused_tests tests ${TEST_LIMIT:-170} ${TESTS:-affine_experts batch_choices device_sampler forward_batch batched_attention verify_rows int4_moe}
+wait $mk || { echo "models failed"; tail -5 "$M.log"; }
+echo "### tests + models in $((SECONDS - T0)) s"
+args="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"
+timeout 120 /tmp/stash/concurrency $args --block 8 --concurrency 1,8,32 --modes plain,dflash > "$R/block8.md" 2> "$R/block8.err"
+echo "### block 8 ($((SECONDS - T0)) s)"; grep -E '^\| (plain|dflash)' "$R/block8.md"
+summ() {
+  grep "profile batch step" "$1" | $PY -c '
+import sys, re, collections
+acc = collections.defaultdict(float); n = 0
+for line in sys.stdin:
+    parts = dict((m.group(1).strip(), float(m.group(2))) for m in re.finditer(r"([a-z ]+) ([0-9.]+)", line.split("=", 1)[1]))
+    if parts.get("verify forward", 0) <= 0: continue
+    n += 1
+    for k, v in parts.items(): acc[k] += v
+print(f"{n} steps: " + ", ".join(f"{k} {v / max(n, 1):.3f}" for k, v in acc.items()))'
+}
+for p in 1 gpu; do
+  [ $((SECONDS - T0)) -gt 520 ] && break
+  DFLASH_PROFILE=$p timeout 45 /tmp/stash/concurrency $args --block 8 --concurrency 32 --modes dflash > "$R/prof-$p.md" 2> "$R/prof-$p.err"
+  echo "### DFLASH_PROFILE=$p, c=32 block 8, mean ms per batch step with a verify: $(summ "$R/prof-$p.err")"
+done
+echo "### done in $((SECONDS - T0)) s"
