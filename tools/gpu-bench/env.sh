@@ -57,3 +57,16 @@ draft_step() { grep -h "^| draft forward Q=" "$1" 2>/dev/null | head -n 1 | awk 
 # ratio A B: A / B to 3 decimals ("?" when either is missing).
 ratio() { $PY -c "print(f'{float(\"$1\")/float(\"$2\"):.3f}')" 2>/dev/null || echo "?"; }
 
+# batch_step_profile ERR: the mean ms per section of the `profile batch step` lines (a
+# `DFLASH_PROFILE` run of examples/concurrency.rs) over the steps that ran a verify.
+batch_step_profile() {
+  grep "profile batch step" "$1" | $PY -c '
+import sys, re, collections
+acc = collections.defaultdict(float); n = 0
+for line in sys.stdin:
+    parts = dict((m.group(1).strip(), float(m.group(2))) for m in re.finditer(r"([a-z ]+) ([0-9.]+)", line.split("=", 1)[1]))
+    if parts.get("verify forward", 0) <= 0: continue
+    n += 1
+    for k, v in parts.items(): acc[k] += v
+print(f"{n} steps: " + ", ".join(f"{k} {v / max(n, 1):.3f}" for k, v in acc.items()))'
+}

@@ -22,20 +22,9 @@ echo "### tests + models in $((SECONDS - T0)) s"
 args="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"
 timeout 120 /tmp/stash/concurrency $args --block 8 --concurrency 1,8,32 --modes plain,dflash > "$R/block8.md" 2> "$R/block8.err"
 echo "### block 8 ($((SECONDS - T0)) s)"; grep -E '^\| (plain|dflash)' "$R/block8.md"
-summ() {
-  grep "profile batch step" "$1" | $PY -c '
-import sys, re, collections
-acc = collections.defaultdict(float); n = 0
-for line in sys.stdin:
-    parts = dict((m.group(1).strip(), float(m.group(2))) for m in re.finditer(r"([a-z ]+) ([0-9.]+)", line.split("=", 1)[1]))
-    if parts.get("verify forward", 0) <= 0: continue
-    n += 1
-    for k, v in parts.items(): acc[k] += v
-print(f"{n} steps: " + ", ".join(f"{k} {v / max(n, 1):.3f}" for k, v in acc.items()))'
-}
 for p in 1 gpu; do
   [ $((SECONDS - T0)) -gt 520 ] && break
   DFLASH_PROFILE=$p timeout 45 /tmp/stash/concurrency $args --block 8 --concurrency 32 --modes dflash > "$R/prof-$p.md" 2> "$R/prof-$p.err"
-  echo "### DFLASH_PROFILE=$p, c=32 block 8, mean ms per batch step with a verify: $(summ "$R/prof-$p.err")"
+  echo "### DFLASH_PROFILE=$p, c=32 block 8, mean ms per batch step with a verify: $(batch_step_profile "$R/prof-$p.err")"
 done
 echo "### done in $((SECONDS - T0)) s"

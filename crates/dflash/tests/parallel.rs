@@ -34,6 +34,29 @@ fn load(dir: &std::path::Path, tp: usize) -> dflash::Result<Box<dyn TargetModel>
     Ok(load_target(&ModelSource::from_dir("t", dir)?, &opts)?.1)
 }
 
+/// An engine over `target` split over `tp` ranks (GGUF matrices kept as stored) with the
+/// draft in `draft` whole (drafts are not split).
+fn sharded_engine(
+    target: &ModelSource,
+    draft: &std::path::Path,
+    tp: usize,
+) -> dflash::engine::Engine {
+    let opts = LoadOptions {
+        keep_quant: true,
+        tensor_parallel: tp,
+        ..Default::default()
+    };
+    let (cfg, t) = load_target(target, &opts).unwrap();
+    let d = dflash::draft::load_draft(
+        &ModelSource::from_dir("d", draft).unwrap(),
+        &cfg,
+        "t",
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    dflash::engine::Engine::new(t, Some(d))
+}
+
 fn rel(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
     let d = (a - b)
         .unwrap()
@@ -190,23 +213,8 @@ fn greedy_dflash_equals_plain_through_the_sharded_target() {
         d.write(&dir.path().join("d"), t.vocab).unwrap();
         let whole = common::engine_from_dir(dir.path(), true);
         for tp in tps {
-            let opts = LoadOptions {
-                tensor_parallel: tp,
-                ..Default::default()
-            };
-            let (cfg, target) = load_target(
-                &ModelSource::from_dir("t", &dir.path().join("t")).unwrap(),
-                &opts,
-            )
-            .unwrap();
-            let draft = dflash::draft::load_draft(
-                &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
-                &cfg,
-                "t",
-                &LoadOptions::default(),
-            )
-            .unwrap();
-            let e = dflash::engine::Engine::new(target, Some(draft));
+            let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
+            let e = sharded_engine(&tsrc, &dir.path().join("d"), tp);
             let n = common::assert_greedy_dflash_equals_plain(
                 &e,
                 t.vocab,
@@ -263,7 +271,7 @@ fn gguf_blocks_split_as_stored() {
         ..Default::default()
     };
     let src = || ModelSource::from_gguf("t", &gguf);
-    let (cfg, whole) = load_target(&src(), &opts(1)).unwrap();
+    let whole = load_target(&src(), &opts(1)).unwrap().1;
     for tp in [2usize, 4] {
         let split = load_target(&src(), &opts(tp)).unwrap().1;
         let info = split.info().quantization.clone().unwrap_or_default();
@@ -272,14 +280,7 @@ fn gguf_blocks_split_as_stored() {
             "{info}"
         );
         let e = compare("gguf qwen3", whole.as_ref(), split.as_ref(), tp);
-        let draft = dflash::draft::load_draft(
-            &ModelSource::from_dir("d", ddir.path()).unwrap(),
-            &cfg,
-            "t",
-            &LoadOptions::default(),
-        )
-        .unwrap();
-        let engine = dflash::engine::Engine::new(split, Some(draft));
+        let engine = sharded_engine(&src(), ddir.path(), tp);
         let n = common::assert_greedy_dflash_equals_plain(&engine, t.vocab, &[2, 8, 16], "gguf");
         eprintln!("ok gguf tp {tp}: logits rel err {e:.2e}, {n} generations greedy DFlash == plain; {info}");
     }
@@ -308,23 +309,8 @@ fn hybrids_split_by_linear_attention_heads() {
         if fam == "qwen3_next" {
             let d = TinyDraft::for_target(&h.as_tiny_target(), 2, vec![0, 3], 16, 79);
             d.write(&dir.path().join("d"), h.vocab).unwrap();
-            let opts = LoadOptions {
-                tensor_parallel: 2,
-                ..Default::default()
-            };
-            let (cfg, target) = load_target(
-                &ModelSource::from_dir("t", &dir.path().join("t")).unwrap(),
-                &opts,
-            )
-            .unwrap();
-            let draft = dflash::draft::load_draft(
-                &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
-                &cfg,
-                "t",
-                &LoadOptions::default(),
-            )
-            .unwrap();
-            let engine = dflash::engine::Engine::new(target, Some(draft));
+            let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
+            let engine = sharded_engine(&tsrc, &dir.path().join("d"), 2);
             let n = common::assert_greedy_dflash_equals_plain(&engine, h.vocab, &[2, 8, 16], fam);
             eprintln!("ok {fam} tp 2: {n} generations greedy DFlash == plain");
         }
