@@ -171,6 +171,20 @@ fn plan_memory(
         fixed,
         kv_per_token,
     };
+    let tp = opts.tensor_parallel.max(1) as u64;
+    if tp > 1 {
+        // ranks on one host: each holds the embedding and the LM head whole, and its share
+        // of the rest (the KV cache splits with the heads)
+        let (v, h) = (tcfg.vocab_size as u64, tcfg.hidden_size as u64);
+        let tables = if tcfg.tie_word_embeddings { 1 } else { 2 };
+        let whole = (v * h * tables * dtype.size_in_bytes() as u64).min(need.weights);
+        need.weights += (tp - 1) * whole;
+        notices.push(format!(
+            "tensor parallel {tp} on one host: memory planned for the model plus {} more copies of its embedding and LM head ({} each), which every rank holds whole",
+            tp - 1,
+            memory::human(whole)
+        ));
+    }
     if let Some(d) = dsrc {
         let dcfg = crate::config::draft::DraftConfig::from_file(&d.config)?;
         need.weights += memory::weight_bytes(d, dtype, device, opts.keep_quant)?;

@@ -317,6 +317,43 @@ fn hybrids_split_by_linear_attention_heads() {
     }
 }
 
+/// The memory plan of a split load on one host counts the embedding and LM head once a rank:
+/// at a limit where the whole model fits 1,000 tokens of context, two ranks fit 32 fewer
+/// (2 x 128 x 64 f32 more = 64 KiB at 2 KiB of KV a token), with a notice.
+#[test]
+fn the_memory_plan_counts_what_every_rank_holds() {
+    use dflash::pipeline::{Pipeline, PipelineOptions};
+    let dir = tempfile::tempdir().unwrap();
+    dflash::testing::TinyTarget::qwen3(5)
+        .write(dir.path())
+        .unwrap();
+    let src = ModelSource::from_dir("t", dir.path()).unwrap();
+    let dev = candle_core::Device::Cpu;
+    let w = dflash::memory::weight_bytes(&src, candle_core::DType::F32, &dev, false).unwrap();
+    let kv =
+        dflash::memory::kv_bytes_per_token(&src.target_config().unwrap(), candle_core::DType::F32);
+    let load = |tp: usize| {
+        Pipeline::load(&PipelineOptions {
+            model: dir.path().display().to_string(),
+            no_draft: true,
+            memory_limit: Some(w + kv * 1000),
+            tensor_parallel: tp,
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    assert_eq!(load(1).engine.max_context, 1000);
+    let p = load(2);
+    assert_eq!(p.engine.max_context, 1000 - 2 * 128 * 64 * 4 / kv as usize);
+    assert!(
+        p.notices
+            .iter()
+            .any(|n| n.contains("tensor parallel 2 on one host")),
+        "{:?}",
+        p.notices
+    );
+}
+
 /// What cannot split says so in one line naming the count: 4 heads over 3 ranks.
 #[test]
 fn uneven_splits_are_one_line_errors() {
