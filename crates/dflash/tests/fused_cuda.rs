@@ -950,8 +950,7 @@ fn affine_experts_match_the_dequantized_experts() {
 #[test]
 fn mlx_moe_checkpoint_on_the_gpu_runs_as_stored() {
     use common::mlx::{qwen3_moe_128, write_mlx_moe};
-    use dflash::archs::{load_target, LoadOptions};
-    use dflash::source::ModelSource;
+    use dflash::archs::LoadOptions;
     let Some(dev) = gpu() else { return };
     dflash::switches::set_batch_invariant(true);
     let opts = LoadOptions {
@@ -964,25 +963,9 @@ fn mlx_moe_checkpoint_on_the_gpu_runs_as_stored() {
         let dir = tempfile::tempdir().unwrap();
         let (mlx_dir, twin) = (dir.path().join("t"), dir.path().join("twin"));
         write_mlx_moe(&t, &layout, &mlx_dir, &twin);
-        let (cfg, q) = load_target(&ModelSource::from_dir("t", &mlx_dir).unwrap(), &opts).unwrap();
-        let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
-        let info = q.info().quantization.clone().unwrap();
-        // the expert stacks are most of the weights: under 0.45x the twin only if kept
-        assert!(info.contains("kept as stored"), "{info}");
-        assert!(
-            (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * 0.45,
-            "{} bytes held vs {} for bf16",
-            q.info().weight_bytes,
-            f.info().weight_bytes
-        );
-        let toks = common::ids(8, 30, t.vocab);
-        check_against_twin(
-            q.as_ref(),
-            f.as_ref(),
-            &toks,
-            &format!("mlx moe g{group} on CUDA"),
-        );
-        greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 65, "mlx moe on CUDA");
+        let info = moe_kept_as_stored(&mlx_dir, &twin, &t, dir.path(), &opts, (8, 65), |info| {
+            info.contains("kept as stored")
+        });
         eprintln!("ok mlx moe 4-bit g{group} on CUDA: {info}");
     }
 }
@@ -996,8 +979,7 @@ fn mlx_moe_checkpoint_on_the_gpu_runs_as_stored() {
 fn int4_moe_checkpoint_on_the_gpu_runs_as_stored() {
     use common::intq::{write_int, Format, Scheme};
     use common::mlx::qwen3_moe_128;
-    use dflash::archs::{load_target, LoadOptions};
-    use dflash::source::ModelSource;
+    use dflash::archs::LoadOptions;
     let Some(dev) = gpu() else { return };
     dflash::switches::set_batch_invariant(true);
     let opts = LoadOptions {
@@ -1015,19 +997,9 @@ fn int4_moe_checkpoint_on_the_gpu_runs_as_stored() {
             &q_dir,
             &twin,
         );
-        let (cfg, q) = load_target(&ModelSource::from_dir("t", &q_dir).unwrap(), &opts).unwrap();
-        let (_, f) = load_target(&ModelSource::from_dir("f", &twin).unwrap(), &opts).unwrap();
-        let info = q.info().quantization.clone().unwrap();
-        assert!(info.ends_with("; kept as stored"), "{info}");
-        assert!(
-            (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * 0.45,
-            "{info}: {} bytes held vs {} for bf16",
-            q.info().weight_bytes,
-            f.info().weight_bytes
-        );
-        let toks = common::ids(10, 30, t.vocab);
-        check_against_twin(q.as_ref(), f.as_ref(), &toks, &info);
-        greedy_with_tiny_draft(q, &cfg, &t, dir.path(), &opts, 68, &info);
+        let info = moe_kept_as_stored(&q_dir, &twin, &t, dir.path(), &opts, (10, 68), |info| {
+            info.ends_with("; kept as stored")
+        });
         eprintln!("ok int4 moe g{group} on CUDA: {info}");
     }
 }
@@ -2287,6 +2259,37 @@ fn tiny_dense_qwen3_verify_equals_decode_steps() {
             "tiny dense qwen3",
         );
     }
+}
+
+/// A MoE checkpoint in `q_dir` whose experts the GPU keeps as stored, against its bf16 twin in
+/// `twin`: the load report passes `kept` (returned), the weights take under 0.45x the twin's
+/// bytes (the expert stacks are most of them: only if kept), the logits follow the twin's over
+/// a DFlash run (`seeds.0`: the prompt), greedy DFlash == plain (`seeds.1`: the tiny draft).
+fn moe_kept_as_stored(
+    q_dir: &std::path::Path,
+    twin: &std::path::Path,
+    t: &dflash::testing::TinyTarget,
+    dir: &std::path::Path,
+    opts: &dflash::archs::LoadOptions,
+    seeds: (u64, u64),
+    kept: impl Fn(&str) -> bool,
+) -> String {
+    use dflash::archs::load_target;
+    use dflash::source::ModelSource;
+    let (cfg, q) = load_target(&ModelSource::from_dir("t", q_dir).unwrap(), opts).unwrap();
+    let (_, f) = load_target(&ModelSource::from_dir("f", twin).unwrap(), opts).unwrap();
+    let info = q.info().quantization.clone().unwrap();
+    assert!(kept(&info), "{info}");
+    assert!(
+        (q.info().weight_bytes as f64) < f.info().weight_bytes as f64 * 0.45,
+        "{info}: {} bytes held vs {} for bf16",
+        q.info().weight_bytes,
+        f.info().weight_bytes
+    );
+    let toks = common::ids(seeds.0, 30, t.vocab);
+    check_against_twin(q.as_ref(), f.as_ref(), &toks, &info);
+    greedy_with_tiny_draft(q, &cfg, t, dir, opts, seeds.1, &info);
+    info
 }
 
 /// Greedy DFlash == plain decoding for target `q` (config `cfg`, made from `t`) with a tiny

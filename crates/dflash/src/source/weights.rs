@@ -435,14 +435,29 @@ impl Weights {
             });
         }
         let q = self.qtensor(&name, &shape)?;
-        Ok(match self.matmul_weight(Arc::new(q), &name)? {
+        self.gguf_linear(Arc::new(q), &name, bias, out_dim)
+    }
+
+    /// A GGUF matrix `q` (of `out_dim` rows) as a linear layer, placed as
+    /// [`crate::nn::quant::place`] decides: kept quantized, as affine weights, or dequantized.
+    fn gguf_linear(
+        &self,
+        q: Arc<QTensor>,
+        name: &str,
+        bias: Option<Tensor>,
+        out_dim: usize,
+    ) -> Result<Linear> {
+        Ok(match self.matmul_weight(q.clone(), name)? {
             Placed::Quant(weight) => Linear::quant(weight, bias, out_dim)?,
             Placed::Affine(weight) => Linear::Affine {
                 weight: Arc::new(weight),
                 bias,
             },
             Placed::Float => Linear::Dense {
-                weight: self.get(&name, shape)?,
+                weight: q
+                    .dequantize(&Device::Cpu)?
+                    .to_dtype(self.dtype)?
+                    .to_device(&self.device)?,
                 bias,
             },
         })
@@ -496,24 +511,9 @@ impl Weights {
         if self.is_gguf() {
             let name = format!("{prefix}.weight");
             let q = self.qtensor(&name, &Shape::from((out_dim, in_dim)))?;
-            let q = Arc::new(
-                slice_qtensor(&q, dim, at, len)
-                    .map_err(|e| Error::input(format!("tensor parallel: `{name}`: {e}")))?,
-            );
-            return Ok(match self.matmul_weight(q.clone(), &name)? {
-                Placed::Quant(weight) => Linear::quant(weight, bias, out_len)?,
-                Placed::Affine(weight) => Linear::Affine {
-                    weight: Arc::new(weight),
-                    bias,
-                },
-                Placed::Float => Linear::Dense {
-                    weight: q
-                        .dequantize(&Device::Cpu)?
-                        .to_dtype(self.dtype)?
-                        .to_device(&self.device)?,
-                    bias,
-                },
-            });
+            let q = slice_qtensor(&q, dim, at, len)
+                .map_err(|e| Error::input(format!("tensor parallel: `{name}`: {e}")))?;
+            return self.gguf_linear(Arc::new(q), &name, bias, out_len);
         }
         match self.linear(prefix, in_dim, out_dim, false)? {
             Linear::Dense { weight, .. } => Ok(Linear::Dense {
