@@ -1905,6 +1905,7 @@ fn batched_attention_equals_each_sequence_alone() {
                 a.append_keys_values(&ctx, &rope, &t, &mut c1).unwrap();
             }
             let c2 = c1.fork(prefix, cap).unwrap();
+            let c3 = c1.fork(prefix, cap).unwrap();
             let x = randn(&[n, 256], 1.0 + k as f64 * 0.1, &dev);
             let t = rope.tables(prefix, n, &dev, DType::BF16).unwrap();
             let masks = Masks::new(n, prefix, DType::BF16, &dev);
@@ -1917,7 +1918,7 @@ fn batched_attention_equals_each_sequence_alone() {
                 out_conv: None,
             };
             alone.push(a.forward(&x, &site, &mut c1).unwrap());
-            caches.push((c1, c2));
+            caches.push((c1, c2, c3));
             xs.push(x);
             tabs.push((t, prefix, n));
         }
@@ -1938,24 +1939,68 @@ fn batched_attention_equals_each_sequence_alone() {
             })
             .collect();
         let x = Tensor::cat(&xs, 0).unwrap();
-        let mut batch: Vec<&mut KvCache> = caches.iter_mut().map(|(_, c2)| c2).collect();
+        let mut batch: Vec<&mut KvCache> = caches.iter_mut().map(|(_, c2, _)| c2).collect();
         let got = a.forward_segments(&x, &sites, &mut batch).unwrap();
+        // Again with the batch's tables made at once (Rope::tables_runs, as the engine's
+        // batched forwards make them): the kernels read the batch's table whole.
+        let runs: Vec<(usize, usize)> = tabs.iter().map(|(_, p, n)| (*p, *n)).collect();
+        let joint = rope.tables_runs(&runs, &dev, DType::BF16).unwrap();
+        let parts: Vec<&dflash::nn::RopeTables> = joint.iter().collect();
+        let whole = dflash::nn::RopeTables::joint_packed(&parts)
+            .unwrap()
+            .unwrap();
+        let again = dflash::nn::RopeTables::joint_packed(&parts)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            whole.id(),
+            again.id(),
+            "the batch's table is handed back, not copied"
+        );
+        let separate: Vec<&dflash::nn::RopeTables> = tabs.iter().map(|(t, _, _)| t).collect();
+        let gathered = dflash::nn::RopeTables::joint_packed(&separate)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            rel_err(&whole, &gathered),
+            0.0,
+            "batch table == the runs' tables back to back"
+        );
+        let sites3: Vec<Site> = joint
+            .iter()
+            .zip(&masks)
+            .map(|(t, m)| Site {
+                rope: &rope,
+                tables: t,
+                vis: c.vis,
+                masks: m,
+                step: None,
+                out_conv: None,
+            })
+            .collect();
+        let mut batch3: Vec<&mut KvCache> = caches.iter_mut().map(|(_, _, c3)| c3).collect();
+        let got3 = a.forward_segments(&x, &sites3, &mut batch3).unwrap();
         let want = Tensor::cat(&alone, 0).unwrap();
         let label = format!(
             "d {} heads {}/{} {:?} sinks {} gate {} partial {}",
             c.head_dim, c.heads, c.kv_heads, c.vis, c.sinks, c.gate, c.partial
         );
-        let (g, w): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (
-            got.to_dtype(DType::F32).unwrap().to_vec2().unwrap(),
-            want.to_dtype(DType::F32).unwrap().to_vec2().unwrap(),
+        let rows =
+            |t: &Tensor| -> Vec<Vec<f32>> { t.to_dtype(DType::F32).unwrap().to_vec2().unwrap() };
+        assert_eq!(rows(&got), rows(&want), "{label}: batched vs alone");
+        assert_eq!(
+            rows(&got3),
+            rows(&want),
+            "{label}: batched (batch tables) vs alone"
         );
-        assert_eq!(g, w, "{label}: batched vs alone");
-        for (k, (c1, c2)) in caches.iter().enumerate() {
-            assert_eq!(c1.len(), c2.len(), "{label} seq {k}");
-            let (k1, v1) = c1.view().unwrap();
-            let (k2, v2) = c2.view().unwrap();
-            assert_eq!(rel_err(&k1, &k2), 0.0, "{label} seq {k} keys");
-            assert_eq!(rel_err(&v1, &v2), 0.0, "{label} seq {k} values");
+        for (k, (c1, c2, c3)) in caches.iter().enumerate() {
+            for (c, what) in [(c2, "batched"), (c3, "batched, batch tables")] {
+                assert_eq!(c1.len(), c.len(), "{label} seq {k} {what}");
+                let (k1, v1) = c1.view().unwrap();
+                let (k2, v2) = c.view().unwrap();
+                assert_eq!(rel_err(&k1, &k2), 0.0, "{label} seq {k} keys {what}");
+                assert_eq!(rel_err(&v1, &v2), 0.0, "{label} seq {k} values {what}");
+            }
         }
         eprintln!("ok {label}: batched == alone");
     }
@@ -2747,4 +2792,194 @@ fn graphs_replay_the_eager_forwards() {
             "{want} did not replay graphs (replayed: {graphed:?})"
         );
     }
+}
+
+/// The draft's batched pass on the device (`DraftModel::propose_batch`: every item's context
+/// keys/values in one launch a layer, the blocks' rows through one attention launch a layer,
+/// the rope tables of the batch made at once) == each item's `propose` alone, bit for bit in
+/// the rows (at most 16 rows in each product, where the kernels are batch-invariant) and in
+/// the proposals, over two calls per sequence (the second reads the cached context).
+#[test]
+fn draft_batch_on_the_device_equals_draft_alone() {
+    use dflash::archs::{load_target, LoadOptions, Logits};
+    use dflash::draft::{load_draft, DraftItem};
+    use dflash::source::ModelSource;
+    use dflash::testing::{TinyDraft, TinyTarget};
+    let Some(dev) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let t = TinyTarget {
+        hidden: 128,
+        intermediate: 256,
+        head_dim: 64,
+        ..TinyTarget::qwen3(91)
+    };
+    t.write(&dir.path().join("t")).unwrap();
+    let mut d = TinyDraft::for_target(&t, 3, vec![0, 2], 8, 92);
+    d.head_dim = 64;
+    d.layer_types = Some(vec![
+        "sliding_attention",
+        "full_attention",
+        "full_attention",
+    ]);
+    d.sliding_window = 6;
+    d.write(&dir.path().join("d"), t.vocab).unwrap();
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let (cfg, target) = load_target(
+        &ModelSource::from_dir("t", &dir.path().join("t")).unwrap(),
+        &opts,
+    )
+    .unwrap();
+    let draft = load_draft(
+        &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
+        &cfg,
+        "t",
+        &opts,
+    )
+    .unwrap();
+    let target = target.as_ref();
+    // (context rows of call 1, of call 2; block of call 1, of call 2): 16 rows at most a call
+    let plan = [
+        (5usize, 2usize, 4usize, 4usize),
+        (3, 4, 4, 2),
+        (6, 1, 4, 3),
+        (2, 3, 4, 5),
+    ];
+    let seqs: Vec<Vec<u32>> = plan
+        .iter()
+        .enumerate()
+        .map(|(i, p)| common::ids(70 + i as u64, p.0 + p.1 + 1, t.vocab - 1))
+        .collect();
+    let taps: Vec<Tensor> = seqs
+        .iter()
+        .map(|s| {
+            let mut c = target.new_cache(64).unwrap();
+            target
+                .forward(s, 0, &mut c, &draft.taps, Logits::None)
+                .unwrap()
+                .taps
+                .unwrap()
+        })
+        .collect();
+    let block = |s: &[u32], at: usize, q: usize| {
+        let mut b = vec![s[at]];
+        b.resize(q, draft.mask_token_id());
+        b
+    };
+    // call c of sequence k: (context rows, block, start)
+    let call = |k: usize, c: usize| -> (Tensor, Vec<u32>, usize) {
+        let (c1, c2, q1, q2) = plan[k];
+        match c {
+            0 => (
+                taps[k].narrow(0, 0, c1).unwrap(),
+                block(&seqs[k], c1, q1),
+                c1,
+            ),
+            _ => (
+                taps[k].narrow(0, c1, c2).unwrap(),
+                block(&seqs[k], c1 + c2, q2),
+                c1 + c2,
+            ),
+        }
+    };
+    let bits = |t: &Tensor| -> Vec<u16> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| half::bf16::from_f32(*x).to_bits())
+            .collect()
+    };
+    let mut alone = vec![];
+    for k in 0..plan.len() {
+        let mut cache = draft.new_cache(64).unwrap();
+        let mut per_call = vec![];
+        for c in 0..2 {
+            let (ctx, b, start) = call(k, c);
+            let mut probe = draft.new_cache(64).unwrap();
+            if c == 1 {
+                let (ctx0, _, _) = call(k, 0);
+                draft
+                    .forward_rows(
+                        target,
+                        &ctx0,
+                        &block(&seqs[k], plan[k].0, 2),
+                        plan[k].0,
+                        &mut probe,
+                    )
+                    .unwrap();
+            }
+            let rows = draft
+                .forward_rows(target, &ctx, &b, start, &mut probe)
+                .unwrap();
+            let p = draft
+                .propose(target, &ctx, &b, start, &mut cache, None)
+                .unwrap();
+            per_call.push((bits(&rows), p));
+        }
+        alone.push(per_call);
+    }
+    let mut caches: Vec<_> = (0..plan.len())
+        .map(|_| draft.new_cache(64).unwrap())
+        .collect();
+    for c in 0..2 {
+        let calls: Vec<_> = (0..plan.len()).map(|k| call(k, c)).collect();
+        let mut probes: Vec<_> = (0..plan.len())
+            .map(|_| draft.new_cache(64).unwrap())
+            .collect();
+        if c == 1 {
+            for (k, p) in probes.iter_mut().enumerate() {
+                let (ctx0, _, _) = call(k, 0);
+                draft
+                    .forward_rows(target, &ctx0, &block(&seqs[k], plan[k].0, 2), plan[k].0, p)
+                    .unwrap();
+            }
+        }
+        let mut batch: Vec<DraftItem> = probes
+            .iter_mut()
+            .zip(&calls)
+            .map(|(cache, (x, b, s))| DraftItem {
+                ctx: x.clone(),
+                block: b,
+                start: *s,
+                cache,
+                guide: None,
+            })
+            .collect();
+        let (x, spans) = draft.forward_rows_batch(target, &mut batch).unwrap();
+        drop(batch);
+        let mut batch: Vec<DraftItem> = caches
+            .iter_mut()
+            .zip(&calls)
+            .map(|(cache, (x, b, s))| DraftItem {
+                ctx: x.clone(),
+                block: b,
+                start: *s,
+                cache,
+                guide: None,
+            })
+            .collect();
+        let proposals = draft.propose_batch(target, &mut batch).unwrap();
+        drop(batch);
+        for k in 0..plan.len() {
+            let (first, n) = spans[k];
+            let rows = x.narrow(0, first, n).unwrap();
+            assert_eq!(
+                bits(&rows),
+                alone[k][c].0,
+                "seq {k} call {c}: rows batched vs alone"
+            );
+            assert_eq!(proposals[k], alone[k][c].1, "seq {k} call {c}: proposal");
+        }
+    }
+    eprintln!(
+        "draft batch on the device == alone: {} sequences, 2 calls",
+        plan.len()
+    );
 }

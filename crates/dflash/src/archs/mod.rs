@@ -49,6 +49,15 @@ impl Logits {
             Logits::All => Some(h.clone()),
         })
     }
+
+    /// Which of a forward's `n` rows [`Self::rows`] picks.
+    pub fn row_range(self, n: usize) -> std::ops::Range<usize> {
+        match self {
+            Logits::None => 0..0,
+            Logits::Last => n.saturating_sub(1)..n,
+            Logits::All => 0..n,
+        }
+    }
 }
 
 /// What a target forward pass returns.

@@ -85,6 +85,54 @@ impl<'m> Frame<'m> {
         ))
     }
 
+    /// The frames of a batch of forwards (one per `(tokens, start)`), their inputs made at
+    /// once: one upload of every id (returned whole, each frame's ids a view of it) and per
+    /// rope one table of every position ([`Rope::tables_runs`]), which the batched kernels
+    /// read whole. Each frame is what [`Self::new`] makes for its sequence.
+    pub fn batch(
+        items: &[(&[u32], usize)],
+        ropes: &'m [Rope],
+        dtype: DType,
+        device: &Device,
+        what: &'static str,
+    ) -> Result<(Vec<Self>, Tensor)> {
+        let all: Vec<u32> = items.iter().flat_map(|(t, _)| t.iter().copied()).collect();
+        let ids = Tensor::from_vec(
+            all,
+            items.iter().map(|(t, _)| t.len()).sum::<usize>(),
+            device,
+        )?;
+        let runs: Vec<(usize, usize)> = items.iter().map(|&(t, s)| (s, t.len())).collect();
+        let mut tables = ropes
+            .iter()
+            .map(|r| Ok(r.tables_runs(&runs, device, dtype)?.into_iter()))
+            .collect::<Result<Vec<_>>>()?;
+        let mut frames = Vec::with_capacity(items.len());
+        let mut off = 0;
+        for &(t, start) in items {
+            let n = t.len();
+            let f = Self::build(
+                ids.narrow(0, off, n)?,
+                n,
+                start,
+                ropes,
+                vec![],
+                None,
+                dtype,
+                device,
+                what,
+            );
+            for (cell, per_rope) in f.tables.iter().zip(tables.iter_mut()) {
+                if let Some(t) = per_rope.next() {
+                    let _ = cell.set(t);
+                }
+            }
+            frames.push(f);
+            off += n;
+        }
+        Ok((frames, ids))
+    }
+
     /// A forward whose inputs live on the device, so that a CUDA graph of it can be replayed
     /// at other positions: the ids `[n]` (u32), `step` (the first position, the key bound)
     /// and, per rope of the model, its table by position (`Rope::position_table`). `start` is
@@ -604,20 +652,14 @@ impl<L: Layer> Stack<L> {
         items: &mut [&mut BatchItem],
         taps: &[usize],
     ) -> Result<Vec<ForwardOutput>> {
-        let mut frames = items
-            .iter()
-            .map(|it| {
-                Frame::new(
-                    it.tokens,
-                    it.start,
-                    &self.ropes,
-                    self.info.dtype,
-                    &self.info.device,
-                    "target",
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let ids = Tensor::cat(&frames.iter().map(|f| &f.ids).collect::<Vec<_>>(), 0)?;
+        let runs: Vec<(&[u32], usize)> = items.iter().map(|it| (it.tokens, it.start)).collect();
+        let (mut frames, ids) = Frame::batch(
+            &runs,
+            &self.ropes,
+            self.info.dtype,
+            &self.info.device,
+            "target",
+        )?;
         let mut h = self.embed.forward(&ids)?;
         if let Some(s) = self.embed_scale {
             h = (h * s)?;
@@ -640,21 +682,17 @@ impl<L: Layer> Stack<L> {
             r.end_layer(i);
         }
         let (h, taps_out) = r.finish()?;
-        // The head once, over the rows asked for.
+        // The head once, over the rows asked for (gathered in one op).
         let mut picked = Vec::new();
         let mut counts = Vec::with_capacity(items.len());
         for (it, &(off, n)) in items.iter().zip(&rows) {
-            match it.logits.rows(&h.narrow(0, off, n)?)? {
-                Some(x) => {
-                    counts.push(x.dim(0)?);
-                    picked.push(x);
-                }
-                None => counts.push(0),
-            }
+            let want = it.logits.row_range(n);
+            counts.push(want.len());
+            picked.extend(want.map(|r| off + r));
         }
         let logits = match picked.len() {
             0 => None,
-            _ => Some(self.head.logits(&Tensor::cat(&picked, 0)?)?),
+            _ => Some(self.head.logits(&crate::nn::gather_rows(&h, &picked)?)?),
         };
         let mut at = 0;
         let mut outs = Vec::with_capacity(items.len());

@@ -18,7 +18,7 @@ use crate::config::draft::DraftConfig;
 use crate::config::LayerType;
 use crate::nn::{
     sdpa, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, Masks, RmsNorm, Rope,
-    Site, Visibility,
+    RopeTables, Site, Visibility,
 };
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -501,9 +501,17 @@ impl DraftModel {
                 .map(|it| self.propose(target, &it.ctx, it.block, it.start, it.cache, it.guide))
                 .collect();
         }
-        let rows = self.forward_rows_batch(target, items)?;
-        let all = Tensor::cat(&rows, 0)?;
+        let (x, spans) = self.forward_rows_batch(target, items)?;
+        let picked: Vec<usize> = spans.iter().flat_map(|&(off, n)| off..off + n).collect();
+        let all = crate::nn::gather_rows(&x, &picked)?;
         let logits = self.logits(target, &all, None)?;
+        let rows = (0..spans.len())
+            .scan(0, |at, k| {
+                let r = all.narrow(0, *at, spans[k].1);
+                *at += spans[k].1;
+                Some(r)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         // Without a selector, every row's argmax at once (one download).
         let mut all_ids = match &self.selector {
             None => Some(crate::sampling::argmax_rows(&logits)?.into_iter()),
@@ -532,12 +540,13 @@ impl DraftModel {
     /// [`Self::forward_rows`] for several sequences in one pass: their new context rows
     /// through `fc` at once, their blocks' rows back to back through every layer (the weights
     /// read once), each block attending over its own context cache; the DFlash2 convolutions
-    /// within each block. Returns each item's final-normed rows 1..Q.
+    /// within each block. Returns the final-normed rows of every block back to back and, per
+    /// item, where its rows 1..Q sit among them (`(first row, count)`).
     pub fn forward_rows_batch(
         &self,
         target: &dyn TargetModel,
         items: &mut [DraftItem],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<(Tensor, Vec<(usize, usize)>)> {
         let dev = &self.device;
         let mut ctx_lens = Vec::with_capacity(items.len());
         for it in items.iter() {
@@ -578,15 +587,18 @@ impl DraftModel {
             });
             off += s;
         }
-        let t_ctx = items
+        // Every item's positions in one table each for the context rows and the blocks.
+        let ctx_runs: Vec<(usize, usize)> = items
             .iter()
             .zip(&ctx_lens)
-            .map(|(it, &s)| self.rope.tables(it.cache.len(), s, dev, self.dtype))
-            .collect::<Result<Vec<_>>>()?;
-        let t_blk = items
-            .iter()
-            .map(|it| self.rope.tables(it.start, it.block.len(), dev, self.dtype))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|(it, &s)| (it.cache.len(), s))
+            .collect();
+        let t_ctx = self.rope.tables_runs(&ctx_runs, dev, self.dtype)?;
+        let blk_runs: Vec<(usize, usize)> =
+            items.iter().map(|it| (it.start, it.block.len())).collect();
+        let t_blk = self.rope.tables_runs(&blk_runs, dev, self.dtype)?;
+        // The items with context rows (in order: their rows are ctx_all's, back to back).
+        let with_rows: Vec<usize> = (0..items.len()).filter(|&k| ctx_lens[k] > 0).collect();
         let masks: Vec<Masks> = items
             .iter()
             .map(|it| Masks::new(it.block.len(), it.start, self.dtype, dev))
@@ -613,8 +625,22 @@ impl DraftModel {
             };
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.attn;
+            // Every item's context keys/values in one launch where the batched kernel runs.
+            let batched = match &ctx_kv_all {
+                Some(y) if with_rows.len() > 1 => {
+                    let tables: Vec<&RopeTables> = with_rows.iter().map(|&k| &t_ctx[k]).collect();
+                    let mut kvs: Vec<&mut KvCache> = items
+                        .iter_mut()
+                        .enumerate()
+                        .filter(|(k, _)| ctx_lens[*k] > 0)
+                        .map(|(_, it)| &mut it.cache.layers[i])
+                        .collect();
+                    a.write_keys_values_segments(y, i, &self.rope, &tables, &mut kvs)?
+                }
+                _ => false,
+            };
             for (k, it) in items.iter_mut().enumerate() {
-                if let Some(c) = &ctx[k] {
+                if let (false, Some(c)) = (batched, &ctx[k]) {
                     let kv = &mut it.cache.layers[i];
                     let written = match &ctx_kv[k] {
                         Some(y) => a.write_keys_values_from(y, i, &self.rope, &t_ctx[k], kv)?,
@@ -667,13 +693,13 @@ impl DraftModel {
             };
             (h, x) = next_norm.add_forward(&h1, &m)?;
         }
-        let mut rows = Vec::with_capacity(qs.len());
+        let mut spans = Vec::with_capacity(qs.len());
         let mut off = 0;
         for &q in &qs {
-            rows.push(x.narrow(0, off + 1, q - 1)?);
+            spans.push((off + 1, q - 1));
             off += q;
         }
-        Ok(rows)
+        Ok((x, spans))
     }
 
     /// Draft logits for block rows 1..Q: `[Q-1, draft vocab]` f32 (the target's vocab unless

@@ -164,6 +164,40 @@ pub struct Site<'a> {
     pub out_conv: Option<super::dyn_conv::ConvAfter<'a>>,
 }
 
+/// The joint buffers of a batch's caches, each checked to have room for its sequence's
+/// `lens[k]` new rows.
+fn joint_buffers(caches: &[&mut KvCache], lens: &[usize]) -> Result<Vec<Tensor>> {
+    caches
+        .iter()
+        .zip(lens)
+        .map(|(c, &n)| {
+            c.check_room(n)?;
+            c.joint().cloned().ok_or_else(|| {
+                crate::Error::input("attention: a batched cache has no joint buffer")
+            })
+        })
+        .collect()
+}
+
+/// The batched kernels' segments: sequence k's `lens[k]` rows go to `joints[k]` (its cache's
+/// buffer) from the cache's length on.
+fn segments<'a>(
+    joints: &'a [Tensor],
+    caches: &[&mut KvCache],
+    lens: &[usize],
+) -> Vec<fused::Segment<'a>> {
+    joints
+        .iter()
+        .zip(caches)
+        .zip(lens)
+        .map(|((kv, c), &n)| fused::Segment {
+            kv,
+            pos0: c.len(),
+            n,
+        })
+        .collect()
+}
+
 /// The additive masks of one forward (`n` query rows at positions `start ..` over keys
 /// `0 .. start + n`), one per visibility, built when a portable attention first asks.
 pub struct Masks {
@@ -610,6 +644,44 @@ impl Attention {
         self.write_kv_fused(y, layer * 2 * kd, layer * 2 * kd + kd, rope, t, cache)
     }
 
+    /// [`Self::write_keys_values_from`] for several sequences at once: `y` holds their new rows
+    /// back to back (`tables[k]` the positions of sequence k's rows, which go to `caches[k]`
+    /// from its length on), written by one launch. False (nothing written) when the batched
+    /// kernel does not apply.
+    pub fn write_keys_values_segments(
+        &self,
+        y: &Tensor,
+        layer: usize,
+        rope: &Rope,
+        tables: &[&RopeTables],
+        caches: &mut [&mut KvCache],
+    ) -> Result<bool> {
+        if self.spec.k_eq_v
+            || self.spec.shared_kv
+            || caches.is_empty()
+            || tables.len() != caches.len()
+            || caches.iter().zip(tables).any(|(c, t)| !self.fusable(c, t))
+        {
+            return Ok(false);
+        }
+        let Some(packed) = RopeTables::joint_packed(tables)? else {
+            return Ok(false);
+        };
+        let lens: Vec<usize> = tables.iter().map(|t| t.len()).collect();
+        let joints = joint_buffers(caches, &lens)?;
+        let segs = segments(&joints, caches, &lens);
+        let kd = self.spec.kv_width();
+        let k = self.head_source(layer * 2 * kd, &self.k_norm, rope);
+        let v = self.value_source(layer * 2 * kd + kd);
+        if !fused::kv_write_segments(y, &packed, &k, &v, &segs, None)? {
+            return Ok(false);
+        }
+        for (c, &n) in caches.iter_mut().zip(&lens) {
+            c.append_in_place(n, |_, _| Ok(true))?;
+        }
+        Ok(true)
+    }
+
     /// Self-attention of `x [n, hidden]` at the positions of `at.tables`: appends this layer's
     /// K/V to `cache` (KV-shared layers read it as the owner left it) and attends over
     /// everything cached, as `at.vis` allows. The one entry point of every family's attention
@@ -868,32 +940,12 @@ impl Attention {
         if sites.iter().any(|s| s.vis != at.vis) {
             return Ok(None);
         }
-        let Some(tables) = sites
-            .iter()
-            .map(|s| s.tables.packed.as_ref())
-            .collect::<Option<Vec<&Tensor>>>()
-        else {
+        let parts: Vec<&RopeTables> = sites.iter().map(|s| s.tables).collect();
+        let Some(tables) = RopeTables::joint_packed(&parts)? else {
             return Ok(None);
         };
-        for (c, &n) in caches.iter().zip(lens) {
-            c.check_room(n)?;
-        }
-        let tables = Tensor::cat(&tables, 0)?;
-        let joints: Vec<Tensor> = caches
-            .iter()
-            .map(|c| c.joint().cloned())
-            .collect::<Option<_>>()
-            .ok_or_else(|| crate::Error::input("attention: a batched cache has no joint buffer"))?;
-        let segs: Vec<fused::Segment> = joints
-            .iter()
-            .zip(caches.iter())
-            .zip(lens)
-            .map(|((kv, c), &n)| fused::Segment {
-                kv,
-                pos0: c.len(),
-                n,
-            })
-            .collect();
+        let joints = joint_buffers(caches, lens)?;
+        let segs = segments(&joints, caches, lens);
         let (kc, vc) = self.kv_columns();
         let k = self.head_source(kc, &self.k_norm, at.rope);
         let v = self.value_source(vc);

@@ -83,3 +83,30 @@ impl std::ops::AddAssign for Params {
         self.affine_experts += o.affine_experts;
     }
 }
+
+/// Rows `rows` of `t [n, ..]` in that order, in one op: `t` itself when they are all its rows
+/// in order, a view when they are consecutive, else one gather (one upload of the indices)
+/// instead of a copy per piece.
+pub fn gather_rows(t: &candle_core::Tensor, rows: &[usize]) -> crate::Result<candle_core::Tensor> {
+    let n = t.dim(0)?;
+    if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+        return Err(crate::Error::input(format!(
+            "gather_rows: row {r} of a tensor of {n} rows"
+        )));
+    }
+    let consecutive = rows.windows(2).all(|w| w[1] == w[0] + 1);
+    Ok(match rows.first() {
+        Some(&first) if consecutive => {
+            if first == 0 && rows.len() == n {
+                t.clone()
+            } else {
+                t.narrow(0, first, rows.len())?
+            }
+        }
+        _ => {
+            let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            let idx = candle_core::Tensor::from_vec(idx, rows.len(), t.device())?;
+            t.index_select(&idx, 0)?
+        }
+    })
+}

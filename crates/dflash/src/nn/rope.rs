@@ -32,6 +32,10 @@ pub struct RopeTables {
     /// `packed` is a table over absolute positions (row p for position p), for a forward
     /// whose positions live on the device (`nn::fused::DeviceStep`); there are no host rows.
     pub by_position: bool,
+    /// These tables are rows `first ..` of one packed table made for a batch of sequences
+    /// ([`Rope::tables_runs`]): `(that table, first)`. A batched kernel over all the
+    /// sequences then reads the batch's table as it is instead of gathering the pieces.
+    joint: Option<(Tensor, usize)>,
 }
 
 impl RopeTables {
@@ -55,7 +59,40 @@ impl RopeTables {
             cos_sin: std::sync::OnceLock::new(),
             packed: Some(table),
             by_position: true,
+            joint: None,
         }
+    }
+
+    /// The packed tables of several forwards' rows back to back (`[sum of lens, rotary_dim]`),
+    /// for a kernel that runs them in one launch: the batch's table when `parts` are the runs
+    /// of one [`Rope::tables_runs`] call in order, else the pieces concatenated. None when a
+    /// part has no packed table.
+    pub fn joint_packed(parts: &[&RopeTables]) -> Result<Option<Tensor>> {
+        let mut packed = Vec::with_capacity(parts.len());
+        for t in parts {
+            match &t.packed {
+                Some(p) if !t.by_position => packed.push(p),
+                _ => return Ok(None),
+            }
+        }
+        if let Some((whole, _)) = parts.first().and_then(|t| t.joint.as_ref()) {
+            let mut row = 0;
+            let in_order = parts.iter().all(|t| match &t.joint {
+                Some((w, first)) if w.id() == whole.id() && *first == row => {
+                    row += t.len;
+                    true
+                }
+                _ => false,
+            });
+            if in_order && row == whole.dim(0)? {
+                return Ok(Some(whole.clone()));
+            }
+        }
+        Ok(match packed.len() {
+            0 => None,
+            1 => Some(packed[0].clone()),
+            _ => Some(Tensor::cat(&packed, 0)?),
+        })
     }
 
     /// The `(cos, sin)` tensors in the compute dtype.
@@ -100,6 +137,45 @@ impl Rope {
         self.tables_at(&positions, device, dtype)
     }
 
+    /// Tables for several runs of positions `(start, len)` (the forwards of a batch of
+    /// sequences), made at once: one upload of one packed table, each run's tables a view of
+    /// its rows ([`RopeTables::joint_packed`] hands the batch's table back whole). Each run's
+    /// rows are the ones [`Self::tables`] makes for it (the same bits).
+    pub fn tables_runs(
+        &self,
+        runs: &[(usize, usize)],
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Vec<RopeTables>> {
+        let positions: Vec<usize> = runs.iter().flat_map(|&(s, n)| s..s + n).collect();
+        let all = self.tables_at(&positions, device, dtype)?;
+        let half = self.inv_freq.len();
+        let mut out = Vec::with_capacity(runs.len());
+        let mut row = 0;
+        for &(_, n) in runs {
+            let span = row * half..(row + n) * half;
+            out.push(RopeTables {
+                host: std::sync::Arc::new((
+                    all.host.0[span.clone()].to_vec(),
+                    all.host.1[span].to_vec(),
+                )),
+                len: n,
+                device: device.clone(),
+                dtype,
+                cos_sin: std::sync::OnceLock::new(),
+                packed: all
+                    .packed
+                    .as_ref()
+                    .map(|p| p.narrow(0, row, n))
+                    .transpose()?,
+                by_position: false,
+                joint: all.packed.as_ref().map(|p| (p.clone(), row)),
+            });
+            row += n;
+        }
+        Ok(out)
+    }
+
     /// Tables for arbitrary positions (one row per entry of `positions`), e.g. the blocks of
     /// a training batch that sit at different anchors.
     pub fn tables_at(
@@ -139,6 +215,7 @@ impl Rope {
             cos_sin: std::sync::OnceLock::new(),
             packed,
             by_position: false,
+            joint: None,
         })
     }
 
@@ -246,6 +323,31 @@ impl Rope {
 mod tests {
     use super::*;
     use crate::config::{RopeConfig, RopeKind};
+
+    /// A batch's tables are each run's own tables (the same rows, bit for bit), and the joint
+    /// table comes back whole only for the runs of one call in order; anything else is
+    /// gathered (and equals the pieces back to back).
+    #[test]
+    fn batch_tables_are_each_runs_tables() {
+        let dev = Device::Cpu;
+        let cfg = RopeConfig {
+            theta: 10_000.0,
+            kind: RopeKind::Default,
+            partial_rotary_factor: 0.5,
+        };
+        let rope = Rope::new(&cfg, 32);
+        let runs = [(0, 3), (130, 1), (7, 0), (41, 5)];
+        let batch = rope.tables_runs(&runs, &dev, DType::F32).unwrap();
+        for (t, &(start, n)) in batch.iter().zip(&runs) {
+            let alone = rope.tables(start, n, &dev, DType::F32).unwrap();
+            assert_eq!(t.len(), n);
+            assert_eq!(t.host, alone.host, "run at {start}");
+        }
+        // Packed tables exist on CUDA only; the joint logic is exercised on them there
+        // (tests/fused_cuda.rs); here: no packed table, no joint table.
+        let parts: Vec<&RopeTables> = batch.iter().collect();
+        assert!(RopeTables::joint_packed(&parts).unwrap().is_none());
+    }
 
     /// The CPU rotation gives candle's rope kernel's bits (and its composite form's), for full
     /// and partial rotations, one position and many, inline and on the pool.
