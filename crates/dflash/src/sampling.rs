@@ -164,12 +164,12 @@ pub fn choose_rows_at_once(
 /// logits and uniform). `None` for a sequence that has no choice at once (CPU, adjusted logits,
 /// top-k / top-p / min-p): the caller chooses its rows as it would alone.
 pub fn choose_rows_at_once_many(
-    parts: &[(&candle_core::Tensor, &Sampler)],
+    parts: &[(&candle_core::Tensor, Option<&crate::nn::PartOf>, &Sampler)],
 ) -> crate::Result<Vec<Option<Vec<u32>>>> {
     let mut out: Vec<Option<Vec<u32>>> = vec![None; parts.len()];
     // groups of parts by how they choose: greedy (None) or a temperature's bits
     let mut groups: Vec<(Option<u32>, Vec<usize>)> = Vec::new();
-    for (i, (logits, sampler)) in parts.iter().enumerate() {
+    for (i, (logits, _, sampler)) in parts.iter().enumerate() {
         let key = if sampler.adjusts() || !logits.device().is_cuda() || logits.rank() != 2 {
             continue;
         } else if sampler.params.is_greedy() {
@@ -188,25 +188,26 @@ pub fn choose_rows_at_once_many(
         let vocab = parts[idx[0]].0.dim(1)?;
         if idx.len() == 1 || idx.iter().any(|&i| parts[i].0.dim(1).ok() != Some(vocab)) {
             for i in idx {
-                out[i] = choose_rows_at_once(parts[i].0, parts[i].1)?;
+                out[i] = choose_rows_at_once(parts[i].0, parts[i].2)?;
             }
             continue;
         }
-        let rows: Vec<&candle_core::Tensor> = idx.iter().map(|&i| parts[i].0).collect();
-        let all = candle_core::Tensor::cat(&rows, 0)?;
+        // The batch's logits as they are when the group is the whole batch, in order.
+        let rows: Vec<_> = idx.iter().map(|&i| (parts[i].0, parts[i].1)).collect();
+        let all = crate::nn::rejoin(&rows)?;
         let ids = match key {
             None => Some(argmax_rows(&all)?),
             Some(_) => {
                 let u: Vec<f64> = idx
                     .iter()
-                    .flat_map(|&i| parts[i].1.peek_uniforms(parts[i].0.dim(0).unwrap_or(0)))
+                    .flat_map(|&i| parts[i].2.peek_uniforms(parts[i].0.dim(0).unwrap_or(0)))
                     .collect();
-                sample_rows_with(&all, parts[idx[0]].1, &u)?
+                sample_rows_with(&all, parts[idx[0]].2, &u)?
             }
         };
         let Some(ids) = ids else {
             for i in idx {
-                out[i] = choose_rows_at_once(parts[i].0, parts[i].1)?;
+                out[i] = choose_rows_at_once(parts[i].0, parts[i].2)?;
             }
             continue;
         };

@@ -124,6 +124,23 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// Under `DFLASH_PROFILE=ncu` (the micro bench's verify forwards), `ncu-draft` (its draft
+/// proposals) or `ncu-batch` (batch steps of 8 or more sequences) on a CUDA build, when `what`
+/// is the one asked for: profile collection on until the guard drops (cuProfilerStart /
+/// cuProfilerStop), so `ncu --profile-from-start off` sees only what it brackets.
+#[cfg(feature = "cuda")]
+pub fn profiler_range(
+    what: crate::switches::Profile,
+) -> Option<candle_core::cuda_backend::cudarc::driver::Profiler> {
+    (crate::switches::get().profile == what)
+        .then(|| candle_core::cuda_backend::cudarc::driver::Profiler::new().ok())
+        .flatten()
+}
+#[cfg(not(feature = "cuda"))]
+pub fn profiler_range(_: crate::switches::Profile) -> Option<()> {
+    None
+}
+
 /// Where a forward pass spends its time, for `DFLASH_PROFILE` runs only; `finish` prints one
 /// line to stderr. Off (no syncs, no clock reads) unless the variable is set.
 /// - `DFLASH_PROFILE=1`: each `mark` synchronizes the device and charges the wall time since

@@ -14,7 +14,7 @@
 //! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
 //! | `DFLASH_CUDA_GRAPHS` | on | decode / verify forwards (1-16 rows) of models whose layers all replay (attention + dense or MoE feed-forward) run as CUDA graphs (`archs::graphs`); `0` runs them eagerly |
 //! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
-//! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals |
+//! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals; `ncu-batch`: the 11th and 12th batch steps of 8+ sequences |
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -33,6 +33,9 @@ pub enum Profile {
     Ncu,
     /// As `Ncu`, around the micro bench's timed draft proposals instead (`ncu-draft`).
     NcuDraft,
+    /// As `Ncu`, around batch steps of 8 or more sequences (the 11th and 12th such steps of
+    /// the process: past the warm-up, in the steady state; `ncu-batch`).
+    NcuBatch,
 }
 
 /// The groups of fused kernels that [`fused_part`] switches separately.
@@ -197,6 +200,7 @@ impl Switches {
                 Some("gpu") => Profile::Gpu,
                 Some("ncu") => Profile::Ncu,
                 Some("ncu-draft") => Profile::NcuDraft,
+                Some("ncu-batch") => Profile::NcuBatch,
                 _ => Profile::Off,
             },
         }
@@ -328,6 +332,7 @@ pub fn describe() -> Vec<(&'static str, String)> {
                 Profile::Gpu => "gpu",
                 Profile::Ncu => "ncu",
                 Profile::NcuDraft => "ncu-draft",
+                Profile::NcuBatch => "ncu-batch",
             }
             .into(),
         ),

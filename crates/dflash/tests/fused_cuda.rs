@@ -1203,11 +1203,15 @@ fn batch_choices_equal_each_sequence_alone() {
         .iter()
         .map(|&n| randn(&[n, vocab], 3.0, &dev).to_dtype(DType::F32).unwrap())
         .collect();
-    let parts: Vec<(&Tensor, &Sampler)> = logits.iter().zip(&samplers).collect();
+    let parts: Vec<(&Tensor, Option<&dflash::nn::PartOf>, &Sampler)> = logits
+        .iter()
+        .zip(&samplers)
+        .map(|(l, s)| (l, None, s))
+        .collect();
     let many = choose_rows_at_once_many(&parts).unwrap();
     assert_eq!(many.len(), parts.len());
     let mut together = 0;
-    for (i, (l, s)) in parts.iter().enumerate() {
+    for (i, (l, _, s)) in parts.iter().enumerate() {
         let alone = choose_rows_at_once(l, s).unwrap();
         assert_eq!(many[i], alone, "sequence {i} ({:?})", params[i]);
         together += many[i].is_some() as usize;
@@ -1220,6 +1224,47 @@ fn batch_choices_equal_each_sequence_alone() {
         together, 7,
         "greedy and plain temperature sequences choose on the device"
     );
+    // A batched forward's logits: the parts of one tensor (`ForwardOutput::logits_in_batch`),
+    // taken whole when every sequence chooses alike, in pieces when not; the same choices.
+    let whole = randn(&[rows.iter().sum(), vocab], 3.0, &dev)
+        .to_dtype(DType::F32)
+        .unwrap();
+    let mut at = 0;
+    let pieces: Vec<(Tensor, dflash::nn::PartOf)> = rows
+        .iter()
+        .map(|&n| {
+            let part = dflash::nn::PartOf {
+                whole: whole.clone(),
+                first: at,
+            };
+            at += n;
+            (whole.narrow(0, part.first, n).unwrap(), part)
+        })
+        .collect();
+    for mixed in [false, true] {
+        let samplers: Vec<Sampler> = (0..rows.len())
+            .map(|i| {
+                Sampler::new(if mixed {
+                    params[i].clone()
+                } else {
+                    p(1.0, 20 + i as u64, 0)
+                })
+            })
+            .collect();
+        let parts: Vec<(&Tensor, Option<&dflash::nn::PartOf>, &Sampler)> = pieces
+            .iter()
+            .zip(&samplers)
+            .map(|((l, part), s)| (l, Some(part), s))
+            .collect();
+        let many = choose_rows_at_once_many(&parts).unwrap();
+        for (i, (l, _, s)) in parts.iter().enumerate() {
+            assert_eq!(
+                many[i],
+                choose_rows_at_once(l, s).unwrap(),
+                "batch parts, mixed {mixed}, sequence {i}"
+            );
+        }
+    }
 }
 
 /// Every family on the GPU through the fused kernels (`DFLASH_FAMILY_MODELS`: small random
@@ -2981,5 +3026,49 @@ fn draft_batch_on_the_device_equals_draft_alone() {
     eprintln!(
         "draft batch on the device == alone: {} sequences, 2 calls",
         plan.len()
+    );
+}
+
+/// The logits' bf16 -> f32 widening (`nn::cuda::bf16_to_f32`) equals candle's cast bit for bit:
+/// whole rows (the vectorized path), lengths that are not a multiple of 8 (its tail), and a
+/// view starting off a 16-byte boundary (the one-value path).
+#[test]
+fn bf16_to_f32_equals_candles_cast() {
+    let Some(dev) = gpu() else { return };
+    let x = randn(&[37, 1003], 4.0, &dev);
+    let flat = x.flatten_all().unwrap();
+    for t in [
+        x.clone(),
+        randn(&[256, 4096], 4.0, &dev),
+        flat.narrow(0, 0, 13).unwrap(),
+        flat.narrow(0, 3, 1000).unwrap(),
+        flat.narrow(0, 8, 7).unwrap(),
+    ] {
+        let ours = dflash::nn::cuda::bf16_to_f32(&t)
+            .unwrap()
+            .expect("bf16 on the device");
+        let theirs = t.to_dtype(DType::F32).unwrap();
+        assert_eq!(ours.dims(), theirs.dims());
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|f| f.to_bits())
+                .collect()
+        };
+        assert_eq!(
+            bits(&ours),
+            bits(&theirs),
+            "{:?} at {}",
+            t.dims(),
+            t.layout().start_offset()
+        );
+    }
+    assert!(
+        dflash::nn::cuda::bf16_to_f32(&x.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .is_none()
     );
 }

@@ -225,6 +225,7 @@ mod imp {
         Ok(ForwardOutput {
             logits: out.logits.as_ref().map(|t| t.copy()).transpose()?,
             taps: out.taps.as_ref().map(|t| t.copy()).transpose()?,
+            logits_in_batch: None,
         })
     }
 

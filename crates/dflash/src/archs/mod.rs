@@ -68,6 +68,10 @@ pub struct ForwardOutput {
     /// `[positions, taps.len() * hidden]` in the compute dtype, taps concatenated in the
     /// requested order; None when no taps were requested.
     pub taps: Option<Tensor>,
+    /// In a batched forward, where `logits` sit among the logits of the whole batch (one
+    /// tensor, every sequence's rows back to back): a batch-wide consumer takes them whole
+    /// ([`crate::nn::rejoin`]) instead of concatenating the pieces again.
+    pub logits_in_batch: Option<crate::nn::PartOf>,
 }
 
 /// Static facts about a loaded target.

@@ -641,6 +641,7 @@ impl<L: Layer> Stack<L> {
         Ok(ForwardOutput {
             logits,
             taps: taps_out,
+            logits_in_batch: None,
         })
     }
 
@@ -697,13 +698,23 @@ impl<L: Layer> Stack<L> {
         let mut at = 0;
         let mut outs = Vec::with_capacity(items.len());
         for (&(off, n), &c) in rows.iter().zip(&counts) {
-            let l = match &logits {
-                Some(l) if c > 0 => Some(l.narrow(0, at, c)?),
-                _ => None,
+            let (l, part) = match &logits {
+                Some(l) if c > 0 => (
+                    Some(l.narrow(0, at, c)?),
+                    Some(crate::nn::PartOf {
+                        whole: l.clone(),
+                        first: at,
+                    }),
+                ),
+                _ => (None, None),
             };
             at += c;
             let t = taps_out.as_ref().map(|t| t.narrow(0, off, n)).transpose()?;
-            outs.push(ForwardOutput { logits: l, taps: t });
+            outs.push(ForwardOutput {
+                logits: l,
+                taps: t,
+                logits_in_batch: part,
+            });
         }
         if let Some(f) = frames.first() {
             f.mark("head");
@@ -763,6 +774,7 @@ impl<L: Layer> Stack<L> {
             Ok(ForwardOutput {
                 logits: cat(rows)?,
                 taps: cat(tapped)?,
+                logits_in_batch: None,
             })
         };
         let out = run();

@@ -98,22 +98,6 @@ fn host_ahead_rows<T>(
     Ok(())
 }
 
-/// Under `DFLASH_PROFILE=ncu` (`what` = the verify forwards) or `ncu-draft` (the draft
-/// proposals) on a CUDA build: profile collection on until the guard drops (cuProfilerStart /
-/// cuProfilerStop), so `ncu --profile-from-start off` sees only those timed calls.
-#[cfg(feature = "cuda")]
-fn profiler_range(
-    what: crate::switches::Profile,
-) -> Option<candle_core::cuda_backend::cudarc::driver::Profiler> {
-    (crate::switches::get().profile == what)
-        .then(|| candle_core::cuda_backend::cudarc::driver::Profiler::new().ok())
-        .flatten()
-}
-#[cfg(not(feature = "cuda"))]
-fn profiler_range(_: crate::switches::Profile) -> Option<()> {
-    None
-}
-
 /// Time the pieces on `p` (its draft, if loaded).
 pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
     let target = p.engine.target.as_ref();
@@ -191,7 +175,7 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
         for i in 0..WARMUP + n {
             let block = ids(q);
             let _collect = (i >= WARMUP)
-                .then(|| profiler_range(crate::switches::Profile::Ncu))
+                .then(|| crate::stats::profiler_range(crate::switches::Profile::Ncu))
                 .flatten();
             let t = Instant::now();
             let fw = target.forward(&block, ctx, &mut cache, &taps, Logits::All)?;
@@ -250,7 +234,7 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
             let start = dc.len() + 1;
             block[0] = ids(1)[0];
             let _collect = (i >= WARMUP)
-                .then(|| profiler_range(crate::switches::Profile::NcuDraft))
+                .then(|| crate::stats::profiler_range(crate::switches::Profile::NcuDraft))
                 .flatten();
             let t = Instant::now();
             // The whole proposal: the argmax, or a DFlash2 draft's selector walk.

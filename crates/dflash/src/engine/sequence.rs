@@ -563,10 +563,29 @@ impl<'e> Batch<'e> {
         self.seqs.len()
     }
 
+    /// Under `DFLASH_PROFILE=ncu-batch`: the profiler's collection around this step when it is
+    /// the 11th or 12th step of 8 or more sequences in the process (see `stats::profiler_range`).
+    fn profiled_step(&self) -> Option<Box<dyn std::any::Any>> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static BIG_STEPS: AtomicUsize = AtomicUsize::new(0);
+        if crate::switches::get().profile != crate::switches::Profile::NcuBatch
+            || self.seqs.len() < 8
+        {
+            return None;
+        }
+        let k = BIG_STEPS.fetch_add(1, Ordering::Relaxed);
+        (10..12)
+            .contains(&k)
+            .then(|| crate::stats::profiler_range(crate::switches::Profile::NcuBatch))
+            .flatten()
+            .map(|g| Box::new(g) as Box<dyn std::any::Any>)
+    }
+
     /// One cycle for every sequence; returns the ones that ended (and leave the batch), with
     /// their outputs or errors.
     pub fn step(&mut self) -> Vec<(usize, Result<GenerateOutput>)> {
         let mut failed: Vec<(usize, Error)> = Vec::new();
+        let _ncu = self.profiled_step();
         let mut prof =
             crate::stats::SectionTimer::start("batch step", &self.engine.target.info().device);
         // Plan: one choice of block sizes for the whole batch.
@@ -720,12 +739,13 @@ impl<'e> Batch<'e> {
                     // sequences that choose alike on the device; the first read waits for the
                     // forward), then the verify's time, then accept, roll back and commit.
                     let at_once = {
-                        let parts: Vec<(&Tensor, &Sampler)> = idx
+                        let parts: Vec<(&Tensor, Option<&crate::nn::PartOf>, &Sampler)> = idx
                             .iter()
                             .zip(&outs)
                             .filter_map(|(k, fw)| {
-                                let l = fw.as_ref().ok()?.logits.as_ref()?;
-                                Some((l, &self.seqs[*k].1.sampler))
+                                let fw = fw.as_ref().ok()?;
+                                let l = fw.logits.as_ref()?;
+                                Some((l, fw.logits_in_batch.as_ref(), &self.seqs[*k].1.sampler))
                             })
                             .collect();
                         match crate::sampling::choose_rows_at_once_many(&parts) {

@@ -282,7 +282,12 @@ impl Linear {
         if let Linear::Fp8 { weight, bias: None } = self {
             return weight.forward_f32(x);
         }
-        Ok(self.forward(x)?.to_dtype(DType::F32)?)
+        let y = self.forward(x)?;
+        #[cfg(feature = "cuda")]
+        if let Some(f) = super::cuda::bf16_to_f32(&y)? {
+            return Ok(f);
+        }
+        Ok(y.to_dtype(DType::F32)?)
     }
 
     /// A dense product through dflash's own kernels where one applies, else None (candle's

@@ -35,7 +35,7 @@ pub struct RopeTables {
     /// These tables are rows `first ..` of one packed table made for a batch of sequences
     /// ([`Rope::tables_runs`]): `(that table, first)`. A batched kernel over all the
     /// sequences then reads the batch's table as it is instead of gathering the pieces.
-    joint: Option<(Tensor, usize)>,
+    joint: Option<super::PartOf>,
 }
 
 impl RopeTables {
@@ -71,28 +71,14 @@ impl RopeTables {
         let mut packed = Vec::with_capacity(parts.len());
         for t in parts {
             match &t.packed {
-                Some(p) if !t.by_position => packed.push(p),
+                Some(p) if !t.by_position => packed.push((p, t.joint.as_ref())),
                 _ => return Ok(None),
             }
         }
-        if let Some((whole, _)) = parts.first().and_then(|t| t.joint.as_ref()) {
-            let mut row = 0;
-            let in_order = parts.iter().all(|t| match &t.joint {
-                Some((w, first)) if w.id() == whole.id() && *first == row => {
-                    row += t.len;
-                    true
-                }
-                _ => false,
-            });
-            if in_order && row == whole.dim(0)? {
-                return Ok(Some(whole.clone()));
-            }
+        if packed.is_empty() {
+            return Ok(None);
         }
-        Ok(match packed.len() {
-            0 => None,
-            1 => Some(packed[0].clone()),
-            _ => Some(Tensor::cat(&packed, 0)?),
-        })
+        Ok(Some(super::rejoin(&packed)?))
     }
 
     /// The `(cos, sin)` tensors in the compute dtype.
@@ -169,7 +155,10 @@ impl Rope {
                     .map(|p| p.narrow(0, row, n))
                     .transpose()?,
                 by_position: false,
-                joint: all.packed.as_ref().map(|p| (p.clone(), row)),
+                joint: all.packed.as_ref().map(|p| super::PartOf {
+                    whole: p.clone(),
+                    first: row,
+                }),
             });
             row += n;
         }

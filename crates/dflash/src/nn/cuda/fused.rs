@@ -1,4 +1,5 @@
-//! The kernels between the matmuls (`kernels/fused.cu`): residual add + RMSNorm, SwiGLU.
+//! The kernels between the matmuls (`kernels/fused.cu`): residual add + RMSNorm, SwiGLU, and
+//! the bf16 -> f32 widening of the LM head's logits.
 
 use super::*;
 
@@ -131,4 +132,57 @@ pub fn swiglu(gu: &Tensor) -> candle_core::Result<Option<Tensor>> {
         return Ok(None);
     }
     Ok(Some(gu.apply_op1_no_bwd(&SwiGlu)?))
+}
+
+struct ToF32;
+
+impl CustomOp1 for ToF32 {
+    fn name(&self) -> &'static str {
+        "dflash-bf16-to-f32"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+        let n = l.shape().elem_count();
+        let dev = s.device();
+        let x = view(s, l, "bf16 values")?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<f32>(n.max(1))? };
+        let stream = dev.cuda_stream();
+        let aligned = {
+            let (px, _g1) = x.device_ptr(&stream);
+            let (po, _g2) = out.device_ptr(&stream);
+            px % 16 == 0 && po % 16 == 0
+        };
+        let threads = if aligned { n.div_ceil(8) } else { n };
+        let func = dev.get_or_load_custom_func("bf16_to_f32", "dflash_fused", FUSED_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (threads.div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n_i, vec) = (n as i64, aligned as i32);
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&out);
+        b.arg(&n_i);
+        b.arg(&vec);
+        // SAFETY: argument types match the kernel; the kernel reads and writes n values.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            l.shape().clone(),
+        ))
+    }
+}
+
+/// `x.to_dtype(F32)` of a contiguous bf16 tensor on the device (exact), in one vectorized
+/// pass; None for anything else.
+pub fn bf16_to_f32(x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !is_bf16_cuda(&[x]) || x.elem_count() == 0 {
+        return Ok(None);
+    }
+    Ok(Some(x.apply_op1_no_bwd(&ToF32)?))
 }
