@@ -11,7 +11,7 @@
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 / Q5_0 / Q6_K GGUF matrices keep their stored weights on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
-//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
+//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`): `widen_logits`, `attn_mma`, see [`Trial`] |
 //! | `DFLASH_CUDA_GRAPHS` | on | decode / verify forwards (1-16 rows) of models whose layers all replay (attention + dense or MoE feed-forward) run as CUDA graphs (`archs::graphs`); `0` runs them eagerly |
 //! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals; `ncu-batch`: the 11th and 12th batch steps of 8+ sequences |
@@ -98,17 +98,34 @@ impl Part {
 /// `fp8_block_scale` (FP8 weights as their exact e4m3 values on the tensor cores, the block
 /// scales applied to each scale column's partial sums) ran 5-7% slower than the default FP8
 /// kernel at the Qwen3-8B shape in session 34 and was dropped (docs/perf.md; the code is in git
-/// history, dd90746).
+/// history, dd90746). Session 39: `widen_logits` and `attn_mma` written, not yet run on a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trial {}
+pub enum Trial {
+    /// The LM head's logits widened bf16 -> f32 by one vectorized kernel
+    /// (`nn::cuda::bf16_to_f32`) where cuBLAS ran the head (more than 16 rows: a batch's
+    /// verify); candle's cast took 390 us for 256 x 152k logits on an H100 (docs/perf.md,
+    /// session 39).
+    WidenLogits,
+    /// Attention of blocks of query rows on the tensor cores (`kernels/fused.cu`, `attn_mma_*`):
+    /// each (KV head, key chunk) block takes all its query rows x heads as 16-row mma tiles,
+    /// instead of a warp-wide dot product per key and (row, head) pair, whose cost grows with
+    /// the rows of a verify block (5.9 ms of a c = 32 DFlash step, docs/perf.md session 39).
+    AttnMma,
+}
 
 impl Trial {
-    pub const ALL: [Trial; 0] = [];
+    pub const ALL: [Trial; 2] = [Trial::WidenLogits, Trial::AttnMma];
     pub fn name(self) -> &'static str {
-        match self {}
+        match self {
+            Trial::WidenLogits => "widen_logits",
+            Trial::AttnMma => "attn_mma",
+        }
     }
     fn bit(self) -> u8 {
-        match self {}
+        match self {
+            Trial::WidenLogits => 1,
+            Trial::AttnMma => 2,
+        }
     }
 }
 
@@ -385,6 +402,14 @@ mod tests {
         assert_eq!(t.trials, 0);
         let all = Trial::ALL.iter().fold(0u8, |b, t| b | t.bit());
         assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, all);
+        assert_eq!(
+            parse(&[("DFLASH_TRY", "bogus, attn_mma")]).trials,
+            Trial::AttnMma.bit()
+        );
+        assert_eq!(
+            parse(&[("DFLASH_TRY", "widen_logits")]).trials,
+            Trial::WidenLogits.bit()
+        );
         assert!(d.cuda_graphs);
         assert!(!parse(&[("DFLASH_CUDA_GRAPHS", "0")]).cuda_graphs);
         assert!(parse(&[("DFLASH_CUDA_GRAPHS", "1")]).cuda_graphs);

@@ -284,8 +284,10 @@ impl Linear {
         }
         let y = self.forward(x)?;
         #[cfg(feature = "cuda")]
-        if let Some(f) = super::cuda::bf16_to_f32(&y)? {
-            return Ok(f);
+        if crate::switches::trial(crate::switches::Trial::WidenLogits) {
+            if let Some(f) = super::cuda::bf16_to_f32(&y)? {
+                return Ok(f);
+            }
         }
         Ok(y.to_dtype(DType::F32)?)
     }
