@@ -579,6 +579,284 @@ ATTN(attn_bf16_d256_p1, 256, 256, 1)
 ATTN(attn_bf16_d512_p1, 512, 512, 1)
 ATTN(attn_bf16_k576_v512_p1, 576, 512, 1)
 
+// ---------------------------------------------------------------------------------------
+// Trial `attn_mma` (switches::Trial::AttnMma; not yet run on a GPU): the same launches as ATTN
+// (grid (kvh, splits, groups), 128 threads, the same arguments, the same partial results for
+// attn_combine), with the (row, head) pairs of a block on the tensor cores: 64 pairs a block,
+// 16 a warp (one mma row tile), against the chunk's 64 keys at once. The CUDA-core ATTN kernel
+// takes a warp-wide dot product (five shuffles) per key and pair, so its time grows with the
+// rows of a verify block: 143 us a layer at 32 sequences x 8 rows against 26 us at one row
+// (H100, docs/perf.md session 39).
+//
+// Per block: (1) each pair's q row normed (weight qw) and rotated as ATTN does, then rounded to
+// bf16 (the mma's operand; the scale multiplies the scores); (2) each warp's q tiles into
+// registers; (3) the chunk's keys and values into shared memory (zeros past the chunk); (4) S =
+// q k^T (16 x 64 a warp, f32), scaled and masked per (row position, key); (5) per row its max
+// M, p = exp(s - M) rounded to bf16, L = the sum of the rounded p; (6) o = p v (16 x D, f32);
+// (7) with one split, o / L (attn_finish: sinks, gate) into the output rows; otherwise (M, L,
+// o) into `part` for attn_combine. A row's arithmetic (which keys, in which mma order, its
+// reductions over the four lanes that hold it) depends on its q row, its position and the chunk
+// only, never on the block's other rows: a verify row gives the bits of the decode step at its
+// position when both run this kernel (the trial is process-wide).
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two bf16 as the mma's 32-bit operand: `lo` the element of the lower index.
+__device__ __forceinline__ uint32_t pack_bf16x2(bf16 lo, bf16 hi) {
+  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
+}
+
+constexpr int MMA_PAIRS = 64;  // (row, head) pairs a block: 4 warps x 16
+constexpr int MMA_KEYS = 64;   // keys a block: nn::cuda::attention's ATTN_CHUNK
+
+template <int D>
+__device__ void attn_mma_block(const bf16* __restrict__ src, int src_stride, int q_off, int q_hs,
+                               const bf16* __restrict__ qw, float eps, const bf16* __restrict__ cs,
+                               int rot, float scale, const bf16* __restrict__ kp,
+                               const bf16* __restrict__ vp, long long head_stride, int row_stride,
+                               int kvh, int kv_len, int rep, int q_pos0, int causal, int window,
+                               int chunk, int n, const bf16* __restrict__ sinks, int gate_off,
+                               bf16* __restrict__ out, float* __restrict__ part, int grp, int part_n,
+                               int part_row0) {
+  constexpr int P = MMA_PAIRS, NW = 4, KC = MMA_KEYS;
+  constexpr int E = D / 32;   // q dims per lane while preparing
+  constexpr int LD = D + 8;   // a shared row (bf16), padded: the fragment loads hit 32 banks
+  constexpr int KT = D / 16;  // k steps of q k^T
+  constexpr int NT = KC / 8;  // key tiles of S
+  constexpr int DT = D / 8;   // value-dim tiles of o
+  __shared__ __align__(16) bf16 ks[KC * LD];
+  __shared__ __align__(16) bf16 qvs[P * LD];  // q rows, then the chunk's values
+  __shared__ float xs[NW][D];
+  const int g = blockIdx.x, s = blockIdx.y;
+  const int splits = gridDim.y, heads = kvh * rep, pairs = n * rep;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int gid = lane >> 2, tig = lane & 3;
+  const bf16* kbase = kp + (size_t)g * head_stride;
+  const bf16* vbase = vp + (size_t)g * head_stride;
+  const int j0 = s * chunk;
+  const int jend = min(kv_len, j0 + chunk);
+
+  // 1. q rows: norm, rope (f32, as ATTN), rounded to bf16; padding pairs zero.
+  for (int pp = warp; pp < P; pp += NW) {
+    const int p = grp * P + pp;
+    bf16* qrow = qvs + pp * LD;
+    if (p >= pairs) {
+      for (int t = lane; t < D; t += 32) qrow[t] = __float2bfloat16(0.f);
+      continue;
+    }
+    const int i = p / rep, h = g * rep + p % rep;
+    const bf16* qr = src + (size_t)i * src_stride + q_off + h * q_hs;
+    float x[E];
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < E; ++t) {
+      x[t] = __bfloat162float(qr[lane * E + t]);
+      ss += x[t] * x[t];
+    }
+    if (qw != nullptr) {
+      const float inv = rsqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+      for (int t = 0; t < E; ++t) x[t] = round_bf16(x[t] * inv * __bfloat162float(qw[lane * E + t]));
+    }
+#pragma unroll
+    for (int t = 0; t < E; ++t) xs[warp][lane * E + t] = x[t];
+    __syncwarp();
+    const bf16* c = cs + (size_t)i * rot;
+    const int half = rot / 2;
+#pragma unroll
+    for (int t = 0; t < E; ++t) {
+      const int e = lane * E + t;
+      float y = xs[warp][e];
+      if (e < half) {
+        y = xs[warp][e] * __bfloat162float(c[e]) - xs[warp][e + half] * __bfloat162float(c[half + e]);
+      } else if (e < rot) {
+        y = xs[warp][e] * __bfloat162float(c[e - half]) + xs[warp][e - half] * __bfloat162float(c[e]);
+      }
+      qrow[e] = __float2bfloat16(y);
+    }
+    __syncwarp();
+  }
+  __syncthreads();
+
+  // 2. This warp's q tile (pairs warp * 16 ..) as mma A fragments, for every k step.
+  uint32_t qa[KT][4];
+  {
+    const bf16* q0 = qvs + (warp * 16 + gid) * LD + tig * 2;
+    const bf16* q8 = q0 + 8 * LD;
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      qa[kt][0] = *reinterpret_cast<const uint32_t*>(q0 + kt * 16);
+      qa[kt][1] = *reinterpret_cast<const uint32_t*>(q8 + kt * 16);
+      qa[kt][2] = *reinterpret_cast<const uint32_t*>(q0 + kt * 16 + 8);
+      qa[kt][3] = *reinterpret_cast<const uint32_t*>(q8 + kt * 16 + 8);
+    }
+  }
+  __syncthreads();
+
+  // 3. The chunk's keys and values (16-byte loads; zeros past the chunk's end).
+  for (int idx = threadIdx.x; idx < KC * (D / 8); idx += blockDim.x) {
+    const int r = idx / (D / 8), c8 = idx % (D / 8);
+    const int j = j0 + r;
+    uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
+    if (j < jend) {
+      kv = __ldg(reinterpret_cast<const uint4*>(kbase + (size_t)j * row_stride) + c8);
+      vv = __ldg(reinterpret_cast<const uint4*>(vbase + (size_t)j * row_stride) + c8);
+    }
+    *reinterpret_cast<uint4*>(ks + r * LD + c8 * 8) = kv;
+    *reinterpret_cast<uint4*>(qvs + r * LD + c8 * 8) = vv;
+  }
+  __syncthreads();
+  if (grp * P + warp * 16 >= pairs) return;  // a warp of padding rows only
+
+  // 4. S = q k^T, scaled; masked per (row, key) as ATTN masks.
+  float sacc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sacc[nt][c] = 0.f;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const bf16* kr = ks + (nt * 8 + gid) * LD + kt * 16 + tig * 2;
+      mma_bf16_16816(sacc[nt], qa[kt], *reinterpret_cast<const uint32_t*>(kr),
+                     *reinterpret_cast<const uint32_t*>(kr + 8));
+    }
+  }
+  int lo[2], hi[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int p = grp * P + warp * 16 + gid + 8 * rr;
+    const int pos = q_pos0 + (p < pairs ? p / rep : 0);
+    lo[rr] = window > 0 ? pos - window + 1 : 0;
+    hi[rr] = p >= pairs ? 0 : causal ? min(kv_len, pos + 1) : window > 0 ? min(kv_len, pos + window) : kv_len;
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int rr = c / 2, j = j0 + nt * 8 + tig * 2 + (c & 1);
+      const float v = (j < jend && j >= lo[rr] && j < hi[rr]) ? sacc[nt][c] * scale : -INFINITY;
+      sacc[nt][c] = v;
+      mx[rr] = fmaxf(mx[rr], v);
+    }
+  }
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+    mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+  }
+
+  // 5. p = exp(s - M) rounded to bf16 (the operand of p v); L = the sum of those p.
+  float l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int rr = c / 2;
+      const float e = mx[rr] == -INFINITY ? 0.f : round_bf16(__expf(sacc[nt][c] - mx[rr]));
+      sacc[nt][c] = e;
+      l[rr] += e;
+    }
+  }
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+  }
+
+  // 6. o = p v: S's accumulators are the A fragments of p (keys 16 ks ..), v's B fragments
+  // gathered from the shared rows.
+  float oacc[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) oacc[dt][c] = 0.f;
+  const bf16* vs = qvs;
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    uint32_t pa[4];
+    pa[0] = pack_bf16x2(__float2bfloat16(sacc[2 * kk][0]), __float2bfloat16(sacc[2 * kk][1]));
+    pa[1] = pack_bf16x2(__float2bfloat16(sacc[2 * kk][2]), __float2bfloat16(sacc[2 * kk][3]));
+    pa[2] = pack_bf16x2(__float2bfloat16(sacc[2 * kk + 1][0]), __float2bfloat16(sacc[2 * kk + 1][1]));
+    pa[3] = pack_bf16x2(__float2bfloat16(sacc[2 * kk + 1][2]), __float2bfloat16(sacc[2 * kk + 1][3]));
+    const bf16* v0 = vs + (kk * 16 + tig * 2) * LD + gid;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      const bf16* v = v0 + dt * 8;
+      mma_bf16_16816(oacc[dt], pa, pack_bf16x2(v[0], v[LD]), pack_bf16x2(v[8 * LD], v[9 * LD]));
+    }
+  }
+
+  // 7. Out: the bf16 rows (one split) or (M, L, o) for attn_combine.
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int p = grp * P + warp * 16 + gid + 8 * rr;
+    if (p >= pairs) continue;
+    const int i = p / rep, h = g * rep + p % rep;
+    const size_t pidx = ((size_t)h * part_n + part_row0 + i) * splits + s;
+    const bf16* grow = gate_off >= 0 ? src + (size_t)i * src_stride + q_off + h * q_hs + gate_off : nullptr;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+#pragma unroll
+      for (int c2 = 0; c2 < 2; ++c2) {
+        const int e = dt * 8 + tig * 2 + c2;
+        const float a = oacc[dt][rr * 2 + c2];
+        if (splits == 1) {
+          out[(size_t)i * heads * D + (size_t)h * D + e] =
+              attn_finish(a, l[rr], mx[rr], sinks != nullptr, sinks != nullptr ? __bfloat162float(sinks[h]) : 0.f,
+                          grow, e);
+        } else {
+          part[pidx * (D + 2) + 2 + e] = a;
+        }
+      }
+    }
+    if (splits > 1 && tig == 0) {
+      part[pidx * (D + 2)] = mx[rr];
+      part[pidx * (D + 2) + 1] = l[rr];
+    }
+  }
+}
+
+// The single-sequence and the batched (`_seg`) entry points, as ATTN's (the counters unused:
+// the splits are merged by attn_combine).
+#define ATTN_MMA(NAME, D)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(128) NAME(                                                 \
+      const bf16* src, int src_stride, int q_off, int q_hs, const bf16* qw, float eps, const bf16* cs,    \
+      int rot, float scale, const bf16* kp, const bf16* vp, long long head_stride, int row_stride,       \
+      int kvh, int kv_len, int rep, int q_pos0, int causal, int window, int chunk, int n,                 \
+      const bf16* sinks, int gate_off, bf16* out, float* part, int* counters) {                           \
+    attn_mma_block<D>(src, src_stride, q_off, q_hs, qw, eps, cs, rot, scale, kp, vp, head_stride,        \
+                      row_stride, kvh, kv_len, rep, q_pos0, causal, window, chunk, n, sinks, gate_off,    \
+                      out, part, blockIdx.z, n, 0);                                                       \
+  }                                                                                                       \
+  extern "C" __global__ void __launch_bounds__(128) NAME##_seg(                                           \
+      const bf16* src, int src_stride, int q_off, int q_hs, const bf16* qw, float eps, const bf16* cs,    \
+      int rot, float scale, const long long* meta, int nseg, int total, int kvh, int rep, int causal,     \
+      int window, int chunk, const bf16* sinks, int gate_off, bf16* out, float* part,                     \
+      const long long* pos0s, int cs_by_pos, int* counters) {                                             \
+    const long long seg = meta[SEG_META * nseg + total + blockIdx.z];                                     \
+    const long long* m = meta + SEG_META * seg;                                                           \
+    const bf16* kp = reinterpret_cast<const bf16*>(m[SEG_PTR]);                                           \
+    const long long cap = m[SEG_CAP];                                                                     \
+    const int pos0 = (int)(pos0s != nullptr ? pos0s[seg] : m[SEG_POS0]);                                  \
+    const int row0 = (int)m[SEG_ROW0], n = (int)m[SEG_N];                                                 \
+    attn_mma_block<D>(src + (size_t)row0 * src_stride, src_stride, q_off, q_hs, qw, eps,                 \
+                      cs + (size_t)(cs_by_pos ? pos0 : row0) * rot, rot, scale, kp, kp + kvh * cap * D,  \
+                      cap * D, D, kvh, pos0 + n, rep, pos0, causal, window, chunk, n, sinks, gate_off,    \
+                      out + (size_t)row0 * kvh * rep * D, part, blockIdx.z - (int)m[SEG_GRP0], total,     \
+                      row0);                                                                              \
+  }
+ATTN_MMA(attn_mma_d64, 64)
+ATTN_MMA(attn_mma_d128, 128)
+
 // Merge the splits of attn: grid (heads, n), block d threads (rounded up to a warp); sinks and
 // the output gate as in attn (src, src_stride, q_off, q_hs locate the gate).
 extern "C" __global__ void attn_combine_bf16(const float* __restrict__ part, bf16* __restrict__ out, int splits,

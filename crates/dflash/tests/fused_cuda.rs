@@ -254,10 +254,15 @@ fn mma_rows_are_batch_invariant() {
 /// compare two paths that both go through `Linear`.)
 #[test]
 fn verify_rows_equal_decode_steps_on_cuda() {
+    let Some(dev) = gpu() else { return };
+    verify_rows_check(&dev);
+}
+
+/// [`verify_rows_equal_decode_steps_on_cuda`]'s body (also run with trials on).
+fn verify_rows_check(dev: &Device) {
     use dflash::archs::{load_target, LoadOptions};
     use dflash::source::ModelSource;
     use dflash::testing::TinyTarget;
-    let Some(dev) = gpu() else { return };
     dflash::switches::set_batch_invariant(true);
     for (qwen, head_dim) in [(true, 128), (false, 64)] {
         let mut t = if qwen {
@@ -458,6 +463,13 @@ fn check(c: &Case, dev: &Device) {
 #[test]
 fn attention_layer_matches_candle() {
     let Some(dev) = gpu() else { return };
+    for c in &attention_cases() {
+        check(c, &dev);
+    }
+}
+
+/// The attention layers [`attention_layer_matches_candle`] checks.
+fn attention_cases() -> Vec<Case> {
     let causal = Visibility::CAUSAL;
     let full = Visibility::FULL;
     let sliding = Visibility::sliding(48);
@@ -533,9 +545,7 @@ fn attention_layer_matches_candle() {
             ..Case::new(256, 8, 2, prefix, n, vis)
         });
     }
-    for c in &cases {
-        check(c, &dev);
-    }
+    cases
 }
 
 /// A MoE block of each family's kind (scoring, activation, biases, shared expert) on the
@@ -1918,6 +1928,13 @@ fn forward_batch_on_the_device_matches_alone() {
 #[test]
 fn batched_attention_equals_each_sequence_alone() {
     let Some(dev) = gpu() else { return };
+    batched_attention_check(&dev, &[]);
+}
+
+/// [`batched_attention_equals_each_sequence_alone`]'s body, for the cases whose head dim is
+/// in `dims` (all when empty).
+fn batched_attention_check(dev: &Device, dims: &[usize]) {
+    let dev = dev.clone();
     let causal = Visibility::CAUSAL;
     let mut cases = vec![
         Case::new(128, 32, 8, 0, 1, causal),
@@ -1933,6 +1950,7 @@ fn batched_attention_equals_each_sequence_alone() {
     let mut c = Case::new(128, 8, 8, 0, 1, Visibility::FULL);
     c.partial = 0.25;
     cases.push(c);
+    cases.retain(|c| dims.is_empty() || dims.contains(&c.head_dim));
     // (prefix, rows) per sequence: decode steps and verify blocks, 1..3 key chunks of 64
     let shapes = [(5usize, 1usize), (70, 4), (130, 3), (0, 2)];
     for c in &cases {
@@ -3071,4 +3089,59 @@ fn bf16_to_f32_equals_candles_cast() {
             .unwrap()
             .is_none()
     );
+}
+
+/// Trial `attn_mma` (kernels/fused.cu's ATTN_MMA: the attention's (row, head) pairs on the
+/// tensor cores), on for this test only: every attention case of head dim 64 / 128 of
+/// `attention_layer_matches_candle` (causal, full, sliding both ways, sinks, GQA, partial RoPE,
+/// one to 32 key chunks, decode rows and 16-row blocks) within the same bound of the candle
+/// path; its outputs are not the CUDA-core kernel's bits (so the trial ran); batched == alone bit
+/// for bit; verify rows == decode steps bit for bit on tiny qwen3 (d 128) and llama (d 64)
+/// targets (the property greedy DFlash == plain decoding rests on).
+#[test]
+fn attn_mma_trial_matches_candle_and_keeps_verify_equal_to_decode() {
+    use dflash::switches::{set_trials, Trial};
+    let Some(dev) = gpu() else { return };
+    struct Off;
+    impl Drop for Off {
+        fn drop(&mut self) {
+            set_trials(&[]);
+        }
+    }
+    let _off = Off;
+    // The trial's bits differ from the CUDA-core kernel's (bf16 q and p into the mma).
+    let c = Case::new(128, 8, 2, 300, 16, Visibility::CAUSAL);
+    let (a, rope) = attention_layer(&c, &dev);
+    let x = randn(&[c.n, 256], 1.0, &dev);
+    let ctx = randn(&[c.prefix, 256], 1.0, &dev);
+    let out = |trial: bool| {
+        set_trials(if trial { &[Trial::AttnMma] } else { &[] });
+        let mut cache = KvCache::new(c.kv_heads, c.head_dim, 400, DType::BF16, &dev).unwrap();
+        let t0 = rope.tables(0, c.prefix, &dev, DType::BF16).unwrap();
+        a.append_keys_values(&ctx, &rope, &t0, &mut cache).unwrap();
+        let t = rope.tables(c.prefix, c.n, &dev, DType::BF16).unwrap();
+        let masks = Masks::new(c.n, c.prefix, DType::BF16, &dev);
+        let site = Site {
+            rope: &rope,
+            tables: &t,
+            vis: c.vis,
+            masks: &masks,
+            step: None,
+            out_conv: None,
+        };
+        a.forward(&x, &site, &mut cache).unwrap()
+    };
+    let (on, off) = (out(true), out(false));
+    let e = rel_err(&on, &off);
+    assert!(
+        e > 0.0 && e < 3e-2,
+        "trial vs CUDA-core kernel: rel err {e}"
+    );
+    set_trials(&[Trial::AttnMma]);
+    for c in attention_cases().iter().filter(|c| c.head_dim <= 128) {
+        check(c, &dev);
+    }
+    batched_attention_check(&dev, &[64, 128]);
+    verify_rows_check(&dev);
+    eprintln!("attn_mma: trial vs CUDA-core rel err {e:.2e}; cases, batches and verify rows pass");
 }

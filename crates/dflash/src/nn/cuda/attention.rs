@@ -430,6 +430,18 @@ fn attn_variants(dk: usize, dv: usize) -> Option<&'static [(&'static str, usize)
     })
 }
 
+/// The tensor-core attention kernel (trial `attn_mma`, kernels/fused.cu's ATTN_MMA) for these
+/// widths and its pairs per block: 64 (4 warps x one 16-row mma tile) over chunks of
+/// [`ATTN_CHUNK`] keys, the kernel's own chunk.
+fn attn_mma_kernel(dk: usize, dv: usize) -> Option<(&'static str, usize)> {
+    const _: () = assert!(ATTN_CHUNK == 64, "kernels/fused.cu's MMA_KEYS");
+    match (dk, dv) {
+        (64, 64) => Some(("attn_mma_d64", 64)),
+        (128, 128) => Some(("attn_mma_d128", 64)),
+        _ => None,
+    }
+}
+
 /// The batched (`_seg`) form of an attention kernel of [`attn_variants`] (a static name: no
 /// string is built per launch).
 fn seg_name(name: &str) -> &'static str {
@@ -445,6 +457,8 @@ fn seg_name(name: &str) -> &'static str {
         "attn_bf16_d512" => "attn_bf16_d512_seg",
         "attn_bf16_d512_p1" => "attn_bf16_d512_p1_seg",
         "attn_bf16_k576_v512" => "attn_bf16_k576_v512_seg",
+        "attn_mma_d64" => "attn_mma_d64_seg",
+        "attn_mma_d128" => "attn_mma_d128_seg",
         _ => "attn_bf16_k576_v512_p1_seg",
     }
 }
@@ -463,6 +477,13 @@ fn attn_pick(
     blocks: usize,
     pairs: usize,
 ) -> Option<(&'static str, usize)> {
+    // Trial `attn_mma`: the tensor-core form for every launch of these widths (decode steps
+    // and verify blocks alike, so a verify still gives the decode steps' bits).
+    if crate::switches::trial(crate::switches::Trial::AttnMma) {
+        if let Some(k) = attn_mma_kernel(dk, dv) {
+            return Some(k);
+        }
+    }
     let v = attn_variants(dk, dv)?;
     let sms = multiprocessors(dev);
     Some(
