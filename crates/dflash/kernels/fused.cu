@@ -258,6 +258,41 @@ __device__ __forceinline__ float bf16_word_at(const uint32_t (&w)[W], int t) {
   return __uint_as_float(t % 2 == 0 ? x << 16 : x & 0xffff0000u);
 }
 
+// A query row as both attention kernels take it, this lane's dims (lane * E ..): its D values
+// from qr, RMS-normed by the weight qw when given (rounded to bf16 as the unfused path rounds),
+// then rotated (neox layout) on its first `rot` dims by the table row c = [cos | sin]; xs [D]
+// is the warp's scratch row (left holding the normed values). f32, not scaled.
+template <int D, int E>
+__device__ __forceinline__ void q_row(const bf16* __restrict__ qr, const bf16* __restrict__ qw, float eps,
+                                      const bf16* __restrict__ c, int rot, int lane, float* xs,
+                                      float (&x)[E]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int t = 0; t < E; ++t) {
+    x[t] = __bfloat162float(qr[lane * E + t]);
+    ss += x[t] * x[t];
+  }
+  if (qw != nullptr) {
+    const float inv = rsqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+    for (int t = 0; t < E; ++t) x[t] = round_bf16(x[t] * inv * __bfloat162float(qw[lane * E + t]));
+  }
+#pragma unroll
+  for (int t = 0; t < E; ++t) xs[lane * E + t] = x[t];
+  __syncwarp();
+  const int half = rot / 2;
+#pragma unroll
+  for (int t = 0; t < E; ++t) {
+    const int e = lane * E + t;
+    if (e < half) {
+      x[t] = xs[e] * __bfloat162float(c[e]) - xs[e + half] * __bfloat162float(c[half + e]);
+    } else if (e < rot) {
+      x[t] = xs[e] * __bfloat162float(c[e - half]) + xs[e - half] * __bfloat162float(c[e]);
+    }
+  }
+  __syncwarp();
+}
+
 template <int DK, int DV, int P>
 __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, int q_off, int q_hs,
                                 const bf16* __restrict__ qw, float eps, const bf16* __restrict__ cs,
@@ -314,34 +349,9 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
     const int p = grp * P + pp;
     if (p >= pairs) break;
     const int i = p / rep, h = g * rep + p % rep;
-    const bf16* qr = src + (size_t)i * src_stride + q_off + h * q_hs;
     float x[E];
-    float ss = 0.f;
-#pragma unroll
-    for (int t = 0; t < E; ++t) {
-      x[t] = __bfloat162float(qr[lane * E + t]);
-      ss += x[t] * x[t];
-    }
-    if (qw != nullptr) {
-      const float inv = rsqrtf(warp_sum(ss) / D + eps);
-#pragma unroll
-      for (int t = 0; t < E; ++t) x[t] = round_bf16(x[t] * inv * __bfloat162float(qw[lane * E + t]));
-    }
-#pragma unroll
-    for (int t = 0; t < E; ++t) qs[pp][lane * E + t] = x[t];
-    __syncwarp();
-    const bf16* c = cs + (size_t)i * rot;
-    const int half = rot / 2;
-#pragma unroll
-    for (int t = 0; t < E; ++t) {
-      const int e = lane * E + t;
-      if (e < half) {
-        x[t] = qs[pp][e] * __bfloat162float(c[e]) - qs[pp][e + half] * __bfloat162float(c[half + e]);
-      } else if (e < rot) {
-        x[t] = qs[pp][e] * __bfloat162float(c[e - half]) + qs[pp][e - half] * __bfloat162float(c[e]);
-      }
-    }
-    __syncwarp();
+    q_row<D, E>(src + (size_t)i * src_stride + q_off + h * q_hs, qw, eps, cs + (size_t)i * rot, rot, lane,
+                qs[pp], x);
 #pragma unroll
     for (int t = 0; t < E; ++t) qs[pp][lane * E + t] = x[t] * scale;
   }
@@ -651,36 +661,11 @@ __device__ void attn_mma_block(const bf16* __restrict__ src, int src_stride, int
       continue;
     }
     const int i = p / rep, h = g * rep + p % rep;
-    const bf16* qr = src + (size_t)i * src_stride + q_off + h * q_hs;
     float x[E];
-    float ss = 0.f;
+    q_row<D, E>(src + (size_t)i * src_stride + q_off + h * q_hs, qw, eps, cs + (size_t)i * rot, rot, lane,
+                xs[warp], x);
 #pragma unroll
-    for (int t = 0; t < E; ++t) {
-      x[t] = __bfloat162float(qr[lane * E + t]);
-      ss += x[t] * x[t];
-    }
-    if (qw != nullptr) {
-      const float inv = rsqrtf(warp_sum(ss) / D + eps);
-#pragma unroll
-      for (int t = 0; t < E; ++t) x[t] = round_bf16(x[t] * inv * __bfloat162float(qw[lane * E + t]));
-    }
-#pragma unroll
-    for (int t = 0; t < E; ++t) xs[warp][lane * E + t] = x[t];
-    __syncwarp();
-    const bf16* c = cs + (size_t)i * rot;
-    const int half = rot / 2;
-#pragma unroll
-    for (int t = 0; t < E; ++t) {
-      const int e = lane * E + t;
-      float y = xs[warp][e];
-      if (e < half) {
-        y = xs[warp][e] * __bfloat162float(c[e]) - xs[warp][e + half] * __bfloat162float(c[half + e]);
-      } else if (e < rot) {
-        y = xs[warp][e] * __bfloat162float(c[e - half]) + xs[warp][e - half] * __bfloat162float(c[e]);
-      }
-      qrow[e] = __float2bfloat16(y);
-    }
-    __syncwarp();
+    for (int t = 0; t < E; ++t) qrow[lane * E + t] = __float2bfloat16(x[t]);
   }
   __syncthreads();
 

@@ -1616,10 +1616,8 @@ fn check_top_k(logits: &Tensor, k: usize, what: &str) {
 /// DFlash2 == plain decoding.
 #[test]
 fn dflash2_draft_on_the_device_is_lossless() {
-    use dflash::archs::{load_target, LoadOptions, Logits};
-    use dflash::draft::load_draft;
+    use dflash::archs::Logits;
     use dflash::engine::Engine;
-    use dflash::source::ModelSource;
     use dflash::testing::{TinyDraft, TinyTarget};
     let Some(dev) = gpu() else { return };
     let dir = tempfile::tempdir().unwrap();
@@ -1631,23 +1629,7 @@ fn dflash2_draft_on_the_device_is_lossless() {
     d.sliding_window = 6;
     d.is_causal = Some(false);
     d.write(&dir.path().join("d"), t.vocab).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::BF16,
-        device: dev.clone(),
-        ..Default::default()
-    };
-    let (cfg, target) = load_target(
-        &ModelSource::from_dir("t", &dir.path().join("t")).unwrap(),
-        &opts,
-    )
-    .unwrap();
-    let draft = load_draft(
-        &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
-        &cfg,
-        "t",
-        &opts,
-    )
-    .unwrap();
+    let (target, draft) = load_pair_bf16(dir.path(), &dev);
     assert_eq!(draft.arch_name(), "DFlash2");
     // Proposals, fused vs portable, from the same taps.
     let prompt = common::ids(3, 20, t.vocab - 1);
@@ -2864,9 +2846,8 @@ fn graphs_replay_the_eager_forwards() {
 /// the proposals, over two calls per sequence (the second reads the cached context).
 #[test]
 fn draft_batch_on_the_device_equals_draft_alone() {
-    use dflash::archs::{load_target, LoadOptions, Logits};
-    use dflash::draft::{load_draft, DraftItem};
-    use dflash::source::ModelSource;
+    use dflash::archs::Logits;
+    use dflash::draft::DraftItem;
     use dflash::testing::{TinyDraft, TinyTarget};
     let Some(dev) = gpu() else { return };
     let dir = tempfile::tempdir().unwrap();
@@ -2886,23 +2867,7 @@ fn draft_batch_on_the_device_equals_draft_alone() {
     ]);
     d.sliding_window = 6;
     d.write(&dir.path().join("d"), t.vocab).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::BF16,
-        device: dev.clone(),
-        ..Default::default()
-    };
-    let (cfg, target) = load_target(
-        &ModelSource::from_dir("t", &dir.path().join("t")).unwrap(),
-        &opts,
-    )
-    .unwrap();
-    let draft = load_draft(
-        &ModelSource::from_dir("d", &dir.path().join("d")).unwrap(),
-        &cfg,
-        "t",
-        &opts,
-    )
-    .unwrap();
+    let (target, draft) = load_pair_bf16(dir.path(), &dev);
     let target = target.as_ref();
     // (context rows of call 1, of call 2; block of call 1, of call 2): 16 rows at most a call
     let plan = [
@@ -3144,4 +3109,31 @@ fn attn_mma_trial_matches_candle_and_keeps_verify_equal_to_decode() {
     batched_attention_check(&dev, &[64, 128]);
     verify_rows_check(&dev);
     eprintln!("attn_mma: trial vs CUDA-core rel err {e:.2e}; cases, batches and verify rows pass");
+}
+
+/// The tiny target written to `dir/t` and its draft in `dir/d`, loaded in bf16 on `dev`.
+fn load_pair_bf16(
+    dir: &std::path::Path,
+    dev: &Device,
+) -> (
+    Box<dyn dflash::archs::TargetModel>,
+    dflash::draft::DraftModel,
+) {
+    use dflash::source::ModelSource;
+    let opts = dflash::archs::LoadOptions {
+        dtype: DType::BF16,
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let (cfg, target) =
+        dflash::archs::load_target(&ModelSource::from_dir("t", &dir.join("t")).unwrap(), &opts)
+            .unwrap();
+    let draft = dflash::draft::load_draft(
+        &ModelSource::from_dir("d", &dir.join("d")).unwrap(),
+        &cfg,
+        "t",
+        &opts,
+    )
+    .unwrap();
+    (target, draft)
 }
