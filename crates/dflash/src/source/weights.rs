@@ -313,6 +313,65 @@ impl Weights {
         Ok(t.to_device(&self.device)?)
     }
 
+    /// Rows (`dim` 0) or columns (`dim` 1) `at .. at + len` of the 2-D tensor `name` of
+    /// `shape`, in the compute dtype on the device: a tensor-parallel rank's shard. From an
+    /// ordinary safetensors tensor only that part's bytes are read from the mapped file and
+    /// converted (the whole matrix is never materialized, on the host or the device); a
+    /// quantized safetensors format is dequantized whole on the host, then cut; in-memory
+    /// tensors are cut.
+    pub fn get_part(
+        &self,
+        name: &str,
+        shape: (usize, usize),
+        dim: usize,
+        at: usize,
+        len: usize,
+    ) -> Result<Tensor> {
+        let (rows, cols) = shape;
+        let full = Shape::from(shape);
+        if dim > 1 || at + len > full.dims()[dim] {
+            return Err(Error::input(format!(
+                "tensor `{name}`: part {at}..{} of dimension {dim} of {:?}",
+                at + len,
+                full.dims()
+            )));
+        }
+        let Backend::Safetensors { st, .. } = &self.backend else {
+            return Ok(self.get(name, full)?.narrow(dim, at, len)?.contiguous()?);
+        };
+        let desc = self.file_desc();
+        if let Some((t, read)) = self.dequantized(st, name, full.dims(), &desc)? {
+            self.used.borrow_mut().extend(read);
+            let t = t.narrow(dim, at, len)?.contiguous()?;
+            return Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?);
+        }
+        let view = st.get(name).map_err(|_| self.missing(name, &full))?;
+        self.check_shape(name, view.shape(), &full)?;
+        let stored = DType::try_from(view.dtype())
+            .map_err(|e| Error::weights(desc.clone(), format!("tensor `{name}`: {e}")))?;
+        if !matches!(stored, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+            return Ok(self.get(name, full)?.narrow(dim, at, len)?.contiguous()?);
+        }
+        self.used.borrow_mut().insert(name.to_string());
+        let es = stored.size_in_bytes();
+        let data = view.data();
+        let (bytes, part): (std::borrow::Cow<[u8]>, [usize; 2]) = if dim == 0 {
+            (
+                data[at * cols * es..(at + len) * cols * es].into(),
+                [len, cols],
+            )
+        } else {
+            let mut v = Vec::with_capacity(rows * len * es);
+            for r in 0..rows {
+                v.extend_from_slice(&data[(r * cols + at) * es..(r * cols + at + len) * es]);
+            }
+            (v.into(), [rows, len])
+        };
+        let t = Tensor::from_raw_buffer(&bytes, stored, &part, &Device::Cpu)
+            .map_err(|e| Error::weights(desc, format!("tensor `{name}`: {e}")))?;
+        Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+    }
+
     /// `name` dequantized to f32 on the CPU when a quantized safetensors format stores it (MLX
     /// affine, FP8 blocks, integer groups; counted for the load report), with the stored
     /// tensors it read; None for an ordinary tensor.
@@ -515,16 +574,19 @@ impl Weights {
                 .map_err(|e| Error::input(format!("tensor parallel: `{name}`: {e}")))?;
             return self.gguf_linear(Arc::new(q), &name, bias, out_len);
         }
-        match self.linear(prefix, in_dim, out_dim, false)? {
-            Linear::Dense { weight, .. } => Ok(Linear::Dense {
-                weight: weight.narrow(dim, at, len)?.contiguous()?,
-                bias,
-            }),
-            _ => Err(Error::input(format!(
+        let name = format!("{prefix}.weight");
+        if self.mlx_affine(&name, out_dim, in_dim, &None)?.is_some()
+            || self.fp8_stored(&name, out_dim, in_dim, &None)?.is_some()
+        {
+            return Err(Error::input(format!(
                 "tensor parallel: `{prefix}` is quantized ({}); sharding keeps dense and GGUF weights only so far (run it without --tensor-parallel)",
                 self.file_desc()
-            ))),
+            )));
         }
+        Ok(Linear::Dense {
+            weight: self.get_part(&name, (out_dim, in_dim), dim, at, len)?,
+            bias,
+        })
     }
 
     /// An MLX-quantized matrix kept as stored ([`Linear::Affine`]) where the kernels take it:
@@ -1097,4 +1159,69 @@ pub fn slice_qtensor(q: &QTensor, dim: usize, at: usize, len: usize) -> Result<Q
     };
     let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, dt)?;
     Ok(QTensor::new(storage, shape)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank's part read from the mapped file equals the whole tensor loaded and cut, for
+    /// rows and columns, every stored float dtype, parts at the start, middle and end; a part
+    /// past the tensor is an error naming it.
+    #[test]
+    fn a_part_read_from_the_file_equals_the_whole_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        let base = Tensor::arange(0f32, 60.0, &Device::Cpu)
+            .unwrap()
+            .affine(0.37, -3.0)
+            .unwrap()
+            .reshape((6, 10))
+            .unwrap();
+        let mut m = std::collections::HashMap::new();
+        for (n, dt) in [
+            ("f32", DType::F32),
+            ("bf16", DType::BF16),
+            ("f16", DType::F16),
+        ] {
+            m.insert(n.to_string(), base.to_dtype(dt).unwrap());
+        }
+        candle_core::safetensors::save(&m, &path).unwrap();
+        for compute in [DType::F32, DType::BF16] {
+            let w = Weights::open(&[path.clone()], compute, &Device::Cpu).unwrap();
+            for name in ["f32", "bf16", "f16"] {
+                let whole = w.get(name, (6, 10)).unwrap();
+                for (dim, at, len) in [
+                    (0, 0, 3),
+                    (0, 3, 3),
+                    (0, 2, 1),
+                    (1, 0, 5),
+                    (1, 5, 5),
+                    (1, 3, 4),
+                ] {
+                    let part = w.get_part(name, (6, 10), dim, at, len).unwrap();
+                    let want = whole.narrow(dim, at, len).unwrap();
+                    assert_eq!(part.dims(), want.dims());
+                    assert_eq!(part.dtype(), compute);
+                    let v = |t: &Tensor| -> Vec<f32> {
+                        t.to_dtype(DType::F32)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap()
+                    };
+                    assert_eq!(
+                        v(&part),
+                        v(&want),
+                        "{name} as {compute:?}, dim {dim} {at}+{len}"
+                    );
+                }
+            }
+            let e = w.get_part("f32", (6, 10), 1, 8, 3).unwrap_err().to_string();
+            assert!(e.contains("`f32`") && e.contains("8..11"), "{e}");
+            let e = w.get_part("f32", (5, 10), 0, 0, 2).unwrap_err().to_string();
+            assert!(e.contains("shape"), "{e}");
+        }
+    }
 }
