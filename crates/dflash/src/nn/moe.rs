@@ -406,16 +406,7 @@ impl Experts {
         let Some(sh) = w.shard().cloned() else {
             return Ok(self);
         };
-        // a rank's experts: [rank E / N, (rank + 1) E / N), uneven when N does not divide E
-        let e = self.count();
-        if e < sh.world {
-            return Err(Error::input(format!(
-                "tensor parallel {}: {e} routed experts are fewer than the ranks (choose a tensor-parallel size of at most {e})",
-                sh.world
-            )));
-        }
-        let first = sh.rank * e / sh.world;
-        let n = (sh.rank + 1) * e / sh.world - first;
+        let (first, n) = Self::rank_share(w, self.count())?;
         let narrow = |m: &ExpertMatrix| -> Result<ExpertMatrix> {
             match m {
                 ExpertMatrix::Float(t) => Ok(t.narrow(0, first, n)?.contiguous()?.into()),
@@ -436,6 +427,22 @@ impl Experts {
         self.down_bias = rows(&self.down_bias)?;
         self.rank = Some((sh, first));
         Ok(self)
+    }
+
+    /// This rank's share `(first, count)` of `e` routed experts in a tensor-parallel load:
+    /// `[rank E / N, (rank + 1) E / N)`, uneven when N does not divide E; all of them otherwise.
+    pub fn rank_share(w: &Weights, e: usize) -> Result<(usize, usize)> {
+        let Some(sh) = w.shard() else {
+            return Ok((0, e));
+        };
+        if e < sh.world {
+            return Err(Error::input(format!(
+                "tensor parallel {}: {e} routed experts are fewer than the ranks (choose a tensor-parallel size of at most {e})",
+                sh.world
+            )));
+        }
+        let first = sh.rank * e / sh.world;
+        Ok((first, (sh.rank + 1) * e / sh.world - first))
     }
 
     /// Load `{prefix}.experts` without biases, either per expert
@@ -459,14 +466,19 @@ impl Experts {
             format!("{switch}.up_proj.weight"),
             format!("{switch}.down_proj.weight"),
         );
-        let (gate_up, down): (ExpertMatrix, ExpertMatrix) = if w.contains(&stacked) {
+        // A tensor-parallel rank reads its own experts only where they are float (the stacks
+        // kept quantized load whole and `keep_rank` refuses them).
+        let (first, n) = Self::rank_share(w, experts)?;
+        let part = |name: &str, shape: (usize, usize, usize)| w.get_part(name, shape, 0, first, n);
+        let (gate_up, down, mine): (ExpertMatrix, ExpertMatrix, bool) = if w.contains(&stacked) {
             (
-                w.get(&stacked, (experts, 2 * inter, hidden))?.into(),
-                w.get(
+                part(&stacked, (experts, 2 * inter, hidden))?.into(),
+                part(
                     &format!("{prefix}.experts.down_proj"),
                     (experts, hidden, inter),
                 )?
                 .into(),
+                true,
             )
         } else if w.contains(&gate) {
             // kept as stored only all three (the device kernels take one storage per layer)
@@ -481,29 +493,35 @@ impl Experts {
                 (
                     affine(w.mlx_expert_stack(&[&gate, &up], (experts, inter, hidden))?),
                     affine(w.mlx_expert_stack(&[&down_name], (experts, hidden, inter))?),
+                    false,
                 )
             } else {
-                let g = w.get(&gate, (experts, inter, hidden))?;
-                let u = w.get(&up, (experts, inter, hidden))?;
+                let g = part(&gate, (experts, inter, hidden))?;
+                let u = part(&up, (experts, inter, hidden))?;
                 (
                     Tensor::cat(&[&g, &u], 1)?.into(),
-                    w.get(&down_name, (experts, hidden, inter))?.into(),
+                    part(&down_name, (experts, hidden, inter))?.into(),
+                    true,
                 )
             }
-        } else if let Some(stacks) = Self::int_stacks(w, prefix, hidden, inter, experts)? {
-            stacks
+        } else if let Some((gu, dn)) = Self::int_stacks(w, prefix, hidden, inter, experts)? {
+            (gu, dn, false)
         } else {
-            let (mut gu, mut dn) = (Vec::with_capacity(experts), Vec::with_capacity(experts));
-            for e in 0..experts {
+            let (mut gu, mut dn) = (Vec::with_capacity(n), Vec::with_capacity(n));
+            for e in first..first + n {
                 let p = format!("{prefix}.experts.{e}");
                 let g = w.get(&format!("{p}.gate_proj.weight"), (inter, hidden))?;
                 let u = w.get(&format!("{p}.up_proj.weight"), (inter, hidden))?;
                 gu.push(Tensor::cat(&[&g, &u], 0)?);
                 dn.push(w.get(&format!("{p}.down_proj.weight"), (hidden, inter))?);
             }
-            (Tensor::stack(&gu, 0)?.into(), Tensor::stack(&dn, 0)?.into())
+            (
+                Tensor::stack(&gu, 0)?.into(),
+                Tensor::stack(&dn, 0)?.into(),
+                true,
+            )
         };
-        Self {
+        let all = Self {
             gate_up,
             gate_up_bias: None,
             down,
@@ -511,8 +529,15 @@ impl Experts {
             act: ExpertAct::Glu(act),
             inter,
             rank: None,
+        };
+        match (mine, w.shard()) {
+            // already this rank's experts only
+            (true, Some(sh)) => Ok(Self {
+                rank: Some((sh.clone(), first)),
+                ..all
+            }),
+            _ => all.keep_rank(w),
         }
-        .keep_rank(w)
     }
 
     /// Per-expert integer-quantized matrices kept as stored

@@ -313,29 +313,29 @@ impl Weights {
         Ok(t.to_device(&self.device)?)
     }
 
-    /// Rows (`dim` 0) or columns (`dim` 1) `at .. at + len` of the 2-D tensor `name` of
-    /// `shape`, in the compute dtype on the device: a tensor-parallel rank's shard. From an
-    /// ordinary safetensors tensor only that part's bytes are read from the mapped file and
-    /// converted (the whole matrix is never materialized, on the host or the device); a
-    /// quantized safetensors format is dequantized whole on the host, then cut; in-memory
-    /// tensors are cut.
+    /// Entries `at .. at + len` of dimension `dim` of the tensor `name` of `shape` (`dim` 0 of
+    /// any tensor: rows, or a stack's matrices; `dim` 1 of a matrix: columns), in the compute
+    /// dtype on the device: a tensor-parallel rank's shard. From an ordinary safetensors
+    /// tensor only that part's bytes are read from the mapped file and converted (the whole
+    /// is never materialized, on the host or the device); a quantized safetensors format is
+    /// dequantized whole on the host, then cut; in-memory tensors are cut.
     pub fn get_part(
         &self,
         name: &str,
-        shape: (usize, usize),
+        shape: impl Into<Shape>,
         dim: usize,
         at: usize,
         len: usize,
     ) -> Result<Tensor> {
-        let (rows, cols) = shape;
-        let full = Shape::from(shape);
-        if dim > 1 || at + len > full.dims()[dim] {
+        let full: Shape = shape.into();
+        let dims = full.dims().to_vec();
+        if dims.is_empty() || dim > 1 || (dim == 1 && dims.len() != 2) || at + len > dims[dim] {
             return Err(Error::input(format!(
-                "tensor `{name}`: part {at}..{} of dimension {dim} of {:?}",
-                at + len,
-                full.dims()
+                "tensor `{name}`: part {at}..{} of dimension {dim} of {dims:?}",
+                at + len
             )));
         }
+        let (rows, cols) = (dims[0], dims[1..].iter().product::<usize>());
         let Backend::Safetensors { st, .. } = &self.backend else {
             return Ok(self.get(name, full)?.narrow(dim, at, len)?.contiguous()?);
         };
@@ -355,17 +355,16 @@ impl Weights {
         self.used.borrow_mut().insert(name.to_string());
         let es = stored.size_in_bytes();
         let data = view.data();
-        let (bytes, part): (std::borrow::Cow<[u8]>, [usize; 2]) = if dim == 0 {
-            (
-                data[at * cols * es..(at + len) * cols * es].into(),
-                [len, cols],
-            )
+        let mut part = dims.clone();
+        part[dim] = len;
+        let bytes: std::borrow::Cow<[u8]> = if dim == 0 {
+            data[at * cols * es..(at + len) * cols * es].into()
         } else {
             let mut v = Vec::with_capacity(rows * len * es);
             for r in 0..rows {
                 v.extend_from_slice(&data[(r * cols + at) * es..(r * cols + at + len) * es]);
             }
-            (v.into(), [rows, len])
+            v.into()
         };
         let t = Tensor::from_raw_buffer(&bytes, stored, &part, &Device::Cpu)
             .map_err(|e| Error::weights(desc, format!("tensor `{name}`: {e}")))?;
@@ -1186,6 +1185,9 @@ mod tests {
         ] {
             m.insert(n.to_string(), base.to_dtype(dt).unwrap());
         }
+        // a stack of 4 experts' [3, 5] matrices
+        let stack = base.reshape((4, 3, 5)).unwrap();
+        m.insert("stack".to_string(), stack.to_dtype(DType::BF16).unwrap());
         candle_core::safetensors::save(&m, &path).unwrap();
         for compute in [DType::F32, DType::BF16] {
             let w = Weights::open(&[path.clone()], compute, &Device::Cpu).unwrap();
@@ -1218,6 +1220,25 @@ mod tests {
                     );
                 }
             }
+            let whole = w.get("stack", (4, 3, 5)).unwrap();
+            for (at, len) in [(0, 2), (2, 2), (1, 3), (3, 1)] {
+                let part = w.get_part("stack", (4, 3, 5), 0, at, len).unwrap();
+                let want = whole.narrow(0, at, len).unwrap();
+                let v = |t: &Tensor| -> Vec<f32> {
+                    t.to_dtype(DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap()
+                };
+                assert_eq!(part.dims(), &[len, 3, 5]);
+                assert_eq!(v(&part), v(&want), "stack experts {at}+{len}");
+            }
+            assert!(
+                w.get_part("stack", (4, 3, 5), 1, 0, 2).is_err(),
+                "columns of a stack"
+            );
             let e = w.get_part("f32", (6, 10), 1, 8, 3).unwrap_err().to_string();
             assert!(e.contains("`f32`") && e.contains("8..11"), "{e}");
             let e = w.get_part("f32", (5, 10), 0, 0, 2).unwrap_err().to_string();
