@@ -134,8 +134,40 @@ impl GatedDeltaNet {
         }
         let r = hv / hk;
         let name = |n: &str| format!("{prefix}.{n}.weight");
-        // [q, k, v, z, b, a] rows (all heads, head-major within each)
+        // tensor parallel: a rank's share of the key heads, with the value heads they serve
+        // (every per-head piece is head-major: rows of q, k, v, z, b, a, conv channels, decay)
+        // (fewer key heads than ranks: a rank's value heads and the one key head they read,
+        // replicated over the ranks that read it)
+        let shard = w.shard().cloned();
+        let (k0, hk_l, v0, hv_l) = match &shard {
+            Some(sh) if hk < sh.world && sh.world.is_multiple_of(hk) => {
+                sh.check_divides(hv, &format!("linear-attention value heads of `{prefix}`"))?;
+                let (v0, hv_l) = sh.range(hv);
+                (v0 / r, 1, v0, hv_l)
+            }
+            Some(sh) => {
+                sh.check_divides(hk, &format!("linear-attention key heads of `{prefix}`"))?;
+                let (k0, hk_l) = sh.range(hk);
+                (k0, hk_l, k0 * r, hk_l * r)
+            }
+            None => (0, hk, 0, hv),
+        };
+        // [q, k, v, z, b, a] rows (all heads, head-major within each); a tensor-parallel rank
+        // of the split layout reads its own rows only (`mine` below then keeps them as they are)
+        let read_mine = shard.is_some() && s.layout == InProjLayout::Split;
         let rows = match s.layout {
+            InProjLayout::Split if read_mine => {
+                let (qkv, shape) = (name("in_proj_qkv"), (s.conv_dim(), h));
+                let part = |at: usize, len: usize| w.get_part(&qkv, shape, 0, at, len);
+                vec![
+                    part(k0 * dk, hk_l * dk)?,
+                    part(hk * dk + k0 * dk, hk_l * dk)?,
+                    part(2 * hk * dk + v0 * dv, hv_l * dv)?,
+                    w.get_part(&name("in_proj_z"), (hv * dv, h), 0, v0 * dv, hv_l * dv)?,
+                    w.get_part(&name("in_proj_b"), (hv, h), 0, v0, hv_l)?,
+                    w.get_part(&name("in_proj_a"), (hv, h), 0, v0, hv_l)?,
+                ]
+            }
             InProjLayout::Split => {
                 let qkv = w.get(&name("in_proj_qkv"), (s.conv_dim(), h))?;
                 vec![
@@ -171,35 +203,21 @@ impl GatedDeltaNet {
                 ]
             }
         };
-        // tensor parallel: a rank's share of the key heads, with the value heads they serve
-        // (every per-head piece is head-major: rows of q, k, v, z, b, a, conv channels, decay)
-        // (fewer key heads than ranks: a rank's value heads and the one key head they read,
-        // replicated over the ranks that read it)
-        let shard = w.shard().cloned();
-        let (k0, hk_l, v0, hv_l) = match &shard {
-            Some(sh) if hk < sh.world && sh.world.is_multiple_of(hk) => {
-                sh.check_divides(hv, &format!("linear-attention value heads of `{prefix}`"))?;
-                let (v0, hv_l) = sh.range(hv);
-                (v0 / r, 1, v0, hv_l)
-            }
-            Some(sh) => {
-                sh.check_divides(hk, &format!("linear-attention key heads of `{prefix}`"))?;
-                let (k0, hk_l) = sh.range(hk);
-                (k0, hk_l, k0 * r, hk_l * r)
-            }
-            None => (0, hk, 0, hv),
-        };
         let heads = |t: &Tensor, per: usize, first: usize, n: usize| -> Result<Tensor> {
             Ok(t.narrow(0, first * per, n * per)?)
         };
-        let mine = [
-            heads(&rows[0], dk, k0, hk_l)?,
-            heads(&rows[1], dk, k0, hk_l)?,
-            heads(&rows[2], dv, v0, hv_l)?,
-            heads(&rows[3], dv, v0, hv_l)?,
-            heads(&rows[4], 1, v0, hv_l)?,
-            heads(&rows[5], 1, v0, hv_l)?,
-        ];
+        let mine = if read_mine {
+            rows
+        } else {
+            vec![
+                heads(&rows[0], dk, k0, hk_l)?,
+                heads(&rows[1], dk, k0, hk_l)?,
+                heads(&rows[2], dv, v0, hv_l)?,
+                heads(&rows[3], dv, v0, hv_l)?,
+                heads(&rows[4], 1, v0, hv_l)?,
+                heads(&rows[5], 1, v0, hv_l)?,
+            ]
+        };
         let in_proj = Linear::dense(Tensor::cat(&mine, 0)?, None);
         let k = s.conv_kernel;
         let conv_shape = match conv {
