@@ -541,6 +541,23 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
   }
 }
 
+// The segment of a batched attention block (blockIdx.z, from the metadata table's block
+// column): its cache, capacity, first position (from the device step when given), first row,
+// rows and first block.
+struct SegBlock {
+  const bf16* kp;
+  long long cap;
+  int pos0, row0, n, grp0;
+};
+__device__ __forceinline__ SegBlock seg_block(const long long* meta, int nseg, int total,
+                                              const long long* pos0s) {
+  const long long seg = meta[SEG_META * nseg + total + blockIdx.z];
+  const long long* m = meta + SEG_META * seg;
+  return SegBlock{reinterpret_cast<const bf16*>(m[SEG_PTR]), m[SEG_CAP],
+                  (int)(pos0s != nullptr ? pos0s[seg] : m[SEG_POS0]), (int)m[SEG_ROW0], (int)m[SEG_N],
+                  (int)m[SEG_GRP0]};
+}
+
 // Pairs per block: 8 (4 for head dim 256, to bound registers and shared memory).
 // k / v: head g's keys and values start at kp / vp + g * head_stride, one row per position,
 // row_stride apart (a joint cache: vp = kp + kvh * cap * D, head_stride cap * D, row_stride
@@ -560,17 +577,15 @@ __device__ void attn_rows_block(const bf16* __restrict__ src, int src_stride, in
       int rot, float scale, const long long* meta, int nseg, int total, int kvh, int rep, int causal,     \
       int window, int chunk, const bf16* sinks, int gate_off, bf16* out, float* part,                     \
       const long long* pos0s, int cs_by_pos, int* counters) {                                             \
-    const long long seg = meta[SEG_META * nseg + total + blockIdx.z];                                     \
-    const long long* m = meta + SEG_META * seg;                                                           \
-    const bf16* kp = reinterpret_cast<const bf16*>(m[SEG_PTR]);                                           \
-    const long long cap = m[SEG_CAP];                                                                     \
-    const int pos0 = (int)(pos0s != nullptr ? pos0s[seg] : m[SEG_POS0]);                                  \
-    const int row0 = (int)m[SEG_ROW0], n = (int)m[SEG_N];                                                 \
+    const SegBlock sb = seg_block(meta, nseg, total, pos0s);                                              \
+    const bf16* kp = sb.kp;                                                                               \
+    const long long cap = sb.cap;                                                                         \
+    const int pos0 = sb.pos0, row0 = sb.row0, n = sb.n;                                                   \
     attn_rows_block<DK, DV, P>(src + (size_t)row0 * src_stride, src_stride, q_off, q_hs, qw, eps,        \
                                cs + (size_t)(cs_by_pos ? pos0 : row0) * rot, rot, scale, kp,              \
                                kp + kvh * cap * DK, cap * DK,                                             \
                                DK, kvh, pos0 + n, rep, pos0, causal, window, chunk, n, sinks, gate_off,   \
-                               out + (size_t)row0 * kvh * rep * DV, part, blockIdx.z - (int)m[SEG_GRP0],  \
+                               out + (size_t)row0 * kvh * rep * DV, part, blockIdx.z - sb.grp0,  \
                                total, row0, counters);                                                    \
   }
 ATTN(attn_bf16_d64, 64, 64, 8)
@@ -827,16 +842,14 @@ __device__ void attn_mma_block(const bf16* __restrict__ src, int src_stride, int
       int rot, float scale, const long long* meta, int nseg, int total, int kvh, int rep, int causal,     \
       int window, int chunk, const bf16* sinks, int gate_off, bf16* out, float* part,                     \
       const long long* pos0s, int cs_by_pos, int* counters) {                                             \
-    const long long seg = meta[SEG_META * nseg + total + blockIdx.z];                                     \
-    const long long* m = meta + SEG_META * seg;                                                           \
-    const bf16* kp = reinterpret_cast<const bf16*>(m[SEG_PTR]);                                           \
-    const long long cap = m[SEG_CAP];                                                                     \
-    const int pos0 = (int)(pos0s != nullptr ? pos0s[seg] : m[SEG_POS0]);                                  \
-    const int row0 = (int)m[SEG_ROW0], n = (int)m[SEG_N];                                                 \
+    const SegBlock sb = seg_block(meta, nseg, total, pos0s);                                              \
+    const bf16* kp = sb.kp;                                                                               \
+    const long long cap = sb.cap;                                                                         \
+    const int pos0 = sb.pos0, row0 = sb.row0, n = sb.n;                                                   \
     attn_mma_block<D>(src + (size_t)row0 * src_stride, src_stride, q_off, q_hs, qw, eps,                 \
                       cs + (size_t)(cs_by_pos ? pos0 : row0) * rot, rot, scale, kp, kp + kvh * cap * D,  \
                       cap * D, D, kvh, pos0 + n, rep, pos0, causal, window, chunk, n, sinks, gate_off,    \
-                      out + (size_t)row0 * kvh * rep * D, part, blockIdx.z - (int)m[SEG_GRP0], total,     \
+                      out + (size_t)row0 * kvh * rep * D, part, blockIdx.z - sb.grp0, total,     \
                       row0);                                                                              \
   }
 ATTN_MMA(attn_mma_d64, 64)

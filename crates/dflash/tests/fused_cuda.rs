@@ -2847,7 +2847,6 @@ fn graphs_replay_the_eager_forwards() {
 #[test]
 fn draft_batch_on_the_device_equals_draft_alone() {
     use dflash::archs::Logits;
-    use dflash::draft::DraftItem;
     use dflash::testing::{TinyDraft, TinyTarget};
     let Some(dev) = gpu() else { return };
     let dir = tempfile::tempdir().unwrap();
@@ -2969,32 +2968,12 @@ fn draft_batch_on_the_device_equals_draft_alone() {
                     .unwrap();
             }
         }
-        let mut batch: Vec<DraftItem> = probes
-            .iter_mut()
-            .zip(&calls)
-            .map(|(cache, (x, b, s))| DraftItem {
-                ctx: x.clone(),
-                block: b,
-                start: *s,
-                cache,
-                guide: None,
-            })
-            .collect();
-        let (x, spans) = draft.forward_rows_batch(target, &mut batch).unwrap();
-        drop(batch);
-        let mut batch: Vec<DraftItem> = caches
-            .iter_mut()
-            .zip(&calls)
-            .map(|(cache, (x, b, s))| DraftItem {
-                ctx: x.clone(),
-                block: b,
-                start: *s,
-                cache,
-                guide: None,
-            })
-            .collect();
-        let proposals = draft.propose_batch(target, &mut batch).unwrap();
-        drop(batch);
+        let (x, spans) = draft
+            .forward_rows_batch(target, &mut draft_items(&mut probes, &calls))
+            .unwrap();
+        let proposals = draft
+            .propose_batch(target, &mut draft_items(&mut caches, &calls))
+            .unwrap();
         for k in 0..plan.len() {
             let (first, n) = spans[k];
             let rows = x.narrow(0, first, n).unwrap();
@@ -3136,4 +3115,23 @@ fn load_pair_bf16(
     )
     .unwrap();
     (target, draft)
+}
+
+/// One draft item a sequence: `calls[k]` = (its new context rows, its block, the block's start)
+/// over `caches[k]`.
+fn draft_items<'a>(
+    caches: &'a mut [dflash::draft::DraftCache],
+    calls: &'a [(Tensor, Vec<u32>, usize)],
+) -> Vec<dflash::draft::DraftItem<'a>> {
+    caches
+        .iter_mut()
+        .zip(calls)
+        .map(|(cache, (x, b, s))| dflash::draft::DraftItem {
+            ctx: x.clone(),
+            block: b,
+            start: *s,
+            cache,
+            guide: None,
+        })
+        .collect()
 }
