@@ -3,7 +3,9 @@
 # by one vectorized kernel) and `attn_mma` (the attention's (row, head) pairs on the tensor
 # cores), plus the batch's verify logits taken whole by the choice (default, untested on a GPU).
 # (1) tests: bf16_to_f32, batch choices with batch parts, the draft's and the target's batched
-# passes, the attn_mma trial (candle bound, batched == alone, verify == decode); (2) issue 23's
+# passes, the attn_mma trial (candle bound, batched == alone, verify == decode), and the default
+# attention kernels again (their q preparation and segment decoding became shared device
+# functions this session, not yet run on a GPU); (2) issue 23's
 # table, Qwen3-8B shape, controlled-acceptance draft, T = 1, block 8, c = 1 / 8 / 32, plain and
 # DFlash, DFLASH_TRY = none / widen_logits / widen_logits,attn_mma alternating, two rounds.
 #   run(command="bash tools/gpu-bench/session39f.sh", carry=[".device/fused_cuda.xz", ".device/concurrency.xz", "tools/goldens/wheels"])
@@ -17,7 +19,7 @@ M=/root/s20-models
 mkdir -p $M
 ensure_models "$M" &
 mk=$!
-fused_tests tests 200 bf16_to_f32 batch_choices draft_batch forward_batch attn_mma_trial
+fused_tests tests 240 bf16_to_f32 batch_choices draft_batch forward_batch attn_mma_trial attention_layer batched_attention verify_rows
 wait $mk || { echo "models failed"; tail -5 "$M.log"; }
 echo "### tests + models in $((SECONDS - T0)) s"
 DFLASH_TRY=widen_logits,attn_mma timeout 120 /tmp/stash/concurrency --model $M/target --draft $M/draft-agree --device cuda \
