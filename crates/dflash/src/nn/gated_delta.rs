@@ -154,7 +154,10 @@ impl GatedDeltaNet {
         };
         // [q, k, v, z, b, a] rows (all heads, head-major within each); a tensor-parallel rank
         // of the split layout reads its own rows only (`mine` below then keeps them as they are)
-        let read_mine = shard.is_some() && s.layout == InProjLayout::Split;
+        // (the fused layout groups a key head's rows with its value heads' rows: a rank reads
+        // its own groups when it holds whole key heads, not a replicated one's share)
+        let read_mine = shard.is_some()
+            && (s.layout == InProjLayout::Split || (hk_l * r == hv_l && v0 == k0 * r));
         let rows = match s.layout {
             InProjLayout::Split if read_mine => {
                 let (qkv, shape) = (name("in_proj_qkv"), (s.conv_dim(), h));
@@ -181,17 +184,23 @@ impl GatedDeltaNet {
             }
             InProjLayout::Fused => {
                 let per = 2 * dk + 2 * r * dv;
-                let qkvz = w
-                    .get(&name("in_proj_qkvz"), (hk * per, h))?
-                    .reshape((hk, per, h))?;
-                let ba = w
-                    .get(&name("in_proj_ba"), (hk * 2 * r, h))?
-                    .reshape((hk, 2 * r, h))?;
+                // the key-head groups read: a rank's own, or all of them
+                let (g0, gn) = if read_mine { (k0, hk_l) } else { (0, hk) };
+                let groups = |n: &str, rows: usize| -> Result<Tensor> {
+                    let shape = (hk * rows, h);
+                    Ok(match read_mine {
+                        true => w.get_part(&name(n), shape, 0, g0 * rows, gn * rows)?,
+                        false => w.get(&name(n), shape)?,
+                    }
+                    .reshape((gn, rows, h))?)
+                };
+                let qkvz = groups("in_proj_qkvz", per)?;
+                let ba = groups("in_proj_ba", 2 * r)?;
                 // rows `off .. off + len` of every key-head group, groups in order
                 let part = |t: &Tensor, off: usize, len: usize| -> Result<Tensor> {
                     Ok(t.narrow(1, off, len)?
                         .contiguous()?
-                        .reshape((hk * len, h))?)
+                        .reshape((gn * len, h))?)
                 };
                 vec![
                     part(&qkvz, 0, dk)?,
