@@ -379,9 +379,13 @@ pub fn load(cfg: &TargetConfig, w: &Weights) -> Result<Box<dyn TargetModel>> {
             lin("kv_a_proj_with_mqa", h, kvr + rope_d, c.attention_bias)?,
             &kv_perm,
         )?;
-        let kv_b = w
-            .get(&format!("{a}.kv_b_proj.weight"), (heads * (nope + vd), kvr))?
-            .narrow(0, rank * lh * (nope + vd), lh * (nope + vd))?;
+        let kv_b = w.get_part(
+            &format!("{a}.kv_b_proj.weight"),
+            (heads * (nope + vd), kvr),
+            0,
+            rank * lh * (nope + vd),
+            lh * (nope + vd),
+        )?;
         let mut attn = LatentAttention::new(
             q,
             kv_a,
