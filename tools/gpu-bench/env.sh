@@ -70,3 +70,21 @@ for line in sys.stdin:
     for k, v in parts.items(): acc[k] += v
 print(f"{n} steps: " + ", ".join(f"{k} {v / max(n, 1):.3f}" for k, v in acc.items()))'
 }
+
+# begin_session NAME: the results folder $R (NAME under $OUT, which the device tool gives, else
+# /tmp) made; the GPU's name and driver printed.
+begin_session() {
+  R=${OUT:-/tmp}/$1
+  mkdir -p "$R"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+}
+# The Qwen3-8B-shape models of models.py in $M (made once per machine by qwen3_models, which
+# says so when it fails; run it with `&` to overlap the tests), and CONC_ARGS, examples/
+# concurrency's arguments over them: the controlled-acceptance draft, prompts of 128 random
+# ids, 128 new tokens, T = 1.
+M=/root/s20-models
+qwen3_models() {
+  mkdir -p "$M"
+  ensure_models "$M" || { echo "models failed"; tail -5 "$M.log"; return 1; }
+}
+CONC_ARGS="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"

@@ -11,14 +11,10 @@
 set -uo pipefail
 T0=$SECONDS
 . "$(dirname "$0")/env.sh" concurrency_base concurrency
-R=${OUT:-/tmp}/s38a
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-M=/root/s20-models
-mkdir -p $M
-ensure_models "$M" || { echo "models failed"; tail -5 "$M.log"; }
+begin_session s38a
+qwen3_models
 echo "### models in $((SECONDS - T0)) s"
-args="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"
+args="$CONC_ARGS"
 for b in concurrency_base concurrency concurrency_base concurrency; do
   [ $((SECONDS - T0)) -gt 250 ] && break
   timeout 120 /tmp/stash/$b $args --block 8 --concurrency 1,8,32 --modes plain,dflash > "$R/block8-$b.md" 2> "$R/block8-$b.err"

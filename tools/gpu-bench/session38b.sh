@@ -7,8 +7,6 @@
 set -uo pipefail
 T0=$SECONDS
 . "$(dirname "$0")/env.sh" fused_cuda
-R=${OUT:-/tmp}/s38b
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+begin_session s38b
 fused_tests tests ${TEST_LIMIT:-300} ${TESTS:-affine_experts int4_moe mlx_moe batch_choices device_sampler forward_batch batched_attention verify_rows every_family}
 echo "### done in $((SECONDS - T0)) s"

@@ -9,17 +9,13 @@
 set -uo pipefail
 T0=$SECONDS
 . "$(dirname "$0")/env.sh" fused_cuda concurrency
-R=${OUT:-/tmp}/s38c
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-M=/root/s20-models
-mkdir -p $M
-ensure_models "$M" &
+begin_session s38c
+qwen3_models &
 mk=$!
 fused_tests tests ${TEST_LIMIT:-170} ${TESTS:-affine_experts batch_choices device_sampler forward_batch batched_attention verify_rows int4_moe}
-wait $mk || { echo "models failed"; tail -5 "$M.log"; }
+wait $mk
 echo "### tests + models in $((SECONDS - T0)) s"
-args="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"
+args="$CONC_ARGS"
 timeout 120 /tmp/stash/concurrency $args --block 8 --concurrency 1,8,32 --modes plain,dflash > "$R/block8.md" 2> "$R/block8.err"
 echo "### block 8 ($((SECONDS - T0)) s)"; grep -E '^\| (plain|dflash)' "$R/block8.md"
 for p in 1 gpu; do

@@ -8,15 +8,11 @@
 set -uo pipefail
 T0=$SECONDS
 . "$(dirname "$0")/env.sh" fused_cuda concurrency
-R=${OUT:-/tmp}/s39c
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-M=/root/s20-models
-mkdir -p $M
-ensure_models "$M" &
+begin_session s39c
+qwen3_models &
 mk=$!
 fused_tests tests ${TEST_LIMIT:-200} ${TESTS:-batched_attention draft_batch forward_batch batch_choices verify_rows device_sampler dflash2_draft}
-wait $mk || { echo "models failed"; tail -5 "$M.log"; }
+wait $mk
 echo "### tests + models in $((SECONDS - T0)) s"
 timeout 150 /tmp/stash/concurrency --model $M/target --draft $M/draft-agree --device cuda --dtype bf16 \
   --prompt-len 128 --max-tokens 64 --block 8 --concurrency 8 --modes plain,dflash --check > "$R/check.md" 2> "$R/check.err"

@@ -7,16 +7,12 @@
 set -uo pipefail
 T0=$SECONDS
 . "$(dirname "$0")/env.sh" concurrency
-R=${OUT:-/tmp}/s39e
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-M=/root/s20-models
-mkdir -p $M
-ensure_models "$M" || { echo "models failed"; tail -5 "$M.log"; }
+begin_session s39e
+qwen3_models
 echo "### models in $((SECONDS - T0)) s"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 echo "ncu: ${NCU:-none}"
-args="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128 --block 8 --concurrency 32"
+args="$CONC_ARGS --block 8 --concurrency 32"
 for m in dflash plain; do
   [ $((SECONDS - T0)) -gt 400 ] && break
   DFLASH_PROFILE=ncu-batch timeout 200 "$NCU" --profile-from-start off --clock-control none \

@@ -12,20 +12,16 @@
 set -uo pipefail
 T0=$SECONDS
 . "$(dirname "$0")/env.sh" fused_cuda concurrency
-R=${OUT:-/tmp}/s39f
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-M=/root/s20-models
-mkdir -p $M
-ensure_models "$M" &
+begin_session s39f
+qwen3_models &
 mk=$!
 fused_tests tests 240 bf16_to_f32 batch_choices draft_batch forward_batch attn_mma_trial attention_layer batched_attention verify_rows
-wait $mk || { echo "models failed"; tail -5 "$M.log"; }
+wait $mk
 echo "### tests + models in $((SECONDS - T0)) s"
 DFLASH_TRY=widen_logits,attn_mma timeout 120 /tmp/stash/concurrency --model $M/target --draft $M/draft-agree --device cuda \
   --dtype bf16 --prompt-len 128 --max-tokens 64 --block 8 --concurrency 8 --modes plain,dflash --check > "$R/check.md" 2> "$R/check.err"
 echo "### both trials, greedy c = 8: $(grep -h greedy "$R/check.md" | tr '\n' ' ')"
-args="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128 --block 8 --concurrency 1,8,32 --modes plain,dflash"
+args="$CONC_ARGS --block 8 --concurrency 1,8,32 --modes plain,dflash"
 for round in 1 2; do
   for try in none widen_logits widen_logits,attn_mma; do
     [ $((SECONDS - T0)) -gt 520 ] && break

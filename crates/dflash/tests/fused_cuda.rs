@@ -1971,18 +1971,7 @@ fn batched_attention_check(dev: &Device, dims: &[usize]) {
             .iter()
             .map(|(_, p, n)| Masks::new(*n, *p, DType::BF16, &dev))
             .collect();
-        let sites: Vec<Site> = tabs
-            .iter()
-            .zip(&masks)
-            .map(|((t, _, _), m)| Site {
-                rope: &rope,
-                tables: t,
-                vis: c.vis,
-                masks: m,
-                step: None,
-                out_conv: None,
-            })
-            .collect();
+        let sites = sites_over(&rope, tabs.iter().map(|(t, _, _)| t), &masks, c.vis);
         let x = Tensor::cat(&xs, 0).unwrap();
         let mut batch: Vec<&mut KvCache> = caches.iter_mut().map(|(_, c2, _)| c2).collect();
         let got = a.forward_segments(&x, &sites, &mut batch).unwrap();
@@ -2011,18 +2000,7 @@ fn batched_attention_check(dev: &Device, dims: &[usize]) {
             0.0,
             "batch table == the runs' tables back to back"
         );
-        let sites3: Vec<Site> = joint
-            .iter()
-            .zip(&masks)
-            .map(|(t, m)| Site {
-                rope: &rope,
-                tables: t,
-                vis: c.vis,
-                masks: m,
-                step: None,
-                out_conv: None,
-            })
-            .collect();
+        let sites3 = sites_over(&rope, joint.iter(), &masks, c.vis);
         let mut batch3: Vec<&mut KvCache> = caches.iter_mut().map(|(_, _, c3)| c3).collect();
         let got3 = a.forward_segments(&x, &sites3, &mut batch3).unwrap();
         let want = Tensor::cat(&alone, 0).unwrap();
@@ -3132,6 +3110,26 @@ fn draft_items<'a>(
             start: *s,
             cache,
             guide: None,
+        })
+        .collect()
+}
+
+/// One attention site a sequence of a batch: `tables[k]` and `masks[k]` are sequence k's.
+fn sites_over<'a>(
+    rope: &'a Rope,
+    tables: impl Iterator<Item = &'a dflash::nn::RopeTables>,
+    masks: &'a [Masks],
+    vis: Visibility,
+) -> Vec<Site<'a>> {
+    tables
+        .zip(masks)
+        .map(|(tables, masks)| Site {
+            rope,
+            tables,
+            vis,
+            masks,
+            step: None,
+            out_conv: None,
         })
         .collect()
 }

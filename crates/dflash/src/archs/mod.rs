@@ -42,12 +42,11 @@ pub enum Logits {
 impl Logits {
     /// The final hidden rows the LM head must see: none, the last one, or all.
     pub fn rows(self, h: &Tensor) -> Result<Option<Tensor>> {
-        let n = h.dim(0)?;
-        Ok(match self {
-            Logits::None => None,
-            Logits::Last => Some(h.narrow(0, n - 1, 1)?),
-            Logits::All => Some(h.clone()),
-        })
+        if let Logits::None = self {
+            return Ok(None);
+        }
+        let r = self.row_range(h.dim(0)?);
+        Ok(Some(h.narrow(0, r.start, r.len())?))
     }
 
     /// Which of a forward's `n` rows [`Self::rows`] picks.

@@ -505,13 +505,6 @@ impl DraftModel {
         let picked: Vec<usize> = spans.iter().flat_map(|&(off, n)| off..off + n).collect();
         let all = crate::nn::gather_rows(&x, &picked)?;
         let logits = self.logits(target, &all, None)?;
-        let rows = (0..spans.len())
-            .scan(0, |at, k| {
-                let r = all.narrow(0, *at, spans[k].1);
-                *at += spans[k].1;
-                Some(r)
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
         // Without a selector, every row's argmax at once (one download).
         let mut all_ids = match &self.selector {
             None => Some(crate::sampling::argmax_rows(&logits)?.into_iter()),
@@ -519,9 +512,9 @@ impl DraftModel {
         };
         let mut out = Vec::with_capacity(items.len());
         let mut off = 0;
-        for (it, r) in items.iter().zip(&rows) {
-            let n = r.dim(0)?;
-            let l = logits.narrow(0, off, n)?;
+        for (it, &(_, n)) in items.iter().zip(&spans) {
+            // this item's rows and logits (rows `off ..` of `all`, in item order)
+            let (r, l) = (&all.narrow(0, off, n)?, logits.narrow(0, off, n)?);
             off += n;
             let plain: Option<Vec<u32>> = all_ids.as_mut().map(|a| a.by_ref().take(n).collect());
             let ids = match (it.guide.filter(|g| g.adjusts()), &self.selector, plain) {

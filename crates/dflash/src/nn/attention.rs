@@ -179,25 +179,6 @@ fn joint_buffers(caches: &[&mut KvCache], lens: &[usize]) -> Result<Vec<Tensor>>
         .collect()
 }
 
-/// The batched kernels' segments: sequence k's `lens[k]` rows go to `joints[k]` (its cache's
-/// buffer) from the cache's length on.
-fn segments<'a>(
-    joints: &'a [Tensor],
-    caches: &[&mut KvCache],
-    lens: &[usize],
-) -> Vec<fused::Segment<'a>> {
-    joints
-        .iter()
-        .zip(caches)
-        .zip(lens)
-        .map(|((kv, c), &n)| fused::Segment {
-            kv,
-            pos0: c.len(),
-            n,
-        })
-        .collect()
-}
-
 /// The additive masks of one forward (`n` query rows at positions `start ..` over keys
 /// `0 .. start + n`), one per visibility, built when a portable attention first asks.
 pub struct Masks {
@@ -668,18 +649,45 @@ impl Attention {
             return Ok(false);
         };
         let lens: Vec<usize> = tables.iter().map(|t| t.len()).collect();
-        let joints = joint_buffers(caches, &lens)?;
-        let segs = segments(&joints, caches, &lens);
         let kd = self.spec.kv_width();
-        let k = self.head_source(layer * 2 * kd, &self.k_norm, rope);
-        let v = self.value_source(layer * 2 * kd + kd);
-        if !fused::kv_write_segments(y, &packed, &k, &v, &segs, None)? {
-            return Ok(false);
+        let cols = (layer * 2 * kd, layer * 2 * kd + kd);
+        Ok(self
+            .write_segments(y, cols, rope, &packed, caches, &lens)?
+            .is_some())
+    }
+
+    /// Several sequences' keys and values in one launch: `y` holds their rows back to back
+    /// (keys from column `cols.0`, values from `cols.1`; `tables` their positions), sequence
+    /// k's `lens[k]` rows go to `caches[k]` from its length on. Returns each cache's joint
+    /// buffer with its length before the write (the batched attention's segments), or None
+    /// (nothing written) when the kernel does not apply.
+    fn write_segments(
+        &self,
+        y: &Tensor,
+        cols: (usize, usize),
+        rope: &Rope,
+        tables: &Tensor,
+        caches: &mut [&mut KvCache],
+        lens: &[usize],
+    ) -> Result<Option<Vec<(Tensor, usize)>>> {
+        let joints = joint_buffers(caches, lens)?;
+        let pos0: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        let segs: Vec<fused::Segment> = joints
+            .iter()
+            .zip(&pos0)
+            .zip(lens)
+            .map(|((kv, &pos0), &n)| fused::Segment { kv, pos0, n })
+            .collect();
+        let k = self.head_source(cols.0, &self.k_norm, rope);
+        let v = self.value_source(cols.1);
+        if !fused::kv_write_segments(y, tables, &k, &v, &segs, None)? {
+            return Ok(None);
         }
-        for (c, &n) in caches.iter_mut().zip(&lens) {
+        drop(segs);
+        for (c, &n) in caches.iter_mut().zip(lens) {
             c.append_in_place(n, |_, _| Ok(true))?;
         }
-        Ok(true)
+        Ok(Some(joints.into_iter().zip(pos0).collect()))
     }
 
     /// Self-attention of `x [n, hidden]` at the positions of `at.tables`: appends this layer's
@@ -944,26 +952,24 @@ impl Attention {
         let Some(tables) = RopeTables::joint_packed(&parts)? else {
             return Ok(None);
         };
-        let joints = joint_buffers(caches, lens)?;
-        let segs = segments(&joints, caches, lens);
-        let (kc, vc) = self.kv_columns();
-        let k = self.head_source(kc, &self.k_norm, at.rope);
-        let v = self.value_source(vc);
-        if !fused::kv_write_segments(y, &tables, &k, &v, &segs, None)? {
+        let Some(written) =
+            self.write_segments(y, self.kv_columns(), at.rope, &tables, caches, lens)?
+        else {
             return Ok(None);
-        }
-        let pos0: Vec<usize> = segs.iter().map(|s| s.pos0).collect();
-        for (c, &n) in caches.iter_mut().zip(lens) {
-            c.append_in_place(n, |_, _| Ok(true))?;
-        }
+        };
+        let segs: Vec<fused::Segment> = written
+            .iter()
+            .zip(lens)
+            .map(|((kv, pos0), &n)| fused::Segment { kv, pos0: *pos0, n })
+            .collect();
         // kv_len / q_pos0 are per segment in a batched call
         let call = self.fused_call(at, 0, 0);
         match fused::attention_segments(y, &tables, &segs, &call, None)? {
             Some(o) => Ok(Some(o)),
             None => {
                 // The kernel checks what `fusable` and the write checked: a bug, not an input.
-                for (c, p) in caches.iter_mut().zip(pos0) {
-                    c.truncate(p);
+                for (c, (_, p)) in caches.iter_mut().zip(&written) {
+                    c.truncate(*p);
                 }
                 Err(crate::Error::input(format!(
                     "batched fused attention declined a layer it was set up for (heads {}, head_dim {}); run with DFLASH_FUSED=0 and report this",

@@ -1189,6 +1189,14 @@ mod tests {
         let stack = base.reshape((4, 3, 5)).unwrap();
         m.insert("stack".to_string(), stack.to_dtype(DType::BF16).unwrap());
         candle_core::safetensors::save(&m, &path).unwrap();
+        let v = |t: &Tensor| -> Vec<f32> {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
         for compute in [DType::F32, DType::BF16] {
             let w = Weights::open(&[path.clone()], compute, &Device::Cpu).unwrap();
             for name in ["f32", "bf16", "f16"] {
@@ -1205,14 +1213,6 @@ mod tests {
                     let want = whole.narrow(dim, at, len).unwrap();
                     assert_eq!(part.dims(), want.dims());
                     assert_eq!(part.dtype(), compute);
-                    let v = |t: &Tensor| -> Vec<f32> {
-                        t.to_dtype(DType::F32)
-                            .unwrap()
-                            .flatten_all()
-                            .unwrap()
-                            .to_vec1()
-                            .unwrap()
-                    };
                     assert_eq!(
                         v(&part),
                         v(&want),
@@ -1224,14 +1224,6 @@ mod tests {
             for (at, len) in [(0, 2), (2, 2), (1, 3), (3, 1)] {
                 let part = w.get_part("stack", (4, 3, 5), 0, at, len).unwrap();
                 let want = whole.narrow(0, at, len).unwrap();
-                let v = |t: &Tensor| -> Vec<f32> {
-                    t.to_dtype(DType::F32)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap()
-                };
                 assert_eq!(part.dims(), &[len, 3, 5]);
                 assert_eq!(v(&part), v(&want), "stack experts {at}+{len}");
             }
