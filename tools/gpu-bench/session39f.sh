@@ -8,6 +8,7 @@
 # functions this session, not yet run on a GPU); (2) issue 23's
 # table, Qwen3-8B shape, controlled-acceptance draft, T = 1, block 8, c = 1 / 8 / 32, plain and
 # DFlash, DFLASH_TRY = none / widen_logits / widen_logits,attn_mma alternating, two rounds.
+# TABLE_LIMIT=S stops the table at S seconds (default 520; e.g. 240 for a short call).
 #   run(command="bash tools/gpu-bench/session39f.sh", carry=[".device/fused_cuda.xz", ".device/concurrency.xz", "tools/goldens/wheels"])
 set -uo pipefail
 T0=$SECONDS
@@ -24,7 +25,7 @@ echo "### both trials, greedy c = 8: $(grep -h greedy "$R/check.md" | tr '\n' ' 
 args="$CONC_ARGS --block 8 --concurrency 1,8,32 --modes plain,dflash"
 for round in 1 2; do
   for try in none widen_logits widen_logits,attn_mma; do
-    [ $((SECONDS - T0)) -gt 520 ] && break
+    [ $((SECONDS - T0)) -gt ${TABLE_LIMIT:-520} ] && break
     DFLASH_TRY=$try timeout 90 /tmp/stash/concurrency $args > "$R/block8-$try-$round.md" 2> "$R/block8-$try-$round.err"
     echo "### DFLASH_TRY=$try round $round ($((SECONDS - T0)) s)"; grep -E '^\| (plain|dflash)' "$R/block8-$try-$round.md"
   done
