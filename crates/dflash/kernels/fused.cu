@@ -605,7 +605,8 @@ ATTN(attn_bf16_d512_p1, 512, 512, 1)
 ATTN(attn_bf16_k576_v512_p1, 576, 512, 1)
 
 // ---------------------------------------------------------------------------------------
-// Trial `attn_mma` (switches::Trial::AttnMma; not yet run on a GPU): the same launches as ATTN
+// ATTN_MMA (nn::cuda::attention's attn_pick: launches of more than 16 rows, or every launch
+// with DFLASH_ATTN_MMA=1; proven on an H100 in session 41, docs/perf.md): the same launches as ATTN
 // (grid (kvh, splits, groups), 128 threads, the same arguments, the same partial results for
 // attn_combine), with the (row, head) pairs of a block on the tensor cores: 64 pairs a block,
 // 16 a warp (one mma row tile), against the chunk's 64 keys at once. The CUDA-core ATTN kernel
@@ -622,7 +623,8 @@ ATTN(attn_bf16_k576_v512_p1, 576, 512, 1)
 // o) into `part` for attn_combine. A row's arithmetic (which keys, in which mma order, its
 // reductions over the four lanes that hold it) depends on its q row, its position and the chunk
 // only, never on the block's other rows: a verify row gives the bits of the decode step at its
-// position when both run this kernel (the trial is process-wide).
+// position when both run this kernel (DFLASH_ATTN_MMA=1; `auto` gives it only launches past the
+// batch-invariant ones).
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                                uint32_t b1) {
   asm volatile(

@@ -11,7 +11,8 @@
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 / Q5_0 / Q6_K GGUF matrices keep their stored weights on the CPU; `0` requantizes them to Q8_0 |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
-//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`): `widen_logits`, `attn_mma`, see [`Trial`] |
+//! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
+//! | `DFLASH_ATTN_MMA` | auto | attention of head dim 64 / 128 on the tensor cores: `auto` for launches of more rows than the batch-invariant products take (a batch's step), `1` for every launch, `0` never (the CUDA-core kernels), see [`AttnMma`] |
 //! | `DFLASH_CUDA_GRAPHS` | on | decode / verify forwards (1-16 rows) of models whose layers all replay (attention + dense or MoE feed-forward) run as CUDA graphs (`archs::graphs`); `0` runs them eagerly |
 //! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals; `ncu-batch`: the 11th and 12th batch steps of 8+ sequences |
@@ -98,35 +99,68 @@ impl Part {
 /// `fp8_block_scale` (FP8 weights as their exact e4m3 values on the tensor cores, the block
 /// scales applied to each scale column's partial sums) ran 5-7% slower than the default FP8
 /// kernel at the Qwen3-8B shape in session 34 and was dropped (docs/perf.md; the code is in git
-/// history, dd90746). Session 39: `widen_logits` and `attn_mma` written, not yet run on a GPU.
+/// history, dd90746). Session 39: `widen_logits` (the head's logits widened by one kernel) and
+/// `attn_mma` (attention on the tensor cores) promoted in session 41 (docs/perf.md): the first
+/// always, the second where the launch has more rows than the batch-invariant products take
+/// (see [`attn_mma`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trial {
-    /// The LM head's logits widened bf16 -> f32 by one vectorized kernel
-    /// (`nn::cuda::bf16_to_f32`) where cuBLAS ran the head (more than 16 rows: a batch's
-    /// verify); candle's cast took 390 us for 256 x 152k logits on an H100 (docs/perf.md,
-    /// session 39).
-    WidenLogits,
-    /// Attention of blocks of query rows on the tensor cores (`kernels/fused.cu`, `attn_mma_*`):
-    /// each (KV head, key chunk) block takes all its query rows x heads as 16-row mma tiles,
-    /// instead of a warp-wide dot product per key and (row, head) pair, whose cost grows with
-    /// the rows of a verify block (5.9 ms of a c = 32 DFlash step, docs/perf.md session 39).
-    AttnMma,
-}
+pub enum Trial {}
 
 impl Trial {
-    pub const ALL: [Trial; 2] = [Trial::WidenLogits, Trial::AttnMma];
+    pub const ALL: [Trial; 0] = [];
     pub fn name(self) -> &'static str {
-        match self {
-            Trial::WidenLogits => "widen_logits",
-            Trial::AttnMma => "attn_mma",
-        }
+        match self {}
     }
     fn bit(self) -> u8 {
+        match self {}
+    }
+}
+
+/// Which attention launches take the tensor-core kernel (`kernels/fused.cu`'s ATTN_MMA; the
+/// door that decides is `nn::cuda::attention`). Its bits differ from the CUDA-core kernel's (q
+/// and the probabilities enter the mma as bf16), so `Auto` keeps it off the launches that must
+/// reproduce each other bit for bit (decode steps and one sequence's verify of up to 16 rows)
+/// and gives it the launches past them (a batch's step, whose products already leave the
+/// batch-invariant skinny GEMM for cuBLAS).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnMma {
+    Auto,
+    On,
+    Off,
+}
+
+impl AttnMma {
+    pub fn name(self) -> &'static str {
         match self {
-            Trial::WidenLogits => 1,
-            Trial::AttnMma => 2,
+            AttnMma::Auto => "auto",
+            AttnMma::On => "on",
+            AttnMma::Off => "off",
         }
     }
+}
+
+/// 0 = follow `DFLASH_ATTN_MMA`, else 1 + the [`AttnMma`] set by [`set_attn_mma`].
+static ATTN_MMA_OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// The tensor-core attention policy: `DFLASH_ATTN_MMA` (or [`set_attn_mma`]).
+pub fn attn_mma() -> AttnMma {
+    match ATTN_MMA_OVERRIDE.load(Ordering::Relaxed) {
+        1 => AttnMma::Auto,
+        2 => AttnMma::On,
+        3 => AttnMma::Off,
+        _ => get().attn_mma,
+    }
+}
+
+/// Override the tensor-core attention policy for the process (tests run every case through
+/// the kernel, or compare it with the CUDA-core one).
+pub fn set_attn_mma(m: AttnMma) {
+    let b = match m {
+        AttnMma::Auto => 1,
+        AttnMma::On => 2,
+        AttnMma::Off => 3,
+    };
+    ATTN_MMA_OVERRIDE.store(b, Ordering::Relaxed);
 }
 
 /// Trials set by [`set_trials`] (bits of [`Trial`]); 0xff = follow `DFLASH_TRY`.
@@ -167,6 +201,8 @@ pub struct Switches {
     pub cuda_events: bool,
     /// Bits of [`Trial`] named by `DFLASH_TRY`.
     trials: u8,
+    /// `DFLASH_ATTN_MMA`: `1` on, `0` off, else auto.
+    pub attn_mma: AttnMma,
     /// CUDA graphs for decode / verify forwards (on unless `DFLASH_CUDA_GRAPHS=0`).
     pub cuda_graphs: bool,
 }
@@ -212,6 +248,11 @@ impl Switches {
                         .fold(0u8, |b, t| b | t.bit())
                 })
                 .unwrap_or(0),
+            attn_mma: match get("DFLASH_ATTN_MMA").as_deref() {
+                Some("1") => AttnMma::On,
+                Some("0") => AttnMma::Off,
+                _ => AttnMma::Auto,
+            },
             profile: match get("DFLASH_PROFILE").as_deref() {
                 Some("1") => Profile::Sync,
                 Some("gpu") => Profile::Gpu,
@@ -329,6 +370,7 @@ pub fn describe() -> Vec<(&'static str, String)> {
         ("q8_scalar", b(s.q8_scalar)),
         ("cuda_events", b(s.cuda_events)),
         ("cuda_graphs", b(cuda_graphs())),
+        ("attn_mma", attn_mma().name().to_string()),
         ("try", {
             let on: Vec<&str> = Trial::ALL
                 .into_iter()
@@ -397,19 +439,15 @@ mod tests {
         // names that are not trials (former ones included) are ignored
         let t = parse(&[(
             "DFLASH_TRY",
-            "moe_narrow, route_union, prefetch, combine, conv_epilogue, narrow16, bogus",
+            "moe_narrow, route_union, prefetch, combine, conv_epilogue, widen_logits, attn_mma, bogus",
         )]);
         assert_eq!(t.trials, 0);
         let all = Trial::ALL.iter().fold(0u8, |b, t| b | t.bit());
         assert_eq!(parse(&[("DFLASH_TRY", "all")]).trials, all);
-        assert_eq!(
-            parse(&[("DFLASH_TRY", "bogus, attn_mma")]).trials,
-            Trial::AttnMma.bit()
-        );
-        assert_eq!(
-            parse(&[("DFLASH_TRY", "widen_logits")]).trials,
-            Trial::WidenLogits.bit()
-        );
+        assert_eq!(d.attn_mma, AttnMma::Auto);
+        assert_eq!(parse(&[("DFLASH_ATTN_MMA", "1")]).attn_mma, AttnMma::On);
+        assert_eq!(parse(&[("DFLASH_ATTN_MMA", "0")]).attn_mma, AttnMma::Off);
+        assert_eq!(parse(&[("DFLASH_ATTN_MMA", "auto")]).attn_mma, AttnMma::Auto);
         assert!(d.cuda_graphs);
         assert!(!parse(&[("DFLASH_CUDA_GRAPHS", "0")]).cuda_graphs);
         assert!(parse(&[("DFLASH_CUDA_GRAPHS", "1")]).cuda_graphs);

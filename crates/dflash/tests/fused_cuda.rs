@@ -3013,31 +3013,31 @@ fn bf16_to_f32_equals_candles_cast() {
     );
 }
 
-/// Trial `attn_mma` (kernels/fused.cu's ATTN_MMA: the attention's (row, head) pairs on the
-/// tensor cores), on for this test only: every attention case of head dim 64 / 128 of
+/// The tensor-core attention (kernels/fused.cu's ATTN_MMA), forced on for every launch
+/// (`DFLASH_ATTN_MMA=1`): every attention case of head dim 64 / 128 of
 /// `attention_layer_matches_candle` (causal, full, sliding both ways, sinks, GQA, partial RoPE,
 /// one to 32 key chunks, decode rows and 16-row blocks) within the same bound of the candle
-/// path; its outputs are not the CUDA-core kernel's bits (so the trial ran); batched == alone bit
-/// for bit; verify rows == decode steps bit for bit on tiny qwen3 (d 128) and llama (d 64)
-/// targets (the property greedy DFlash == plain decoding rests on).
+/// path; its outputs are not the CUDA-core kernel's bits (so it ran); batched == alone bit for
+/// bit; verify rows == decode steps bit for bit on tiny qwen3 (d 128) and llama (d 64) targets.
+/// And the default policy (`auto`): a launch of 16 rows gives the CUDA-core kernel's bits, one of
+/// 24 rows the tensor-core kernel's.
 #[test]
-fn attn_mma_trial_matches_candle_and_keeps_verify_equal_to_decode() {
-    use dflash::switches::{set_trials, Trial};
+fn attn_mma_matches_candle_and_keeps_verify_equal_to_decode() {
+    use dflash::switches::{set_attn_mma, AttnMma};
     let Some(dev) = gpu() else { return };
-    struct Off;
-    impl Drop for Off {
+    struct Auto;
+    impl Drop for Auto {
         fn drop(&mut self) {
-            set_trials(&[]);
+            set_attn_mma(AttnMma::Auto);
         }
     }
-    let _off = Off;
-    // The trial's bits differ from the CUDA-core kernel's (bf16 q and p into the mma).
-    let c = Case::new(128, 8, 2, 300, 16, Visibility::CAUSAL);
-    let (a, rope) = attention_layer(&c, &dev);
-    let x = randn(&[c.n, 256], 1.0, &dev);
-    let ctx = randn(&[c.prefix, 256], 1.0, &dev);
-    let out = |trial: bool| {
-        set_trials(if trial { &[Trial::AttnMma] } else { &[] });
+    let _auto = Auto;
+    let out = |n: usize, mode: AttnMma| {
+        set_attn_mma(mode);
+        let c = Case::new(128, 8, 2, 300, n, Visibility::CAUSAL);
+        let (a, rope) = attention_layer(&c, &dev);
+        let x = randn(&[c.n, 256], 1.0, &dev);
+        let ctx = randn(&[c.prefix, 256], 1.0, &dev);
         let mut cache = KvCache::new(c.kv_heads, c.head_dim, 400, DType::BF16, &dev).unwrap();
         let t0 = rope.tables(0, c.prefix, &dev, DType::BF16).unwrap();
         a.append_keys_values(&ctx, &rope, &t0, &mut cache).unwrap();
@@ -3053,19 +3053,21 @@ fn attn_mma_trial_matches_candle_and_keeps_verify_equal_to_decode() {
         };
         a.forward(&x, &site, &mut cache).unwrap()
     };
-    let (on, off) = (out(true), out(false));
+    // The tensor cores' bits differ from the CUDA-core kernel's (bf16 q and p into the mma).
+    let (on, off) = (out(16, AttnMma::On), out(16, AttnMma::Off));
     let e = rel_err(&on, &off);
-    assert!(
-        e > 0.0 && e < 3e-2,
-        "trial vs CUDA-core kernel: rel err {e}"
-    );
-    set_trials(&[Trial::AttnMma]);
+    assert!(e > 0.0 && e < 3e-2, "tensor vs CUDA cores: rel err {e}");
+    assert_eq!(rel_err(&out(16, AttnMma::Auto), &off), 0.0, "auto, 16 rows: CUDA cores");
+    let (on24, off24) = (out(24, AttnMma::On), out(24, AttnMma::Off));
+    assert!(rel_err(&on24, &off24) > 0.0);
+    assert_eq!(rel_err(&out(24, AttnMma::Auto), &on24), 0.0, "auto, 24 rows: tensor cores");
+    set_attn_mma(AttnMma::On);
     for c in attention_cases().iter().filter(|c| c.head_dim <= 128) {
         check(c, &dev);
     }
     batched_attention_check(&dev, &[64, 128]);
     verify_rows_check(&dev);
-    eprintln!("attn_mma: trial vs CUDA-core rel err {e:.2e}; cases, batches and verify rows pass");
+    eprintln!("attn_mma: tensor vs CUDA cores rel err {e:.2e}; auto picks by rows; cases, batches and verify rows pass");
 }
 
 /// The tiny target written to `dir/t` and its draft in `dir/d`, loaded in bf16 on `dev`.

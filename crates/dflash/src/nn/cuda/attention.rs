@@ -272,7 +272,7 @@ impl CustomOp3 for Attend {
             })?
         };
         let (name, pairs_per_block) =
-            attn_pick(dev, dk, dv, kvh * splits, n * (heads / kvh)).expect("checked above");
+            attn_pick(dev, dk, dv, n, kvh * splits, n * (heads / kvh)).expect("checked above");
         let func = dev.get_or_load_custom_func(name, "dflash_fused", FUSED_PTX)?;
         // One block per (KV head, key chunk, group of (row, head) pairs): kernels/fused.cu's ATTN.
         let groups = (n * (heads / kvh)).div_ceil(pairs_per_block);
@@ -430,9 +430,9 @@ fn attn_variants(dk: usize, dv: usize) -> Option<&'static [(&'static str, usize)
     })
 }
 
-/// The tensor-core attention kernel (trial `attn_mma`, kernels/fused.cu's ATTN_MMA) for these
-/// widths and its pairs per block: 64 (4 warps x one 16-row mma tile) over chunks of
-/// [`ATTN_CHUNK`] keys, the kernel's own chunk.
+/// The tensor-core attention kernel (kernels/fused.cu's ATTN_MMA) for these widths and its
+/// pairs per block: 64 (4 warps x one 16-row mma tile) over chunks of [`ATTN_CHUNK`] keys, the
+/// kernel's own chunk.
 fn attn_mma_kernel(dk: usize, dv: usize) -> Option<(&'static str, usize)> {
     const _: () = assert!(ATTN_CHUNK == 64, "kernels/fused.cu's MMA_KEYS");
     match (dk, dv) {
@@ -463,8 +463,18 @@ fn seg_name(name: &str) -> &'static str {
     }
 }
 
-/// The attention kernel for a launch of `blocks` (KV head, key chunk) blocks over `pairs`
-/// (row, head) pairs per KV head: the most pairs per block (each block reads its key chunk
+/// The attention kernel for a launch of `n` query rows in `blocks` (KV head, key chunk) blocks
+/// over `pairs` (row, head) pairs per KV head.
+///
+/// Past [`MMA_MAX_ROWS`] rows (a batch's step; the products have left the batch-invariant
+/// skinny GEMM for cuBLAS there) the tensor-core kernel where the widths have one
+/// ([`switches::attn_mma`](crate::switches::attn_mma) `auto`): a c = 32 DFlash step's attention
+/// took 5.9 of its 17.5 ms on the CUDA cores, and the step ran 13-16% faster on the tensor
+/// cores; at 1-16 rows it ran 4-8% slower (the c = 1 decode and verify, docs/perf.md session
+/// 41), and its bits differ from the CUDA-core kernel's, which the decode steps and a
+/// sequence's verify must share.
+///
+/// Otherwise the CUDA-core kernel with the most pairs per block (each block reads its key chunk
 /// once for all its pairs) whose grid still gives every multiprocessor a block, else one pair
 /// per block. Otherwise a decode step of a model with few KV heads over a short context is a
 /// dozen blocks on 132 multiprocessors (qwen3_moe at context 128: 21 us a layer, docs/perf.md
@@ -474,12 +484,17 @@ fn attn_pick(
     dev: &candle_core::cuda_backend::CudaDevice,
     dk: usize,
     dv: usize,
+    n: usize,
     blocks: usize,
     pairs: usize,
 ) -> Option<(&'static str, usize)> {
-    // Trial `attn_mma`: the tensor-core form for every launch of these widths (decode steps
-    // and verify blocks alike, so a verify still gives the decode steps' bits).
-    if crate::switches::trial(crate::switches::Trial::AttnMma) {
+    use crate::switches::AttnMma;
+    let tensor_cores = match crate::switches::attn_mma() {
+        AttnMma::On => true,
+        AttnMma::Off => false,
+        AttnMma::Auto => n > MMA_MAX_ROWS,
+    };
+    if tensor_cores {
         if let Some(k) = attn_mma_kernel(dk, dv) {
             return Some(k);
         }
@@ -978,7 +993,7 @@ impl CustomOp2 for AttendSegs {
         let rep = heads / kvh;
         let dev = ss.device();
         // As `Attend` picks (a pair's arithmetic does not depend on its block's other pairs).
-        let Some((name, pairs_per_block)) = attn_pick(dev, d, d, kvh * splits, n * rep) else {
+        let Some((name, pairs_per_block)) = attn_pick(dev, d, d, n, kvh * splits, n * rep) else {
             candle_core::bail!("dflash-attention-segments: head dim {d}");
         };
         let stream = dev.cuda_stream();
