@@ -25,7 +25,7 @@ for round in 1 2; do
   for mma in auto 0; do
     [ $((SECONDS - T0)) -gt ${TABLE_LIMIT:-400} ] && break
     DFLASH_ATTN_MMA=$mma timeout 90 /tmp/stash/concurrency $args > "$R/block8-mma$mma-$round.md" 2> "$R/block8-mma$mma-$round.err"
-    echo "### DFLASH_ATTN_MMA=$mma round $round ($((SECONDS - T0)) s)"; grep -E '^\| (plain|dflash)' "$R/block8-mma$mma-$round.md"
+    echo "### DFLASH_ATTN_MMA=$mma round $round ($((SECONDS - T0)) s)"; grep -E '^\| (plain|dflash)|^switches' "$R/block8-mma$mma-$round.md" | cut -c1-220
   done
 done
 echo "### done in $((SECONDS - T0)) s"

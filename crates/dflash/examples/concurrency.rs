@@ -144,5 +144,11 @@ fn main() -> dflash::Result<()> {
             );
         }
     }
+    // the switches in force (as `dflash bench` records them), e.g. `attn_mma=auto`
+    let sw: Vec<String> = dflash::switches::describe()
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    println!("\nswitches: {}", sw.join(" "));
     Ok(())
 }
