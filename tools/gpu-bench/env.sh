@@ -88,3 +88,11 @@ qwen3_models() {
   ensure_models "$M" || { echo "models failed"; tail -5 "$M.log"; return 1; }
 }
 CONC_ARGS="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"
+# tests_and_models NAME LIMIT [FILTER ...]: fused_tests (same arguments) while qwen3_models makes
+# the Qwen3-8B-shape models beside it; returns when both are done.
+tests_and_models() {
+  qwen3_models &
+  local mk=$!
+  fused_tests "$@"
+  wait $mk
+}

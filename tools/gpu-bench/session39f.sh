@@ -8,16 +8,16 @@
 # functions this session, not yet run on a GPU); (2) issue 23's
 # table, Qwen3-8B shape, controlled-acceptance draft, T = 1, block 8, c = 1 / 8 / 32, plain and
 # DFlash, DFLASH_TRY = none / widen_logits / widen_logits,attn_mma alternating, two rounds.
+# Ran in session 41 with the binaries of d6ce420 (docs/perf.md, session 41); both trials were
+# promoted after it, so on later builds DFLASH_TRY names nothing here (session41a.sh is the
+# promoted build's run).
 # TABLE_LIMIT=S stops the table at S seconds (default 520; e.g. 240 for a short call).
 #   run(command="bash tools/gpu-bench/session39f.sh", carry=[".device/fused_cuda.xz", ".device/concurrency.xz", "tools/goldens/wheels"])
 set -uo pipefail
 T0=$SECONDS
 . "$(dirname "$0")/env.sh" fused_cuda concurrency
 begin_session s39f
-qwen3_models &
-mk=$!
-fused_tests tests 240 bf16_to_f32 batch_choices draft_batch forward_batch attn_mma_trial attention_layer batched_attention verify_rows
-wait $mk
+tests_and_models tests 240 bf16_to_f32 batch_choices draft_batch forward_batch attn_mma_trial attention_layer batched_attention verify_rows
 echo "### tests + models in $((SECONDS - T0)) s"
 DFLASH_TRY=widen_logits,attn_mma timeout 120 /tmp/stash/concurrency --model $M/target --draft $M/draft-agree --device cuda \
   --dtype bf16 --prompt-len 128 --max-tokens 64 --block 8 --concurrency 8 --modes plain,dflash --check > "$R/check.md" 2> "$R/check.err"

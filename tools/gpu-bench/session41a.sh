@@ -11,11 +11,8 @@ set -uo pipefail
 T0=$SECONDS
 . "$(dirname "$0")/env.sh" fused_cuda concurrency
 begin_session s41a
-qwen3_models &
-mk=$!
-fused_tests tests 240 attn_mma bf16_to_f32 verify_rows batched_attention attention_layer forward_batch draft_batch batch_choices
+tests_and_models tests 240 attn_mma bf16_to_f32 verify_rows batched_attention attention_layer forward_batch draft_batch batch_choices
 grep -h "attn_mma:" /tmp/tests.txt
-wait $mk
 echo "### tests + models in $((SECONDS - T0)) s"
 timeout 120 /tmp/stash/concurrency --model $M/target --draft $M/draft-agree --device cuda \
   --dtype bf16 --prompt-len 128 --max-tokens 64 --block 8 --concurrency 8 --modes plain,dflash --check > "$R/check.md" 2> "$R/check.err"
