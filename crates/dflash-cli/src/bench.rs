@@ -92,6 +92,24 @@ pub struct BenchArgs {
     /// --micro: verify block sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
     pub micro_q: Vec<usize>,
+    /// Decode N requests at once for each N given (e.g. 1,8,32), plain and with --draft, in
+    /// one process: aggregate and per-request tok/s (and their ratios to the first level), tau,
+    /// TTFT and p50 / p99 latency, instead of the end-to-end table. Uses --max-tokens,
+    /// --temperature and --block-size (else the adaptive policy).
+    #[arg(
+        long,
+        requires = "model",
+        conflicts_with = "micro",
+        value_delimiter = ','
+    )]
+    pub concurrency: Option<Vec<usize>>,
+    /// --concurrency: prompt length (fixed pseudo-random ids per request).
+    #[arg(long, default_value_t = 128)]
+    pub concurrency_prompt_len: usize,
+    /// --concurrency: also check that greedy batched outputs equal each request's output alone
+    /// (at min(8, the highest level)).
+    #[arg(long)]
+    pub concurrency_check: bool,
 }
 
 /// indicatif bars: one for the matrix (all generations, with ETA) and one per row.
@@ -172,6 +190,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.micro {
         return run_micro_cmd(&a);
     }
+    if let Some(levels) = &a.concurrency {
+        return run_concurrency_cmd(&a, levels);
+    }
     let specs: Vec<PairSpec> = match (&a.matrix, &a.model) {
         (Some(m), _) => read_matrix(m)?,
         (None, Some(model)) => vec![PairSpec {
@@ -251,6 +272,56 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "wrote {}/summary.json, table.md and one JSON per row",
             out.display()
         );
+    }
+    Ok(())
+}
+
+fn run_concurrency_cmd(a: &BenchArgs, levels: &[usize]) -> Result<()> {
+    use dflash::bench::concurrency::{concurrency_markdown, run_concurrency, ConcurrencyOptions};
+    let o = ConcurrencyOptions {
+        levels: levels.to_vec(),
+        prompt_len: a.concurrency_prompt_len,
+        max_tokens: a.max_tokens,
+        temperature: a.temperature,
+        block: a.block_size,
+        check: a.concurrency_check,
+    };
+    let p = Pipeline::load(
+        &a.load.apply(PipelineOptions {
+            model: a
+                .model
+                .clone()
+                .expect("clap: --concurrency requires --model"),
+            draft: a.draft.clone(),
+            no_draft: a.draft.is_none(),
+            max_context: Some(o.prompt_len + o.max_tokens + 64),
+            ..Default::default()
+        })?,
+    )?;
+    let res = run_concurrency(&p, &o)?;
+    let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
+    let machine = Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase());
+    let md = format!(
+        "Concurrency: {} (draft {}), prompts of {} ids, {} new tokens, T = {}, block {}; {}\n\n{}",
+        a.model.as_deref().unwrap_or("?"),
+        a.draft.as_deref().unwrap_or("none"),
+        o.prompt_len,
+        o.max_tokens,
+        o.temperature,
+        o.block.map_or("adaptive".to_string(), |b| b.to_string()),
+        machine.line(),
+        concurrency_markdown(&res)
+    );
+    print!("{md}");
+    if let Some(out) = &a.out {
+        std::fs::create_dir_all(out)?;
+        let v = serde_json::json!({"machine": machine, "options": o, "model": a.model,
+            "draft": a.draft, "results": res});
+        std::fs::write(
+            out.join("concurrency.json"),
+            serde_json::to_string_pretty(&v)? + "\n",
+        )?;
+        std::fs::write(out.join("concurrency.md"), md)?;
     }
     Ok(())
 }

@@ -468,3 +468,86 @@ fn bench_micro_reports_the_weights_as_loaded() {
     assert!(v["weight_bytes"].as_u64().unwrap() > 0, "{v}");
     assert!(v["quantization"].is_null(), "{v}");
 }
+
+/// `bench --concurrency`: one row per (mode, level) in the table and the JSON, consistent with
+/// each other (the ratios follow from the JSON's own rates), the greedy check counts every batched output equal to its run alone on
+/// the CPU (row-invariant kernels), the switches line is there; a level of 0 is a one-line
+/// error naming the flag.
+#[test]
+fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, draft) = write_pair(dir.path());
+    let out = dir.path().join("conc");
+    let (code, stdout, stderr) = dflash(
+        &[
+            "bench",
+            "--model",
+            &target,
+            "--draft",
+            &draft,
+            "--concurrency",
+            "1,3",
+            "--concurrency-prompt-len",
+            "6",
+            "--max-tokens",
+            "8",
+            "--concurrency-check",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let v = read(&out.join("concurrency.json"));
+    let rows = v["results"]["rows"].as_array().unwrap();
+    let got: Vec<(String, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["mode"].as_str().unwrap().to_string(),
+                r["concurrency"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, u64)> = [("plain", 1), ("plain", 3), ("dflash", 1), ("dflash", 3)]
+        .iter()
+        .map(|(m, c)| (m.to_string(), *c))
+        .collect();
+    assert_eq!(got, want, "{v}");
+    for pair in rows.chunks(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        assert!(close(f(&a["aggregate_x"]), 1.0));
+        assert!(close(
+            f(&b["aggregate_x"]),
+            f(&b["aggregate_tok_s"]) / f(&a["aggregate_tok_s"])
+        ));
+        assert!(close(
+            f(&b["per_request_x"]),
+            f(&b["per_request_tok_s"]) / f(&a["per_request_tok_s"])
+        ));
+        assert!(f(&b["latency_p50_ms"]) <= f(&b["latency_p99_ms"]), "{b}");
+        assert!(f(&a["tau"]) >= 1.0, "{a}");
+    }
+    assert_eq!(f(&rows[0]["tau"]), 1.0, "plain decoding accepts one a step");
+    for mode in ["plain", "dflash"] {
+        let line = format!("{mode}: greedy at concurrency 3: 3 of 3 outputs equal their run alone");
+        assert!(stdout.contains(&line), "{stdout}");
+    }
+    assert!(stdout.contains("switches: fused="), "{stdout}");
+    for r in rows {
+        let line = format!(
+            "| {} | {} | {:.1} |",
+            r["mode"].as_str().unwrap(),
+            r["concurrency"],
+            f(&r["aggregate_tok_s"])
+        );
+        assert!(stdout.contains(&line), "{line} not in {stdout}");
+    }
+    let (code, _, stderr) = dflash(
+        &["bench", "--model", &target, "--concurrency", "0,2"],
+        dir.path(),
+    );
+    assert_ne!(code, 0);
+    assert!(stderr.contains("--concurrency"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+}

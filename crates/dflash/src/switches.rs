@@ -447,7 +447,10 @@ mod tests {
         assert_eq!(d.attn_mma, AttnMma::Auto);
         assert_eq!(parse(&[("DFLASH_ATTN_MMA", "1")]).attn_mma, AttnMma::On);
         assert_eq!(parse(&[("DFLASH_ATTN_MMA", "0")]).attn_mma, AttnMma::Off);
-        assert_eq!(parse(&[("DFLASH_ATTN_MMA", "auto")]).attn_mma, AttnMma::Auto);
+        assert_eq!(
+            parse(&[("DFLASH_ATTN_MMA", "auto")]).attn_mma,
+            AttnMma::Auto
+        );
         assert!(d.cuda_graphs);
         assert!(!parse(&[("DFLASH_CUDA_GRAPHS", "0")]).cuda_graphs);
         assert!(parse(&[("DFLASH_CUDA_GRAPHS", "1")]).cuda_graphs);

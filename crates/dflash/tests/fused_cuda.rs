@@ -3057,10 +3057,18 @@ fn attn_mma_matches_candle_and_keeps_verify_equal_to_decode() {
     let (on, off) = (out(16, AttnMma::On), out(16, AttnMma::Off));
     let e = rel_err(&on, &off);
     assert!(e > 0.0 && e < 3e-2, "tensor vs CUDA cores: rel err {e}");
-    assert_eq!(rel_err(&out(16, AttnMma::Auto), &off), 0.0, "auto, 16 rows: CUDA cores");
+    assert_eq!(
+        rel_err(&out(16, AttnMma::Auto), &off),
+        0.0,
+        "auto, 16 rows: CUDA cores"
+    );
     let (on24, off24) = (out(24, AttnMma::On), out(24, AttnMma::Off));
     assert!(rel_err(&on24, &off24) > 0.0);
-    assert_eq!(rel_err(&out(24, AttnMma::Auto), &on24), 0.0, "auto, 24 rows: tensor cores");
+    assert_eq!(
+        rel_err(&out(24, AttnMma::Auto), &on24),
+        0.0,
+        "auto, 24 rows: tensor cores"
+    );
     set_attn_mma(AttnMma::On);
     for c in attention_cases().iter().filter(|c| c.head_dim <= 128) {
         check(c, &dev);

@@ -21,6 +21,7 @@
 //! ([`classify`]).
 
 pub mod classify;
+pub mod concurrency;
 #[cfg(feature = "cuda")]
 pub mod gpu_probe;
 pub mod machine;
