@@ -3032,17 +3032,20 @@ fn attn_mma_matches_candle_and_keeps_verify_equal_to_decode() {
         }
     }
     let _auto = Auto;
+    // one layer, context and 24 query rows (the 16-row call takes the first 16): every call
+    // below sees the same inputs
+    let c = Case::new(128, 8, 2, 300, 24, Visibility::CAUSAL);
+    let (a, rope) = attention_layer(&c, &dev);
+    let x24 = randn(&[c.n, 256], 1.0, &dev);
+    let ctx = randn(&[c.prefix, 256], 1.0, &dev);
     let out = |n: usize, mode: AttnMma| {
         set_attn_mma(mode);
-        let c = Case::new(128, 8, 2, 300, n, Visibility::CAUSAL);
-        let (a, rope) = attention_layer(&c, &dev);
-        let x = randn(&[c.n, 256], 1.0, &dev);
-        let ctx = randn(&[c.prefix, 256], 1.0, &dev);
+        let x = x24.narrow(0, 0, n).unwrap();
         let mut cache = KvCache::new(c.kv_heads, c.head_dim, 400, DType::BF16, &dev).unwrap();
         let t0 = rope.tables(0, c.prefix, &dev, DType::BF16).unwrap();
         a.append_keys_values(&ctx, &rope, &t0, &mut cache).unwrap();
-        let t = rope.tables(c.prefix, c.n, &dev, DType::BF16).unwrap();
-        let masks = Masks::new(c.n, c.prefix, DType::BF16, &dev);
+        let t = rope.tables(c.prefix, n, &dev, DType::BF16).unwrap();
+        let masks = Masks::new(n, c.prefix, DType::BF16, &dev);
         let site = Site {
             rope: &rope,
             tables: &t,
