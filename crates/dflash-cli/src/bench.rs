@@ -299,8 +299,7 @@ fn run_concurrency_cmd(a: &BenchArgs, levels: &[usize]) -> Result<()> {
         })?,
     )?;
     let res = run_concurrency(&p, &o)?;
-    let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
-    let machine = Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase());
+    let machine = loaded_machine(a, &p);
     let md = format!(
         "Concurrency: {} (draft {}), prompts of {} ids, {} new tokens, T = {}, block {}; {}\n\n{}",
         a.model.as_deref().unwrap_or("?"),
@@ -312,18 +311,30 @@ fn run_concurrency_cmd(a: &BenchArgs, levels: &[usize]) -> Result<()> {
         machine.line(),
         concurrency_markdown(&res)
     );
+    let v = serde_json::json!({"machine": machine, "options": o, "model": a.model,
+        "draft": a.draft, "results": res});
+    report(a, "concurrency", &v, &md)
+}
+
+/// Print a `--micro` / `--concurrency` report, and with `--out DIR` write it as `NAME.md` and
+/// its JSON as `NAME.json` there.
+fn report(a: &BenchArgs, name: &str, json: &serde_json::Value, md: &str) -> Result<()> {
     print!("{md}");
     if let Some(out) = &a.out {
         std::fs::create_dir_all(out)?;
-        let v = serde_json::json!({"machine": machine, "options": o, "model": a.model,
-            "draft": a.draft, "results": res});
         std::fs::write(
-            out.join("concurrency.json"),
-            serde_json::to_string_pretty(&v)? + "\n",
+            out.join(format!("{name}.json")),
+            serde_json::to_string_pretty(json)? + "\n",
         )?;
-        std::fs::write(out.join("concurrency.md"), md)?;
+        std::fs::write(out.join(format!("{name}.md")), md)?;
     }
     Ok(())
+}
+
+/// The machine line of a report on a loaded pipeline (its device and dtype as loaded).
+fn loaded_machine(a: &BenchArgs, p: &Pipeline) -> Machine {
+    let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
+    Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase())
 }
 
 fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
@@ -340,8 +351,7 @@ fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
         seed: a.seed,
     };
     let res = run_micro(&p, &o)?;
-    let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
-    let machine = Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase());
+    let machine = loaded_machine(a, &p);
     let graphs = if dflash::switches::cuda_graphs() && p.engine.target.info().device.is_cuda() {
         let line = |what: &str, g: dflash::archs::graphs::GraphReport| {
             format!(
@@ -376,17 +386,8 @@ fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
         machine.line(),
         micro_markdown(&res)
     );
-    print!("{md}");
-    if let Some(out) = &a.out {
-        std::fs::create_dir_all(out)?;
-        let v = serde_json::json!({"machine": machine, "options": o, "model": a.model,
-            "draft": a.draft, "weight_bytes": info.weight_bytes,
-            "quantization": info.quantization, "results": res});
-        std::fs::write(
-            out.join("micro.json"),
-            serde_json::to_string_pretty(&v)? + "\n",
-        )?;
-        std::fs::write(out.join("micro.md"), md)?;
-    }
-    Ok(())
+    let v = serde_json::json!({"machine": machine, "options": o, "model": a.model,
+        "draft": a.draft, "weight_bytes": info.weight_bytes,
+        "quantization": info.quantization, "results": res});
+    report(a, "micro", &v, &md)
 }
