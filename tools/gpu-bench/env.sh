@@ -87,6 +87,8 @@ qwen3_models() {
   mkdir -p "$M"
   ensure_models "$M" || { echo "models failed"; tail -5 "$M.log"; return 1; }
 }
+# (for examples/concurrency, which sessions 20-41 carried as .device/concurrency.xz; removed since:
+# `dflash bench --concurrency` is the table now, see session41a.sh)
 CONC_ARGS="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"
 # tests_and_models NAME LIMIT [FILTER ...]: fused_tests (same arguments) while qwen3_models makes
 # the Qwen3-8B-shape models beside it; returns when both are done.

@@ -130,6 +130,7 @@ pub enum AttnMma {
 }
 
 impl AttnMma {
+    const ALL: [AttnMma; 3] = [AttnMma::Auto, AttnMma::On, AttnMma::Off];
     pub fn name(self) -> &'static str {
         match self {
             AttnMma::Auto => "auto",
@@ -139,28 +140,21 @@ impl AttnMma {
     }
 }
 
-/// 0 = follow `DFLASH_ATTN_MMA`, else 1 + the [`AttnMma`] set by [`set_attn_mma`].
+/// 0 = follow `DFLASH_ATTN_MMA`, else 1 + the index in [`AttnMma::ALL`] set by [`set_attn_mma`].
 static ATTN_MMA_OVERRIDE: AtomicU8 = AtomicU8::new(0);
 
 /// The tensor-core attention policy: `DFLASH_ATTN_MMA` (or [`set_attn_mma`]).
 pub fn attn_mma() -> AttnMma {
     match ATTN_MMA_OVERRIDE.load(Ordering::Relaxed) {
-        1 => AttnMma::Auto,
-        2 => AttnMma::On,
-        3 => AttnMma::Off,
-        _ => get().attn_mma,
+        0 => get().attn_mma,
+        b => AttnMma::ALL[b as usize - 1],
     }
 }
 
 /// Override the tensor-core attention policy for the process (tests run every case through
 /// the kernel, or compare it with the CUDA-core one).
 pub fn set_attn_mma(m: AttnMma) {
-    let b = match m {
-        AttnMma::Auto => 1,
-        AttnMma::On => 2,
-        AttnMma::Off => 3,
-    };
-    ATTN_MMA_OVERRIDE.store(b, Ordering::Relaxed);
+    ATTN_MMA_OVERRIDE.store(m as u8 + 1, Ordering::Relaxed);
 }
 
 /// Trials set by [`set_trials`] (bits of [`Trial`]); 0xff = follow `DFLASH_TRY`.
@@ -451,6 +445,9 @@ mod tests {
             parse(&[("DFLASH_ATTN_MMA", "auto")]).attn_mma,
             AttnMma::Auto
         );
+        for m in AttnMma::ALL {
+            assert_eq!(AttnMma::ALL[m as usize], m, "ALL in declaration order");
+        }
         assert!(d.cuda_graphs);
         assert!(!parse(&[("DFLASH_CUDA_GRAPHS", "0")]).cuda_graphs);
         assert!(parse(&[("DFLASH_CUDA_GRAPHS", "1")]).cuda_graphs);
