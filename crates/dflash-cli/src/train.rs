@@ -88,6 +88,10 @@ pub struct TrainArgs {
     /// `self`: sampling temperature for the responses (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// `self`: responses generated together, one target pass a step for the group (each the
+    /// same as alone).
+    #[arg(long, default_value_t = 16)]
+    pub gen_batch: usize,
     /// Longest training sequence (prompt + response), tokens.
     #[arg(long, default_value_t = 1024)]
     pub max_seq: usize,
@@ -219,6 +223,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                     temperature: a.temperature,
                     seed: a.seed,
                     chat_template: !a.no_chat_template,
+                    gen_batch: a.gen_batch,
                 },
                 &mut |i, _| {
                     b.set_position(i as u64);

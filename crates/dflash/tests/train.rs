@@ -149,6 +149,62 @@ fn prompts(seed: u64, n: usize, vocab: usize) -> Vec<data::Record> {
         .collect()
 }
 
+/// `self` data generated in groups (one batched target pass a step) is the data generated one
+/// prompt at a time, greedy and sampled (record i is seeded seed + i in either grouping), and
+/// a group whose prompts finish at different lengths leaves none of them short.
+#[test]
+fn grouped_self_generation_equals_one_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let td = dir.path().join("t");
+    let mut t = TinyTarget::qwen3(33);
+    t.layers = 2;
+    t.write(&td).unwrap();
+    let p = Pipeline::load(&PipelineOptions {
+        model: td.display().to_string(),
+        no_draft: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let recs = prompts(77, 10, t.vocab);
+    let gen = |temperature: f32, gen_batch: usize| {
+        let (seqs, notes) = train::build_sequences(
+            &p,
+            &recs,
+            &SequenceOptions {
+                max_seq: 40,
+                max_new: 24,
+                temperature,
+                seed: 5,
+                chat_template: false,
+                gen_batch,
+                ..Default::default()
+            },
+            &mut |_, _| true,
+        )
+        .unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        seqs.into_iter()
+            .map(|s| (s.ids, s.response_start))
+            .collect::<Vec<_>>()
+    };
+    for temperature in [0.0, 1.0] {
+        let alone = gen(temperature, 1);
+        assert_eq!(alone.len(), recs.len());
+        let mut lens = vec![];
+        for (s, r) in alone.iter().zip(&recs) {
+            assert_eq!(s.1, r.prompt.prompt_ids.as_ref().unwrap().len());
+            lens.push(s.0.len() - s.1);
+        }
+        eprintln!("T = {temperature}: response lengths {lens:?}");
+        assert!(lens.iter().all(|&n| (1..=24).contains(&n)), "{lens:?}");
+        lens.dedup();
+        assert!(lens.len() > 1, "every response the same length: {lens:?}");
+        assert_eq!(gen(temperature, 4), alone, "T = {temperature}, groups of 4");
+        assert_eq!(gen(temperature, 16), alone, "T = {temperature}, one group");
+    }
+    assert_ne!(gen(0.0, 4), gen(1.0, 4), "sampling changed nothing");
+}
+
 /// (tau, outputs) of greedy DFlash with the draft saved in `dd`, through the normal loader.
 fn tau_with(model: &Path, dd: &Path, prompts: &[data::Record], q: usize) -> (f64, Vec<Vec<u32>>) {
     let p = Pipeline::load(&PipelineOptions {
@@ -207,6 +263,7 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
             temperature: 0.0,
             seed: 0,
             chat_template: false,
+            gen_batch: 8,
         },
         &mut |_, _| true,
     )

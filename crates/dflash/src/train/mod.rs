@@ -691,13 +691,32 @@ pub struct SequenceOptions {
     pub seed: u64,
     /// Format prompts with the chat template (when the model has one).
     pub chat_template: bool,
+    /// `self`: responses generated together ([`crate::engine::Engine::generate_batch`]: one
+    /// target pass a step for all of them); each is what it would be alone (its own seeded
+    /// sampler). 1 = one at a time.
+    pub gen_batch: usize,
+}
+
+impl Default for SequenceOptions {
+    fn default() -> Self {
+        SequenceOptions {
+            mode: DataMode::SelfGenerated,
+            max_seq: 1024,
+            max_new: 256,
+            temperature: 0.0,
+            seed: 0,
+            chat_template: true,
+            gen_batch: 1,
+        }
+    }
 }
 
 /// Sequences for `records` with the pipeline's target, tokenizer and chat template. Records
 /// that cannot make a sequence (no reference in `relabel` mode, a prompt longer than
 /// `max_seq`, an empty response) are skipped and counted in the returned notes. `progress`
-/// is called before each record with (done, total) and returns false to stop early (a time
-/// budget).
+/// is called with (records done, total) before each record (`relabel`) or each group of
+/// `gen_batch` prompts (`self`) and returns false to stop early (a time budget). Record `i`'s
+/// response is sampled with seed `seed + i` whatever the grouping.
 pub fn build_sequences(
     p: &crate::pipeline::Pipeline,
     records: &[data::Record],
@@ -708,49 +727,10 @@ pub fn build_sequences(
     use crate::engine::{Flow, GenerateRequest};
     let (mut out, mut no_ref, mut too_long, mut empty) = (Vec::new(), 0, 0, 0);
     let mut stopped = None;
-    for (i, r) in records.iter().enumerate() {
-        if !progress(i, records.len()) {
-            stopped = Some(i);
-            break;
-        }
-        let prompt = match (&r.prompt.prompt_ids, &r.prompt.text) {
-            (Some(ids), _) => ids.clone(),
-            (None, Some(t)) => {
-                p.encode_prompt(&[ChatMessage::user(t.clone())], o.chat_template, None)?
-            }
-            (None, None) => continue,
-        };
-        if prompt.is_empty() || prompt.len() + 2 > o.max_seq {
-            too_long += 1;
-            continue;
-        }
-        let room = o.max_seq - prompt.len();
-        let response = match o.mode {
-            DataMode::Relabel => {
-                let Some(reference) = &r.reference else {
-                    no_ref += 1;
-                    continue;
-                };
-                let tok = p.tokenizer.as_ref().ok_or_else(|| {
-                    Error::input("--data relabel needs a tokenizer to encode the reference texts")
-                })?;
-                let mut ids = tok.encode(reference, false)?;
-                ids.truncate(room);
-                ids
-            }
-            DataMode::SelfGenerated => {
-                let mut req = GenerateRequest::new(prompt.clone(), o.max_new.min(room));
-                req.stop_ids = p.stop_ids.clone();
-                req.block_size = Some(1);
-                req.adaptive = false;
-                req.sampling.temperature = o.temperature;
-                req.sampling.seed = o.seed.wrapping_add(i as u64);
-                p.engine.generate(&req, &mut |_| Flow::Continue)?.output_ids
-            }
-        };
+    let mut push = |prompt: Vec<u32>, response: Vec<u32>, empty: &mut usize| {
         if response.is_empty() {
-            empty += 1;
-            continue;
+            *empty += 1;
+            return;
         }
         let response_start = prompt.len();
         let mut ids = prompt;
@@ -759,8 +739,78 @@ pub fn build_sequences(
             ids,
             response_start,
         });
+    };
+    let group = match o.mode {
+        DataMode::SelfGenerated => o.gen_batch.max(1),
+        DataMode::Relabel => 1,
+    };
+    let mut i = 0;
+    while i < records.len() {
+        if !progress(i, records.len()) {
+            stopped = Some(i);
+            break;
+        }
+        let end = (i + group).min(records.len());
+        // (record index, prompt) of the group's usable records
+        let mut prompts = Vec::with_capacity(end - i);
+        for (j, r) in records.iter().enumerate().take(end).skip(i) {
+            let prompt = match (&r.prompt.prompt_ids, &r.prompt.text) {
+                (Some(ids), _) => ids.clone(),
+                (None, Some(t)) => {
+                    p.encode_prompt(&[ChatMessage::user(t.clone())], o.chat_template, None)?
+                }
+                (None, None) => continue,
+            };
+            if prompt.is_empty() || prompt.len() + 2 > o.max_seq {
+                too_long += 1;
+                continue;
+            }
+            prompts.push((j, prompt));
+        }
+        i = end;
+        match o.mode {
+            DataMode::Relabel => {
+                for (j, prompt) in prompts {
+                    let Some(reference) = &records[j].reference else {
+                        no_ref += 1;
+                        continue;
+                    };
+                    let tok = p.tokenizer.as_ref().ok_or_else(|| {
+                        Error::input(
+                            "--data relabel needs a tokenizer to encode the reference texts",
+                        )
+                    })?;
+                    let mut ids = tok.encode(reference, false)?;
+                    ids.truncate(o.max_seq - prompt.len());
+                    push(prompt, ids, &mut empty);
+                }
+            }
+            DataMode::SelfGenerated => {
+                let reqs: Vec<GenerateRequest> = prompts
+                    .iter()
+                    .map(|(j, prompt)| {
+                        let room = o.max_seq - prompt.len();
+                        let mut req = GenerateRequest::new(prompt.clone(), o.max_new.min(room));
+                        req.stop_ids = p.stop_ids.clone();
+                        req.block_size = Some(1);
+                        req.adaptive = false;
+                        req.sampling.temperature = o.temperature;
+                        req.sampling.seed = o.seed.wrapping_add(*j as u64);
+                        req
+                    })
+                    .collect();
+                let outs = if reqs.len() == 1 {
+                    vec![p.engine.generate(&reqs[0], &mut |_| Flow::Continue)]
+                } else {
+                    p.engine.generate_batch(&reqs, &mut |_, _| Flow::Continue)
+                };
+                for ((_, prompt), r) in prompts.into_iter().zip(outs) {
+                    push(prompt, r?.output_ids, &mut empty);
+                }
+            }
+        }
     }
-    progress(records.len(), records.len());
+    progress(i.min(records.len()), records.len());
     let mut notes = vec![];
     if let Some(i) = stopped {
         notes.push(format!(
