@@ -111,6 +111,10 @@ pub struct TrainArgs {
     /// Format prompts without the chat template.
     #[arg(long)]
     pub no_chat_template: bool,
+    /// Device memory for the target passes (taps) of the training sequences, GB: when they
+    /// do not all fit, a window of them streams through (each pass made once a visit).
+    #[arg(long, default_value_t = 8.0)]
+    pub example_budget_gb: f64,
     /// Stop generating `self` responses after this many seconds (keep what was generated).
     #[arg(long)]
     pub data_time_limit: Option<f64>,
@@ -289,13 +293,30 @@ pub fn run(a: TrainArgs) -> Result<()> {
     );
     // Hold out ~5% of sequences (at least 1 when there are 20+) for a loss check.
     let n_hold = if seqs.len() >= 20 { seqs.len() / 20 } else { 0 };
-    let b = bar(seqs.len(), "target passes (taps, labels)");
-    let examples =
-        train::make_examples(target, &trainer.taps.clone(), &seqs, mode, &mut |i, _| {
-            b.set_position(i as u64)
-        })?;
+    let mut seqs = seqs;
+    let train_seqs = seqs.split_off(n_hold);
+    let held = train::make_examples(target, &trainer.taps.clone(), &seqs, mode)?;
+    let reuse = train::ExamplePool::reuse_for(&trainer.opts, trainer.opts.steps, train_seqs.len());
+    let mut pool = train::ExamplePool::new(
+        train_seqs,
+        &trainer.taps.clone(),
+        mode.labels(),
+        (a.example_budget_gb * 1e9) as u64,
+        reuse,
+        a.seed,
+    )?;
+    let b = bar(pool.len(), "target passes (taps, labels)");
+    pool.fill(target, &mut |i, _| b.set_position(i as u64))?;
     b.finish();
-    let (held, examples) = examples.split_at(n_hold);
+    let (resident, bytes) = pool.resident();
+    if resident < pool.len() {
+        eprintln!(
+            "{resident} of {} sequences' passes fit --example-budget-gb {} ({:.2} GB): the rest stream through",
+            pool.len(),
+            a.example_budget_gb,
+            bytes as f64 / 1e9
+        );
+    }
 
     // 3. Optimize.
     let log_path = a.out.join("train_log.jsonl");
@@ -311,7 +332,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let mut step = 0;
     while step < trainer.opts.steps {
-        let s = trainer.step(target, examples)?;
+        let s = trainer.step(target, &mut pool)?;
         step += 1;
         if let (Some(limit), 20) = (a.time_limit, step) {
             let per = t0.elapsed().as_secs_f64() / 20.0;
@@ -319,6 +340,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if fit < trainer.opts.steps {
                 trainer.opts.steps = fit.max(21);
                 trainer.opts.warmup = trainer.opts.warmup.min(trainer.opts.steps / 2);
+                pool.set_reuse(train::ExamplePool::reuse_for(
+                    &trainer.opts,
+                    trainer.opts.steps,
+                    pool.len(),
+                ));
                 eprintln!(
                     "{per:.3}s/step: --time-limit {limit}s fits {} steps; schedule shortened",
                     trainer.opts.steps
@@ -359,16 +385,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     std::fs::write(&log_path, &log).with_context(|| format!("writing {}", log_path.display()))?;
     if !held.is_empty() {
-        let l = trainer.eval_loss(target, held, a.blocks_per_seq)?;
+        let l = trainer.eval_loss(target, &held, a.blocks_per_seq)?;
         eprintln!("held-out loss ({} sequences): {l:.4}", held.len());
     }
     trainer.save(&a.out, save)?;
     eprintln!(
-        "saved {} (loss {:.4} -> {:.4}, {:.0}s)",
+        "saved {} (loss {:.4} -> {:.4}, {:.0}s, {} target passes over {} sequences)",
         a.out.display(),
         first_loss.unwrap_or(f64::NAN),
         last.map_or(f64::NAN, |s| s.loss),
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        pool.passes,
+        pool.len()
     );
     drop(trainer);
 

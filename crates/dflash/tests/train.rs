@@ -286,19 +286,55 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
     };
     let target = &*p.engine.target;
     let mut tr = Trainer::new(target, &p.target_config, opts).unwrap();
-    let ex = train::make_examples(
+    // DFlash trains from a window of ~10 of the 40 sequences' passes (the streaming pool),
+    // DFlash2 with all of them resident.
+    let one = &train::make_examples(
         target,
         &tr.taps.clone(),
-        &seqs,
+        &seqs[..1],
         DataMode::SelfGenerated,
-        &mut |_, _| {},
+    )
+    .unwrap()[0]
+        .taps;
+    let budget = match dflash2 {
+        None => 10 * (one.elem_count() * one.dtype().size_in_bytes()) as u64,
+        Some(_) => u64::MAX,
+    };
+    let reuse = train::ExamplePool::reuse_for(&tr.opts, 300, seqs.len());
+    let mut pool = train::ExamplePool::new(
+        seqs.clone(),
+        &tr.taps.clone(),
+        DataMode::SelfGenerated.labels(),
+        budget,
+        reuse,
+        7,
     )
     .unwrap();
+    pool.fill(target, &mut |_, _| {}).unwrap();
+    let (resident, bytes) = pool.resident();
     let untrained = dir.path().join("untrained");
     tr.save(&untrained, candle_core::DType::F32).unwrap();
     let mut losses = vec![];
     for _ in 0..300 {
-        losses.push(tr.step(target, &ex).unwrap().loss);
+        losses.push(tr.step(target, &mut pool).unwrap().loss);
+    }
+    match dflash2 {
+        None => {
+            assert!(
+                (8..=14).contains(&resident),
+                "window {resident} ({bytes} of {budget} bytes)"
+            );
+            // 300 steps x 4 draws over 40 sequences: each example leaves after `reuse` = 30
+            // draws, so the run made ~1200 / 30 passes beyond the first window: every sequence
+            // was visited, about once
+            assert_eq!(reuse, 30);
+            assert!(pool.passes >= 40, "{} passes", pool.passes);
+            assert!(pool.passes < 2 * 40, "{} passes", pool.passes);
+        }
+        Some(_) => {
+            assert_eq!(resident, 40);
+            assert_eq!(pool.passes, 40, "every pass made once and kept");
+        }
     }
     let first: f64 = losses[..10].iter().sum::<f64>() / 10.0;
     let last: f64 = losses[290..].iter().sum::<f64>() / 10.0;
@@ -323,7 +359,13 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
             "DFlash"
         }
     );
-    let e = &ex[3];
+    let e = &train::make_examples(
+        target,
+        &tr.taps.clone(),
+        &seqs[3..4],
+        DataMode::SelfGenerated,
+    )
+    .unwrap()[0];
     let anchors = [e.response_start, e.response_start + 5];
     let mut block_ids = vec![];
     for &a in &anchors {

@@ -178,6 +178,7 @@ enum Init {
 
 /// One training sequence after the target pass: its taps and the target's token at every
 /// position.
+#[derive(Clone)]
 pub struct Example {
     /// Token ids (prompt + response).
     pub ids: Vec<u32>,
@@ -533,25 +534,17 @@ impl Trainer {
         Ok((nll, wsum, count, hit, tot))
     }
 
-    /// One optimizer step on `batch_blocks` blocks drawn from random examples.
-    pub fn step(&mut self, target: &dyn TargetModel, examples: &[Example]) -> Result<StepStats> {
-        let usable: Vec<usize> = (0..examples.len())
-            .filter(|&i| !examples[i].anchor_range().is_empty())
-            .collect();
-        if usable.is_empty() {
-            return Err(Error::input(
-                "no training sequence has a response token to anchor a block on",
-            ));
-        }
+    /// One optimizer step on `batch_blocks` blocks drawn from random examples of `pool`.
+    pub fn step(&mut self, target: &dyn TargetModel, pool: &mut ExamplePool) -> Result<StepStats> {
         let per = self.opts.blocks_per_seq.max(1);
         let mut left = self.opts.batch_blocks.max(1);
         let mut parts = Vec::new();
         let (mut wsum, mut tokens, mut hit, mut tot) = (0.0, 0, 0, 0);
         while left > 0 {
-            let ex = &examples[usable[self.rng.below(usable.len())]];
-            let anchors = self.anchors(ex, per.min(left));
+            let ex = pool.draw(target, &mut self.rng)?;
+            let anchors = self.anchors(&ex, per.min(left));
             left -= anchors.len();
-            let (nll, w, c, h, t) = self.seq_loss(target, ex, &anchors)?;
+            let (nll, w, c, h, t) = self.seq_loss(target, &ex, &anchors)?;
             parts.push(nll);
             wsum += w;
             tokens += c;
@@ -830,25 +823,157 @@ pub fn build_sequences(
     Ok((out, notes))
 }
 
-/// Target passes over `seqs` (taps + labels), held on the device for the whole run.
+/// Target passes over `seqs` (taps + labels), all of them (the held-out check's few).
 pub fn make_examples(
     target: &dyn TargetModel,
     taps: &[usize],
     seqs: &[data::Sequence],
     mode: DataMode,
-    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<Example>> {
-    let mut out = Vec::with_capacity(seqs.len());
-    for (i, s) in seqs.iter().enumerate() {
-        progress(i, seqs.len());
-        out.push(make_example(
+    seqs.iter()
+        .map(|s| make_example(target, taps, s.ids.clone(), s.response_start, mode.labels()))
+        .collect()
+}
+
+/// The training examples of a run: sequences whose target passes (taps and labels) are made
+/// on demand and held on the device up to a byte budget. When every sequence fits, each pass
+/// is made once and kept (the whole set resident). When not, the pool holds a window: each
+/// step draws examples uniformly from it, and an example leaves after `reuse` draws (about as
+/// often as the whole run would draw a sequence if all fitted), replaced by the next sequence
+/// of a seeded shuffle. So a sequence costs one target pass per visit, not per draw, and the
+/// run sees every sequence in turn, however large the set.
+pub struct ExamplePool {
+    seqs: Vec<data::Sequence>,
+    taps: Vec<usize>,
+    labels: Labels,
+    budget: u64,
+    reuse: usize,
+    /// Load order (a seeded shuffle of `seqs`), cycled; `next` is the next to load.
+    order: Vec<usize>,
+    next: usize,
+    /// (example, draws so far)
+    window: Vec<(Example, usize)>,
+    bytes: u64,
+    /// Target passes made.
+    pub passes: usize,
+}
+
+impl ExamplePool {
+    /// A pool over the `seqs` that can anchor a block (the others are dropped); `budget` bytes
+    /// of taps on the device; `reuse` draws before an example leaves a window that cannot
+    /// hold them all (see [`ExamplePool::reuse_for`]).
+    pub fn new(
+        seqs: Vec<data::Sequence>,
+        taps: &[usize],
+        labels: Labels,
+        budget: u64,
+        reuse: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        let seqs: Vec<_> = seqs
+            .into_iter()
+            .filter(|s| s.ids.len() >= s.response_start + 2)
+            .collect();
+        if seqs.is_empty() {
+            return Err(Error::input(
+                "no training sequence has a response token to anchor a block on",
+            ));
+        }
+        let mut order: Vec<usize> = (0..seqs.len()).collect();
+        let mut rng = Rng::new(seed ^ 0x5eed_9001);
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i + 1));
+        }
+        Ok(ExamplePool {
+            seqs,
+            taps: taps.to_vec(),
+            labels,
+            budget,
+            reuse: reuse.max(1),
+            order,
+            next: 0,
+            window: Vec::new(),
+            bytes: 0,
+            passes: 0,
+        })
+    }
+
+    /// Draws per example that a run of `steps` steps of `opts`' batch would make on average
+    /// over `n` sequences if all were resident (at least 1).
+    pub fn reuse_for(opts: &TrainOptions, steps: usize, n: usize) -> usize {
+        let per = opts.blocks_per_seq.max(1);
+        let draws = opts.batch_blocks.max(1).div_ceil(per);
+        ((steps * draws) as f64 / n.max(1) as f64).round().max(1.0) as usize
+    }
+
+    /// Change the draws before an example leaves (a run's step count was cut).
+    pub fn set_reuse(&mut self, reuse: usize) {
+        self.reuse = reuse.max(1);
+    }
+
+    /// Sequences in the pool (those that can anchor a block).
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+    /// Examples on the device now, and their bytes.
+    pub fn resident(&self) -> (usize, u64) {
+        (self.window.len(), self.bytes)
+    }
+    fn all_resident(&self) -> bool {
+        self.window.len() == self.seqs.len()
+    }
+
+    fn load_next(&mut self, target: &dyn TargetModel) -> Result<Example> {
+        let s = &self.seqs[self.order[self.next % self.order.len()]];
+        self.next += 1;
+        self.passes += 1;
+        make_example(
             target,
-            taps,
+            &self.taps,
             s.ids.clone(),
             s.response_start,
-            mode.labels(),
-        )?);
+            self.labels,
+        )
     }
-    progress(seqs.len(), seqs.len());
-    Ok(out)
+
+    fn example_bytes(ex: &Example) -> u64 {
+        (ex.taps.elem_count() * ex.taps.dtype().size_in_bytes()) as u64
+    }
+
+    /// Make target passes until the budget is used or every sequence is resident (at least
+    /// one); `progress(loaded, of)` after each.
+    pub fn fill(
+        &mut self,
+        target: &dyn TargetModel,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<()> {
+        while !self.all_resident() && (self.window.is_empty() || self.bytes < self.budget) {
+            let ex = self.load_next(target)?;
+            self.bytes += Self::example_bytes(&ex);
+            self.window.push((ex, 0));
+            progress(self.window.len(), self.seqs.len());
+        }
+        Ok(())
+    }
+
+    /// One example drawn uniformly from the window with `rng`; it is replaced by the next
+    /// sequence once drawn `reuse` times (unless every sequence is resident).
+    fn draw(&mut self, target: &dyn TargetModel, rng: &mut Rng) -> Result<Example> {
+        if self.window.is_empty() {
+            self.fill(target, &mut |_, _| {})?;
+        }
+        let i = rng.below(self.window.len());
+        let slot = &mut self.window[i];
+        slot.1 += 1;
+        let ex = slot.0.clone();
+        if slot.1 >= self.reuse && !self.all_resident() {
+            let new = self.load_next(target)?;
+            self.bytes = self.bytes - Self::example_bytes(&ex) + Self::example_bytes(&new);
+            self.window[i] = (new, 0);
+        }
+        Ok(ex)
+    }
 }
