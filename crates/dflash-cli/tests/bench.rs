@@ -469,7 +469,8 @@ fn bench_micro_reports_the_weights_as_loaded() {
     assert!(v["quantization"].is_null(), "{v}");
 }
 
-/// `bench --concurrency`: one row per (mode, level) in the table and the JSON, consistent with
+/// `bench --concurrency`: one row per (mode, level) in the table and the JSON (every level
+/// serving the same requests, concurrency 1 one after another), consistent with
 /// each other (the ratios follow from the JSON's own rates), the greedy check counts every batched output equal to its run alone on
 /// the CPU (row-invariant kernels), the switches line is there; a level of 0 is a one-line
 /// error naming the flag.
@@ -514,6 +515,10 @@ fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
         .map(|(m, c)| (m.to_string(), *c))
         .collect();
     assert_eq!(got, want, "{v}");
+    // concurrency 1 serves the same 3 requests as 3, one after another
+    for r in rows {
+        assert_eq!(r["requests"].as_u64(), Some(3), "{r}");
+    }
     for pair in rows.chunks(2) {
         let (a, b) = (&pair[0], &pair[1]);
         assert!(close(f(&a["aggregate_x"]), 1.0));
@@ -536,9 +541,10 @@ fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
     assert!(stdout.contains("switches: fused="), "{stdout}");
     for r in rows {
         let line = format!(
-            "| {} | {} | {:.1} |",
+            "| {} | {} | {} | {:.1} |",
             r["mode"].as_str().unwrap(),
             r["concurrency"],
+            r["requests"],
             f(&r["aggregate_tok_s"])
         );
         assert!(stdout.contains(&line), "{line} not in {stdout}");

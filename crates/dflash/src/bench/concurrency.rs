@@ -1,7 +1,9 @@
 //! Decoding speed at several concurrencies in one run (`dflash bench --concurrency 1,8,32`,
 //! issue 23): for each level c, c requests of fixed pseudo-random prompt ids go through
 //! `Engine::generate_batch` together, plain decoding (block 1) and DFlash (the given block, else
-//! the adaptive policy); per level the aggregate tok/s (all tokens / wall time), the mean
+//! the adaptive policy); a level below min(8, the highest) serves that many requests in waves
+//! of c (concurrency 1: one after another), so every level's figures cover the same first
+//! requests; per level the aggregate tok/s (all tokens / wall time), the mean
 //! per-request tok/s (a request's tokens / its own time from submission to its end), both also
 //! as ratios to the first level, tau, mean TTFT and the p50 / p99 request latency. With `check`
 //! every mode also runs greedy at min(8, the highest level) and counts the batched outputs
@@ -34,6 +36,8 @@ pub struct ConcurrencyOptions {
 pub struct ConcurrencyRow {
     pub mode: &'static str,
     pub concurrency: usize,
+    /// Requests served (at least min(8, the highest level): below that, in waves).
+    pub requests: usize,
     pub aggregate_tok_s: f64,
     pub aggregate_x: f64,
     pub per_request_tok_s: f64,
@@ -125,16 +129,24 @@ pub fn run_concurrency(p: &Pipeline, o: &ConcurrencyOptions) -> Result<Concurren
             r?;
         }
     }
+    // Every level serves at least the first `k` requests (in waves of its concurrency), so
+    // concurrency 1 is those requests one after another and its ratios compare the same
+    // requests: one prompt alone would set the baseline by its own acceptance.
+    let k = o.levels.iter().copied().max().unwrap_or(1).min(8);
     let mut rows = vec![];
     for &(mode, block) in &modes {
         let mut base: Option<(f64, f64)> = None;
         for &c in &o.levels {
+            let reqs = batch(c.max(k), block, o.temperature);
             let t = Instant::now();
-            let outs = e
-                .generate_batch(&batch(c, block, o.temperature), &mut |_, _| Flow::Continue)
-                .into_iter()
-                .collect::<Result<Vec<_>>>()?;
+            let mut outs = Vec::with_capacity(reqs.len());
+            for wave in reqs.chunks(c) {
+                for r in e.generate_batch(wave, &mut |_, _| Flow::Continue) {
+                    outs.push(r?);
+                }
+            }
             let wall = t.elapsed().as_secs_f64();
+            let n = outs.len();
             let tokens: usize = outs.iter().map(|o| o.output_ids.len()).sum();
             let agg = tokens as f64 / wall.max(1e-9);
             let mut lat: Vec<f64> = outs
@@ -146,14 +158,15 @@ pub fn run_concurrency(p: &Pipeline, o: &ConcurrencyOptions) -> Result<Concurren
                 .zip(&lat)
                 .map(|(o, ms)| o.output_ids.len() as f64 / (ms / 1e3).max(1e-9))
                 .sum::<f64>()
-                / c as f64;
+                / n as f64;
             let mean = |f: &dyn Fn(&crate::stats::GenerationStats) -> f64| {
-                outs.iter().map(|o| f(&o.stats)).sum::<f64>() / c as f64
+                outs.iter().map(|o| f(&o.stats)).sum::<f64>() / n as f64
             };
             let (a1, p1) = *base.get_or_insert((agg, per));
             rows.push(ConcurrencyRow {
                 mode,
                 concurrency: c,
+                requests: n,
                 aggregate_tok_s: agg,
                 aggregate_x: agg / a1,
                 per_request_tok_s: per,
@@ -192,14 +205,15 @@ pub fn run_concurrency(p: &Pipeline, o: &ConcurrencyOptions) -> Result<Concurren
 /// The table, the check lines and the switches in force (as `bench` records them).
 pub fn concurrency_markdown(r: &ConcurrencyResult) -> String {
     let mut s = String::from(
-        "| mode | concurrency | aggregate tok/s | x first | per-request tok/s | x first | tau | TTFT ms (mean) | latency p50 / p99 ms |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| mode | concurrency | requests | aggregate tok/s | x first | per-request tok/s | x first | tau | TTFT ms (mean) | latency p50 / p99 ms |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for w in &r.rows {
         s += &format!(
-            "| {} | {} | {:.1} | {:.2} | {:.1} | {:.2} | {:.2} | {:.1} | {:.0} / {:.0} |\n",
+            "| {} | {} | {} | {:.1} | {:.2} | {:.1} | {:.2} | {:.2} | {:.1} | {:.0} / {:.0} |\n",
             w.mode,
             w.concurrency,
+            w.requests,
             w.aggregate_tok_s,
             w.aggregate_x,
             w.per_request_tok_s,
