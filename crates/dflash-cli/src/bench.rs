@@ -110,6 +110,9 @@ pub struct BenchArgs {
     /// (at min(8, the highest level)).
     #[arg(long)]
     pub concurrency_check: bool,
+    /// --concurrency: which modes to run (plain, dflash; dflash needs --draft).
+    #[arg(long, value_delimiter = ',', default_value = "plain,dflash", value_parser = ["plain", "dflash"])]
+    pub concurrency_modes: Vec<String>,
 }
 
 /// indicatif bars: one for the matrix (all generations, with ETA) and one per row.
@@ -285,7 +288,11 @@ fn run_concurrency_cmd(a: &BenchArgs, levels: &[usize]) -> Result<()> {
         temperature: a.temperature,
         block: a.block_size,
         check: a.concurrency_check,
+        plain: a.concurrency_modes.iter().any(|m| m == "plain"),
     };
+    if a.draft.is_none() && !o.plain {
+        bail!("--concurrency-modes dflash needs --draft");
+    }
     let p = Pipeline::load(
         &a.load.apply(PipelineOptions {
             model: a

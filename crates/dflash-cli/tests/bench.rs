@@ -549,6 +549,43 @@ fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
         );
         assert!(stdout.contains(&line), "{line} not in {stdout}");
     }
+    // one mode only
+    let (code, stdout, stderr) = dflash(
+        &[
+            "bench",
+            "--model",
+            &target,
+            "--draft",
+            &draft,
+            "--concurrency",
+            "2",
+            "--concurrency-prompt-len",
+            "6",
+            "--max-tokens",
+            "4",
+            "--concurrency-modes",
+            "dflash",
+        ],
+        dir.path(),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("| dflash | 2 | 2 |"), "{stdout}");
+    assert!(!stdout.contains("| plain |"), "{stdout}");
+    let (code, _, stderr) = dflash(
+        &[
+            "bench",
+            "--model",
+            &target,
+            "--concurrency",
+            "2",
+            "--concurrency-modes",
+            "dflash",
+        ],
+        dir.path(),
+    );
+    assert_ne!(code, 0);
+    assert!(stderr.contains("--draft"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     let (code, _, stderr) = dflash(
         &["bench", "--model", &target, "--concurrency", "0,2"],
         dir.path(),

@@ -29,6 +29,8 @@ pub struct ConcurrencyOptions {
     pub block: Option<usize>,
     /// Also check greedy batched == alone.
     pub check: bool,
+    /// Run plain decoding (DFlash runs whenever the pipeline has a draft).
+    pub plain: bool,
 }
 
 /// One (mode, level) row of the table.
@@ -116,9 +118,17 @@ pub fn run_concurrency(p: &Pipeline, o: &ConcurrencyOptions) -> Result<Concurren
     }
     let e = &p.engine;
     let vocab = p.target_config.vocab_size as u64;
-    let mut modes: Vec<(&'static str, Option<usize>)> = vec![("plain", Some(1))];
+    let mut modes: Vec<(&'static str, Option<usize>)> = vec![];
+    if o.plain {
+        modes.push(("plain", Some(1)));
+    }
     if e.draft.is_some() {
         modes.push(("dflash", o.block));
+    }
+    if modes.is_empty() {
+        return Err(Error::input(
+            "--concurrency: no mode to run (plain is off and no --draft is loaded)",
+        ));
     }
     let batch = |n: usize, block: Option<usize>, t: f32| -> Vec<GenerateRequest> {
         (0..n).map(|i| request(i, o, vocab, block, t)).collect()
