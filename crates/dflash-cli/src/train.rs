@@ -122,6 +122,20 @@ pub struct TrainArgs {
     /// (the cosine schedule follows the new count).
     #[arg(long)]
     pub time_limit: Option<f64>,
+    /// Stop after this many seconds of training with a resumable checkpoint (the schedule
+    /// stays --steps; continue with --resume OUT). Unlike --time-limit, which shortens the
+    /// schedule to fit.
+    #[arg(long)]
+    pub chunk_time: Option<f64>,
+    /// Continue a run from the resumable checkpoint in DIR (its parameters, optimizer moments,
+    /// step and sampler state); the other flags must be the ones it was trained with.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Also write the resumable checkpoint (DIR/resume.safetensors + resume.json: f32
+    /// parameters and optimizer moments, ~12 bytes a parameter) with every save (implied by
+    /// --chunk-time and --resume).
+    #[arg(long)]
+    pub save_state: bool,
     /// Save a checkpoint every N steps (0 = only at the end).
     #[arg(long, default_value_t = 500)]
     pub save_every: usize,
@@ -281,6 +295,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let target = &*p.engine.target;
     let mut trainer = Trainer::new(target, &p.target_config, opts.clone())?;
+    let keep_state = a.save_state || a.chunk_time.is_some() || a.resume.is_some();
+    let mut pool_position = 0;
+    if let Some(dir) = &a.resume {
+        pool_position = trainer.resume(dir)?;
+        eprintln!(
+            "resumed {} at step {} of {}",
+            dir.display(),
+            trainer.steps_done(),
+            trainer.opts.steps
+        );
+    }
     eprintln!(
         "draft: {} {} layers, {} params, taps {:?}, block {}, mask token {mask_token_id}, gamma {:.2}, data {}",
         trainer.draft().arch_name(),
@@ -296,7 +321,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut seqs = seqs;
     let train_seqs = seqs.split_off(n_hold);
     let held = train::make_examples(target, &trainer.taps.clone(), &seqs, mode)?;
-    let reuse = train::ExamplePool::reuse_for(&trainer.opts, trainer.opts.steps, train_seqs.len());
+    // (a resumed run draws over its remaining steps, its window from where the last one was)
+    let left = trainer.opts.steps.saturating_sub(trainer.steps_done());
+    let reuse = train::ExamplePool::reuse_for(&trainer.opts, left, train_seqs.len());
     let mut pool = train::ExamplePool::new(
         train_seqs,
         &trainer.taps.clone(),
@@ -305,6 +332,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         reuse,
         a.seed,
     )?;
+    pool.start_at(pool_position);
     let b = bar(pool.len(), "target passes (taps, labels)");
     pool.fill(target, &mut |i, _| b.set_position(i as u64))?;
     b.finish();
@@ -320,7 +348,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
 
     // 3. Optimize.
     let log_path = a.out.join("train_log.jsonl");
-    let mut log = String::new();
+    // a resumed run continues its log
+    let mut log = match &a.resume {
+        Some(dir) => std::fs::read_to_string(dir.join("train_log.jsonl")).unwrap_or_default(),
+        None => String::new(),
+    };
     let t0 = Instant::now();
     let (mut tok_window, mut t_window) = (0usize, Instant::now());
     let mut first_loss = None;
@@ -330,19 +362,27 @@ pub fn run(a: TrainArgs) -> Result<()> {
     } else {
         candle_core::DType::BF16
     };
-    let mut step = 0;
+    let start = trainer.steps_done();
+    let mut step = start;
+    let mut chunk_end = None;
     while step < trainer.opts.steps {
+        if a.chunk_time
+            .is_some_and(|c| t0.elapsed().as_secs_f64() >= c)
+        {
+            chunk_end = Some(step);
+            break;
+        }
         let s = trainer.step(target, &mut pool)?;
         step += 1;
-        if let (Some(limit), 20) = (a.time_limit, step) {
+        if let (Some(limit), 20) = (a.time_limit, step - start) {
             let per = t0.elapsed().as_secs_f64() / 20.0;
-            let fit = (limit / per) as usize;
+            let fit = start + (limit / per) as usize;
             if fit < trainer.opts.steps {
                 trainer.opts.steps = fit.max(21);
                 trainer.opts.warmup = trainer.opts.warmup.min(trainer.opts.steps / 2);
                 pool.set_reuse(train::ExamplePool::reuse_for(
                     &trainer.opts,
-                    trainer.opts.steps,
+                    trainer.opts.steps - start,
                     pool.len(),
                 ));
                 eprintln!(
@@ -381,6 +421,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         last = Some(s);
         if a.save_every > 0 && (step + 1) % a.save_every == 0 && step + 1 < steps {
             trainer.save(&a.out, save)?;
+            if keep_state {
+                trainer.save_state(&a.out, &pool)?;
+            }
         }
     }
     std::fs::write(&log_path, &log).with_context(|| format!("writing {}", log_path.display()))?;
@@ -389,6 +432,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eprintln!("held-out loss ({} sequences): {l:.4}", held.len());
     }
     trainer.save(&a.out, save)?;
+    if keep_state {
+        trainer.save_state(&a.out, &pool)?;
+    }
+    if let Some(at) = chunk_end {
+        eprintln!(
+            "--chunk-time {}s reached at step {at} of {}: resume with --resume {}",
+            a.chunk_time.unwrap_or_default(),
+            trainer.opts.steps,
+            a.out.display()
+        );
+    }
     eprintln!(
         "saved {} (loss {:.4} -> {:.4}, {:.0}s, {} target passes over {} sequences)",
         a.out.display(),

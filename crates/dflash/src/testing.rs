@@ -51,6 +51,13 @@ impl Rng {
     pub fn below(&mut self, n: usize) -> usize {
         (self.uniform() * n as f64) as usize % n.max(1)
     }
+    /// The generator's state (to resume a sequence with [`Rng::from_state`]).
+    pub fn state(&self) -> u64 {
+        self.0
+    }
+    pub fn from_state(state: u64) -> Self {
+        Rng(state)
+    }
 }
 
 /// A tensor builder with a seeded PRNG.

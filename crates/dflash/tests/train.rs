@@ -413,3 +413,103 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
         "tau {tau0:.2} -> {tau1:.2}"
     );
 }
+
+/// A run stopped with a resumable checkpoint and resumed (`Trainer::save_state` /
+/// `Trainer::resume`, as `dflash train --chunk-time` / `--resume` do) ends with exactly the
+/// weights of the same run uninterrupted; a checkpoint of another draft shape is refused with
+/// a one-line error naming the flags.
+#[test]
+fn resumed_training_equals_uninterrupted() {
+    let dir = tempfile::tempdir().unwrap();
+    let td = dir.path().join("t");
+    let t = learnable_target(&td);
+    let p = Pipeline::load(&PipelineOptions {
+        model: td.display().to_string(),
+        no_draft: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let (seqs, _) = train::build_sequences(
+        &p,
+        &prompts(500, 12, t.vocab - 1),
+        &SequenceOptions {
+            max_seq: 64,
+            max_new: 24,
+            chat_template: false,
+            ..Default::default()
+        },
+        &mut |_, _| true,
+    )
+    .unwrap();
+    let opts = TrainOptions {
+        draft_layers: 1,
+        block_size: 8,
+        mask_token_id: (t.vocab - 1) as u32,
+        intermediate_size: Some(64),
+        steps: 24,
+        lr: 3e-3,
+        warmup: 4,
+        batch_blocks: 16,
+        blocks_per_seq: 8,
+        seed: 11,
+        ..Default::default()
+    };
+    let target = &*p.engine.target;
+    let run = |tr: &mut Trainer, steps: usize, position: usize| {
+        let mut pool = train::ExamplePool::new(
+            seqs.clone(),
+            &tr.taps.clone(),
+            DataMode::SelfGenerated.labels(),
+            u64::MAX,
+            1,
+            5,
+        )
+        .unwrap();
+        pool.start_at(position);
+        pool.fill(target, &mut |_, _| {}).unwrap();
+        for _ in 0..steps {
+            tr.step(target, &mut pool).unwrap();
+        }
+        pool
+    };
+    let weights = |tr: &Trainer, name: &str| {
+        let d = dir.path().join(name);
+        tr.save(&d, candle_core::DType::F32).unwrap();
+        candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let mut whole = Trainer::new(target, &p.target_config, opts.clone()).unwrap();
+    run(&mut whole, 24, 0);
+    let want = weights(&whole, "whole");
+
+    let mut first = Trainer::new(target, &p.target_config, opts.clone()).unwrap();
+    let pool = run(&mut first, 10, 0);
+    let ckpt = dir.path().join("ckpt");
+    first.save_state(&ckpt, &pool).unwrap();
+    drop(first);
+    let mut rest = Trainer::new(target, &p.target_config, opts.clone()).unwrap();
+    let position = rest.resume(&ckpt).unwrap();
+    assert_eq!(rest.steps_done(), 10);
+    run(&mut rest, 14, position);
+    let got = weights(&rest, "resumed");
+    assert_eq!(want.len(), got.len());
+    let mut changed = 0;
+    for (n, w) in &want {
+        let (a, b) = (w.flatten_all().unwrap(), got[n].flatten_all().unwrap());
+        let (a, b) = (a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
+        assert!(a == b, "{n} differs after resuming");
+        changed += usize::from(n.contains("layers"));
+    }
+    assert!(changed > 0);
+
+    let mut other = Trainer::new(
+        target,
+        &p.target_config,
+        TrainOptions {
+            draft_layers: 2,
+            ..opts
+        },
+    )
+    .unwrap();
+    let e = other.resume(&ckpt).unwrap_err().to_string();
+    assert!(e.contains("--draft-layers") && !e.contains('\n'), "{e}");
+}

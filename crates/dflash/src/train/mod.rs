@@ -21,6 +21,7 @@
 //! (the predecessor is the target's previous token), weighted like the draft's loss and added
 //! with weight `selector_loss_alpha`.
 
+pub mod adamw;
 pub mod data;
 
 use crate::archs::{Logits, TargetModel};
@@ -30,8 +31,8 @@ use crate::draft::DraftModel;
 use crate::source::Weights;
 use crate::testing::Rng;
 use crate::{Error, Result};
+use adamw::AdamW;
 use candle_core::{DType, Device, Tensor, Var, D};
-use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -390,14 +391,7 @@ impl Trainer {
             .collect();
         let w = Weights::from_tensors(tensors, opts.dtype, &device);
         let draft = DraftModel::load(dcfg, taps.clone(), &w)?;
-        let opt = AdamW::new(
-            vars.iter().map(|(_, v)| v.clone()).collect(),
-            ParamsAdamW {
-                lr: opts.lr,
-                weight_decay: opts.weight_decay,
-                ..Default::default()
-            },
-        )?;
+        let opt = AdamW::new(&vars, opts.lr, opts.weight_decay)?;
         Ok(Self {
             opts,
             config,
@@ -579,7 +573,7 @@ impl Trainer {
             }
         }
         let lr = self.opts.lr_at(self.step);
-        self.opt.set_learning_rate(lr);
+        self.opt.lr = lr;
         self.opt.step(&grads)?;
         self.step += 1;
         let loss = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
@@ -616,6 +610,68 @@ impl Trainer {
             w += ws;
         }
         Ok(nll / w.max(1e-9))
+    }
+
+    /// Steps taken so far.
+    pub fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    /// Write what [`Trainer::resume`] needs into `dir`: `resume.safetensors` (the f32
+    /// parameters and the optimizer's moments) and `resume.json` (step, schedule, sampler
+    /// state, the draft's config).
+    pub fn save_state(&self, dir: &Path, pool: &ExamplePool) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        self.opt.save(&dir.join("resume.safetensors"))?;
+        crate::testing::write_json(
+            &dir.join("resume.json"),
+            &json!({
+                "step": self.step,
+                "steps": self.opts.steps,
+                "warmup": self.opts.warmup,
+                "optimizer_t": self.opt.t,
+                "rng": self.rng.state().to_string(),
+                "pool_position": pool.position(),
+                "config": self.config,
+            }),
+        )
+    }
+
+    /// Continue from [`Trainer::save_state`]'s files in `dir`: parameters, moments, step and
+    /// sampler state. The draft's config must be the one this trainer was built with (same
+    /// flags); the schedule is this run's (`opts.steps`, `opts.warmup`), continued at the
+    /// saved step. Returns the example pool's position to continue from
+    /// ([`ExamplePool::start_at`]).
+    pub fn resume(&mut self, dir: &Path) -> Result<usize> {
+        let f = dir.join("resume.json");
+        let text = std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?;
+        let st: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::input(format!("{}: {e}", f.display())))?;
+        let bad = |what: &str| {
+            Error::input(format!(
+                "{}: {what} (written by `dflash train`'s checkpoints; resume from such a directory)",
+                f.display()
+            ))
+        };
+        if st["config"] != self.config {
+            return Err(Error::input(format!(
+                "{}: the checkpoint's draft config differs from this run's: resume with the flags it was trained with (--draft-layers, --block-size, --taps, --mask-token, --intermediate-size, --arch)",
+                f.display()
+            )));
+        }
+        let step = st["step"].as_u64().ok_or_else(|| bad("no step"))? as usize;
+        let t = st["optimizer_t"]
+            .as_u64()
+            .ok_or_else(|| bad("no optimizer_t"))? as usize;
+        let rng: u64 = st["rng"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .ok_or_else(|| bad("no rng"))?;
+        self.opt.load(&dir.join("resume.safetensors"))?;
+        self.opt.t = t;
+        self.step = step;
+        self.rng = Rng::from_state(rng);
+        Ok(st["pool_position"].as_u64().unwrap_or(0) as usize)
     }
 
     /// Write `config.json` + `model.safetensors` (weights in `dtype`) into `dir`.
@@ -909,6 +965,17 @@ impl ExamplePool {
     /// Change the draws before an example leaves (a run's step count was cut).
     pub fn set_reuse(&mut self, reuse: usize) {
         self.reuse = reuse.max(1);
+    }
+
+    /// Where in its load order the pool's window begins (for a resumed run to go on from
+    /// there: [`ExamplePool::start_at`]).
+    pub fn position(&self) -> usize {
+        self.next.saturating_sub(self.window.len())
+    }
+
+    /// Begin loading at `position` of the load order (before [`ExamplePool::fill`]).
+    pub fn start_at(&mut self, position: usize) {
+        self.next = position;
     }
 
     /// Sequences in the pool (those that can anchor a block).
