@@ -136,6 +136,16 @@ fn learnable_target(dir: &Path) -> TinyTarget {
     t
 }
 
+/// The target in `dir` loaded without a draft (as `dflash train` loads it).
+fn plain_pipeline(dir: &Path) -> Pipeline {
+    Pipeline::load(&PipelineOptions {
+        model: dir.display().to_string(),
+        no_draft: true,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
 fn prompts(seed: u64, n: usize, vocab: usize) -> Vec<data::Record> {
     (0..n)
         .map(|i| data::Record {
@@ -159,12 +169,7 @@ fn grouped_self_generation_equals_one_at_a_time() {
     let mut t = TinyTarget::qwen3(33);
     t.layers = 2;
     t.write(&td).unwrap();
-    let p = Pipeline::load(&PipelineOptions {
-        model: td.display().to_string(),
-        no_draft: true,
-        ..Default::default()
-    })
-    .unwrap();
+    let p = plain_pipeline(&td);
     let recs = prompts(77, 10, t.vocab);
     let gen = |temperature: f32, gen_batch: usize| {
         let (seqs, notes) = train::build_sequences(
@@ -246,12 +251,7 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
     let dir = tempfile::tempdir().unwrap();
     let td = dir.path().join("t");
     let t = learnable_target(&td);
-    let p = Pipeline::load(&PipelineOptions {
-        model: td.display().to_string(),
-        no_draft: true,
-        ..Default::default()
-    })
-    .unwrap();
+    let p = plain_pipeline(&td);
     let vocab = t.vocab - 1; // the last id is the mask token
     let (seqs, _) = train::build_sequences(
         &p,
@@ -423,12 +423,7 @@ fn resumed_training_equals_uninterrupted() {
     let dir = tempfile::tempdir().unwrap();
     let td = dir.path().join("t");
     let t = learnable_target(&td);
-    let p = Pipeline::load(&PipelineOptions {
-        model: td.display().to_string(),
-        no_draft: true,
-        ..Default::default()
-    })
-    .unwrap();
+    let p = plain_pipeline(&td);
     let (seqs, _) = train::build_sequences(
         &p,
         &prompts(500, 12, t.vocab - 1),
