@@ -110,6 +110,10 @@ pub struct BenchArgs {
     /// (at min(8, the highest level)).
     #[arg(long)]
     pub concurrency_check: bool,
+    /// --concurrency: requests a level serves per slot: level c serves max(min(8, highest),
+    /// ROUNDS * c) requests with at most c at once, each next one admitted as one finishes.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency_rounds: usize,
     /// --concurrency: which modes to run (plain, dflash; dflash needs --draft).
     #[arg(long, value_delimiter = ',', default_value = "plain,dflash", value_parser = ["plain", "dflash"])]
     pub concurrency_modes: Vec<String>,
@@ -289,6 +293,7 @@ fn run_concurrency_cmd(a: &BenchArgs, levels: &[usize]) -> Result<()> {
         block: a.block_size,
         check: a.concurrency_check,
         plain: a.concurrency_modes.iter().any(|m| m == "plain"),
+        rounds: a.concurrency_rounds,
     };
     if a.draft.is_none() && !o.plain {
         bail!("--concurrency-modes dflash needs --draft");

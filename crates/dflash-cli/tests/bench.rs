@@ -493,6 +493,8 @@ fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
             "--max-tokens",
             "8",
             "--concurrency-check",
+            "--concurrency-rounds",
+            "2",
             "--out",
             out.to_str().unwrap(),
         ],
@@ -515,9 +517,11 @@ fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
         .map(|(m, c)| (m.to_string(), *c))
         .collect();
     assert_eq!(got, want, "{v}");
-    // concurrency 1 serves the same 3 requests as 3, one after another
+    // level 1 serves max(3, 2 x 1) = 3 requests one after another, level 3 serves 2 x 3 = 6
+    // with at most 3 at once
     for r in rows {
-        assert_eq!(r["requests"].as_u64(), Some(3), "{r}");
+        let want = if r["concurrency"] == 1 { 3 } else { 6 };
+        assert_eq!(r["requests"].as_u64(), Some(want), "{r}");
     }
     for pair in rows.chunks(2) {
         let (a, b) = (&pair[0], &pair[1]);
@@ -569,7 +573,7 @@ fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
         dir.path(),
     );
     assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains("| dflash | 2 | 2 |"), "{stdout}");
+    assert!(stdout.contains("| dflash | 2 | 8 |"), "{stdout}"); // 4 rounds of 2
     assert!(!stdout.contains("| plain |"), "{stdout}");
     let (code, _, stderr) = dflash(
         &[

@@ -1,4 +1,5 @@
-//! Batched decoding (`Engine::generate_batch`, issue 23): every request's output under a batch
+//! Batched decoding (`Engine::generate_batch`, and `generate_queue` with fewer in flight than
+//! requests, issue 23): every request's output under a batch
 //! equals its output alone — greedy and sampled, fixed and adaptive block sizes, stop tokens,
 //! max tokens, DFlash, DFlash2 and plain decoding, dense and hybrid (recurrent rollback per
 //! sequence) targets; a bad request fails alone; cancelling one request leaves the others.
@@ -103,6 +104,13 @@ fn check(what: &str, e: &Engine, vocab: usize) -> usize {
             "{what}: request {i}'s callback saw its own tokens"
         );
     }
+    // at most 3 in flight: each next request joins a batch already decoding, as one leaves
+    let queued: Vec<GenerateOutput> = e
+        .generate_queue(&reqs, 3, &mut |_, _| Flow::Continue)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    assert_same(&format!("{what}, 3 in flight"), &reqs, &solo, &queued);
     reqs.len()
 }
 

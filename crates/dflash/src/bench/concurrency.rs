@@ -1,10 +1,11 @@
 //! Decoding speed at several concurrencies in one run (`dflash bench --concurrency 1,8,32`,
-//! issue 23): for each level c, c requests of fixed pseudo-random prompt ids go through
-//! `Engine::generate_batch` together, plain decoding (block 1) and DFlash (the given block, else
-//! the adaptive policy); a level below min(8, the highest) serves that many requests in waves
-//! of c (concurrency 1: one after another), so every level's figures cover the same first
-//! requests; per level the aggregate tok/s (all tokens / wall time), the mean
-//! per-request tok/s (a request's tokens / its own time from submission to its end), both also
+//! issue 23): for each level c, requests of fixed pseudo-random prompt ids go through
+//! `Engine::generate_queue` with at most c at once (the next admitted as one finishes, as a
+//! server under steady load batches them), `rounds * c` requests a level and at least the first
+//! min(8, the highest level) at every level (so level 1 is those requests one after another),
+//! plain decoding (block 1) and DFlash (the given block, else the adaptive policy); per level
+//! the aggregate tok/s (all tokens / wall time), the mean per-request tok/s (a request's
+//! tokens / its own time from admission to its end), both also
 //! as ratios to the first level, tau, mean TTFT and the p50 / p99 request latency. With `check`
 //! every mode also runs greedy at min(8, the highest level) and counts the batched outputs
 //! equal to each request's output alone.
@@ -31,6 +32,9 @@ pub struct ConcurrencyOptions {
     pub check: bool,
     /// Run plain decoding (DFlash runs whenever the pipeline has a draft).
     pub plain: bool,
+    /// Requests a level serves per slot: level c serves max(min(8, highest level), rounds * c)
+    /// requests, at most c at once.
+    pub rounds: usize,
 }
 
 /// One (mode, level) row of the table.
@@ -38,7 +42,7 @@ pub struct ConcurrencyOptions {
 pub struct ConcurrencyRow {
     pub mode: &'static str,
     pub concurrency: usize,
-    /// Requests served (at least min(8, the highest level): below that, in waves).
+    /// Requests served (max(min(8, highest level), rounds * c), at most c at once).
     pub requests: usize,
     pub aggregate_tok_s: f64,
     pub aggregate_x: f64,
@@ -139,22 +143,22 @@ pub fn run_concurrency(p: &Pipeline, o: &ConcurrencyOptions) -> Result<Concurren
             r?;
         }
     }
-    // Every level serves at least the first `k` requests (in waves of its concurrency), so
-    // concurrency 1 is those requests one after another and its ratios compare the same
-    // requests: one prompt alone would set the baseline by its own acceptance.
+    // Level c serves max(k, rounds * c) requests with at most c in flight, the next admitted
+    // as one finishes (continuous batching: the batch stays full until the queue drains,
+    // instead of a closed batch whose last, least accepted requests run nearly alone), and
+    // every level serves at least the first k: concurrency 1 is those requests one after
+    // another, so its figures do not rest on one prompt's acceptance.
     let k = o.levels.iter().copied().max().unwrap_or(1).min(8);
     let mut rows = vec![];
     for &(mode, block) in &modes {
         let mut base: Option<(f64, f64)> = None;
         for &c in &o.levels {
-            let reqs = batch(c.max(k), block, o.temperature);
+            let reqs = batch(k.max(o.rounds.max(1) * c), block, o.temperature);
             let t = Instant::now();
-            let mut outs = Vec::with_capacity(reqs.len());
-            for wave in reqs.chunks(c) {
-                for r in e.generate_batch(wave, &mut |_, _| Flow::Continue) {
-                    outs.push(r?);
-                }
-            }
+            let outs = e
+                .generate_queue(&reqs, c, &mut |_, _| Flow::Continue)
+                .into_iter()
+                .collect::<Result<Vec<_>>>()?;
             let wall = t.elapsed().as_secs_f64();
             let n = outs.len();
             let tokens: usize = outs.iter().map(|o| o.output_ids.len()).sum();

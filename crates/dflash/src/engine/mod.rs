@@ -227,20 +227,38 @@ impl Engine {
         reqs: &[GenerateRequest],
         on_tokens: &mut dyn FnMut(usize, &[u32]) -> Flow,
     ) -> Vec<Result<GenerateOutput>> {
+        self.generate_queue(reqs, reqs.len(), on_tokens)
+    }
+
+    /// [`Engine::generate_batch`] with at most `in_flight` requests in the batch: the requests
+    /// are admitted in order, the next one as soon as a running one finishes (continuous
+    /// batching, as a server under steady load runs), so the batch stays full until the queue
+    /// is empty. A request's time (TTFT, latency) counts from its admission.
+    pub fn generate_queue(
+        &self,
+        reqs: &[GenerateRequest],
+        in_flight: usize,
+        on_tokens: &mut dyn FnMut(usize, &[u32]) -> Flow,
+    ) -> Vec<Result<GenerateOutput>> {
         let cb = std::cell::RefCell::new(on_tokens);
         let mut results: Vec<Option<Result<GenerateOutput>>> =
             (0..reqs.len()).map(|_| None).collect();
         let mut batch = Batch::new(self);
-        for (i, r) in reqs.iter().enumerate() {
-            let cb = &cb;
-            let f: Box<dyn FnMut(&[u32]) -> Flow + '_> =
-                Box::new(move |ids: &[u32]| (cb.borrow_mut())(i, ids));
-            match Sequence::new(self, r.clone(), f) {
-                Ok(s) => batch.push(i, s),
-                Err(e) => results[i] = Some(Err(e)),
+        let mut next = 0;
+        loop {
+            while batch.len() < in_flight.max(1) && next < reqs.len() {
+                let (i, cb) = (next, &cb);
+                next += 1;
+                let f: Box<dyn FnMut(&[u32]) -> Flow + '_> =
+                    Box::new(move |ids: &[u32]| (cb.borrow_mut())(i, ids));
+                match Sequence::new(self, reqs[i].clone(), f) {
+                    Ok(s) => batch.push(i, s),
+                    Err(e) => results[i] = Some(Err(e)),
+                }
             }
-        }
-        while !batch.is_empty() {
+            if batch.is_empty() {
+                break;
+            }
             for (i, r) in batch.step() {
                 results[i] = Some(r);
             }
