@@ -378,7 +378,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             let per = t0.elapsed().as_secs_f64() / 20.0;
             let fit = start + (limit / per) as usize;
             if fit < trainer.opts.steps {
-                trainer.opts.steps = fit.max(21);
+                trainer.opts.steps = fit.max(start + 21);
                 trainer.opts.warmup = trainer.opts.warmup.min(trainer.opts.steps / 2);
                 pool.set_reuse(train::ExamplePool::reuse_for(
                     &trainer.opts,
