@@ -21,9 +21,14 @@ pub struct TrainArgs {
     /// ShareGPT `conversations`) or dataset names (sharegpt, humaneval, mtbench).
     #[arg(long, num_args = 1.., required_unless_present = "sequences")]
     pub prompts: Vec<String>,
-    /// Reuse sequences written by an earlier run (DIR/sequences.jsonl) instead of --prompts.
+    /// Reuse sequences written by earlier runs (DIR/sequences.jsonl; several files are joined,
+    /// e.g. greedy and sampled responses) instead of --prompts.
+    #[arg(long, num_args = 1..)]
+    pub sequences: Vec<PathBuf>,
+    /// Stop once the sequences are written (OUT/sequences.jsonl): make the data in one run
+    /// (or device call) and train on it in others with --sequences.
     #[arg(long)]
-    pub sequences: Option<PathBuf>,
+    pub data_only: bool,
     /// Output directory (config.json + model.safetensors, sequences.jsonl, train_log.jsonl).
     #[arg(long)]
     pub out: PathBuf,
@@ -215,9 +220,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
 
     // 1. Sequences: generated (self) or reference (relabel), or reused.
-    let seqs = match &a.sequences {
-        Some(f) => data::read_sequences(f)?,
-        None => {
+    let seqs = match a.sequences.as_slice() {
+        [] => {
             let mut records = vec![];
             for spec in &a.prompts {
                 let f = data::resolve_file(spec)?;
@@ -263,9 +267,20 @@ pub fn run(a: TrainArgs) -> Result<()> {
             );
             seqs
         }
+        files => {
+            let mut seqs = vec![];
+            for f in files {
+                seqs.extend(data::read_sequences(f)?);
+            }
+            seqs
+        }
     };
     if seqs.is_empty() {
         bail!("no training sequences (see the notes above)");
+    }
+    if a.data_only {
+        eprintln!("--data-only: done");
+        return Ok(());
     }
 
     // 2. The draft and the target passes (taps + labels), cached on the device.

@@ -125,6 +125,58 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     assert_ne!(rc, 0);
     assert!(err.contains("tap layer 9"), "{err}");
 
+    // Data in one run, training in another on two sequence files joined (greedy + sampled).
+    let s1 = dir.path().join("sampled");
+    let (rc, _, err) = dflash(&[
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        s1.to_str().unwrap(),
+        "--max-new",
+        "12",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+        "--data-only",
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    let sampled = std::fs::read_to_string(s1.join("sequences.jsonl")).unwrap();
+    assert_eq!(sampled.lines().count(), 12);
+    assert!(
+        !s1.join("config.json").exists(),
+        "--data-only trained a draft"
+    );
+    let (rc, _, err) = dflash(&[
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--sequences",
+        out.join("sequences.jsonl").to_str().unwrap(),
+        s1.join("sequences.jsonl").to_str().unwrap(),
+        "--out",
+        dir.path().join("joined").to_str().unwrap(),
+        "--block-size",
+        "4",
+        "--steps",
+        "2",
+        "--intermediate-size",
+        "32",
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    // 24 sequences, 1 held out for the loss check, those that cannot anchor a block dropped:
+    // more than one file's 12
+    let n: usize = err
+        .split(" target passes over ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!((13..=23).contains(&n), "{n} sequences: {err}");
+
     // --arch dflash2 on the same sequences: a DFlash2 checkpoint that generate loads.
     let d2 = dir.path().join("dflash2");
     let (rc, _, err) = dflash(&[
