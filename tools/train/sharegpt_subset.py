@@ -3,13 +3,18 @@ mid-record and 125 MB): the first N records with a human turn followed by a gpt 
 JSONL `{"id", "conversations": [human, gpt]}` lines, gzipped. `dflash train --prompts` reads
 it (first human turn = prompt; first gpt turn = the reference for `--data relabel`).
 
-usage: python3 tools/train/sharegpt_subset.py SHAREGPT_JSON OUT.jsonl.gz [N] [MAX_PROMPT_CHARS]
+usage: python3 tools/train/sharegpt_subset.py SHAREGPT_JSON OUT.jsonl.gz [N] [MAX_PROMPT_CHARS] [prompts]
+
+With `prompts` last, only `{"id", "prompt"}` lines (for `--data self`, which needs no reference):
+data/train/sharegpt-prompts-9k.jsonl.gz is `... 100000 2000 prompts` (every record of the
+wheel's prefix that passes the filter: 9,669).
 """
 import gzip, json, sys
 
 src, out = sys.argv[1], sys.argv[2]
 n = int(sys.argv[3]) if len(sys.argv) > 3 else 3000
 max_chars = int(sys.argv[4]) if len(sys.argv) > 4 else 2000
+prompts_only = len(sys.argv) > 5 and sys.argv[5] == "prompts"
 dec = json.JSONDecoder()
 text = open(src, encoding="utf-8").read()
 i = text.index("[") + 1
@@ -28,6 +33,9 @@ with gzip.open(out, "wt", encoding="utf-8") as f:
         q, a = conv[0].get("value", ""), conv[1].get("value", "")
         if not q.strip() or not a.strip() or len(q) > max_chars:
             continue
-        f.write(json.dumps({"id": rec.get("id"), "conversations": conv[:2]}) + "\n")
+        if prompts_only:
+            f.write(json.dumps({"id": rec.get("id"), "prompt": q}) + "\n")
+        else:
+            f.write(json.dumps({"id": rec.get("id"), "conversations": conv[:2]}) + "\n")
         kept += 1
 print(f"{kept} records -> {out}")

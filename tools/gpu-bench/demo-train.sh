@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 26 on the GPU machine: the demo draft trained on SmolLM2's own answers. Needs the demo
+# GGUF and the CUDA dflash staged first (tools/train/stage_gguf.sh here, then
+# tools/gpu-bench/stage.sh there, one call per part, the last with .device/dflash.xz), all on
+# the same warm machine. Then one call per phase (each well under 10 minutes):
+#   PHASE=gen   bash tools/gpu-bench/demo-train.sh   # greedy + T = 1 responses (data only)
+#   PHASE=train bash tools/gpu-bench/demo-train.sh   # first chunk (resumable)
+#   PHASE=more  bash tools/gpu-bench/demo-train.sh   # further chunks (--resume)
+#   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
+# Env: GEN_SECS (per temperature, 200), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
+# ShareGPT first turns), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
+# 480), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 40); BIN, GGUF, WORK, DEVICE
+# to run it elsewhere (e.g. a smoke run on the CPU).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+BIN=${BIN:-/root/stash/dflash}
+GGUF=${GGUF:-/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf}
+W=${WORK:-/root/work}
+R=${OUT:-/tmp}
+mkdir -p "$W" "$R"
+lib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))' 2>/dev/null) &&
+  export LD_LIBRARY_PATH=$lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+[ -x "$BIN" ] && [ -f "$GGUF" ] || { echo "!! stage the GGUF and dflash first (tools/gpu-bench/stage.sh)"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
+common=(--target "$GGUF" --device "${DEVICE:-cuda}" --max-seq 768)
+draft=(--draft-layers "${LAYERS:-4}" --block-size 16 --steps "${STEPS:-30000}" --batch-blocks "${BATCH:-128}"
+  --blocks-per-seq 16 --lr "${LR:-6e-4}" --warmup 300 --save-every 2000 --seed 0 --example-budget-gb "${BUDGET_GB:-40}")
+seqs=("$W/t0/sequences.jsonl" "$W/t1/sequences.jsonl")
+case ${PHASE:?PHASE=gen|train|more|eval} in
+  gen)
+    for t in 0 1; do
+      T0=$SECONDS
+      "$BIN" train "${common[@]}" --prompts "${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz}" \
+        --max-prompts 100000 --data self --temperature $t --seed $((t * 100000)) \
+        --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "${GEN_SECS:-200}" \
+        --data-only --out "$W/t$t" > "$R/gen-t$t.log" 2>&1 || { echo "!! gen T=$t"; tail -3 "$R/gen-t$t.log"; }
+      tok=$(grep -o '[0-9]* sequences ([0-9]* tokens)' "$R/gen-t$t.log")
+      echo "T = $t: $tok in $((SECONDS - T0)) s"
+    done ;;
+  train|more)
+    extra=(); [ "$PHASE" = more ] && extra=(--resume "$W/draft")
+    "$BIN" train "${common[@]}" --sequences "${seqs[@]}" "${draft[@]}" --chunk-time "${CHUNK:-480}" \
+      "${extra[@]}" --out "$W/draft" > "$R/$PHASE.log" 2>&1 || { echo "!! $PHASE"; tail -5 "$R/$PHASE.log"; }
+    grep -E "^step|resumed|chunk-time|saved|fit --example|held-out" "$R/$PHASE.log" | tail -12 ;;
+  eval)
+    # held-out tau and speedup per block (HumanEval + MT-Bench first turns, never trained on)
+    GGUF=$GGUF BIN=$BIN OUT="$R/eval" LIMIT=${LIMIT:-10} BENCH=1 DRAFTS="$W/draft" \
+      ROWS="t0-b4 t0-b8 t0-b16 t1-b16 t0-adaptive" bash tools/eval-demo/gpu.sh 2>&1 | tail -20
+    cp "$W/draft/config.json" "$W/draft/model.safetensors" "$W/draft/train_log.jsonl" "$R/" 2>/dev/null
+    ls -la "$R" ;;
+esac
