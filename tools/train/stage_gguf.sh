@@ -8,7 +8,7 @@
 # ... the last part with ".device/dflash.xz" beside it; stage.sh reports when the file is whole.
 set -euo pipefail
 src=${1:?GGUF}
-mb=${2:-22}
+mb=${2:-20}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=$root/.device/gguf
 rm -rf "$out" && mkdir -p "$out"
