@@ -5,7 +5,8 @@
 # writes .device/gguf/part-00 .. and .device/gguf/MANIFEST (name, parts, sha256). Then one call
 # per part, back to back (a machine stays warm 30 s):
 #   run(command="bash tools/gpu-bench/stage.sh", carry=[".device/gguf/MANIFEST", ".device/gguf/part-00"])
-# ... the last part with ".device/dflash.xz" beside it; stage.sh reports when the file is whole.
+# ... and one call with ".device/dflash.xz" (and the MANIFEST) alone: a part and the binary
+# together would pass 64 MiB with the tree. stage.sh reports when the file is whole.
 set -euo pipefail
 src=${1:?GGUF}
 mb=${2:-20}
