@@ -17,6 +17,7 @@ pub mod memory;
 pub mod nn;
 pub mod pipeline;
 pub mod registry;
+pub mod rng;
 pub mod sampling;
 pub mod source;
 pub mod stats;

@@ -13,7 +13,7 @@
 //! the true one, and if not the row is discarded. The draft's greedy proposals see the same
 //! adjustment, or a biased-away token would keep being proposed and rejected.
 
-use crate::testing::Rng;
+use crate::rng::Rng;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -647,7 +647,7 @@ mod tests {
     /// The partial selection for top-p gives exactly what a full sort gives.
     #[test]
     fn top_p_partial_selection_equals_full_sort() {
-        let mut rng = crate::testing::Rng::new(5);
+        let mut rng = crate::rng::Rng::new(5);
         for (case, &(v, scale, top_p)) in [
             (50_000usize, 3.0f32, 0.9f32),
             (50_000, 12.0, 0.5),

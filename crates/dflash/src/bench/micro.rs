@@ -8,8 +8,8 @@
 
 use crate::archs::Logits;
 use crate::pipeline::Pipeline;
+use crate::rng::Rng;
 use crate::sampling::{argmax, argmax_rows, Sampler, SamplingParams};
-use crate::testing::Rng;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::time::Instant;

@@ -575,7 +575,7 @@ mod tests {
     struct Sim {
         policy: Policy,
         seqs: Vec<Acceptance>,
-        rng: crate::testing::Rng,
+        rng: crate::rng::Rng,
     }
 
     /// Every sequence adaptive, up to 16 rows.
@@ -594,7 +594,7 @@ mod tests {
             Self {
                 policy: Policy::new(),
                 seqs: (0..n_seqs).map(|_| Acceptance::new(16)).collect(),
-                rng: crate::testing::Rng::new(seed),
+                rng: crate::rng::Rng::new(seed),
             }
         }
 
@@ -795,7 +795,7 @@ mod tests {
     /// faster. (Measured then: 2,182 tok/s adaptive against 3,467 at a fixed block of 8.)
     #[test]
     fn speculates_at_high_concurrency_under_noisy_costs() {
-        let noise = std::cell::RefCell::new(crate::testing::Rng::new(9));
+        let noise = std::cell::RefCell::new(crate::rng::Rng::new(9));
         let jitter = || 1.0 + 0.3 * (noise.borrow_mut().uniform() - 0.5);
         let v = |n: usize, r: usize| {
             let rows = 0.06 * r.min(160) as f64 + 0.01 * r.saturating_sub(160) as f64;

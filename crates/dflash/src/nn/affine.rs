@@ -275,7 +275,7 @@ mod tests {
     /// stream: value i at bit i * bits), for 4 and 8 bits, every group size, bf16 and f16.
     #[test]
     fn permuted_layout_dequantizes_like_the_checkpoint() {
-        let mut rng = crate::testing::Rng::new(3);
+        let mut rng = crate::rng::Rng::new(3);
         for bits in [4usize, 8] {
             for group in [32usize, 64, 128] {
                 for dt in [DType::BF16, DType::F16] {
@@ -284,7 +284,7 @@ mod tests {
                         .map(|_| (rng.uniform() * 256.0) as u8)
                         .collect();
                     let g = k / group;
-                    let side = |rng: &mut crate::testing::Rng, scale: f64| {
+                    let side = |rng: &mut crate::rng::Rng, scale: f64| {
                         let v: Vec<f32> = (0..n * g)
                             .map(|_| ((rng.uniform() - 0.5) * scale) as f32)
                             .collect();
@@ -328,7 +328,7 @@ mod tests {
             let packed: Vec<u8> = (0..n * k * bits / 8)
                 .map(|_| (rng.uniform() * 256.0) as u8)
                 .collect();
-            let side = |rng: &mut crate::testing::Rng| {
+            let side = |rng: &mut crate::rng::Rng| {
                 let v: Vec<f32> = (0..n * k / 32)
                     .map(|_| (rng.uniform() - 0.5) as f32)
                     .collect();

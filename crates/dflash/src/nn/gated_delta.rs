@@ -808,7 +808,7 @@ mod tests {
         (Tensor::cat(&outs, 1).unwrap(), s)
     }
 
-    fn rand(r: &mut crate::testing::Rng, shape: &[usize], scale: f64) -> Tensor {
+    fn rand(r: &mut crate::rng::Rng, shape: &[usize], scale: f64) -> Tensor {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| (r.normal() * scale) as f32).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
@@ -818,7 +818,7 @@ mod tests {
 
     #[test]
     fn chunked_equals_sequential_and_rollback_equals_prefix() {
-        let mut r = crate::testing::Rng::new(3);
+        let mut r = crate::rng::Rng::new(3);
         let (h, dk, dv) = (3, 8, 5);
         for n in [1usize, 2, 5, 16, 64, 65, 150] {
             let q = l2norm(&rand(&mut r, &[h, n, dk], 1.0)).unwrap();

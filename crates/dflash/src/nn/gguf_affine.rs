@@ -289,7 +289,7 @@ mod tests {
     /// (the first one's the largest the mapping takes), every other block's m too, the others
     /// ordinary; quant bytes random, the first block's q all at the maximum, the last's at the minimum.
     fn blocks(dt: GgmlDType, n: usize, k: usize, seed: u64) -> Vec<u8> {
-        let mut rng = crate::testing::Rng::new(seed);
+        let mut rng = crate::rng::Rng::new(seed);
         let edges = edge_halves(dt);
         let bsize = dt.type_size();
         let mut out = Vec::new();
@@ -377,8 +377,8 @@ mod tests {
         dt: GgmlDType,
         n: usize,
         k: usize,
-        rng: &mut crate::testing::Rng,
-        half: &mut dyn FnMut(&mut crate::testing::Rng) -> f16,
+        rng: &mut crate::rng::Rng,
+        half: &mut dyn FnMut(&mut crate::rng::Rng) -> f16,
     ) -> Vec<u8> {
         let mut out = Vec::new();
         for _ in 0..n * k / 256 {
@@ -398,13 +398,13 @@ mod tests {
     /// any d, dmin within the stated rounding: |error| <= 2^-11 (|d| 63 qmax + |dmin| 63).
     #[test]
     fn k_quants_map_with_f16_rounded_scales() {
-        let mut rng = crate::testing::Rng::new(21);
+        let mut rng = crate::rng::Rng::new(21);
         for dt in [GgmlDType::Q4K, GgmlDType::Q5K] {
             assert!(!exact(dt));
             let qmax = if dt == GgmlDType::Q4K { 15.0 } else { 31.0 };
             for &(n, k) in &[(1usize, 256usize), (3, 512), (2, 1024)] {
                 // exact: a 5-bit integer times 2^e, products at least 2^-14
-                let mut short = |r: &mut crate::testing::Rng| {
+                let mut short = |r: &mut crate::rng::Rng| {
                     let m = 1 + r.below(31) as i32;
                     let e = -12 - r.below(4) as i32;
                     let sign = if r.uniform() < 0.5 { -1.0 } else { 1.0 };
@@ -423,8 +423,7 @@ mod tests {
                     );
                 }
                 // any d, dmin: within the rounding bound, per super-block
-                let mut any =
-                    |r: &mut crate::testing::Rng| f16::from_f64((r.uniform() - 0.5) * 0.02);
+                let mut any = |r: &mut crate::rng::Rng| f16::from_f64((r.uniform() - 0.5) * 0.02);
                 let data = k_blocks(dt, n, k, &mut rng, &mut any);
                 let want = candle_dequant(dt, &data, n, k);
                 let got = kept(from_gguf(dt, &data, n, k, &Device::Cpu).unwrap())
@@ -442,7 +441,7 @@ mod tests {
             }
         }
         // a product beyond f16 is refused
-        let mut big = |_: &mut crate::testing::Rng| f16::from_f32(60000.0);
+        let mut big = |_: &mut crate::rng::Rng| f16::from_f32(60000.0);
         let data = k_blocks(GgmlDType::Q4K, 1, 256, &mut rng, &mut big);
         assert!(matches!(
             from_gguf(GgmlDType::Q4K, &data, 1, 256, &Device::Cpu).unwrap(),
