@@ -3,11 +3,12 @@
 # GGUF and the CUDA dflash staged first (tools/train/stage_gguf.sh here, then
 # tools/gpu-bench/stage.sh there, one call per part, the last with .device/dflash.xz), all on
 # the same warm machine. Then one call per phase (each well under 10 minutes):
-#   PHASE=gen   bash tools/gpu-bench/demo-train.sh   # greedy + T = 1 responses (data only)
+#   PHASE=gen   bash tools/gpu-bench/demo-train.sh   # greedy + T = 1 responses (data only; again
+#                                                    # with a higher T1_PASSES adds sampled passes)
 #   PHASE=train bash tools/gpu-bench/demo-train.sh   # first chunk (resumable)
 #   PHASE=more  bash tools/gpu-bench/demo-train.sh   # further chunks (--resume)
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
-# Env: GEN_SECS (per temperature, 200), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
+# Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
 # ShareGPT first turns), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
 # 480), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 40); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
@@ -26,17 +27,18 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 common=(--target "$GGUF" --device "${DEVICE:-cuda}" --max-seq 768)
 draft=(--draft-layers "${LAYERS:-4}" --block-size 16 --steps "${STEPS:-30000}" --batch-blocks "${BATCH:-128}"
   --blocks-per-seq 16 --lr "${LR:-6e-4}" --warmup 300 --save-every 2000 --seed 0 --example-budget-gb "${BUDGET_GB:-40}")
-seqs=("$W/t0/sequences.jsonl" "$W/t1/sequences.jsonl")
+seqs=("$W"/t*/sequences.jsonl)
 case ${PHASE:?PHASE=gen|train|more|eval} in
   gen)
-    for t in 0 1; do
+    # greedy once, then T1_PASSES sampled passes (record i of pass k seeded k * 100000 + i)
+    for run in t0 $(seq -f 't1-%g' 1 "${T1_PASSES:-1}"); do
       T0=$SECONDS
+      case $run in t0) t=0 seed=0 ;; *) t=1 seed=$((${run#t1-} * 100000)) ;; esac
       "$BIN" train "${common[@]}" --prompts "${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz}" \
-        --max-prompts 100000 --data self --temperature $t --seed $((t * 100000)) \
+        --max-prompts 100000 --data self --temperature $t --seed $seed \
         --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "${GEN_SECS:-200}" \
-        --data-only --out "$W/t$t" > "$R/gen-t$t.log" 2>&1 || { echo "!! gen T=$t"; tail -3 "$R/gen-t$t.log"; }
-      tok=$(grep -o '[0-9]* sequences ([0-9]* tokens)' "$R/gen-t$t.log")
-      echo "T = $t: $tok in $((SECONDS - T0)) s"
+        --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
+      echo "$run: $(grep -o '[0-9]* sequences ([0-9]* tokens)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
     done ;;
   train|more)
     extra=(); [ "$PHASE" = more ] && extra=(--resume "$W/draft")
