@@ -298,18 +298,7 @@ fn run_concurrency_cmd(a: &BenchArgs, levels: &[usize]) -> Result<()> {
     if a.draft.is_none() && !o.plain {
         bail!("--concurrency-modes dflash needs --draft");
     }
-    let p = Pipeline::load(
-        &a.load.apply(PipelineOptions {
-            model: a
-                .model
-                .clone()
-                .expect("clap: --concurrency requires --model"),
-            draft: a.draft.clone(),
-            no_draft: a.draft.is_none(),
-            max_context: Some(o.prompt_len + o.max_tokens + 64),
-            ..Default::default()
-        })?,
-    )?;
+    let p = load_pair(a, Some(o.prompt_len + o.max_tokens + 64))?;
     let res = run_concurrency(&p, &o)?;
     let machine = loaded_machine(a, &p);
     let md = format!(
@@ -343,6 +332,23 @@ fn report(a: &BenchArgs, name: &str, json: &serde_json::Value, md: &str) -> Resu
     Ok(())
 }
 
+/// `--model` with `--draft` when given (plain otherwise), for `--micro` and `--concurrency`
+/// (clap requires `--model` with either).
+fn load_pair(a: &BenchArgs, max_context: Option<usize>) -> Result<Pipeline> {
+    Ok(Pipeline::load(
+        &a.load.apply(PipelineOptions {
+            model: a
+                .model
+                .clone()
+                .expect("clap: --micro / --concurrency require --model"),
+            draft: a.draft.clone(),
+            no_draft: a.draft.is_none(),
+            max_context,
+            ..Default::default()
+        })?,
+    )?)
+}
+
 /// The machine line of a report on a loaded pipeline (its device and dtype as loaded).
 fn loaded_machine(a: &BenchArgs, p: &Pipeline) -> Machine {
     let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
@@ -350,12 +356,7 @@ fn loaded_machine(a: &BenchArgs, p: &Pipeline) -> Machine {
 }
 
 fn run_micro_cmd(a: &BenchArgs) -> Result<()> {
-    let p = Pipeline::load(&a.load.apply(PipelineOptions {
-        model: a.model.clone().expect("clap: --micro requires --model"),
-        draft: a.draft.clone(),
-        no_draft: a.draft.is_none(),
-        ..Default::default()
-    })?)?;
+    let p = load_pair(a, None)?;
     let o = MicroOptions {
         context: a.micro_context,
         iters: a.micro_iters,

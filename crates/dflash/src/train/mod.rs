@@ -776,9 +776,9 @@ pub fn build_sequences(
     use crate::engine::{Flow, GenerateRequest};
     let (mut out, mut no_ref, mut too_long, mut empty) = (Vec::new(), 0, 0, 0);
     let mut stopped = None;
-    let mut push = |prompt: Vec<u32>, response: Vec<u32>, empty: &mut usize| {
+    let mut push = |prompt: Vec<u32>, response: Vec<u32>| {
         if response.is_empty() {
-            *empty += 1;
+            empty += 1;
             return;
         }
         let response_start = prompt.len();
@@ -831,7 +831,7 @@ pub fn build_sequences(
                     })?;
                     let mut ids = tok.encode(reference, false)?;
                     ids.truncate(o.max_seq - prompt.len());
-                    push(prompt, ids, &mut empty);
+                    push(prompt, ids);
                 }
             }
             DataMode::SelfGenerated => {
@@ -854,7 +854,7 @@ pub fn build_sequences(
                     p.engine.generate_batch(&reqs, &mut |_, _| Flow::Continue)
                 };
                 for ((_, prompt), r) in prompts.into_iter().zip(outs) {
-                    push(prompt, r?.output_ids, &mut empty);
+                    push(prompt, r?.output_ids);
                 }
             }
         }
