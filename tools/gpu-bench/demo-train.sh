@@ -10,7 +10,7 @@
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
 # Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
 # ShareGPT first turns), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
-# 480), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 40); BIN, GGUF, WORK, DEVICE
+# 480), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 40); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -48,7 +48,7 @@ case ${PHASE:?PHASE=gen|train|more|eval} in
   eval)
     # held-out tau and speedup per block (HumanEval + MT-Bench first turns, never trained on)
     GGUF=$GGUF BIN=$BIN OUT="$R/eval" LIMIT=${LIMIT:-10} BENCH=1 DRAFTS="$W/draft" \
-      ROWS="t0-b4 t0-b8 t0-b16 t1-b16 t0-adaptive" bash tools/eval-demo/gpu.sh 2>&1 | tail -20
+      ROWS="${ROWS:-t0-b16 t1-b16 t0-adaptive t0-b8}" bash tools/eval-demo/gpu.sh 2>&1 | tail -20
     cp "$W/draft/config.json" "$W/draft/model.safetensors" "$W/draft/train_log.jsonl" "$R/" 2>/dev/null
     ls -la "$R" ;;
 esac
