@@ -71,6 +71,11 @@ pub struct GenerateArgs {
     /// With --json: include each verify cycle's block ids and acceptance.
     #[arg(long)]
     pub trace: bool,
+    /// After the DFlash generation, generate the same request with plain decoding through the
+    /// same engine and print the decode speedup (at T = 0 the outputs must be identical: a
+    /// difference is an error).
+    #[arg(long)]
+    pub compare: bool,
     #[command(flatten)]
     pub grammar: crate::flags::GrammarFlags,
 }
@@ -134,6 +139,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if p.engine.draft.is_none() && a.block_size.is_some_and(|b| b > 1) {
         eprintln!("note: --block-size without --draft: plain decoding");
     }
+    if a.compare && (p.engine.draft.is_none() || a.block_size == Some(1)) {
+        bail!("--compare needs DFlash to compare: give a --draft (or a model the registry has one for) and a --block-size above 1");
+    }
     let mut stream = p
         .tokenizer
         .as_ref()
@@ -164,6 +172,20 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if let Some(e) = stream_err {
         return Err(e).context("decoding the generated tokens");
     }
+    // the plain run second, so that any first-run warm-up is DFlash's (the speedup errs low)
+    let compare = match a.compare {
+        true => {
+            let plain_req = GenerateRequest {
+                block_size: Some(1),
+                adaptive: false,
+                trace: false,
+                ..req.clone()
+            };
+            let plain = p.engine.generate(&plain_req, &mut |_| Flow::Continue)?;
+            Some(Comparison::of(&out, &plain, a.temperature == 0.0)?)
+        }
+        false => None,
+    };
     if a.json {
         let mut v = serde_json::to_value(&out)?;
         if let Some(t) = &p.tokenizer {
@@ -174,6 +196,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         if let Some(d) = &p.draft_name {
             v["draft"] = d.clone().into();
         }
+        if let Some(c) = &compare {
+            v["compare"] = c.json();
+        }
         writeln!(stdout, "{}", serde_json::to_string(&v)?)?;
     } else {
         if let Some(s) = stream.as_mut() {
@@ -181,6 +206,73 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
         writeln!(stdout)?;
         eprintln!("{}", out.stats.line());
+        if let Some(c) = &compare {
+            eprintln!("{}", c.line());
+        }
     }
     Ok(())
+}
+
+/// `--compare`: the DFlash generation against plain decoding of the same request.
+struct Comparison {
+    plain_decode_tok_s: f64,
+    dflash_decode_tok_s: f64,
+    /// dflash / plain decode tok/s
+    speedup: f64,
+    /// Some(true) at T = 0 (checked equal); None when sampled (exact in distribution only)
+    identical: Option<bool>,
+    tokens: usize,
+}
+
+impl Comparison {
+    fn of(
+        dflash: &dflash::engine::GenerateOutput,
+        plain: &dflash::engine::GenerateOutput,
+        greedy: bool,
+    ) -> Result<Self> {
+        if greedy && dflash.output_ids != plain.output_ids {
+            let at = dflash
+                .output_ids
+                .iter()
+                .zip(&plain.output_ids)
+                .position(|(a, b)| a != b)
+                .unwrap_or(dflash.output_ids.len().min(plain.output_ids.len()));
+            bail!(
+                "--compare: the DFlash output differs from plain decoding at token {at} ({} vs {} tokens): a bug; please report it with this command line",
+                dflash.output_ids.len(),
+                plain.output_ids.len()
+            );
+        }
+        let (d, pl) = (dflash.stats.decode_tok_s, plain.stats.decode_tok_s);
+        Ok(Self {
+            plain_decode_tok_s: pl,
+            dflash_decode_tok_s: d,
+            speedup: if pl > 0.0 { d / pl } else { 0.0 },
+            identical: greedy.then_some(true),
+            tokens: dflash.output_ids.len(),
+        })
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "plain_decode_tok_s": self.plain_decode_tok_s,
+            "dflash_decode_tok_s": self.dflash_decode_tok_s,
+            "speedup": self.speedup,
+            "identical": self.identical,
+            "tokens": self.tokens,
+        })
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "[compare] plain decoding {:.2} tok/s, DFlash {:.2} tok/s: {:.2}x; {}",
+            self.plain_decode_tok_s,
+            self.dflash_decode_tok_s,
+            self.speedup,
+            match self.identical {
+                Some(_) => format!("output identical ({} tokens)", self.tokens),
+                None => "sampled (T > 0): exact in distribution, outputs not compared".into(),
+            }
+        )
+    }
 }

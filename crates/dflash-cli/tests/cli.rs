@@ -131,6 +131,60 @@ fn generate_with_draft_prints_trace_and_acceptance() {
     );
 }
 
+/// `--compare` runs plain decoding after DFlash through the same engine: at T = 0 the outputs
+/// are checked equal and the speedup is the ratio of the two decode rates printed beside it.
+#[test]
+fn generate_compare_reports_speedup_against_plain_decoding() {
+    let d = fixtures().join("dflash/qwen3_b16");
+    let base = [
+        "generate",
+        "--model",
+        d.join("target").to_str().unwrap(),
+        "--draft",
+        d.join("draft").to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3,4,5,6",
+        "--max-tokens",
+        "24",
+        "--dtype",
+        "f32",
+        "--compare",
+    ]
+    .map(String::from)
+    .to_vec();
+    let run = |extra: &[&str]| {
+        let mut args = base.clone();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let refs: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let (rc, out, err) = dflash(&refs);
+        assert_eq!(rc, 0, "{err}");
+        (out, err)
+    };
+    let (out, _) = run(&["--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let c = &v["compare"];
+    assert_eq!(c["identical"], true, "{c}");
+    assert_eq!(c["tokens"], v["output_ids"].as_array().unwrap().len());
+    let (pl, df) = (
+        c["plain_decode_tok_s"].as_f64().unwrap(),
+        c["dflash_decode_tok_s"].as_f64().unwrap(),
+    );
+    assert!(pl > 0.0 && df > 0.0, "{c}");
+    assert!(
+        (c["speedup"].as_f64().unwrap() - df / pl).abs() < 1e-9,
+        "{c}"
+    );
+    assert_eq!(df, v["stats"]["decode_tok_s"].as_f64().unwrap());
+    // streaming: the stats line, then the comparison line; sampled runs are not compared
+    let (_, err) = run(&[]);
+    assert!(
+        err.contains("[compare] plain decoding") && err.contains("output identical (24 tokens)"),
+        "{err}"
+    );
+    let (_, err) = run(&["--temperature", "1", "--seed", "3"]);
+    assert!(err.contains("outputs not compared"), "{err}");
+}
+
 #[test]
 fn errors_are_one_line_and_exit_non_zero() {
     let tmp = tempfile::tempdir().unwrap();
@@ -259,6 +313,17 @@ fn errors_are_one_line_and_exit_non_zero() {
                 "f8".into(),
             ],
             "--dtype f8",
+        ),
+        (
+            // nothing to compare without a draft
+            vec![
+                "--model".into(),
+                t.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+                "--compare".into(),
+            ],
+            "--compare needs DFlash",
         ),
     ];
     for (args, want) in cases {
