@@ -16,6 +16,7 @@ pub mod gguf_tokenizer;
 pub mod hub;
 pub mod intq;
 pub mod mlx;
+pub mod mlx_write;
 pub mod mxfp4;
 pub mod weights;
 
