@@ -8,8 +8,9 @@
 //! with bf16 compute the Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 matrices the affine kernels take are
 //! rewritten as affine weights with exactly the stored weights, Q4_K / Q5_K ones with their
 //! scales rounded to f16 unless `keep_quant` ([`keeps_gguf_affine`], [`gguf_affine_type`],
-//! [`crate::nn::gguf_affine`]: batch-invariant); the others go to candle's quantized CUDA
-//! kernels.
+//! [`crate::nn::gguf_affine`]: batch-invariant); those types at widths the affine kernels do
+//! not take are dequantized to the compute dtype (dense: batch-invariant too) unless
+//! `keep_quant`; the others (Q6_K, Q2_K, ...) go to candle's quantized CUDA kernels.
 
 use crate::nn::gguf_affine::{self, GgufAffine};
 use crate::nn::AffineWeight;
@@ -145,6 +146,15 @@ fn place_as(
             }
         }
     }
+    // A mapped type the affine kernels refuse (a width they do not take: SmolLM2's 576) is
+    // dequantized to the compute dtype rather than left to candle's quantized CUDA kernels,
+    // which are not batch-invariant (a 16-row verify then differs from decode steps: greedy
+    // DFlash != plain decoding) and slow at a batch's rows (session 43: 135M Q4_1 on an H100
+    // decoded ~150 tok/s and generated ~260 tok/s at 128 sequences). `keep_quant` keeps them.
+    if let (Some(why), false) = (&refused, keep_quant) {
+        note(format!("{dt:?}->dense (not affine: {why})"));
+        return Ok(Placed::Float);
+    }
     let target = if keep_quant || !device.is_cpu() {
         None
     } else {
@@ -229,9 +239,17 @@ mod tests {
             assert!(matches!(p, Placed::Quant(_)), "{dt:?} keep_quant: {p:?}");
             assert_eq!(notes, [format!("{dt:?}")]);
         }
+        // a width the affine kernels refuse: dense (batch-invariant kernels), or candle's
+        // kernels under keep_quant
         let (p, notes) = placed(stored(Q4_0, 4, 96), true, true);
         assert!(matches!(p, Placed::Quant(_)), "{p:?}");
         assert_eq!(notes, ["Q4_0 (not affine: width not a multiple of 128)"]);
+        let (p, notes) = placed(stored(Q4_1, 4, 576), true, false);
+        assert!(matches!(p, Placed::Float), "{p:?}");
+        assert_eq!(
+            notes,
+            ["Q4_1->dense (not affine: width not a multiple of 128)"]
+        );
         let (p, notes) = placed(stored(Q6K, 4, 256), true, true);
         assert!(matches!(p, Placed::Quant(_)), "{p:?}");
         assert_eq!(notes, ["Q6K"]);
