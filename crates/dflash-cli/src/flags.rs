@@ -13,8 +13,9 @@ pub struct LoadFlags {
     /// cpu | cuda | cuda:N.
     #[arg(long)]
     pub device: Option<String>,
-    /// GGUF: keep quantized weights in their stored type (no requantization to a type with a
-    /// fast multi-row CPU kernel).
+    /// Weights as stored: GGUF quantized weights keep their stored type (no requantization to
+    /// a type with a fast multi-row kernel, no dequantization on CUDA), and a float draft stays
+    /// float on the CPU (by default its linears run at Q8_0 there).
     #[arg(long)]
     pub keep_quant: bool,
     /// Load even when the weights + KV cache for the context do not fit in the memory

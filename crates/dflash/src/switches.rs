@@ -10,6 +10,7 @@
 //! | `DFLASH_GEMV_ROWS` | 1 | rows up to which the non-invariant path takes the GEMV kernel (0..=8) |
 //! | `DFLASH_Q8` | on | dflash's own CPU Q8_0 / Q4 product; `0` keeps candle's |
 //! | `DFLASH_Q4` | on | Q4_0 / Q4_1 / Q5_0 / Q6_K GGUF matrices keep their stored weights on the CPU; `0` requantizes them to Q8_0 |
+//! | `DFLASH_DRAFT_Q8` | on | a float draft on the CPU runs its linears as Q8_0 through the int8 product (its f32 GEMMs cost ~3x; proposals only, so exactness is untouched); `0` keeps them float |
 //! | `DFLASH_Q8_SCALAR` | off | `1` forces the scalar reference of the int8 product (same bits) |
 //! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
 //! | `DFLASH_ATTN_MMA` | auto | attention of head dim 64 / 128 on the tensor cores: `auto` for launches of more rows than the batch-invariant products take (a batch's step), `1` for every launch, `0` never (the CUDA-core kernels), see [`AttnMma`] |
@@ -189,6 +190,8 @@ pub struct Switches {
     pub gemv_rows: usize,
     pub q8: bool,
     pub q4: bool,
+    /// A float draft's linears requantized to Q8_0 on the CPU (`DFLASH_DRAFT_Q8`, on).
+    pub draft_q8: bool,
     pub q8_scalar: bool,
     pub profile: Profile,
     /// cudarc's event tracking on every device buffer (`DFLASH_CUDA_EVENTS=1`).
@@ -227,6 +230,7 @@ impl Switches {
                 .map_or(1, |n: usize| n.min(GEMV_MAX_ROWS)),
             q8: !off("DFLASH_Q8"),
             q4: !off("DFLASH_Q4"),
+            draft_q8: !off("DFLASH_DRAFT_Q8"),
             q8_scalar: on("DFLASH_Q8_SCALAR"),
             cuda_events: on("DFLASH_CUDA_EVENTS"),
             cuda_graphs: !off("DFLASH_CUDA_GRAPHS"),
@@ -361,6 +365,7 @@ pub fn describe() -> Vec<(&'static str, String)> {
         ("gemv_rows", s.gemv_rows.to_string()),
         ("q8", b(s.q8)),
         ("q4", b(s.q4)),
+        ("draft_q8", b(s.draft_q8)),
         ("q8_scalar", b(s.q8_scalar)),
         ("cuda_events", b(s.cuda_events)),
         ("cuda_graphs", b(cuda_graphs())),

@@ -37,7 +37,13 @@ fn check_in(kind: &str, case: &str) {
     let tsrc = ModelSource::from_dir("target", &dir.join("target")).unwrap();
     let (tcfg, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
     let dsrc = ModelSource::from_dir("draft", &dir.join("draft")).unwrap();
-    let draft = load_draft(&dsrc, &tcfg, "target", &LoadOptions::default()).unwrap();
+    // the float draft as stored (parity with the reference; on the CPU the draft's linears
+    // would otherwise run at Q8_0)
+    let stored = LoadOptions {
+        keep_quant: true,
+        ..Default::default()
+    };
+    let draft = load_draft(&dsrc, &tcfg, "target", &stored).unwrap();
     assert_eq!(
         draft.block_size() as u64,
         trace["block_size"].as_u64().unwrap(),

@@ -419,8 +419,9 @@ pub fn check_forward(
 pub struct LoadOptions {
     pub dtype: DType,
     pub device: Device,
-    /// GGUF: keep quantized matrices in their stored type instead of requantizing types
-    /// without a fast multi-row CPU kernel (see [`crate::nn::quant::requant_target`]).
+    /// Weights as stored: GGUF matrices keep their stored type instead of requantizing types
+    /// without a fast multi-row CPU kernel (see [`crate::nn::quant::requant_target`]), and a
+    /// float draft stays float on the CPU (no Q8_0, [`crate::draft::DraftModel::requantize_q8`]).
     pub keep_quant: bool,
     /// Tensor-parallel ranks (1: the whole model in one copy; see [`parallel::Sharded`]).
     pub tensor_parallel: usize,

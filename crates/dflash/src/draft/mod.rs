@@ -154,6 +154,36 @@ impl DraftModel {
         Ok(())
     }
 
+    /// On the CPU, every dense linear requantized to Q8_0 for the int8 product (after
+    /// [`Self::fuse`]: the stacked weights too; `DFLASH_DRAFT_Q8=0` keeps them float). The
+    /// draft only proposes, so the output stays the target's; a Q8_0 weight is within half a
+    /// step of 1/127 of its block's largest magnitude, which moves proposals rarely (the demo
+    /// draft's acceptance in docs/perf.md). Returns how many were requantized.
+    pub fn requantize_q8(&mut self) -> Result<usize> {
+        let mut n = 0;
+        let mut swap = |l: &mut Linear| -> Result<()> {
+            if let Some(q) = l.to_q8()? {
+                *l = q;
+                n += 1;
+            }
+            Ok(())
+        };
+        // not `fc`: its input is the target's raw hidden states, whose outlier channels would
+        // swamp the int8 activation blocks (and it runs on the few new context rows only)
+        if let Some(h) = self.head.as_mut() {
+            swap(h)?;
+        }
+        if let Some(c) = self.ctx_kv.as_mut() {
+            swap(c)?;
+        }
+        for l in &mut self.layers {
+            for lin in l.attn.linears_mut().chain(l.mlp.linears_mut()) {
+                swap(lin)?;
+            }
+        }
+        Ok(n)
+    }
+
     /// Load a z-lab format draft (`fc`, `hidden_norm`, `layers.*`, `norm`). `taps` come from
     /// [`DraftConfig::validate_against`]. A checkpoint with tensors the model does not use is
     /// an error listing them.
@@ -1083,6 +1113,10 @@ pub fn load_draft(
     // Inference only: stacked gate/up weights (one matmul). Not in `DraftModel::load`, which
     // the trainer builds on trainable Vars: a stacked copy would not follow their updates.
     d.fuse()?;
+    // the draft's linears at int8 on the CPU, unless weights are to stay as stored
+    if crate::switches::get().draft_q8 && !opts.keep_quant {
+        d.requantize_q8()?;
+    }
     if let Some(d2t) = &d.d2t {
         if let Some((i, _)) = d2t
             .iter()

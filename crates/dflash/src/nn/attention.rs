@@ -375,6 +375,16 @@ impl Attention {
         Ok(())
     }
 
+    /// Every linear it holds (the stacked ones included).
+    pub fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
+        [&mut self.q_proj, &mut self.o_proj]
+            .into_iter()
+            .chain(self.k_proj.as_mut())
+            .chain(self.v_proj.as_mut())
+            .chain(self.qkv.as_mut())
+            .chain(self.kv.as_mut())
+    }
+
     /// Bytes of weights held (the stacked copy included, the emptied parts at 0).
     pub fn weight_bytes(&self) -> usize {
         let lin = |l: &Option<Linear>| l.as_ref().map_or(0, Linear::weight_bytes);

@@ -254,6 +254,36 @@ impl Linear {
         })
     }
 
+    /// This dense CPU weight requantized to Q8_0 for dflash's int8 product (a draft on the
+    /// CPU, whose f32 GEMMs cost ~3x the int8 ones: docs/perf.md); None when it is not a
+    /// dense CPU weight of a width that product takes (emptied stand-ins included).
+    pub fn to_q8(&self) -> Result<Option<Linear>> {
+        let Linear::Dense { weight, bias } = self else {
+            return Ok(None);
+        };
+        let (rows, cols) = weight.dims2()?;
+        if !weight.device().is_cpu()
+            || rows == 0
+            || !QMatrix::preferred_for(cols)
+            || !super::q8::enabled()
+        {
+            return Ok(None);
+        }
+        // a fresh copy: `QTensor::quantize` reads the storage from its start, ignoring a
+        // view's offset (the draft's `kv` is a row range of `qkv`)
+        let w = weight
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let w = Tensor::from_vec(w, (rows, cols), weight.device())?;
+        let q = QTensor::quantize(&w, candle_core::quantized::GgmlDType::Q8_0)?;
+        Ok(Some(Linear::quant(
+            QMatMul::from_qtensor(q)?,
+            bias.clone(),
+            rows,
+        )?))
+    }
+
     /// A dense weight (the CUDA kernels take these).
     pub fn is_dense(&self) -> bool {
         matches!(self, Linear::Dense { .. })
@@ -396,5 +426,67 @@ mod tests {
         assert!(Linear::concat(&[&a, &b]).unwrap().is_none(), "mixed types");
         assert!(Linear::concat(&[&a, &c]).unwrap().is_none(), "mixed biases");
         assert!(Linear::concat(&[&a, &d]).unwrap().is_none(), "mixed widths");
+    }
+    /// A dense CPU weight requantized by `to_q8`, also a row range of a larger weight (a
+    /// view, as the draft's `kv` is of `qkv`), multiplies like the same rows quantized from a
+    /// fresh tensor (bit for bit) and like the float weight within Q8_0's error; widths the
+    /// int8 product does not take, and emptied stand-ins, stay as they are.
+    #[test]
+    fn to_q8_requantizes_views_of_their_own_rows() {
+        let dev = Device::Cpu;
+        let full = Tensor::rand(-1f32, 1f32, (96, 64), &dev).unwrap();
+        let bias = Tensor::rand(-1f32, 1f32, 32, &dev).unwrap();
+        let view = Linear::dense(full.clone(), None)
+            .rows(40, 32)
+            .unwrap()
+            .unwrap();
+        let view = match view {
+            Linear::Dense { weight, .. } => Linear::dense(weight, Some(bias.clone())),
+            _ => unreachable!(),
+        };
+        let fresh_w = Tensor::from_vec(
+            full.narrow(0, 40, 32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            (32, 64),
+            &dev,
+        )
+        .unwrap();
+        let fresh = Linear::dense(fresh_w, Some(bias));
+        let (qv, qf) = (
+            view.to_q8().unwrap().unwrap(),
+            fresh.to_q8().unwrap().unwrap(),
+        );
+        let x = Tensor::rand(-1f32, 1f32, (5, 64), &dev).unwrap();
+        let v = |l: &Linear| {
+            l.forward(&x)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(v(&qv), v(&qf), "a view quantizes its own rows");
+        let (yq, yf) = (v(&qv), v(&fresh));
+        let err = yq
+            .iter()
+            .zip(&yf)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        // 64 products of |x| <= 1 with weight errors <= 1/254 and activation errors alike
+        assert!(err < 0.1, "Q8_0 vs float: max error {err}");
+        assert!(err > 0.0, "the product did change to the int8 one");
+        let odd = Linear::dense(Tensor::rand(-1f32, 1f32, (8, 48), &dev).unwrap(), None);
+        assert!(
+            odd.to_q8().unwrap().is_none(),
+            "width 48: not a multiple of 32"
+        );
+        assert!(
+            fresh.emptied().unwrap().to_q8().unwrap().is_none(),
+            "emptied"
+        );
     }
 }

@@ -126,6 +126,13 @@ impl GatedMlp {
         Ok(())
     }
 
+    /// Every linear it holds (the stacked one included).
+    pub fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
+        [&mut self.gate, &mut self.up, &mut self.down]
+            .into_iter()
+            .chain(self.gate_up.as_mut())
+    }
+
     /// Parameters of a `hidden -> inter -> hidden` gated MLP.
     pub fn params(hidden: usize, inter: usize, bias: bool) -> u64 {
         let (h, i) = (hidden as u64, inter as u64);
