@@ -51,6 +51,11 @@ pub struct TrainArgs {
     /// dflash2: weight of the selector's loss.
     #[arg(long, default_value_t = 1.0)]
     pub selector_loss_alpha: f64,
+    /// Sequences of a step share one draft forward while a layer's attention scores stay
+    /// within this many elements (default: 2^28 on CUDA, 0 = one forward per sequence, on the
+    /// CPU). Same loss either way; for A/B runs of the step time.
+    #[arg(long)]
+    pub pack_scores: Option<usize>,
     #[arg(long, default_value_t = 1)]
     pub draft_layers: usize,
     #[arg(long, default_value_t = 16)]
@@ -306,6 +311,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             selector_top_k: a.selector_top_k,
         }),
         selector_loss_alpha: a.selector_loss_alpha,
+        pack_scores: a.pack_scores,
         ..Default::default()
     };
     let target = &*p.engine.target;

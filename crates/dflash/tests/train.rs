@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use common::*;
 use dflash::archs::{LoadOptions, Logits, TargetModel};
 use dflash::bench::prompts::Prompt;
-use dflash::draft::{load_draft, DraftModel};
+use dflash::draft::{load_draft, BlockSegment, DraftModel};
 
 /// Weights as stored: the loaded draft stays float on the CPU (by default its linears run at
 /// Q8_0 there), so the training forward and the inference forward are the same arithmetic.
@@ -125,6 +125,49 @@ fn training_forward_equals_inference_forward() {
                 "sliding={sliding} dflash2={dflash2} block {b}: max |diff| {diff}"
             );
         }
+        // Several sequences in one forward (the trainer's packing on a GPU): each segment's
+        // rows are the rows it gives alone (its own context, its own positions).
+        let ids2: Vec<u32> = ids.iter().rev().take(27).copied().collect();
+        let taps2 = target_taps(&*target, &ids2, &draft.taps);
+        let segs: [(&Tensor, &[u32], Vec<usize>); 3] = [
+            (&taps, &ids, vec![1, 9, 10]),
+            (&taps2, &ids2, vec![0, 5, 20]),
+            (&taps, &ids, vec![23, 33]),
+        ];
+        let blocks = |sids: &[u32], anchors: &[usize]| -> Vec<u32> {
+            anchors
+                .iter()
+                .flat_map(|&a| {
+                    std::iter::once(sids[a])
+                        .chain(std::iter::repeat(draft.mask_token_id()).take(q - 1))
+                })
+                .collect()
+        };
+        let all_ids: Vec<u32> = segs.iter().flat_map(|(_, i, a)| blocks(i, a)).collect();
+        let joint = draft
+            .forward_segments_rows(
+                &*target,
+                &segs
+                    .iter()
+                    .map(|(c, _, a)| BlockSegment { ctx: c, anchors: a })
+                    .collect::<Vec<_>>(),
+                &all_ids,
+            )
+            .unwrap();
+        let mut row = 0;
+        for (c, sids, a) in &segs {
+            let alone = draft
+                .forward_blocks_rows(&*target, c, a, &blocks(sids, a))
+                .unwrap();
+            let n = alone.dim(0).unwrap();
+            let diff = max_abs_diff(&joint.narrow(0, row, n).unwrap(), &alone);
+            assert!(
+                diff < 1e-5,
+                "sliding={sliding} dflash2={dflash2} segment at row {row}: max |diff| {diff}"
+            );
+            row += n;
+        }
+        assert_eq!(row, joint.dim(0).unwrap());
     }
 }
 
@@ -427,6 +470,77 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
 /// `Trainer::resume`, as `dflash train --chunk-time` / `--resume` do) ends with exactly the
 /// weights of the same run uninterrupted; a checkpoint of another draft shape is refused with
 /// a one-line error naming the flags.
+/// Sequences packed into one draft forward per step (what the trainer does on a GPU) train
+/// like one forward per sequence (the CPU's default): the same losses step by step and the
+/// same weights after six steps, up to the float order of the sums.
+#[test]
+fn packed_steps_equal_sequence_by_sequence() {
+    let dir = tempfile::tempdir().unwrap();
+    let td = dir.path().join("t");
+    let t = learnable_target(&td);
+    let p = plain_pipeline(&td);
+    let (seqs, _) = train::build_sequences(
+        &p,
+        &prompts(700, 12, t.vocab - 1),
+        &SequenceOptions {
+            max_seq: 64,
+            max_new: 24,
+            chat_template: false,
+            ..Default::default()
+        },
+        &mut |_, _| true,
+    )
+    .unwrap();
+    let target = &*p.engine.target;
+    let run = |pack: usize| {
+        let opts = TrainOptions {
+            draft_layers: 2,
+            block_size: 8,
+            mask_token_id: (t.vocab - 1) as u32,
+            intermediate_size: Some(64),
+            steps: 6,
+            lr: 3e-3,
+            warmup: 2,
+            batch_blocks: 24,
+            blocks_per_seq: 4,
+            seed: 3,
+            pack_scores: Some(pack),
+            ..Default::default()
+        };
+        let mut tr = Trainer::new(target, &p.target_config, opts).unwrap();
+        let mut pool = train::ExamplePool::new(
+            seqs.clone(),
+            &tr.taps.clone(),
+            DataMode::SelfGenerated.labels(),
+            u64::MAX,
+            1,
+            5,
+        )
+        .unwrap();
+        pool.fill(target, &mut |_, _| {}).unwrap();
+        let losses: Vec<f64> = (0..6)
+            .map(|_| tr.step(target, &mut pool).unwrap().loss)
+            .collect();
+        let d = dir.path().join(format!("pack{pack}"));
+        tr.save(&d, candle_core::DType::F32).unwrap();
+        let w = candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap();
+        (losses, w)
+    };
+    let (alone, wa) = run(0);
+    let (packed, wp) = run(usize::MAX);
+    for (i, (a, b)) in alone.iter().zip(&packed).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 * a.abs().max(1.0),
+            "step {i}: loss {a} alone vs {b} packed"
+        );
+    }
+    assert!(alone[5] < alone[0], "the steps trained: {alone:?}");
+    for (n, w) in &wa {
+        let d = max_abs_diff(w, &wp[n]);
+        assert!(d < 1e-3, "{n}: max |diff| {d} after six steps");
+    }
+}
+
 #[test]
 fn resumed_training_equals_uninterrupted() {
     let dir = tempfile::tempdir().unwrap();

@@ -90,6 +90,14 @@ pub struct DraftModel {
     graphs: graphs::DraftGraphs,
 }
 
+/// One sequence's part of a segmented training forward
+/// ([`DraftModel::forward_segments_rows`]): its context taps `[len, taps * hidden]` and the
+/// anchors of its blocks.
+pub struct BlockSegment<'a> {
+    pub ctx: &'a Tensor,
+    pub anchors: &'a [usize],
+}
+
 /// One sequence's part of a batched draft call ([`DraftModel::propose_batch`]).
 pub struct DraftItem<'a> {
     /// New context rows (taps of the positions `cache.len() .. start`).
@@ -354,6 +362,10 @@ impl DraftModel {
 
     pub fn block_size(&self) -> usize {
         self.cfg.block_size
+    }
+    /// Attention heads of a draft layer.
+    pub fn num_heads(&self) -> usize {
+        self.cfg.layers.num_attention_heads
     }
     pub fn mask_token_id(&self) -> u32 {
         self.cfg.mask_token_id
@@ -988,7 +1000,29 @@ impl DraftModel {
         anchors: &[usize],
         block_ids: &[u32],
     ) -> Result<Tensor> {
-        let nb = anchors.len();
+        self.forward_segments_rows(
+            target,
+            &[BlockSegment {
+                ctx: ctx_in,
+                anchors,
+            }],
+            block_ids,
+        )
+    }
+
+    /// [`Self::forward_blocks_rows`] for the blocks of several sequences in one forward (the
+    /// trainer's batch on a GPU: one launch per op instead of one per sequence): their
+    /// context rows side by side, every block seeing only its own sequence's context (the
+    /// mask is block-diagonal), RoPE at each sequence's own positions. `block_ids` holds the
+    /// blocks of every segment in order; the rows come back in that order. Each segment's
+    /// rows equal what it gives alone.
+    pub fn forward_segments_rows(
+        &self,
+        target: &dyn TargetModel,
+        segs: &[BlockSegment<'_>],
+        block_ids: &[u32],
+    ) -> Result<Tensor> {
+        let nb: usize = segs.iter().map(|s| s.anchors.len()).sum();
         if nb == 0 || block_ids.len() % nb != 0 {
             return Err(Error::input(format!(
                 "draft training: {} block ids for {nb} anchors",
@@ -999,39 +1033,50 @@ impl DraftModel {
         if q < 2 {
             return Err(Error::input("draft: a block needs at least 2 positions"));
         }
-        let s_all = ctx_in.dim(0)?;
-        // Context rows past the last anchor are seen by no block.
-        let s = anchors.iter().copied().max().unwrap_or(0);
-        if s > s_all {
-            return Err(Error::input(format!(
-                "draft training: an anchor at {s} needs context rows 0..{s}, got {s_all}"
-            )));
+        // Each segment's context rows 0..s_i (rows past its last anchor are seen by no block),
+        // placed at offset o_i of the joint context; every block with its segment's offset.
+        let (mut parts, mut ctx_pos, mut blocks) = (vec![], vec![], vec![]);
+        for seg in segs {
+            let s = seg.anchors.iter().copied().max().unwrap_or(0);
+            let s_all = seg.ctx.dim(0)?;
+            if s > s_all {
+                return Err(Error::input(format!(
+                    "draft training: an anchor at {s} needs context rows 0..{s}, got {s_all}"
+                )));
+            }
+            blocks.extend(seg.anchors.iter().map(|&a| (a, ctx_pos.len())));
+            if s > 0 {
+                parts.push(seg.ctx.narrow(0, 0, s)?);
+                ctx_pos.extend(0..s);
+            }
         }
+        let s = ctx_pos.len();
         let dev = &self.device;
         let n = nb * q;
-        let positions: Vec<usize> = anchors
+        let positions: Vec<usize> = blocks
             .iter()
-            .flat_map(|&a| (a..a + q).collect::<Vec<_>>())
+            .flat_map(|&(a, _)| (a..a + q).collect::<Vec<_>>())
             .collect();
         let mut h = self.embed_block(target, block_ids)?;
         let t_blk = self.rope.tables_at(&positions, dev, self.dtype)?;
         let ctx = if s > 0 {
-            let c = ctx_in.narrow(0, 0, s)?.to_dtype(self.dtype)?;
-            Some((
-                self.hidden_norm.forward(&self.fc.forward(&c)?)?,
-                self.rope.tables(0, s, dev, self.dtype)?,
-            ))
+            let c = Tensor::cat(&parts, 0)?.to_dtype(self.dtype)?;
+            let t_ctx = match segs.len() {
+                1 => self.rope.tables(0, s, dev, self.dtype)?,
+                _ => self.rope.tables_at(&ctx_pos, dev, self.dtype)?,
+            };
+            Some((self.hidden_norm.forward(&self.fc.forward(&c)?)?, t_ctx))
         } else {
             None
         };
         let mask_for = |vis: Visibility| -> Result<Tensor> {
             let l = s + n;
             let mut m = vec![f32::NEG_INFINITY; n * l];
-            for (b, &a) in anchors.iter().enumerate() {
+            for (b, &(a, off)) in blocks.iter().enumerate() {
                 for i in 0..q {
                     let qp = a + i;
                     let row = &mut m[(b * q + i) * l..(b * q + i + 1) * l];
-                    for (p, x) in row.iter_mut().enumerate().take(a) {
+                    for (p, x) in row[off..off + a].iter_mut().enumerate() {
                         if vis.sees(qp, p) {
                             *x = 0.0;
                         }

@@ -27,7 +27,7 @@ pub mod data;
 use crate::archs::{Logits, TargetModel};
 use crate::config::draft::{default_taps, Dflash2Config, DraftConfig};
 use crate::config::TargetConfig;
-use crate::draft::DraftModel;
+use crate::draft::{BlockSegment, DraftModel};
 use crate::rng::Rng;
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -71,6 +71,10 @@ pub struct TrainOptions {
     pub dflash2: Option<Dflash2Config>,
     /// Weight of the selector's loss (DFlash2).
     pub selector_loss_alpha: f64,
+    /// Attention-score elements of a layer up to which sequences share one draft forward;
+    /// None = the device's default ([`PACK_SCORES`] on CUDA, none on the CPU). Same loss
+    /// either way, up to the float order of the sums.
+    pub pack_scores: Option<usize>,
 }
 
 impl Default for TrainOptions {
@@ -94,6 +98,7 @@ impl Default for TrainOptions {
             dtype: DType::F32,
             dflash2: None,
             selector_loss_alpha: 1.0,
+            pack_scores: None,
         }
     }
 }
@@ -264,6 +269,10 @@ pub struct StepStats {
 }
 
 /// A draft in training: its variables, the draft model built on them, the optimizer.
+/// Attention-score elements of one layer up to which the trainer packs sequences into one
+/// draft forward on CUDA (2^28: 1 GiB of f32 scores a layer).
+pub const PACK_SCORES: usize = 1 << 28;
+
 pub struct Trainer {
     pub opts: TrainOptions,
     pub config: Value,
@@ -438,35 +447,50 @@ impl Trainer {
 
     /// Weighted cross-entropy terms of one sequence's blocks: (sum of w * -log p, sum of w,
     /// labelled positions, row-1 hits, row-1 count).
+    /// The weighted loss of the blocks at `anchors` of each example, in one draft forward
+    /// ([`DraftModel::forward_segments_rows`]); with its weight sum, label count and row-1
+    /// hits / total.
     fn seq_loss(
         &self,
         target: &dyn TargetModel,
-        ex: &Example,
-        anchors: &[usize],
+        items: &[(&Example, &[usize])],
     ) -> Result<(Tensor, f64, usize, usize, usize)> {
         let q = self.opts.block_size;
         let gamma = self.opts.gamma();
         let mask = self.opts.mask_token_id;
-        let n = ex.ids.len();
-        let mut block_ids = Vec::with_capacity(anchors.len() * q);
-        let mut labels = Vec::with_capacity(anchors.len() * (q - 1));
-        let mut weights = Vec::with_capacity(anchors.len() * (q - 1));
-        for &a in anchors {
-            block_ids.push(ex.ids[a]);
-            block_ids.extend(std::iter::repeat(mask).take(q - 1));
-            for k in 1..q {
-                if a + k < n {
-                    labels.push(ex.labels[a + k]);
-                    weights.push((-((k - 1) as f64) / gamma).exp() as f32);
-                } else {
-                    labels.push(0);
-                    weights.push(0.0);
+        let nb: usize = items.iter().map(|(_, a)| a.len()).sum();
+        let mut block_ids = Vec::with_capacity(nb * q);
+        let mut labels = Vec::with_capacity(nb * (q - 1));
+        let mut weights = Vec::with_capacity(nb * (q - 1));
+        // every block's anchor token (the predecessor of its row 1)
+        let mut anchor_ids = Vec::with_capacity(nb);
+        for (ex, anchors) in items {
+            let n = ex.ids.len();
+            for &a in anchors.iter() {
+                block_ids.push(ex.ids[a]);
+                anchor_ids.push(ex.ids[a]);
+                block_ids.extend(std::iter::repeat(mask).take(q - 1));
+                for k in 1..q {
+                    if a + k < n {
+                        labels.push(ex.labels[a + k]);
+                        weights.push((-((k - 1) as f64) / gamma).exp() as f32);
+                    } else {
+                        labels.push(0);
+                        weights.push(0.0);
+                    }
                 }
             }
         }
+        let segs: Vec<BlockSegment<'_>> = items
+            .iter()
+            .map(|(ex, anchors)| BlockSegment {
+                ctx: &ex.taps,
+                anchors,
+            })
+            .collect();
         let rows = self
             .draft
-            .forward_blocks_rows(target, &ex.taps, anchors, &block_ids)?;
+            .forward_segments_rows(target, &segs, &block_ids)?;
         let logits = self.draft.logits_with(target, &rows, Some(&self.head_t))?;
         let m = labels.len();
         let wsum: f64 = weights.iter().map(|&w| w as f64).sum();
@@ -474,7 +498,7 @@ impl Trainer {
         // Row-1 accuracy (cheap: argmax over the rows already computed).
         let pred = logits.detach().argmax(D::Minus1)?.to_vec1::<u32>()?;
         let (mut hit, mut tot) = (0, 0);
-        for (b, _) in anchors.iter().enumerate() {
+        for b in 0..nb {
             let r = b * (q - 1);
             if weights[r] > 0.0 {
                 tot += 1;
@@ -488,14 +512,14 @@ impl Trainer {
         let mut nll = (picked * w)?.sum_all()?.neg()?;
         if let Some(sel) = self.draft.selector() {
             // The predecessor of row k is the token before it: the anchor's for row 1.
-            let prev: Vec<u32> = anchors
+            let prev: Vec<u32> = anchor_ids
                 .iter()
                 .enumerate()
-                .flat_map(|(b, &a)| {
+                .flat_map(|(b, &first)| {
                     let labels = &labels;
                     (1..q).map(move |k| {
                         if k == 1 {
-                            ex.ids[a]
+                            first
                         } else {
                             labels[b * (q - 1) + k - 2]
                         }
@@ -528,17 +552,64 @@ impl Trainer {
         Ok((nll, wsum, count, hit, tot))
     }
 
+    /// The drawn examples split into runs that share one draft forward (`opts.pack_scores`,
+    /// by default): on CUDA as many as
+    /// keep the attention scores of a layer (heads x block rows x (context + block rows))
+    /// within [`PACK_SCORES`] elements (the step's forward is launch-bound there: session
+    /// 43's H100 took 0.2 s a step of 8 sequences one by one), on the CPU one each (its time
+    /// is arithmetic, and a joint context multiplies the attention's).
+    fn forward_groups(&self, drawn: &[(Example, Vec<usize>)]) -> Vec<std::ops::Range<usize>> {
+        let limit = self
+            .opts
+            .pack_scores
+            .unwrap_or(match self.device.is_cuda() {
+                true => PACK_SCORES,
+                false => 0,
+            });
+        let (q, heads) = (self.opts.block_size, self.draft.num_heads());
+        let mut groups = vec![];
+        let (mut start, mut n, mut s) = (0, 0, 0);
+        for (i, (_, anchors)) in drawn.iter().enumerate() {
+            let (n1, s1) = (
+                n + anchors.len() * q,
+                s + anchors.iter().copied().max().unwrap_or(0),
+            );
+            if i > start && heads * n1 * (s1 + n1) > limit {
+                groups.push(start..i);
+                (start, n, s) = (
+                    i,
+                    anchors.len() * q,
+                    anchors.iter().copied().max().unwrap_or(0),
+                );
+            } else {
+                (n, s) = (n1, s1);
+            }
+        }
+        if start < drawn.len() {
+            groups.push(start..drawn.len());
+        }
+        groups
+    }
+
     /// One optimizer step on `batch_blocks` blocks drawn from random examples of `pool`.
     pub fn step(&mut self, target: &dyn TargetModel, pool: &mut ExamplePool) -> Result<StepStats> {
         let per = self.opts.blocks_per_seq.max(1);
         let mut left = self.opts.batch_blocks.max(1);
-        let mut parts = Vec::new();
-        let (mut wsum, mut tokens, mut hit, mut tot) = (0.0, 0, 0, 0);
+        let mut drawn = Vec::new();
         while left > 0 {
             let ex = pool.draw(target, &mut self.rng)?;
             let anchors = self.anchors(&ex, per.min(left));
             left -= anchors.len();
-            let (nll, w, c, h, t) = self.seq_loss(target, &ex, &anchors)?;
+            drawn.push((ex, anchors));
+        }
+        let mut parts = Vec::new();
+        let (mut wsum, mut tokens, mut hit, mut tot) = (0.0, 0, 0, 0);
+        for group in self.forward_groups(&drawn) {
+            let items: Vec<(&Example, &[usize])> = drawn[group]
+                .iter()
+                .map(|(ex, a)| (ex, a.as_slice()))
+                .collect();
+            let (nll, w, c, h, t) = self.seq_loss(target, &items)?;
             parts.push(nll);
             wsum += w;
             tokens += c;
@@ -605,7 +676,7 @@ impl Trainer {
                 continue;
             }
             let anchors = self.anchors(ex, blocks);
-            let (l, ws, ..) = self.seq_loss(target, ex, &anchors)?;
+            let (l, ws, ..) = self.seq_loss(target, &[(ex, &anchors)])?;
             nll += l.detach().to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
             w += ws;
         }

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
 
+#[allow(unused_imports)] // each test crate uses some
 pub use dflash::source::mlx_write::{dequantize, pack, quantize, round_to, Layout};
 
 /// [`dflash::source::mlx_write::quantize_checkpoint`] for tests (panics on error).
