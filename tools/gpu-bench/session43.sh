@@ -21,7 +21,7 @@ for bs in "--block-size 16" ""; do
     --max-tokens 128 --compare $bs 2>&1 >/dev/null | grep -E "^weights|\[dflash\]|\[compare\]|rror" | cut -c1-400
 done
 echo "== held-out eval of the committed demo draft"
-GGUF=$GGUF BIN=$BIN OUT="$R/eval" LIMIT=${LIMIT:-10} REPEAT=1 BENCH=1 DRAFTS=models/smollm2-135m-dflash \
+GGUF=$GGUF BIN=$BIN OUT=/root/work/s43-eval LIMIT=${LIMIT:-10} REPEAT=1 BENCH=1 DRAFTS=models/smollm2-135m-dflash \
   ROWS="t0-b16 t0-b8" bash tools/eval-demo/gpu.sh 2>&1 | grep -E "^\||machine" | tail -8
 echo "== batched generation, 128 at once, ${GEN_SECS:-60} s"
 GEN_SECS=${GEN_SECS:-60} T1_PASSES=0 GEN_BATCH=128 BIN=$BIN GGUF=$GGUF OUT=$R PHASE=gen \
