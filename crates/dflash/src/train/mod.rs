@@ -811,9 +811,12 @@ pub struct SequenceOptions {
     pub seed: u64,
     /// Format prompts with the chat template (when the model has one).
     pub chat_template: bool,
-    /// `self`: responses generated together ([`crate::engine::Engine::generate_batch`]: one
-    /// target pass a step for all of them); each is what it would be alone (its own seeded
-    /// sampler). 1 = one at a time.
+    /// `self`: responses generated together, at most this many at once with continuous
+    /// admission ([`crate::engine::Engine::generate_queue`] over groups of
+    /// [`QUEUE_GROUP`] x `gen_batch` prompts: one target pass a step for all in flight, the
+    /// next prompt admitted as one finishes, so short answers do not leave the batch idle
+    /// behind a long one); each is what it would be alone (its own seeded sampler). 1 = one
+    /// at a time.
     pub gen_batch: usize,
 }
 
@@ -831,11 +834,15 @@ impl Default for SequenceOptions {
     }
 }
 
+/// Batches of `gen_batch` prompts a generation group holds (the time budget is checked
+/// between groups).
+pub const QUEUE_GROUP: usize = 4;
+
 /// Sequences for `records` with the pipeline's target, tokenizer and chat template. Records
 /// that cannot make a sequence (no reference in `relabel` mode, a prompt longer than
 /// `max_seq`, an empty response) are skipped and counted in the returned notes. `progress`
 /// is called with (records done, total) before each record (`relabel`) or each group of
-/// `gen_batch` prompts (`self`) and returns false to stop early (a time budget). Record `i`'s
+/// [`QUEUE_GROUP`] x `gen_batch` prompts (`self`) and returns false to stop early (a time budget). Record `i`'s
 /// response is sampled with seed `seed + i` whatever the grouping.
 pub fn build_sequences(
     p: &crate::pipeline::Pipeline,
@@ -860,9 +867,10 @@ pub fn build_sequences(
             response_start,
         });
     };
+    let in_flight = o.gen_batch.max(1);
     let group = match o.mode {
-        DataMode::SelfGenerated => o.gen_batch.max(1),
-        DataMode::Relabel => 1,
+        DataMode::SelfGenerated if in_flight > 1 => QUEUE_GROUP * in_flight,
+        DataMode::SelfGenerated | DataMode::Relabel => 1,
     };
     let mut i = 0;
     while i < records.len() {
@@ -922,7 +930,8 @@ pub fn build_sequences(
                 let outs = if reqs.len() == 1 {
                     vec![p.engine.generate(&reqs[0], &mut |_| Flow::Continue)]
                 } else {
-                    p.engine.generate_batch(&reqs, &mut |_, _| Flow::Continue)
+                    p.engine
+                        .generate_queue(&reqs, in_flight, &mut |_, _| Flow::Continue)
                 };
                 for ((_, prompt), r) in prompts.into_iter().zip(outs) {
                     push(prompt, r?.output_ids);
