@@ -60,15 +60,24 @@ fn generate_json_is_deterministic_and_equals_greedy_recomputation() {
     assert!(v1["stats"]["decode_tok_s"].as_f64().unwrap() > 0.0);
 }
 
-#[test]
-fn generate_with_draft_prints_trace_and_acceptance() {
+/// `dflash generate` on the qwen3 block-16 fixture pair (target + draft) with `args` after.
+fn generate_b16(args: &[&str]) -> (i32, String, String) {
     let d = fixtures().join("dflash/qwen3_b16");
-    let (rc, out, err) = dflash(&[
+    let (t, dr) = (d.join("target"), d.join("draft"));
+    let mut all = vec![
         "generate",
         "--model",
-        d.join("target").to_str().unwrap(),
+        t.to_str().unwrap(),
         "--draft",
-        d.join("draft").to_str().unwrap(),
+        dr.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    dflash(&all)
+}
+
+#[test]
+fn generate_with_draft_prints_trace_and_acceptance() {
+    let (rc, out, err) = generate_b16(&[
         "--prompt-ids",
         "1,2,3,4,5,6",
         "--max-tokens",
@@ -95,12 +104,7 @@ fn generate_with_draft_prints_trace_and_acceptance() {
     assert!(v["stats"]["tau"].as_f64().unwrap() >= 1.0);
     assert!(v["stats"]["acceptance_ratio"].is_number());
     // block size 1 through the same engine gives the same ids
-    let (_, out1, _) = dflash(&[
-        "generate",
-        "--model",
-        d.join("target").to_str().unwrap(),
-        "--draft",
-        d.join("draft").to_str().unwrap(),
+    let (_, out1, _) = generate_b16(&[
         "--prompt-ids",
         "1,2,3,4,5,6",
         "--max-tokens",
@@ -113,17 +117,7 @@ fn generate_with_draft_prints_trace_and_acceptance() {
     assert_eq!(v1["output_ids"], v["output_ids"]);
     assert_eq!(v1["stats"]["mode"], "plain");
     // stats line on stderr in streaming mode
-    let (rc, _, err) = dflash(&[
-        "generate",
-        "--model",
-        d.join("target").to_str().unwrap(),
-        "--draft",
-        d.join("draft").to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,3",
-        "--max-tokens",
-        "8",
-    ]);
+    let (rc, _, err) = generate_b16(&["--prompt-ids", "1,2,3", "--max-tokens", "8"]);
     assert_eq!(rc, 0);
     assert!(
         err.contains("tau") && err.contains("acceptance") && err.contains("TTFT"),
@@ -135,28 +129,18 @@ fn generate_with_draft_prints_trace_and_acceptance() {
 /// are checked equal and the speedup is the ratio of the two decode rates printed beside it.
 #[test]
 fn generate_compare_reports_speedup_against_plain_decoding() {
-    let d = fixtures().join("dflash/qwen3_b16");
-    let base = [
-        "generate",
-        "--model",
-        d.join("target").to_str().unwrap(),
-        "--draft",
-        d.join("draft").to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,3,4,5,6",
-        "--max-tokens",
-        "24",
-        "--dtype",
-        "f32",
-        "--compare",
-    ]
-    .map(String::from)
-    .to_vec();
     let run = |extra: &[&str]| {
-        let mut args = base.clone();
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let refs: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-        let (rc, out, err) = dflash(&refs);
+        let mut args = vec![
+            "--prompt-ids",
+            "1,2,3,4,5,6",
+            "--max-tokens",
+            "24",
+            "--dtype",
+            "f32",
+            "--compare",
+        ];
+        args.extend_from_slice(extra);
+        let (rc, out, err) = generate_b16(&args);
         assert_eq!(rc, 0, "{err}");
         (out, err)
     };

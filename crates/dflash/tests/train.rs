@@ -189,6 +189,40 @@ fn learnable_target(dir: &Path) -> TinyTarget {
 }
 
 /// The target in `dir` loaded without a draft (as `dflash train` loads it).
+/// The learnable target in `dir/t`, its plain pipeline, and its greedy answers (24 tokens)
+/// to 12 prompts seeded `seed`.
+fn learnable_sequences(dir: &Path, seed: u64) -> (TinyTarget, Pipeline, Vec<data::Sequence>) {
+    let td = dir.join("t");
+    let t = learnable_target(&td);
+    let p = plain_pipeline(&td);
+    let (seqs, _) = train::build_sequences(
+        &p,
+        &prompts(seed, 12, t.vocab - 1),
+        &SequenceOptions {
+            max_seq: 64,
+            max_new: 24,
+            chat_template: false,
+            ..Default::default()
+        },
+        &mut |_, _| true,
+    )
+    .unwrap();
+    (t, p, seqs)
+}
+
+/// An example pool holding every sequence (no budget), each drawn at most once a pass.
+fn resident_pool(seqs: &[data::Sequence], tr: &Trainer) -> train::ExamplePool {
+    train::ExamplePool::new(
+        seqs.to_vec(),
+        &tr.taps.clone(),
+        DataMode::SelfGenerated.labels(),
+        u64::MAX,
+        1,
+        5,
+    )
+    .unwrap()
+}
+
 fn plain_pipeline(dir: &Path) -> Pipeline {
     Pipeline::load(&PipelineOptions {
         model: dir.display().to_string(),
@@ -477,31 +511,13 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
     );
 }
 
-/// A run stopped with a resumable checkpoint and resumed (`Trainer::save_state` /
-/// `Trainer::resume`, as `dflash train --chunk-time` / `--resume` do) ends with exactly the
-/// weights of the same run uninterrupted; a checkpoint of another draft shape is refused with
-/// a one-line error naming the flags.
 /// Sequences packed into one draft forward per step (what the trainer does on a GPU) train
 /// like one forward per sequence (the CPU's default): the same losses step by step and the
 /// same weights after six steps, up to the float order of the sums.
 #[test]
 fn packed_steps_equal_sequence_by_sequence() {
     let dir = tempfile::tempdir().unwrap();
-    let td = dir.path().join("t");
-    let t = learnable_target(&td);
-    let p = plain_pipeline(&td);
-    let (seqs, _) = train::build_sequences(
-        &p,
-        &prompts(700, 12, t.vocab - 1),
-        &SequenceOptions {
-            max_seq: 64,
-            max_new: 24,
-            chat_template: false,
-            ..Default::default()
-        },
-        &mut |_, _| true,
-    )
-    .unwrap();
+    let (t, p, seqs) = learnable_sequences(dir.path(), 700);
     let target = &*p.engine.target;
     let run = |pack: usize| {
         let opts = TrainOptions {
@@ -519,15 +535,7 @@ fn packed_steps_equal_sequence_by_sequence() {
             ..Default::default()
         };
         let mut tr = Trainer::new(target, &p.target_config, opts).unwrap();
-        let mut pool = train::ExamplePool::new(
-            seqs.clone(),
-            &tr.taps.clone(),
-            DataMode::SelfGenerated.labels(),
-            u64::MAX,
-            1,
-            5,
-        )
-        .unwrap();
+        let mut pool = resident_pool(&seqs, &tr);
         pool.fill(target, &mut |_, _| {}).unwrap();
         let losses: Vec<f64> = (0..6)
             .map(|_| tr.step(target, &mut pool).unwrap().loss)
@@ -552,24 +560,14 @@ fn packed_steps_equal_sequence_by_sequence() {
     }
 }
 
+/// A run stopped with a resumable checkpoint and resumed (`Trainer::save_state` /
+/// `Trainer::resume`, as `dflash train --chunk-time` / `--resume` do) ends with exactly the
+/// weights of the same run uninterrupted; a checkpoint of another draft shape is refused with
+/// a one-line error naming the flags.
 #[test]
 fn resumed_training_equals_uninterrupted() {
     let dir = tempfile::tempdir().unwrap();
-    let td = dir.path().join("t");
-    let t = learnable_target(&td);
-    let p = plain_pipeline(&td);
-    let (seqs, _) = train::build_sequences(
-        &p,
-        &prompts(500, 12, t.vocab - 1),
-        &SequenceOptions {
-            max_seq: 64,
-            max_new: 24,
-            chat_template: false,
-            ..Default::default()
-        },
-        &mut |_, _| true,
-    )
-    .unwrap();
+    let (t, p, seqs) = learnable_sequences(dir.path(), 500);
     let opts = TrainOptions {
         draft_layers: 1,
         block_size: 8,
@@ -585,15 +583,7 @@ fn resumed_training_equals_uninterrupted() {
     };
     let target = &*p.engine.target;
     let run = |tr: &mut Trainer, steps: usize, position: usize| {
-        let mut pool = train::ExamplePool::new(
-            seqs.clone(),
-            &tr.taps.clone(),
-            DataMode::SelfGenerated.labels(),
-            u64::MAX,
-            1,
-            5,
-        )
-        .unwrap();
+        let mut pool = resident_pool(&seqs, tr);
         pool.start_at(position);
         pool.fill(target, &mut |_, _| {}).unwrap();
         for _ in 0..steps {
