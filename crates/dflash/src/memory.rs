@@ -217,7 +217,8 @@ pub fn weight_bytes(
 /// keeps it; off the CPU, the token embedding in the compute dtype (it is dequantized there),
 /// and with `affine` ([`crate::nn::quant::keeps_gguf_affine`]) the matrices rewritten as affine
 /// weights ([`crate::nn::quant::gguf_affine_type`]) at that layout's size
-/// ([`crate::nn::gguf_affine::kept_bytes`]).
+/// ([`crate::nn::gguf_affine::kept_bytes`]), at widths that layout refuses in the compute
+/// dtype (dequantized) unless `keep_quant`.
 pub fn gguf_tensor_bytes(
     name: &str,
     dt: GgmlDType,
@@ -237,9 +238,12 @@ pub fn gguf_tensor_bytes(
     }
     let cols = dims.last().copied().unwrap_or(0);
     if affine && dims.len() == 2 && crate::nn::quant::gguf_affine_type(dt, keep_quant) {
-        if let Some(b) = crate::nn::gguf_affine::kept_bytes(dt, dims[0], cols) {
-            return b;
-        }
+        return match crate::nn::gguf_affine::kept_bytes(dt, dims[0], cols) {
+            Some(b) => b,
+            // a width the affine kernels refuse: dequantized (`nn::quant::place_as`)
+            None if !keep_quant => n * el,
+            None => stored,
+        };
     }
     let cpu = on_cpu && !keep_quant;
     match cpu_target(dt, cols).filter(|_| cpu) {
@@ -366,8 +370,8 @@ mod tests {
 
     /// GGUF tensors once loaded: on the CPU as the CPU policy says (unchanged); on CUDA with
     /// bf16 compute the mapped types at the affine layout's size (20 bytes a block of 32 at 4
-    /// bits, 36 at 8), others and widths the kernels do not take as stored; the token
-    /// embedding off the CPU in the compute dtype.
+    /// bits, 36 at 8), at widths the kernels do not take dense (as stored under keep_quant),
+    /// other types as stored; the token embedding off the CPU in the compute dtype.
     #[test]
     fn gguf_tensors_at_their_loaded_size() {
         use GgmlDType::*;
@@ -381,8 +385,13 @@ mod tests {
         assert_eq!(b(m, Q8_0, &[64, 256], false, true), 64 * 8 * 36);
         assert_eq!(b(m, Q5_0, &[64, 256], false, true), 64 * 8 * 36);
         assert_eq!(b(m, Q5_1, &[64, 256], false, true), 64 * 8 * 36);
+        // a width the affine kernels refuse: dense, or as stored under --keep-quant
+        assert_eq!(b(m, Q4_0, &[64, 96], false, true), 64 * 96 * 2);
+        assert_eq!(
+            gguf_tensor_bytes(m, Q4_0, &[64, 96], DType::BF16, false, true, true),
+            64 * 3 * 18
+        );
         // not mapped: as stored
-        assert_eq!(b(m, Q4_0, &[64, 96], false, true), 64 * 3 * 18);
         assert_eq!(b(m, Q6K, &[64, 256], false, true), 64 * 210);
         assert_eq!(b(m, Q4K, &[64, 256], false, true), 64 * 8 * 20);
         assert_eq!(b(m, Q5K, &[64, 256], false, true), 64 * 8 * 36);
