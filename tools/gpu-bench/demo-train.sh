@@ -36,9 +36,10 @@ case ${PHASE:?PHASE=gen|train|more|eval} in
       case $run in t0) t=0 seed=0 ;; *) t=1 seed=$((${run#t1-} * 100000)) ;; esac
       "$BIN" train "${common[@]}" --prompts "${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz}" \
         --max-prompts 100000 --data self --temperature $t --seed $seed \
+        --exclude-prompts data/eval/HumanEval.jsonl.gz data/eval/mt_bench_question.jsonl.gz \
         --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "${GEN_SECS:-200}" \
         --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
-      echo "$run: $(grep -o '[0-9]* sequences ([0-9]* tokens)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
+      echo "$run: $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
     done ;;
   train|more)
     extra=(); [ "$PHASE" = more ] && extra=(--resume "$W/draft")

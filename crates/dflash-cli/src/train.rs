@@ -21,6 +21,11 @@ pub struct TrainArgs {
     /// ShareGPT `conversations`) or dataset names (sharegpt, humaneval, mtbench).
     #[arg(long, num_args = 1.., required_unless_present = "sequences")]
     pub prompts: Vec<String>,
+    /// Prompt files or dataset names never to train on: records whose first user turn equals
+    /// one of theirs are dropped before generation (the `--eval-prompts` are always
+    /// excluded too). Counted in OUT/manifest.json.
+    #[arg(long, num_args = 1..)]
+    pub exclude_prompts: Vec<String>,
     /// Reuse sequences written by earlier runs (DIR/sequences.jsonl; several files are joined,
     /// e.g. greedy and sampled responses) instead of --prompts.
     #[arg(long, num_args = 1..)]
@@ -227,10 +232,28 @@ pub fn run(a: TrainArgs) -> Result<()> {
     // 1. Sequences: generated (self) or reference (relabel), or reused.
     let seqs = match a.sequences.as_slice() {
         [] => {
+            let t0 = std::time::Instant::now();
             let mut records = vec![];
             for spec in &a.prompts {
                 let f = data::resolve_file(spec)?;
                 records.extend(data::read_records(&f, a.max_prompts)?);
+            }
+            // the evaluation prompts are never trained on (same first turn, or same ids)
+            let key = |r: &data::Record| match (&r.prompt.text, &r.prompt.prompt_ids) {
+                (Some(t), _) => Some(t.trim().to_string()),
+                (None, Some(ids)) => Some(format!("{ids:?}")),
+                (None, None) => None,
+            };
+            let mut held = std::collections::HashSet::new();
+            for spec in a.exclude_prompts.iter().chain(&a.eval_prompts) {
+                let f = data::resolve_file(spec)?;
+                held.extend(data::read_records(&f, usize::MAX)?.iter().filter_map(key));
+            }
+            let before = records.len();
+            records.retain(|r| key(r).is_none_or(|k| !held.contains(&k)));
+            let excluded = before - records.len();
+            if excluded > 0 {
+                eprintln!("{excluded} prompts excluded (--exclude-prompts / --eval-prompts)");
             }
             let b = bar(
                 records.len(),
@@ -259,17 +282,44 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 },
             )?;
             b.finish();
-            for n in notes {
+            for n in &notes {
                 eprintln!("{n}");
             }
             let f = a.out.join("sequences.jsonl");
             data::write_sequences(&f, &seqs)?;
+            let tokens: usize = seqs.iter().map(|s| s.ids.len()).sum();
+            let response: usize = seqs.iter().map(|s| s.ids.len() - s.response_start).sum();
             eprintln!(
-                "{} sequences ({} tokens) -> {}",
+                "{} sequences ({tokens} tokens, {response} of them responses) -> {}",
                 seqs.len(),
-                seqs.iter().map(|s| s.ids.len()).sum::<usize>(),
                 f.display()
             );
+            // what made them, for whoever trains on them later
+            let manifest = serde_json::json!({
+                "sequences_file": "sequences.jsonl",
+                "format": "one JSON object a line: ids (prompt + response token ids), response_start",
+                "target": p.model_name,
+                "data": a.data,
+                "prompt_files": a.prompts,
+                "records_read": before,
+                "excluded_prompts": {"files": a.exclude_prompts.iter().chain(&a.eval_prompts).collect::<Vec<_>>(), "records": excluded},
+                "temperature": a.temperature,
+                "seed": a.seed,
+                "max_new": a.max_new,
+                "max_seq": a.max_seq,
+                "gen_batch": a.gen_batch,
+                "chat_template": !a.no_chat_template,
+                "sequences": seqs.len(),
+                "tokens": tokens,
+                "response_tokens": response,
+                "notes": notes,
+                "seconds": t0.elapsed().as_secs_f64(),
+                "dflash": env!("CARGO_PKG_VERSION"),
+            });
+            std::fs::write(
+                a.out.join("manifest.json"),
+                serde_json::to_string_pretty(&manifest)? + "\n",
+            )?;
             seqs
         }
         files => {

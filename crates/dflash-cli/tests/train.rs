@@ -31,6 +31,13 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
         .map(|i| format!("{{\"prompt_ids\": [{}, {}, {}]}}", 5 + i, 40 + i, 9 + 2 * i))
         .collect();
     std::fs::write(&prompts, lines.join("\n")).unwrap();
+    // held-out prompts: two of the training file's (never trained on) and two others
+    let eval = dir.path().join("eval.jsonl");
+    std::fs::write(
+        &eval,
+        "{\"prompt_ids\": [5, 40, 9]}\n{\"prompt_ids\": [6, 41, 11]}\n{\"prompt_ids\": [90, 3, 7]}\n{\"prompt_ids\": [2, 2, 8]}",
+    )
+    .unwrap();
     let out = dir.path().join("draft");
     let (rc, _, err) = dflash(&[
         "train",
@@ -59,7 +66,7 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
         "--intermediate-size",
         "64",
         "--eval-prompts",
-        prompts.to_str().unwrap(),
+        eval.to_str().unwrap(),
         "--eval-n",
         "2",
         "--eval-max-tokens",
@@ -78,13 +85,27 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     assert_eq!(cfg["block_size"], 4);
     let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
     assert_eq!(log.lines().count(), 3, "steps 10, 20, 30");
+    assert!(err.contains("2 prompts excluded"), "{err}");
     assert_eq!(
         std::fs::read_to_string(out.join("sequences.jsonl"))
             .unwrap()
             .lines()
             .count(),
-        12
+        10
     );
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(
+        (
+            &m["records_read"],
+            &m["excluded_prompts"]["records"],
+            &m["sequences"]
+        ),
+        (&12.into(), &2.into(), &10.into()),
+        "{m}"
+    );
+    assert!(m["response_tokens"].as_u64().unwrap() > 0, "{m}");
+    assert!(m["tokens"].as_u64() > m["response_tokens"].as_u64(), "{m}");
     let gen = |draft: Option<&str>| -> Value {
         let mut a = vec![
             "generate",
