@@ -273,6 +273,31 @@ pub struct StepStats {
 /// draft forward on CUDA (2^28: 1 GiB of f32 scores a layer).
 pub const PACK_SCORES: usize = 1 << 28;
 
+/// Consecutive runs of `parts` (each a sequence's (block rows, context rows)) that share one
+/// forward: a run grows while `heads x rows x (context + rows)` of the whole run stays within
+/// `limit`; every part is in exactly one run, a part alone even when it passes the limit.
+pub fn pack_runs(
+    parts: &[(usize, usize)],
+    heads: usize,
+    limit: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let mut runs = vec![];
+    let (mut start, mut n, mut s) = (0, 0, 0);
+    for (i, &(rows, ctx)) in parts.iter().enumerate() {
+        let (n1, s1) = (n + rows, s + ctx);
+        if i > start && heads.saturating_mul(n1).saturating_mul(s1 + n1) > limit {
+            runs.push(start..i);
+            (start, n, s) = (i, rows, ctx);
+        } else {
+            (n, s) = (n1, s1);
+        }
+    }
+    if start < parts.len() {
+        runs.push(start..parts.len());
+    }
+    runs
+}
+
 pub struct Trainer {
     pub opts: TrainOptions,
     pub config: Value,
@@ -566,29 +591,12 @@ impl Trainer {
                 true => PACK_SCORES,
                 false => 0,
             });
-        let (q, heads) = (self.opts.block_size, self.draft.num_heads());
-        let mut groups = vec![];
-        let (mut start, mut n, mut s) = (0, 0, 0);
-        for (i, (_, anchors)) in drawn.iter().enumerate() {
-            let (n1, s1) = (
-                n + anchors.len() * q,
-                s + anchors.iter().copied().max().unwrap_or(0),
-            );
-            if i > start && heads * n1 * (s1 + n1) > limit {
-                groups.push(start..i);
-                (start, n, s) = (
-                    i,
-                    anchors.len() * q,
-                    anchors.iter().copied().max().unwrap_or(0),
-                );
-            } else {
-                (n, s) = (n1, s1);
-            }
-        }
-        if start < drawn.len() {
-            groups.push(start..drawn.len());
-        }
-        groups
+        let q = self.opts.block_size;
+        let parts: Vec<(usize, usize)> = drawn
+            .iter()
+            .map(|(_, a)| (a.len() * q, a.iter().copied().max().unwrap_or(0)))
+            .collect();
+        pack_runs(&parts, self.draft.num_heads(), limit)
     }
 
     /// One optimizer step on `batch_blocks` blocks drawn from random examples of `pool`.
@@ -1122,5 +1130,25 @@ impl ExamplePool {
             self.window[i] = (new, 0);
         }
         Ok(ex)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs cover every part once, in order; limit 0 gives one part a run, no limit one run,
+    /// and a limit in between splits where the joint scores would pass it.
+    #[test]
+    fn pack_runs_split_at_the_score_limit() {
+        let parts = [(32, 100), (32, 60), (32, 200), (16, 10)];
+        assert_eq!(pack_runs(&parts, 2, 0), vec![0..1, 1..2, 2..3, 3..4]);
+        assert_eq!(pack_runs(&parts, 2, usize::MAX), vec![0..4]);
+        // 2 x 64 x (160 + 64) = 28,672 fits 30,000; adding the third: 2 x 96 x (360 + 96) =
+        // 87,552 does not; the third and fourth: 2 x 48 x (210 + 48) = 24,768 fit
+        assert_eq!(pack_runs(&parts, 2, 30_000), vec![0..2, 2..4]);
+        // a part over the limit alone still runs
+        assert_eq!(pack_runs(&parts[2..3], 2, 1), vec![0..1]);
+        assert!(pack_runs(&[], 2, 10).is_empty());
     }
 }
