@@ -630,17 +630,17 @@ impl Trainer {
             .try_fold(parts[0].clone(), |a, b| a + b)?;
         let loss = (total / wsum.max(1e-9))?;
         let mut grads = loss.backward()?;
-        // Global gradient-norm clipping.
-        let mut sq = 0f64;
+        // Global gradient-norm clipping (the per-parameter sums stay on the device: one read).
+        let mut sums = vec![];
         for (_, v) in &self.vars {
             if let Some(g) = grads.get(v.as_tensor()) {
-                sq += g
-                    .to_dtype(DType::F32)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f32>()? as f64;
+                sums.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?);
             }
         }
+        let sq = match sums.is_empty() {
+            true => 0.0,
+            false => Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()? as f64,
+        };
         let norm = sq.sqrt();
         if self.opts.clip > 0.0 && norm > self.opts.clip {
             let s = self.opts.clip / norm;
