@@ -5,6 +5,7 @@
 # the same warm machine. Then one call per phase (each well under 10 minutes):
 #   PHASE=gen   bash tools/gpu-bench/demo-train.sh   # greedy + T = 1 responses (data only; again
 #                                                    # with a higher T1_PASSES adds sampled passes)
+#   PHASE=pack  bash tools/gpu-bench/demo-train.sh   # the data back in parts (for a later session)
 #   PHASE=train bash tools/gpu-bench/demo-train.sh   # first chunk (resumable)
 #   PHASE=more  bash tools/gpu-bench/demo-train.sh   # further chunks (--resume)
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
@@ -28,7 +29,7 @@ common=(--target "$GGUF" --device "${DEVICE:-cuda}" --max-seq 768)
 draft=(--draft-layers "${LAYERS:-4}" --block-size 16 --steps "${STEPS:-30000}" --batch-blocks "${BATCH:-128}"
   --blocks-per-seq 16 --lr "${LR:-6e-4}" --warmup 300 --save-every 2000 --seed 0 --example-budget-gb "${BUDGET_GB:-40}")
 seqs=("$W"/t*/sequences.jsonl)
-case ${PHASE:?PHASE=gen|train|more|eval} in
+case ${PHASE:?PHASE=gen|pack|train|more|eval} in
   gen)
     # greedy once, then T1_PASSES sampled passes (record i of pass k seeded k * 100000 + i)
     for run in t0 $(seq -f 't1-%g' 1 "${T1_PASSES:-1}"); do
@@ -41,6 +42,16 @@ case ${PHASE:?PHASE=gen|train|more|eval} in
         --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
       echo "$run: $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
     done ;;
+  pack)
+    # every generated pass's sequences, gzipped, back in 15 MB parts (<= 8 files, 64 MiB a
+    # call come back): keep them here in .device/data/ and stage them into a later session
+    # with tools/gpu-bench/stage_data.sh, one part a call beside the tree
+    cat "$W"/t*/sequences.jsonl | gzip -6 > "$W/sequences.jsonl.gz"
+    split -b 15000000 -d "$W/sequences.jsonl.gz" "$R/sequences.part-"
+    cat "$W"/t*/manifest.json > "$R/manifests.json" 2>/dev/null
+    echo "$(cat "$W"/t*/sequences.jsonl | wc -l) sequences, $(stat -c %s "$W/sequences.jsonl.gz") bytes gzipped"
+    sha256sum "$W/sequences.jsonl.gz"
+    ls -la "$R" ;;
   train|more)
     extra=(); [ "$PHASE" = more ] && extra=(--resume "$W/draft")
     # TIME_LIMIT: fit the schedule (cosine decay included) to this many seconds of steps, for
