@@ -479,27 +479,31 @@ fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
     let dir = tempfile::tempdir().unwrap();
     let (target, draft) = write_pair(dir.path());
     let out = dir.path().join("conc");
-    let (code, stdout, stderr) = dflash(
-        &[
+    // `bench --concurrency` of the pair, prompts of 6 ids, with `args` after
+    let conc = |args: &[&str]| {
+        let mut all = vec![
             "bench",
             "--model",
             &target,
             "--draft",
             &draft,
-            "--concurrency",
-            "1,3",
             "--concurrency-prompt-len",
             "6",
-            "--max-tokens",
-            "8",
-            "--concurrency-check",
-            "--concurrency-rounds",
-            "2",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        dir.path(),
-    );
+        ];
+        all.extend_from_slice(args);
+        dflash(&all, dir.path())
+    };
+    let (code, stdout, stderr) = conc(&[
+        "--concurrency",
+        "1,3",
+        "--max-tokens",
+        "8",
+        "--concurrency-check",
+        "--concurrency-rounds",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{stderr}");
     let v = read(&out.join("concurrency.json"));
     let rows = v["results"]["rows"].as_array().unwrap();
@@ -554,24 +558,14 @@ fn bench_concurrency_reports_every_level_and_checks_batched_equals_alone() {
         assert!(stdout.contains(&line), "{line} not in {stdout}");
     }
     // one mode only
-    let (code, stdout, stderr) = dflash(
-        &[
-            "bench",
-            "--model",
-            &target,
-            "--draft",
-            &draft,
-            "--concurrency",
-            "2",
-            "--concurrency-prompt-len",
-            "6",
-            "--max-tokens",
-            "4",
-            "--concurrency-modes",
-            "dflash",
-        ],
-        dir.path(),
-    );
+    let (code, stdout, stderr) = conc(&[
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "4",
+        "--concurrency-modes",
+        "dflash",
+    ]);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("| dflash | 2 | 8 |"), "{stdout}"); // 4 rounds of 2
     assert!(!stdout.contains("| plain |"), "{stdout}");

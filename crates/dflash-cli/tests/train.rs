@@ -26,6 +26,12 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     let mut t = TinyTarget::qwen3(31);
     t.dominant = vec![(3, 4.0), (7, 3.0)];
     t.write(&td).unwrap();
+    // `dflash train --target <the tiny target>` with `args` after
+    let train = |args: &[&str]| {
+        let mut all = vec!["train", "--target", td.to_str().unwrap()];
+        all.extend_from_slice(args);
+        dflash(&all)
+    };
     let prompts = dir.path().join("p.jsonl");
     let lines: Vec<String> = (0..12)
         .map(|i| format!("{{\"prompt_ids\": [{}, {}, {}]}}", 5 + i, 40 + i, 9 + 2 * i))
@@ -39,10 +45,7 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     )
     .unwrap();
     let out = dir.path().join("draft");
-    let (rc, _, err) = dflash(&[
-        "train",
-        "--target",
-        td.to_str().unwrap(),
+    let (rc, _, err) = train(&[
         "--prompts",
         prompts.to_str().unwrap(),
         "--out",
@@ -130,10 +133,7 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     assert_eq!(with["output_ids"], gen(None)["output_ids"]);
 
     // Reuse the sequences; bad taps are a one-line error.
-    let (rc, _, err) = dflash(&[
-        "train",
-        "--target",
-        td.to_str().unwrap(),
+    let (rc, _, err) = train(&[
         "--sequences",
         out.join("sequences.jsonl").to_str().unwrap(),
         "--out",
@@ -148,10 +148,7 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
 
     // Data in one run, training in another on two sequence files joined (greedy + sampled).
     let s1 = dir.path().join("sampled");
-    let (rc, _, err) = dflash(&[
-        "train",
-        "--target",
-        td.to_str().unwrap(),
+    let (rc, _, err) = train(&[
         "--prompts",
         prompts.to_str().unwrap(),
         "--out",
@@ -171,10 +168,7 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
         !s1.join("config.json").exists(),
         "--data-only trained a draft"
     );
-    let (rc, _, err) = dflash(&[
-        "train",
-        "--target",
-        td.to_str().unwrap(),
+    let (rc, _, err) = train(&[
         "--sequences",
         out.join("sequences.jsonl").to_str().unwrap(),
         s1.join("sequences.jsonl").to_str().unwrap(),
@@ -200,10 +194,7 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
 
     // --arch dflash2 on the same sequences: a DFlash2 checkpoint that generate loads.
     let d2 = dir.path().join("dflash2");
-    let (rc, _, err) = dflash(&[
-        "train",
-        "--target",
-        td.to_str().unwrap(),
+    let (rc, _, err) = train(&[
         "--sequences",
         out.join("sequences.jsonl").to_str().unwrap(),
         "--out",
@@ -244,10 +235,7 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     assert_eq!(with2["stats"]["mode"], "dflash");
     assert_eq!(with2["output_ids"], gen(None)["output_ids"]);
     // A group that does not divide the hidden size is a one-line error naming the key.
-    let (rc, _, err) = dflash(&[
-        "train",
-        "--target",
-        td.to_str().unwrap(),
+    let (rc, _, err) = train(&[
         "--sequences",
         out.join("sequences.jsonl").to_str().unwrap(),
         "--out",

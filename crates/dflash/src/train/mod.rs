@@ -268,7 +268,6 @@ pub struct StepStats {
     pub acc1: f64,
 }
 
-/// A draft in training: its variables, the draft model built on them, the optimizer.
 /// Attention-score elements of one layer up to which the trainer packs sequences into one
 /// draft forward on CUDA (2^28: 1 GiB of f32 scores a layer).
 pub const PACK_SCORES: usize = 1 << 28;
@@ -298,6 +297,7 @@ pub fn pack_runs(
     runs
 }
 
+/// A draft in training: its variables, the draft model built on them, the optimizer.
 pub struct Trainer {
     pub opts: TrainOptions,
     pub config: Value,
@@ -470,11 +470,9 @@ impl Trainer {
         all
     }
 
-    /// Weighted cross-entropy terms of one sequence's blocks: (sum of w * -log p, sum of w,
+    /// Weighted cross-entropy terms of the blocks at `anchors` of each example, in one draft
+    /// forward ([`DraftModel::forward_segments_rows`]): (sum of w * -log p, sum of w,
     /// labelled positions, row-1 hits, row-1 count).
-    /// The weighted loss of the blocks at `anchors` of each example, in one draft forward
-    /// ([`DraftModel::forward_segments_rows`]); with its weight sum, label count and row-1
-    /// hits / total.
     fn seq_loss(
         &self,
         target: &dyn TargetModel,
@@ -577,12 +575,10 @@ impl Trainer {
         Ok((nll, wsum, count, hit, tot))
     }
 
-    /// The drawn examples split into runs that share one draft forward (`opts.pack_scores`,
-    /// by default): on CUDA as many as
-    /// keep the attention scores of a layer (heads x block rows x (context + block rows))
-    /// within [`PACK_SCORES`] elements (the step's forward is launch-bound there: session
-    /// 43's H100 took 0.2 s a step of 8 sequences one by one), on the CPU one each (its time
-    /// is arithmetic, and a joint context multiplies the attention's).
+    /// The drawn examples split into runs that share one draft forward ([`pack_runs`] at
+    /// `opts.pack_scores`, by default [`PACK_SCORES`] on CUDA, where the step is launch-bound:
+    /// session 43's H100 took 0.2 s a step of 8 sequences one by one; 0 on the CPU, where the
+    /// time is arithmetic and a joint context multiplies the attention's).
     fn forward_groups(&self, drawn: &[(Example, Vec<usize>)]) -> Vec<std::ops::Range<usize>> {
         let limit = self
             .opts
