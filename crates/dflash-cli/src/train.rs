@@ -133,13 +133,14 @@ pub struct TrainArgs {
     /// Stop generating `self` responses after this many seconds (keep what was generated).
     #[arg(long)]
     pub data_time_limit: Option<f64>,
-    /// Training time budget in seconds: after 20 steps the step count is cut to what fits
-    /// (the cosine schedule follows the new count).
+    /// Training time budget in seconds, counted from when the data is ready (so the target
+    /// passes that fill the example pool count): after 20 steps the step count is cut to what
+    /// fits (the cosine schedule follows the new count).
     #[arg(long)]
     pub time_limit: Option<f64>,
-    /// Stop after this many seconds of training with a resumable checkpoint (the schedule
-    /// stays --steps; continue with --resume OUT). Unlike --time-limit, which shortens the
-    /// schedule to fit.
+    /// Stop after this many seconds (counted as --time-limit is) with a resumable checkpoint
+    /// (the schedule stays --steps; continue with --resume OUT). Unlike --time-limit, which
+    /// shortens the schedule to fit.
     #[arg(long)]
     pub chunk_time: Option<f64>,
     /// Continue a run from the resumable checkpoint in DIR (its parameters, optimizer moments,
@@ -387,6 +388,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         opts.gamma(),
         a.data
     );
+    // --time-limit and --chunk-time count from here: the pool's target passes take their
+    // share of a device call too (tens of thousands of sequences: minutes).
+    let ready = Instant::now();
     // Hold out ~5% of sequences (at least 1 when there are 20+) for a loss check.
     let n_hold = if seqs.len() >= 20 { seqs.len() / 20 } else { 0 };
     let mut seqs = seqs;
@@ -438,7 +442,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut chunk_end = None;
     while step < trainer.opts.steps {
         if a.chunk_time
-            .is_some_and(|c| t0.elapsed().as_secs_f64() >= c)
+            .is_some_and(|c| ready.elapsed().as_secs_f64() >= c)
         {
             chunk_end = Some(step);
             break;
@@ -447,7 +451,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         step += 1;
         if let (Some(limit), 20) = (a.time_limit, step - start) {
             let per = t0.elapsed().as_secs_f64() / 20.0;
-            let fit = start + (limit / per) as usize;
+            let left = limit - ready.elapsed().as_secs_f64();
+            let fit = start + 20 + (left.max(0.0) / per) as usize;
             if fit < trainer.opts.steps {
                 trainer.opts.steps = fit.max(start + 21);
                 trainer.opts.warmup = trainer.opts.warmup.min(trainer.opts.steps / 2);

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 44, after staging the demo GGUF and dflash (tools/gpu-bench/stage.sh): one call that
+# checks the CUDA fallback for the 576-wide Q4_1 matrices (load report, `generate --compare` at
+# block 16: greedy DFlash == plain, and plain decoding's rate), then generates the training
+# data (PHASE=gen of demo-train.sh: GEN_SECS a pass, T1_PASSES sampled passes, GEN_BATCH).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+BIN=${BIN:-/root/stash/dflash}
+GGUF=${GGUF:-/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf}
+R=${OUT:-/tmp}
+lib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))' 2>/dev/null) &&
+  export LD_LIBRARY_PATH=$lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+[ -x "$BIN" ] && [ -f "$GGUF" ] || { echo "!! stage the GGUF and dflash first (tools/gpu-bench/stage.sh)"; exit 1; }
+echo "== generate --compare --block-size 16"
+timeout 90 "$BIN" generate --model "$GGUF" --device cuda --max-tokens 128 --compare --block-size 16 \
+  --prompt "Write a Python function that checks whether a number is prime." 2>&1 >/dev/null |
+  grep -E "^weights|\[dflash\]|\[compare\]|rror" | cut -c1-400
+echo "== batched generation: $((1 + ${T1_PASSES:-1})) passes of ${GEN_SECS:-200} s, ${GEN_BATCH:-128} at once"
+GEN_SECS=${GEN_SECS:-200} T1_PASSES=${T1_PASSES:-1} GEN_BATCH=${GEN_BATCH:-128} BIN=$BIN GGUF=$GGUF OUT=$R PHASE=gen \
+  bash tools/gpu-bench/demo-train.sh 2>&1 | tail -3
+head -2 "$R/gen-t0.log" | cut -c1-300
