@@ -68,6 +68,66 @@ fn target_taps(t: &dyn TargetModel, ids: &[u32], taps: &[usize]) -> Tensor {
         .unwrap()
 }
 
+/// The pool's target passes run several sequences in one batched forward: each example (taps,
+/// and the argmax labels of a relabelled text) equals its sequence's pass alone, whatever the
+/// lengths in the batch (to f32 rounding: candle's f32 GEMM may block a 3-row product
+/// differently from a 97-row one).
+#[test]
+fn batched_target_passes_equal_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = TinyTarget::qwen3(5);
+    t.write(&dir.path().join("t")).unwrap();
+    let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
+    let (_, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
+    let taps = [0usize, 2, 3];
+    let seqs: Vec<data::Sequence> = [9usize, 40, 17, 3, 28]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| data::Sequence {
+            ids: ids(60 + i as u64, n, t.vocab - 1),
+            response_start: n / 3,
+        })
+        .collect();
+    let all: Vec<&data::Sequence> = seqs.iter().collect();
+    for labels in [train::Labels::Sequence, train::Labels::Argmax] {
+        let batched = train::make_examples_batch(&*target, &taps, &all, labels).unwrap();
+        assert_eq!(batched.len(), seqs.len());
+        for (s, b) in all.iter().zip(&batched) {
+            let alone = &train::make_examples_batch(&*target, &taps, &[s], labels).unwrap()[0];
+            assert_eq!(b.ids, s.ids);
+            assert_eq!(b.response_start, s.response_start);
+            assert_eq!(
+                b.labels,
+                alone.labels,
+                "{labels:?} labels, {} tokens",
+                s.ids.len()
+            );
+            let (x, y) = (
+                b.taps.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                alone.taps.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(x.len(), s.ids.len() * taps.len() * t.hidden);
+            let close = |a: &[f32], b: &[f32]| {
+                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let err = a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(
+                    err <= 1e-5 * scale,
+                    "{labels:?}, {} tokens: max |diff| {err} of {scale}",
+                    s.ids.len()
+                );
+            };
+            close(&x, &y);
+            // and the pass is the target's forward
+            let want = target_taps(&*target, &s.ids, &taps);
+            close(&want.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &y);
+        }
+        if labels == train::Labels::Argmax {
+            // a relabelled text's labels are the target's choices, not the text
+            assert!(batched.iter().any(|e| e.labels[1..] != e.ids[1..]));
+        }
+    }
+}
+
 /// Many blocks in one training forward (block-sparse mask) give, block by block, the logits
 /// of the inference path (context cache, one block per call): full and sliding layers.
 #[test]
@@ -188,7 +248,6 @@ fn learnable_target(dir: &Path) -> TinyTarget {
     t
 }
 
-/// The target in `dir` loaded without a draft (as `dflash train` loads it).
 /// The learnable target in `dir/t`, its plain pipeline, and its greedy answers (24 tokens)
 /// to 12 prompts seeded `seed`.
 fn learnable_sequences(dir: &Path, seed: u64) -> (TinyTarget, Pipeline, Vec<data::Sequence>) {
@@ -223,6 +282,7 @@ fn resident_pool(seqs: &[data::Sequence], tr: &Trainer) -> train::ExamplePool {
     .unwrap()
 }
 
+/// The target in `dir` loaded without a draft (as `dflash train` loads it).
 fn plain_pipeline(dir: &Path) -> Pipeline {
     Pipeline::load(&PipelineOptions {
         model: dir.display().to_string(),

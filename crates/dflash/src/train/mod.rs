@@ -24,7 +24,7 @@
 pub mod adamw;
 pub mod data;
 
-use crate::archs::{Logits, TargetModel};
+use crate::archs::{BatchItem, ForwardOutput, Logits, TargetModel};
 use crate::config::draft::{default_taps, Dflash2Config, DraftConfig};
 use crate::config::TargetConfig;
 use crate::draft::{BlockSegment, DraftModel};
@@ -34,7 +34,7 @@ use crate::{Error, Result};
 use adamw::AdamW;
 use candle_core::{DType, Device, Tensor, Var, D};
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::Path;
 
 /// Hyper-parameters of a training run.
@@ -212,26 +212,71 @@ pub enum Labels {
     Argmax,
 }
 
-/// Run the target once over `ids` (taps + logits when relabelling) and build an [`Example`].
-pub fn make_example(
+impl Labels {
+    /// The logits a target pass must return for these labels.
+    fn logits(self) -> Logits {
+        match self {
+            Labels::Sequence => Logits::None,
+            Labels::Argmax => Logits::All,
+        }
+    }
+}
+
+/// Rows a batch of target passes takes at most ([`make_examples_batch`]; one longer sequence
+/// still runs alone).
+const PASS_ROWS: usize = 4096;
+/// Sequences a batch of target passes takes at most.
+const PASS_SEQS: usize = 32;
+
+/// Target passes (taps, and logits when relabelling) over several sequences in one batched
+/// forward ([`TargetModel::forward_batch`]: every layer's weights read once for all of them),
+/// each made into an [`Example`] as its own pass would make it (batched == alone).
+pub fn make_examples_batch(
     target: &dyn TargetModel,
     taps: &[usize],
-    ids: Vec<u32>,
-    response_start: usize,
+    seqs: &[&data::Sequence],
     labels: Labels,
-) -> Result<Example> {
-    let n = ids.len();
+) -> Result<Vec<Example>> {
+    for s in seqs {
+        check_sequence(s.ids.len(), s.response_start)?;
+    }
+    let mut caches = seqs
+        .iter()
+        .map(|s| target.new_cache(s.ids.len()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut items: Vec<BatchItem> = seqs
+        .iter()
+        .zip(caches.iter_mut())
+        .map(|(s, cache)| BatchItem {
+            tokens: &s.ids,
+            start: 0,
+            cache,
+            logits: labels.logits(),
+        })
+        .collect();
+    let outs = target.forward_batch(&mut items, taps)?;
+    seqs.iter()
+        .zip(outs)
+        .map(|(s, out)| example_from(out?, s.ids.clone(), s.response_start, labels))
+        .collect()
+}
+
+fn check_sequence(n: usize, response_start: usize) -> Result<()> {
     if n < 2 || response_start >= n {
         return Err(Error::input(format!(
             "training sequence of {n} tokens has no response tokens after position {response_start}"
         )));
     }
-    let mut cache = target.new_cache(n)?;
-    let logits = match labels {
-        Labels::Sequence => Logits::None,
-        Labels::Argmax => Logits::All,
-    };
-    let out = target.forward(&ids, 0, &mut cache, taps, logits)?;
+    Ok(())
+}
+
+fn example_from(
+    out: ForwardOutput,
+    ids: Vec<u32>,
+    response_start: usize,
+    labels: Labels,
+) -> Result<Example> {
+    let n = ids.len();
     let t = out
         .taps
         .ok_or_else(|| Error::input("target returned no taps"))?;
@@ -970,9 +1015,29 @@ pub fn make_examples(
     seqs: &[data::Sequence],
     mode: DataMode,
 ) -> Result<Vec<Example>> {
-    seqs.iter()
-        .map(|s| make_example(target, taps, s.ids.clone(), s.response_start, mode.labels()))
-        .collect()
+    let mut out = Vec::with_capacity(seqs.len());
+    let mut at = 0;
+    while at < seqs.len() {
+        let batch = pass_batch(seqs[at..].iter());
+        out.extend(make_examples_batch(target, taps, &batch, mode.labels())?);
+        at += batch.len();
+    }
+    Ok(out)
+}
+
+/// The leading sequences of `seqs` that one batch of target passes takes: up to
+/// [`PASS_SEQS`] of them within [`PASS_ROWS`] rows (at least one).
+fn pass_batch<'a>(seqs: impl Iterator<Item = &'a data::Sequence>) -> Vec<&'a data::Sequence> {
+    let mut rows = 0;
+    let mut batch = Vec::new();
+    for s in seqs.take(PASS_SEQS) {
+        if !batch.is_empty() && rows + s.ids.len() > PASS_ROWS {
+            break;
+        }
+        rows += s.ids.len();
+        batch.push(s);
+    }
+    batch
 }
 
 /// The training examples of a run: sequences whose target passes (taps and labels) are made
@@ -993,6 +1058,8 @@ pub struct ExamplePool {
     next: usize,
     /// (example, draws so far)
     window: Vec<(Example, usize)>,
+    /// Passes made ahead in a batch, next in load order, not yet in the window.
+    ready: VecDeque<Example>,
     bytes: u64,
     /// Target passes made.
     pub passes: usize,
@@ -1033,6 +1100,7 @@ impl ExamplePool {
             order,
             next: 0,
             window: Vec::new(),
+            ready: VecDeque::new(),
             bytes: 0,
             passes: 0,
         })
@@ -1054,7 +1122,8 @@ impl ExamplePool {
     /// Where in its load order the pool's window begins (for a resumed run to go on from
     /// there: [`ExamplePool::start_at`]).
     pub fn position(&self) -> usize {
-        self.next.saturating_sub(self.window.len())
+        self.next
+            .saturating_sub(self.window.len() + self.ready.len())
     }
 
     /// Begin loading at `position` of the load order (before [`ExamplePool::fill`]).
@@ -1077,17 +1146,24 @@ impl ExamplePool {
         self.window.len() == self.seqs.len()
     }
 
-    fn load_next(&mut self, target: &dyn TargetModel) -> Result<Example> {
-        let s = &self.seqs[self.order[self.next % self.order.len()]];
-        self.next += 1;
-        self.passes += 1;
-        make_example(
-            target,
-            &self.taps,
-            s.ids.clone(),
-            s.response_start,
-            self.labels,
-        )
+    /// The next example in load order: made ahead with up to `ahead - 1` more in one batched
+    /// target forward ([`make_examples_batch`]; a batch does not wrap past the end of the
+    /// load order, so a pool that holds every sequence makes each pass once).
+    fn load_next(&mut self, target: &dyn TargetModel, ahead: usize) -> Result<Example> {
+        if self.ready.is_empty() {
+            let n = self.order.len();
+            let at = self.next % n;
+            let want = ahead.clamp(1, n - at);
+            let batch = pass_batch(self.order[at..at + want].iter().map(|&i| &self.seqs[i]));
+            let made = make_examples_batch(target, &self.taps, &batch, self.labels)?;
+            self.next += made.len();
+            self.passes += made.len();
+            self.ready.extend(made);
+        }
+        Ok(self
+            .ready
+            .pop_front()
+            .expect("a batch makes at least one example"))
     }
 
     fn example_bytes(ex: &Example) -> u64 {
@@ -1102,7 +1178,8 @@ impl ExamplePool {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<()> {
         while !self.all_resident() && (self.window.is_empty() || self.bytes < self.budget) {
-            let ex = self.load_next(target)?;
+            let ahead = self.seqs.len() - self.window.len();
+            let ex = self.load_next(target, ahead)?;
             self.bytes += Self::example_bytes(&ex);
             self.window.push((ex, 0));
             progress(self.window.len(), self.seqs.len());
@@ -1121,7 +1198,9 @@ impl ExamplePool {
         slot.1 += 1;
         let ex = slot.0.clone();
         if slot.1 >= self.reuse && !self.all_resident() {
-            let new = self.load_next(target)?;
+            // replacements made a quarter of the window ahead at most
+            let ahead = self.window.len() / 4;
+            let new = self.load_next(target, ahead)?;
             self.bytes = self.bytes - Self::example_bytes(&ex) + Self::example_bytes(&new);
             self.window[i] = (new, 0);
         }
