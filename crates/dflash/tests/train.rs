@@ -68,6 +68,21 @@ fn target_taps(t: &dyn TargetModel, ids: &[u32], taps: &[usize]) -> Tensor {
         .unwrap()
 }
 
+/// A random tiny Qwen3 target (seed 5) written to `dir/t` and loaded.
+fn tiny_qwen3(
+    dir: &Path,
+) -> (
+    TinyTarget,
+    dflash::config::TargetConfig,
+    Box<dyn TargetModel>,
+) {
+    let t = TinyTarget::qwen3(5);
+    t.write(&dir.join("t")).unwrap();
+    let tsrc = ModelSource::from_dir("t", &dir.join("t")).unwrap();
+    let (cfg, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
+    (t, cfg, target)
+}
+
 /// The pool's target passes run several sequences in one batched forward: each example (taps,
 /// and the argmax labels of a relabelled text) equals its sequence's pass alone, whatever the
 /// lengths in the batch (to f32 rounding: candle's f32 GEMM may block a 3-row product
@@ -75,10 +90,7 @@ fn target_taps(t: &dyn TargetModel, ids: &[u32], taps: &[usize]) -> Tensor {
 #[test]
 fn batched_target_passes_equal_alone() {
     let dir = tempfile::tempdir().unwrap();
-    let t = TinyTarget::qwen3(5);
-    t.write(&dir.path().join("t")).unwrap();
-    let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
-    let (_, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
+    let (t, _, target) = tiny_qwen3(dir.path());
     let taps = [0usize, 2, 3];
     let seqs: Vec<data::Sequence> = [9usize, 40, 17, 3, 28]
         .iter()
@@ -133,10 +145,7 @@ fn batched_target_passes_equal_alone() {
 #[test]
 fn training_forward_equals_inference_forward() {
     let dir = tempfile::tempdir().unwrap();
-    let t = TinyTarget::qwen3(5);
-    t.write(&dir.path().join("t")).unwrap();
-    let tsrc = ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
-    let (cfg, target) = dflash::archs::load_target(&tsrc, &LoadOptions::default()).unwrap();
+    let (t, cfg, target) = tiny_qwen3(dir.path());
     // (sliding layers, DFlash2 convolutions): the convolutions must stay inside each block.
     for (i, (sliding, dflash2)) in [(false, false), (true, false), (false, true), (true, true)]
         .into_iter()
