@@ -147,6 +147,12 @@ pub struct TrainArgs {
     /// step and sampler state); the other flags must be the ones it was trained with.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Start from the weights of a draft `dflash train` saved in DIR (config.json +
+    /// model.safetensors, e.g. an earlier device session's returned draft; same draft flags),
+    /// with a fresh optimizer and schedule: training over several sessions whose optimizer
+    /// state (--resume) stays behind on the machine.
+    #[arg(long, conflicts_with = "resume")]
+    pub init_from: Option<PathBuf>,
     /// Also write the resumable checkpoint (DIR/resume.safetensors + resume.json: f32
     /// parameters and optimizer moments, ~12 bytes a parameter) with every save (implied by
     /// --chunk-time and --resume).
@@ -369,6 +375,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut trainer = Trainer::new(target, &p.target_config, opts.clone())?;
     let keep_state = a.save_state || a.chunk_time.is_some() || a.resume.is_some();
     let mut pool_position = 0;
+    if let Some(dir) = &a.init_from {
+        trainer.init_from(dir)?;
+        eprintln!("started from the weights of {}", dir.display());
+    }
     if let Some(dir) = &a.resume {
         pool_position = trainer.resume(dir)?;
         eprintln!(

@@ -701,3 +701,111 @@ fn resumed_training_equals_uninterrupted() {
     let e = other.resume(&ckpt).unwrap_err().to_string();
     assert!(e.contains("--draft-layers") && !e.contains('\n'), "{e}");
 }
+
+/// A draft saved by one run starts another (`dflash train --init-from`, training over several
+/// device sessions): the new trainer holds exactly the saved weights (f32; bf16 as rounded),
+/// its first steps lower the loss from where the first run ended rather than from scratch,
+/// and a checkpoint of another draft shape or a quantized one is refused in one line.
+#[test]
+fn init_from_a_saved_draft_continues_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, p, seqs) = learnable_sequences(dir.path(), 500);
+    let opts = TrainOptions {
+        draft_layers: 1,
+        block_size: 8,
+        mask_token_id: (t.vocab - 1) as u32,
+        intermediate_size: Some(64),
+        steps: 60,
+        lr: 3e-3,
+        warmup: 4,
+        batch_blocks: 16,
+        blocks_per_seq: 8,
+        seed: 11,
+        ..Default::default()
+    };
+    let target = &*p.engine.target;
+    let mut first = Trainer::new(target, &p.target_config, opts.clone()).unwrap();
+    let mut pool = resident_pool(&seqs, &first);
+    pool.fill(target, &mut |_, _| {}).unwrap();
+    let fresh_loss = first.step(target, &mut pool).unwrap().loss;
+    let mut last = vec![];
+    for _ in 1..60 {
+        last.push(first.step(target, &mut pool).unwrap().loss);
+    }
+    let ended = last[50..].iter().sum::<f64>() / 9.0;
+    let saved = dir.path().join("saved");
+    first.save(&saved, candle_core::DType::F32).unwrap();
+    let saved16 = dir.path().join("saved16");
+    first.save(&saved16, candle_core::DType::BF16).unwrap();
+    let load = |d: &Path| {
+        candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
+    };
+
+    for (src, dt) in [
+        (&saved, candle_core::DType::F32),
+        (&saved16, candle_core::DType::BF16),
+    ] {
+        let mut next = Trainer::new(
+            target,
+            &p.target_config,
+            TrainOptions {
+                seed: 12,
+                ..opts.clone()
+            },
+        )
+        .unwrap();
+        next.init_from(src).unwrap();
+        let check = dir.path().join("check");
+        next.save(&check, candle_core::DType::F32).unwrap();
+        let (want, got) = (load(&saved), load(&check));
+        assert_eq!(want.len(), got.len());
+        for (n, w) in &want {
+            let w = w
+                .to_dtype(dt)
+                .unwrap()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap();
+            let (a, b) = (
+                w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                got[n].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert!(a == b, "{n} differs after init_from ({dt:?})");
+        }
+        if dt == candle_core::DType::F32 {
+            // a fresh optimizer over the trained weights: the loss starts where the first
+            // run ended (other draws), not at the untrained draft's
+            let mut pool = resident_pool(&seqs, &next);
+            pool.fill(target, &mut |_, _| {}).unwrap();
+            let l = next.step(target, &mut pool).unwrap().loss;
+            assert!(
+                l < 1.3 * ended && ended < 0.7 * fresh_loss,
+                "first loss {l:.3}; the first run {fresh_loss:.3} -> {ended:.3}"
+            );
+        }
+    }
+
+    let mut other = Trainer::new(
+        target,
+        &p.target_config,
+        TrainOptions {
+            draft_layers: 2,
+            ..opts.clone()
+        },
+    )
+    .unwrap();
+    let e = other.init_from(&saved).unwrap_err().to_string();
+    assert!(e.contains("--draft-layers") && !e.contains('\n'), "{e}");
+    // a quantized copy is refused, naming the file
+    let q = dir.path().join("q");
+    std::fs::create_dir_all(&q).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).unwrap()).unwrap();
+    cfg["quantization"] = serde_json::json!({"group_size": 64, "bits": 8});
+    std::fs::write(q.join("config.json"), cfg.to_string()).unwrap();
+    let mut again = Trainer::new(target, &p.target_config, opts).unwrap();
+    let e = again.init_from(&q).unwrap_err().to_string();
+    assert!(
+        e.contains("quantized") && e.contains("config.json") && !e.contains('\n'),
+        "{e}"
+    );
+}

@@ -757,6 +757,57 @@ impl Trainer {
         )
     }
 
+    /// Start from the weights of a draft this trainer's flags would make (`dir/config.json` and
+    /// `dir/model.safetensors` as [`Trainer::save`] writes them, at any float dtype): e.g. an
+    /// earlier session's returned draft, trained further on new data. Unlike
+    /// [`Trainer::resume`], the optimizer, step and schedule start fresh.
+    pub fn init_from(&mut self, dir: &Path) -> Result<()> {
+        let f = dir.join("config.json");
+        let text = std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?;
+        let mut cfg: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::input(format!("{}: {e}", f.display())))?;
+        if cfg.get("quantization").is_some() {
+            return Err(Error::input(format!(
+                "{}: a quantized draft; start from the float checkpoint `dflash train` saved",
+                f.display()
+            )));
+        }
+        let mut mine = self.config.clone();
+        for c in [&mut cfg, &mut mine] {
+            if let Some(o) = c.as_object_mut() {
+                o.remove("torch_dtype");
+            }
+        }
+        if cfg != mine {
+            return Err(Error::input(format!(
+                "{}: the draft's config differs from this run's: train with the flags it was trained with (--draft-layers, --block-size, --taps, --mask-token, --intermediate-size, --arch)",
+                f.display()
+            )));
+        }
+        let st = dir.join("model.safetensors");
+        let mut saved = candle_core::safetensors::load(&st, &Device::Cpu)
+            .map_err(|e| Error::weights(st.display().to_string(), e.to_string()))?;
+        for (n, v) in &self.vars {
+            let t = saved.remove(n).ok_or_else(|| {
+                Error::weights(st.display().to_string(), format!("no tensor {n}"))
+            })?;
+            if t.dims() != v.dims() {
+                return Err(Error::weights(
+                    st.display().to_string(),
+                    format!("{n} is {:?}, this draft's is {:?}", t.dims(), v.dims()),
+                ));
+            }
+            v.set(&t.to_dtype(v.dtype())?.to_device(&self.device)?)?;
+        }
+        if let Some(n) = saved.keys().next() {
+            return Err(Error::weights(
+                st.display().to_string(),
+                format!("tensor {n} is not a parameter of this draft"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Continue from [`Trainer::save_state`]'s files in `dir`: parameters, moments, step and
     /// sampler state. The draft's config must be the one this trainer was built with (same
     /// flags); the schedule is this run's (`opts.steps`, `opts.warmup`), continued at the
