@@ -11,7 +11,7 @@
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
 # Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
 # ShareGPT first turns), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
-# 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, one sequence at a time); BIN, GGUF, WORK, DEVICE
+# 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, one sequence at a time); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -54,12 +54,14 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
     ls -la "$R" ;;
   train|more)
     extra=(); [ "$PHASE" = more ] && extra=(--resume "$W/draft")
+    # INIT: a draft returned by an earlier session (staged with stage_data.sh) to train on from
+    [ "$PHASE" = train ] && [ -n "${INIT:-}" ] && extra+=(--init-from "$INIT")
     # TIME_LIMIT: fit the schedule (cosine decay included) to this many seconds of steps, for
     # a session that has one training call; CHUNK then only guards the call's length
     [ -n "${TIME_LIMIT:-}" ] && extra+=(--time-limit "$TIME_LIMIT")
     "$BIN" train "${common[@]}" --sequences "${seqs[@]}" "${draft[@]}" --chunk-time "${CHUNK:-480}" \
       "${extra[@]}" --out "$W/draft" > "$R/$PHASE.log" 2>&1 || { echo "!! $PHASE"; tail -5 "$R/$PHASE.log"; }
-    grep -E "^step|resumed|chunk-time|saved|fit --example|held-out" "$R/$PHASE.log" | tail -12 ;;
+    grep -E "^step|resumed|started from|chunk-time|saved|fit --example|held-out" "$R/$PHASE.log" | tail -12 ;;
   eval)
     # held-out tau and speedup per block (HumanEval + MT-Bench first turns, never trained on)
     # (the eval's logs stay on the machine: $OUT returns at most 8 files of 16 MiB each)

@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
-# Device side of carrying generated training data into a later session: keep the carried
-# part(s) of .device/data/ (sequences.part-NN from `PHASE=pack demo-train.sh`, and SHA256,
-# the `sha256sum` line it printed), and when the whole file checks, unpack it to
-# /root/work/t-staged/sequences.jsonl, where demo-train.sh's train phase picks it up with
-# any newly generated passes. One call per part: carry=[".device/data/SHA256",
-# ".device/data/sequences.part-NN"] (each ~15 MB beside the tree).
+# Device side of carrying generated training data and a returned draft into a later session,
+# one call per part beside the tree (each part ~15 MB):
+#   data:  carry=[".device/data/SHA256", ".device/data/sequences.part-NN"] (the parts and the
+#          `sha256sum` line of `PHASE=pack demo-train.sh`); whole, it is unpacked to
+#          /root/work/t-staged/sequences.jsonl, where demo-train.sh's train phase picks it up
+#          with any newly generated passes.
+#   draft: carry=[".device/draft/SHA256", ".device/draft/config.json",
+#          ".device/draft/model.safetensors.part-NN"] (what `PHASE=eval` returned); whole, it is
+#          /root/work/init, which `INIT=/root/work/init PHASE=train demo-train.sh` trains on from.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p /root/stage-data /root/work/t-staged
-for p in "$root"/.device/data/sequences.part-*; do
-  [ -f "$p" ] && cp "$p" /root/stage-data/ && echo "kept $(basename "$p")"
-done
-sum=$(cut -d' ' -f1 "$root/.device/data/SHA256")
-cat /root/stage-data/sequences.part-* > /root/stage-data/whole.gz
-if [ "$(sha256sum /root/stage-data/whole.gz | cut -d' ' -f1)" = "$sum" ]; then
-  gunzip -c /root/stage-data/whole.gz > /root/work/t-staged/sequences.jsonl &&
+# keep NAME: .device/NAME's carried parts into /root/stage-NAME; prints the whole file's path
+# once its parts check against .device/NAME/SHA256
+keep() {
+  local name=$1 stage=/root/stage-$1
+  mkdir -p "$stage"
+  for p in "$root/.device/$name"/*.part-*; do
+    [ -f "$p" ] && cp "$p" "$stage/" && echo "kept $name/$(basename "$p")" >&2
+  done
+  [ -f "$root/.device/$name/config.json" ] && cp "$root/.device/$name/config.json" "$stage/"
+  [ -f "$root/.device/$name/SHA256" ] || return 1
+  ls "$stage"/*.part-* > /dev/null 2>&1 || return 1
+  cat "$stage"/*.part-* > "$stage/whole"
+  if [ "$(sha256sum "$stage/whole" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$root/.device/$name/SHA256")" ]; then
+    echo "$stage/whole"
+  else
+    echo "$name: $(ls "$stage" | grep -c '\.part-') parts so far (not whole yet)" >&2
+    rm -f "$stage/whole"
+    return 1
+  fi
+}
+if w=$(keep data); then
+  mkdir -p /root/work/t-staged
+  gunzip -c "$w" > /root/work/t-staged/sequences.jsonl && rm -f "$w" &&
     echo "whole: $(wc -l < /root/work/t-staged/sequences.jsonl) sequences in /root/work/t-staged (sha256 ok)"
-else
-  echo "parts so far: $(ls /root/stage-data | grep -c '^sequences.part-') (not whole yet)"
 fi
-rm -f /root/stage-data/whole.gz
+if w=$(keep draft); then
+  mkdir -p /root/work/init
+  mv "$w" /root/work/init/model.safetensors && cp /root/stage-draft/config.json /root/work/init/ &&
+    echo "whole: the draft in /root/work/init (sha256 ok)"
+fi
+exit 0
