@@ -9,7 +9,7 @@
 #   PHASE=train bash tools/gpu-bench/demo-train.sh   # first chunk (resumable)
 #   PHASE=more  bash tools/gpu-bench/demo-train.sh   # further chunks (--resume)
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
-# Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
+# Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
 # ShareGPT first turns), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
 # 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, one sequence at a time); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
@@ -31,8 +31,12 @@ draft=(--draft-layers "${LAYERS:-4}" --block-size 16 --steps "${STEPS:-30000}" -
 seqs=("$W"/t*/sequences.jsonl)
 case ${PHASE:?PHASE=gen|pack|train|more|eval} in
   gen)
-    # greedy once, then T1_PASSES sampled passes (record i of pass k seeded k * 100000 + i)
-    for run in t0 $(seq -f 't1-%g' 1 "${T1_PASSES:-1}"); do
+    # greedy once (GREEDY=0: not), then T1_PASSES sampled passes numbered from T1_FROM (1;
+    # record i of pass k seeded k * 100000 + i, so passes staged from an earlier session are
+    # not made again by starting past them)
+    from=${T1_FROM:-1}
+    [ "${GREEDY:-1}" = 0 ] && runs="" || runs=t0
+    for run in $runs $(seq -f 't1-%g' "$from" $((from + ${T1_PASSES:-1} - 1))); do
       T0=$SECONDS
       case $run in t0) t=0 seed=0 ;; *) t=1 seed=$((${run#t1-} * 100000)) ;; esac
       "$BIN" train "${common[@]}" --prompts "${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz}" \
