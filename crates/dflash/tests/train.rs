@@ -629,6 +629,24 @@ fn packed_steps_equal_sequence_by_sequence() {
     }
 }
 
+/// A 1-layer block-8 draft for the learnable target, trained `steps` steps of 16 blocks (the
+/// resume and init-from tests).
+fn one_layer_opts(t: &TinyTarget, steps: usize) -> TrainOptions {
+    TrainOptions {
+        draft_layers: 1,
+        block_size: 8,
+        mask_token_id: (t.vocab - 1) as u32,
+        intermediate_size: Some(64),
+        steps,
+        lr: 3e-3,
+        warmup: 4,
+        batch_blocks: 16,
+        blocks_per_seq: 8,
+        seed: 11,
+        ..Default::default()
+    }
+}
+
 /// A run stopped with a resumable checkpoint and resumed (`Trainer::save_state` /
 /// `Trainer::resume`, as `dflash train --chunk-time` / `--resume` do) ends with exactly the
 /// weights of the same run uninterrupted; a checkpoint of another draft shape is refused with
@@ -637,19 +655,7 @@ fn packed_steps_equal_sequence_by_sequence() {
 fn resumed_training_equals_uninterrupted() {
     let dir = tempfile::tempdir().unwrap();
     let (t, p, seqs) = learnable_sequences(dir.path(), 500);
-    let opts = TrainOptions {
-        draft_layers: 1,
-        block_size: 8,
-        mask_token_id: (t.vocab - 1) as u32,
-        intermediate_size: Some(64),
-        steps: 24,
-        lr: 3e-3,
-        warmup: 4,
-        batch_blocks: 16,
-        blocks_per_seq: 8,
-        seed: 11,
-        ..Default::default()
-    };
+    let opts = one_layer_opts(&t, 24);
     let target = &*p.engine.target;
     let run = |tr: &mut Trainer, steps: usize, position: usize| {
         let mut pool = resident_pool(&seqs, tr);
@@ -710,19 +716,7 @@ fn resumed_training_equals_uninterrupted() {
 fn init_from_a_saved_draft_continues_it() {
     let dir = tempfile::tempdir().unwrap();
     let (t, p, seqs) = learnable_sequences(dir.path(), 500);
-    let opts = TrainOptions {
-        draft_layers: 1,
-        block_size: 8,
-        mask_token_id: (t.vocab - 1) as u32,
-        intermediate_size: Some(64),
-        steps: 60,
-        lr: 3e-3,
-        warmup: 4,
-        batch_blocks: 16,
-        blocks_per_seq: 8,
-        seed: 11,
-        ..Default::default()
-    };
+    let opts = one_layer_opts(&t, 60);
     let target = &*p.engine.target;
     let mut first = Trainer::new(target, &p.target_config, opts.clone()).unwrap();
     let mut pool = resident_pool(&seqs, &first);
