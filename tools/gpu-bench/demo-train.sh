@@ -14,16 +14,9 @@
 # 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, one sequence at a time); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
 set -uo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-BIN=${BIN:-/root/stash/dflash}
-GGUF=${GGUF:-/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf}
+. "$(dirname "$0")/demo-env.sh"
 W=${WORK:-/root/work}
-R=${OUT:-/tmp}
 mkdir -p "$W" "$R"
-lib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))' 2>/dev/null) &&
-  export LD_LIBRARY_PATH=$lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
-[ -x "$BIN" ] && [ -f "$GGUF" ] || { echo "!! stage the GGUF and dflash first (tools/gpu-bench/stage.sh)"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 common=(--target "$GGUF" --device "${DEVICE:-cuda}" --max-seq 768)
 draft=(--draft-layers "${LAYERS:-4}" --block-size 16 --steps "${STEPS:-30000}" --batch-blocks "${BATCH:-128}"

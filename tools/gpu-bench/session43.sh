@@ -5,14 +5,7 @@
 # greedy mismatches of the committed demo draft at blocks 16 and 8, and batched generation's
 # rate (`train --data-only`, 128 sequences at once). Env: GEN_SECS (60), LIMIT (10).
 set -uo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-BIN=${BIN:-/root/stash/dflash}
-GGUF=${GGUF:-/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf}
-R=${OUT:-/tmp}
-lib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))' 2>/dev/null) &&
-  export LD_LIBRARY_PATH=$lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
-[ -x "$BIN" ] && [ -f "$GGUF" ] || { echo "!! stage the GGUF and dflash first (tools/gpu-bench/stage.sh)"; exit 1; }
+. "$(dirname "$0")/demo-env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 echo "== generate --compare (block 16, then the adaptive policy)"
 for bs in "--block-size 16" ""; do

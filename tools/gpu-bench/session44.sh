@@ -4,14 +4,7 @@
 # block 16: greedy DFlash == plain, and plain decoding's rate), then generates the training
 # data (PHASE=gen of demo-train.sh: GEN_SECS a pass, T1_PASSES sampled passes, GEN_BATCH).
 set -uo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-BIN=${BIN:-/root/stash/dflash}
-GGUF=${GGUF:-/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf}
-R=${OUT:-/tmp}
-lib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))' 2>/dev/null) &&
-  export LD_LIBRARY_PATH=$lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
-[ -x "$BIN" ] && [ -f "$GGUF" ] || { echo "!! stage the GGUF and dflash first (tools/gpu-bench/stage.sh)"; exit 1; }
+. "$(dirname "$0")/demo-env.sh"
 echo "== generate --compare --block-size 16"
 timeout 90 "$BIN" generate --model "$GGUF" --device cuda --max-tokens 128 --compare --block-size 16 \
   --prompt "Write a Python function that checks whether a number is prime." 2>&1 >/dev/null |
