@@ -1061,10 +1061,7 @@ impl DraftModel {
         let t_blk = self.rope.tables_at(&positions, dev, self.dtype)?;
         let ctx = if s > 0 {
             let c = Tensor::cat(&parts, 0)?.to_dtype(self.dtype)?;
-            let t_ctx = match segs.len() {
-                1 => self.rope.tables(0, s, dev, self.dtype)?,
-                _ => self.rope.tables_at(&ctx_pos, dev, self.dtype)?,
-            };
+            let t_ctx = self.rope.tables_at(&ctx_pos, dev, self.dtype)?;
             Some((self.hidden_norm.forward(&self.fc.forward(&c)?)?, t_ctx))
         } else {
             None

@@ -342,6 +342,10 @@ pub fn pack_runs(
     runs
 }
 
+/// The `dflash train` flags that make a draft's config (named when a checkpoint's differs).
+const DRAFT_FLAGS: &str =
+    "(--draft-layers, --block-size, --taps, --mask-token, --intermediate-size, --arch)";
+
 /// A draft in training: its variables, the draft model built on them, the optimizer.
 pub struct Trainer {
     pub opts: TrainOptions,
@@ -530,13 +534,10 @@ impl Trainer {
         let mut block_ids = Vec::with_capacity(nb * q);
         let mut labels = Vec::with_capacity(nb * (q - 1));
         let mut weights = Vec::with_capacity(nb * (q - 1));
-        // every block's anchor token (the predecessor of its row 1)
-        let mut anchor_ids = Vec::with_capacity(nb);
         for (ex, anchors) in items {
             let n = ex.ids.len();
             for &a in anchors.iter() {
                 block_ids.push(ex.ids[a]);
-                anchor_ids.push(ex.ids[a]);
                 block_ids.extend(std::iter::repeat(mask).take(q - 1));
                 for k in 1..q {
                     if a + k < n {
@@ -579,9 +580,11 @@ impl Trainer {
         let w = Tensor::from_vec(weights.clone(), m, &self.device)?;
         let mut nll = (picked * w)?.sum_all()?.neg()?;
         if let Some(sel) = self.draft.selector() {
-            // The predecessor of row k is the token before it: the anchor's for row 1.
-            let prev: Vec<u32> = anchor_ids
+            // The predecessor of row k is the token before it: the anchor's (the block's
+            // first id) for row 1.
+            let prev: Vec<u32> = block_ids
                 .iter()
+                .step_by(q)
                 .enumerate()
                 .flat_map(|(b, &first)| {
                     let labels = &labels;
@@ -772,15 +775,13 @@ impl Trainer {
                 f.display()
             )));
         }
-        let mut mine = self.config.clone();
-        for c in [&mut cfg, &mut mine] {
-            if let Some(o) = c.as_object_mut() {
-                o.remove("torch_dtype");
-            }
+        // saved at another dtype than this run trains in: the same draft
+        if let Some(o) = cfg.as_object_mut() {
+            o.insert("torch_dtype".into(), self.config["torch_dtype"].clone());
         }
-        if cfg != mine {
+        if cfg != self.config {
             return Err(Error::input(format!(
-                "{}: the draft's config differs from this run's: train with the flags it was trained with (--draft-layers, --block-size, --taps, --mask-token, --intermediate-size, --arch)",
+                "{}: the draft's config differs from this run's: train with the flags it was trained with {DRAFT_FLAGS}",
                 f.display()
             )));
         }
@@ -826,7 +827,7 @@ impl Trainer {
         };
         if st["config"] != self.config {
             return Err(Error::input(format!(
-                "{}: the checkpoint's draft config differs from this run's: resume with the flags it was trained with (--draft-layers, --block-size, --taps, --mask-token, --intermediate-size, --arch)",
+                "{}: the checkpoint's draft config differs from this run's: resume with the flags it was trained with {DRAFT_FLAGS}",
                 f.display()
             )));
         }
