@@ -647,6 +647,9 @@ impl Trainer {
     pub fn step(&mut self, target: &dyn TargetModel, pool: &mut ExamplePool) -> Result<StepStats> {
         let per = self.opts.blocks_per_seq.max(1);
         let mut left = self.opts.batch_blocks.max(1);
+        // DFLASH_PROFILE: where a step's time goes (target passes made while drawing, the
+        // draft forward with the loss, the backward, clipping and the optimizer)
+        let mut timer = crate::stats::SectionTimer::start("train step", &self.device);
         let mut drawn = Vec::new();
         while left > 0 {
             let ex = pool.draw(target, &mut self.rng)?;
@@ -654,6 +657,7 @@ impl Trainer {
             left -= anchors.len();
             drawn.push((ex, anchors));
         }
+        timer.mark("draw");
         let mut parts = Vec::new();
         let (mut wsum, mut tokens, mut hit, mut tot) = (0.0, 0, 0, 0);
         for group in self.forward_groups(&drawn) {
@@ -673,7 +677,9 @@ impl Trainer {
             .skip(1)
             .try_fold(parts[0].clone(), |a, b| a + b)?;
         let loss = (total / wsum.max(1e-9))?;
+        timer.mark("forward");
         let mut grads = loss.backward()?;
+        timer.mark("backward");
         // Global gradient-norm clipping (the per-parameter sums stay on the device: one read).
         let mut sums = vec![];
         for (_, v) in &self.vars {
@@ -695,9 +701,12 @@ impl Trainer {
                 }
             }
         }
+        timer.mark("clip");
         let lr = self.opts.lr_at(self.step);
         self.opt.lr = lr;
         self.opt.step(&grads)?;
+        timer.mark("optimizer");
+        timer.finish();
         self.step += 1;
         let loss = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
         if !loss.is_finite() {
