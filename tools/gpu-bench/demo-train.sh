@@ -11,7 +11,7 @@
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
 # Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
 # ShareGPT first turns), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
-# 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, one sequence at a time); BIN, GGUF, WORK, DEVICE
+# 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, 32 sequences a batch); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
 set -uo pipefail
 . "$(dirname "$0")/demo-env.sh"
@@ -20,7 +20,7 @@ mkdir -p "$W" "$R"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 common=(--target "$GGUF" --device "${DEVICE:-cuda}" --max-seq 768)
 draft=(--draft-layers "${LAYERS:-4}" --block-size 16 --steps "${STEPS:-30000}" --batch-blocks "${BATCH:-128}"
-  --blocks-per-seq 16 --lr "${LR:-6e-4}" --warmup 300 --save-every 2000 --seed 0 --example-budget-gb "${BUDGET_GB:-12}")
+  --blocks-per-seq "${BPS:-16}" --lr "${LR:-6e-4}" --warmup 300 --save-every 2000 --seed 0 --example-budget-gb "${BUDGET_GB:-12}")
 seqs=("$W"/t*/sequences.jsonl)
 case ${PHASE:?PHASE=gen|pack|train|more|eval} in
   gen)
