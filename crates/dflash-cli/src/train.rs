@@ -61,6 +61,11 @@ pub struct TrainArgs {
     /// CPU). Same loss either way; for A/B runs of the step time.
     #[arg(long)]
     pub pack_scores: Option<usize>,
+    /// Keep f32 matmuls on CUDA exact. By default this run's f32 matmuls (the draft's, and the
+    /// target's if loaded with `--dtype f32`) use TF32 tensor cores: 10-bit mantissa
+    /// products, f32 sums, the usual setting for training. No effect on the CPU.
+    #[arg(long)]
+    pub exact_f32: bool,
     #[arg(long, default_value_t = 1)]
     pub draft_layers: usize,
     #[arg(long, default_value_t = 16)]
@@ -388,15 +393,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
             trainer.opts.steps
         );
     }
+    let tf32 = target.info().device.is_cuda() && !a.exact_f32;
+    candle_core::cuda::set_gemm_reduced_precision_f32(tf32);
     eprintln!(
-        "draft: {} {} layers, {} params, taps {:?}, block {}, mask token {mask_token_id}, gamma {:.2}, data {}",
+        "draft: {} {} layers, {} params, taps {:?}, block {}, mask token {mask_token_id}, gamma {:.2}, data {}, f32 matmuls {}",
         trainer.draft().arch_name(),
         a.draft_layers,
         trainer.num_params(),
         trainer.taps,
         a.block_size,
         opts.gamma(),
-        a.data
+        a.data,
+        if tf32 { "tf32" } else { "exact" }
     );
     // --time-limit and --chunk-time count from here: the pool's target passes take their
     // share of a device call too (tens of thousands of sequences: minutes).
