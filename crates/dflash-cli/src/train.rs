@@ -4,7 +4,6 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash::chat::ChatMessage;
 use dflash::engine::{Flow, GenerateRequest};
 use dflash::pipeline::{Pipeline, PipelineOptions};
 use dflash::train::{self, data, DataMode, SequenceOptions, TrainOptions, Trainer};
@@ -250,7 +249,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 let f = data::resolve_file(spec)?;
                 records.extend(data::read_records(&f, a.max_prompts)?);
             }
-            // the evaluation prompts are never trained on (same first turn, or same ids)
+            // the evaluation prompts are never trained on (same turn to answer, or same ids)
             let key = |r: &data::Record| match (&r.prompt.text, &r.prompt.prompt_ids) {
                 (Some(t), _) => Some(t.trim().to_string()),
                 (None, Some(ids)) => Some(format!("{ids:?}")),
@@ -562,11 +561,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             let recs = data::read_records(&f, a.eval_n)?;
             let (mut lens, mut gen) = (vec![], 0usize);
             for r in &recs {
-                let ids = match (&r.prompt.prompt_ids, &r.prompt.text) {
+                let ids = match (&r.prompt.prompt_ids, r.prompt.messages()) {
                     (Some(ids), _) => ids.clone(),
-                    (None, Some(t)) => {
-                        p.encode_prompt(&[ChatMessage::user(t.clone())], !a.no_chat_template, None)?
-                    }
+                    (None, Some(chat)) => p.encode_prompt(&chat, !a.no_chat_template, None)?,
                     _ => continue,
                 };
                 let mut req = GenerateRequest::new(ids, a.eval_max_tokens);

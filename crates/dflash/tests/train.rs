@@ -308,6 +308,7 @@ fn prompts(seed: u64, n: usize, vocab: usize) -> Vec<data::Record> {
                 id: format!("{i}"),
                 text: None,
                 prompt_ids: Some(ids(seed + i as u64, 3 + i % 7, vocab)),
+                earlier: Vec::new(),
             },
             reference: None,
         })

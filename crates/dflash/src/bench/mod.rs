@@ -34,7 +34,6 @@ pub use machine::Machine;
 pub use prompts::Prompt;
 
 use crate::archs::family_for;
-use crate::chat::ChatMessage;
 use crate::config::draft::DraftConfig;
 use crate::engine::GenerateRequest;
 use crate::pipeline::{Pipeline, PipelineOptions};
@@ -631,8 +630,9 @@ fn run_protocol(
     Ok(())
 }
 
-/// Encode every prompt once (token ids as given, else the first turn through the chat
-/// template with the thinking flag); both modes use these very ids.
+/// Encode every prompt once (token ids as given, else the chat, earlier turns and the turn
+/// to answer, through the chat template with the thinking flag); both modes use these very
+/// ids.
 fn encode_prompts(
     p: &Pipeline,
     prompts: &[Prompt],
@@ -643,20 +643,16 @@ fn encode_prompts(
     }
     let mut out = Vec::new();
     for pr in prompts {
-        let ids = match (&pr.prompt_ids, &pr.text) {
+        let ids = match (&pr.prompt_ids, pr.messages()) {
             (Some(ids), _) => ids.clone(),
-            (None, Some(text)) => {
+            (None, Some(chat)) => {
                 if p.tokenizer.is_none() {
                     return Err(Error::input(format!(
                         "prompt {}: the model has no tokenizer.json; give `prompt_ids` in the prompts JSONL",
                         pr.id
                     )));
                 }
-                p.encode_prompt(
-                    &[ChatMessage::user(text.clone())],
-                    true,
-                    Some(opts.enable_thinking),
-                )?
+                p.encode_prompt(&chat, true, Some(opts.enable_thinking))?
             }
             (None, None) => return Err(Error::input(format!("prompt {}: empty", pr.id))),
         };

@@ -11,6 +11,7 @@
 //! `python3 -m zipfile` / `python3 -m gzip` (no archive crates in the engine). Multi-turn
 //! sets contribute their first user turn.
 
+use crate::chat::ChatMessage;
 use crate::{Error, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -20,10 +21,24 @@ use std::process::Command;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prompt {
     pub id: String,
-    /// The first user turn.
+    /// The user turn to answer.
     pub text: Option<String>,
     /// Token ids used as is (for models without a tokenizer).
     pub prompt_ids: Option<Vec<u32>>,
+    /// The conversation before `text` (a `messages` record's earlier turns), empty for a
+    /// single-turn prompt.
+    pub earlier: Vec<ChatMessage>,
+}
+
+impl Prompt {
+    /// The chat to render with the template: the earlier turns, then `text` as the user's
+    /// (None for an id-only prompt).
+    pub fn messages(&self) -> Option<Vec<ChatMessage>> {
+        let text = self.text.as_ref()?;
+        let mut m = self.earlier.clone();
+        m.push(ChatMessage::user(text.clone()));
+        Some(m)
+    }
 }
 
 /// A few short prompts used when neither `--prompts` nor `--dataset` is given.
@@ -39,12 +54,14 @@ pub fn default_prompts() -> Vec<Prompt> {
         id: format!("default/{i}"),
         text: Some(t.to_string()),
         prompt_ids: None,
+        earlier: Vec::new(),
     })
     .collect()
 }
 
 /// Parse one JSON object: `prompt_ids` (ids), else `prompt` (string), else `turns[0]`, else
-/// ShareGPT `conversations` (first human turn).
+/// ShareGPT `conversations` (first human turn), else `messages` (a chat, OpenAI style, whose
+/// last message is the user's turn to answer: `text`, the others `earlier`).
 pub fn prompt_from_value(v: &Value, fallback_id: String) -> Option<Prompt> {
     let id = ["id", "task_id", "question_id"]
         .iter()
@@ -80,6 +97,11 @@ pub fn prompt_from_value(v: &Value, fallback_id: String) -> Option<Prompt> {
         })
         .map(str::to_string)
         .filter(|t| !t.trim().is_empty());
+    let (text, earlier) = match (text, chat_from_value(v)) {
+        (Some(t), _) => (Some(t), Vec::new()),
+        (None, Some((t, earlier))) => (Some(t), earlier),
+        (None, None) => (None, Vec::new()),
+    };
     if prompt_ids.is_none() && text.is_none() {
         return None;
     }
@@ -87,7 +109,27 @@ pub fn prompt_from_value(v: &Value, fallback_id: String) -> Option<Prompt> {
         id,
         text,
         prompt_ids,
+        earlier,
     })
+}
+
+/// A `messages` array (`[{role, content}]`, roles system / user / assistant) whose last
+/// message is a non-empty user turn: that turn and the messages before it.
+fn chat_from_value(v: &Value) -> Option<(String, Vec<ChatMessage>)> {
+    let mut m: Vec<ChatMessage> = v
+        .get("messages")?
+        .as_array()?
+        .iter()
+        .map(|m| {
+            let role = m.get("role")?.as_str()?;
+            let content = m.get("content")?.as_str()?;
+            ["system", "user", "assistant"]
+                .contains(&role)
+                .then(|| ChatMessage::new(role, content))
+        })
+        .collect::<Option<_>>()?;
+    let last = m.pop()?;
+    (last.role == "user" && !last.content.trim().is_empty()).then_some((last.content, m))
 }
 
 /// Read a JSONL prompt file. Every non-empty line must be an object with `prompt`, `turns`
@@ -106,7 +148,7 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Prompt>> {
             Error::config(
                 &name,
                 format!("line {}", i + 1),
-                "expected `prompt` (string), `turns` (list of strings) or `prompt_ids` (list of ids)",
+                "expected `prompt` (string), `turns` (list of strings), `messages` (a chat ending on a user turn) or `prompt_ids` (list of ids)",
             )
         })?;
         out.push(p);
@@ -352,6 +394,36 @@ mod tests {
         let p = prompt_from_value(&json!({"prompt_ids": [1, 2, 3]}), "x".into()).unwrap();
         assert_eq!(p.prompt_ids, Some(vec![1, 2, 3]));
         assert!(prompt_from_value(&json!({"other": 1}), "x".into()).is_none());
+    }
+
+    /// A `messages` record: the last user turn is answered, the turns before it come along;
+    /// a chat that does not end on a user turn, or has another role, is no prompt.
+    #[test]
+    fn messages_records_keep_the_earlier_turns() {
+        let chat = json!({"id": "c_1", "messages": [
+            {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "7."},
+            {"role": "user", "content": "And a larger one?"}]});
+        let p = prompt_from_value(&chat, "x".into()).unwrap();
+        assert_eq!(p.text.as_deref(), Some("And a larger one?"));
+        assert_eq!(
+            p.messages().unwrap(),
+            vec![
+                ChatMessage::user("Name a prime."),
+                ChatMessage::assistant("7."),
+                ChatMessage::user("And a larger one?"),
+            ]
+        );
+        let single = prompt_from_value(&json!({"prompt": "hi"}), "x".into()).unwrap();
+        assert_eq!(single.messages().unwrap(), vec![ChatMessage::user("hi")]);
+        for bad in [
+            json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+            json!({"messages": [{"role": "tool", "content": "t"}, {"role": "user", "content": "q"}]}),
+            json!({"messages": [{"role": "user", "content": "  "}]}),
+            json!({"messages": []}),
+        ] {
+            assert!(prompt_from_value(&bad, "x".into()).is_none(), "{bad}");
+        }
     }
 
     #[test]

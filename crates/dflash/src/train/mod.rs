@@ -960,7 +960,6 @@ pub fn build_sequences(
     o: &SequenceOptions,
     progress: &mut dyn FnMut(usize, usize) -> bool,
 ) -> Result<(Vec<data::Sequence>, Vec<String>)> {
-    use crate::chat::ChatMessage;
     use crate::engine::{Flow, GenerateRequest};
     let (mut out, mut no_ref, mut too_long, mut empty) = (Vec::new(), 0, 0, 0);
     let mut stopped = None;
@@ -992,11 +991,9 @@ pub fn build_sequences(
         // (record index, prompt) of the group's usable records
         let mut prompts = Vec::with_capacity(end - i);
         for (j, r) in records.iter().enumerate().take(end).skip(i) {
-            let prompt = match (&r.prompt.prompt_ids, &r.prompt.text) {
+            let prompt = match (&r.prompt.prompt_ids, r.prompt.messages()) {
                 (Some(ids), _) => ids.clone(),
-                (None, Some(t)) => {
-                    p.encode_prompt(&[ChatMessage::user(t.clone())], o.chat_template, None)?
-                }
+                (None, Some(chat)) => p.encode_prompt(&chat, o.chat_template, None)?,
                 (None, None) => continue,
             };
             if prompt.is_empty() || prompt.len() + 2 > o.max_seq {
