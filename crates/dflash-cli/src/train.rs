@@ -561,10 +561,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
             let recs = data::read_records(&f, a.eval_n)?;
             let (mut lens, mut gen) = (vec![], 0usize);
             for r in &recs {
-                let ids = match (&r.prompt.prompt_ids, r.prompt.messages()) {
-                    (Some(ids), _) => ids.clone(),
-                    (None, Some(chat)) => p.encode_prompt(&chat, !a.no_chat_template, None)?,
-                    _ => continue,
+                let Some(ids) = p.prompt_record_ids(&r.prompt, !a.no_chat_template, None)? else {
+                    continue;
                 };
                 let mut req = GenerateRequest::new(ids, a.eval_max_tokens);
                 req.stop_ids = p.stop_ids.clone();

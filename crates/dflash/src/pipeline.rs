@@ -2,6 +2,7 @@
 //! engine with its tokenizer, chat template and stop tokens. The CLI and the server use this.
 
 use crate::archs::{load_target, LoadOptions};
+use crate::bench::prompts::Prompt;
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::config::TargetConfig;
 use crate::draft::load_draft;
@@ -317,6 +318,23 @@ impl Pipeline {
             let _ = self.grammar.set(c);
         }
         self.grammar.get().expect("set above").compile(spec)
+    }
+
+    /// A prompt record's ids: its `prompt_ids` as given, else its chat
+    /// ([`Prompt::messages`]) through [`Pipeline::encode_prompt`]; None when it has neither.
+    pub fn prompt_record_ids(
+        &self,
+        prompt: &Prompt,
+        use_template: bool,
+        enable_thinking: Option<bool>,
+    ) -> Result<Option<Vec<u32>>> {
+        match (&prompt.prompt_ids, prompt.messages()) {
+            (Some(ids), _) => Ok(Some(ids.clone())),
+            (None, Some(chat)) => self
+                .encode_prompt(&chat, use_template, enable_thinking)
+                .map(Some),
+            (None, None) => Ok(None),
+        }
     }
 
     /// Prompt ids for a chat (rendered with the chat template) or raw text.

@@ -643,19 +643,15 @@ fn encode_prompts(
     }
     let mut out = Vec::new();
     for pr in prompts {
-        let ids = match (&pr.prompt_ids, pr.messages()) {
-            (Some(ids), _) => ids.clone(),
-            (None, Some(chat)) => {
-                if p.tokenizer.is_none() {
-                    return Err(Error::input(format!(
-                        "prompt {}: the model has no tokenizer.json; give `prompt_ids` in the prompts JSONL",
-                        pr.id
-                    )));
-                }
-                p.encode_prompt(&chat, true, Some(opts.enable_thinking))?
-            }
-            (None, None) => return Err(Error::input(format!("prompt {}: empty", pr.id))),
-        };
+        if pr.prompt_ids.is_none() && pr.text.is_some() && p.tokenizer.is_none() {
+            return Err(Error::input(format!(
+                "prompt {}: the model has no tokenizer.json; give `prompt_ids` in the prompts JSONL",
+                pr.id
+            )));
+        }
+        let ids = p
+            .prompt_record_ids(pr, true, Some(opts.enable_thinking))?
+            .ok_or_else(|| Error::input(format!("prompt {}: empty", pr.id)))?;
         out.push(PromptRecord {
             id: pr.id.clone(),
             prompt_ids: ids,

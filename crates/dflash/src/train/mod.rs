@@ -991,10 +991,8 @@ pub fn build_sequences(
         // (record index, prompt) of the group's usable records
         let mut prompts = Vec::with_capacity(end - i);
         for (j, r) in records.iter().enumerate().take(end).skip(i) {
-            let prompt = match (&r.prompt.prompt_ids, r.prompt.messages()) {
-                (Some(ids), _) => ids.clone(),
-                (None, Some(chat)) => p.encode_prompt(&chat, o.chat_template, None)?,
-                (None, None) => continue,
+            let Some(prompt) = p.prompt_record_ids(&r.prompt, o.chat_template, None)? else {
+                continue;
             };
             if prompt.is_empty() || prompt.len() + 2 > o.max_seq {
                 too_long += 1;
