@@ -16,7 +16,7 @@
 //! | `DFLASH_ATTN_MMA` | auto | attention of head dim 64 / 128 on the tensor cores: `auto` for launches of more rows than the batch-invariant products take (a batch's step), `1` for every launch, `0` never (the CUDA-core kernels), see [`AttnMma`] |
 //! | `DFLASH_CUDA_GRAPHS` | on | decode / verify forwards (1-16 rows) of models whose layers all replay (attention + dense or MoE feed-forward) run as CUDA graphs (`archs::graphs`); `0` runs them eagerly |
 //! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
-//! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals; `ncu-batch`: the 11th and 12th batch steps of 8+ sequences |
+//! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals; `ncu-batch`: the 11th and 12th batch steps of 8+ sequences; `ncu-train`: the 6th and 7th training steps |
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -38,6 +38,8 @@ pub enum Profile {
     /// As `Ncu`, around batch steps of 8 or more sequences (the 11th and 12th such steps of
     /// the process: past the warm-up, in the steady state; `ncu-batch`).
     NcuBatch,
+    /// As `Ncu`, around the 6th and 7th training steps of the process (`ncu-train`).
+    NcuTrain,
 }
 
 /// The groups of fused kernels that [`fused_part`] switches separately.
@@ -257,6 +259,7 @@ impl Switches {
                 Some("ncu") => Profile::Ncu,
                 Some("ncu-draft") => Profile::NcuDraft,
                 Some("ncu-batch") => Profile::NcuBatch,
+                Some("ncu-train") => Profile::NcuTrain,
                 _ => Profile::Off,
             },
         }
@@ -391,6 +394,7 @@ pub fn describe() -> Vec<(&'static str, String)> {
                 Profile::Ncu => "ncu",
                 Profile::NcuDraft => "ncu-draft",
                 Profile::NcuBatch => "ncu-batch",
+                Profile::NcuTrain => "ncu-train",
             }
             .into(),
         ),
