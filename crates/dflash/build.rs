@@ -50,7 +50,7 @@ fn cuda_kernels() {
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     for name in [
-        "gemv", "fused", "mma", "moe", "delta", "dflash2", "affine", "fp8",
+        "gemv", "fused", "mma", "moe", "delta", "dflash2", "affine", "fp8", "train",
     ] {
         let ptx = out.join(format!("{name}.ptx"));
         let src = format!("kernels/{name}.cu");

@@ -31,6 +31,7 @@ pub mod q8;
 pub mod quant;
 pub mod recurrent_cache;
 pub mod rope;
+pub mod train_ops;
 
 pub use affine::AffineWeight;
 pub use attention::{

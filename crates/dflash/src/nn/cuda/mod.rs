@@ -26,6 +26,7 @@ pub mod graph;
 mod matmul;
 mod moe;
 mod sampling;
+mod train;
 
 pub use affine::*;
 pub use attention::*;
@@ -35,6 +36,7 @@ pub use fused::*;
 pub use matmul::*;
 pub use moe::*;
 pub use sampling::*;
+pub use train::*;
 
 // ---------------------------------------------------------------------------------------
 // Fused kernels (kernels/fused.cu). Each wrapper returns None when its kernel does not apply

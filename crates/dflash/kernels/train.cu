@@ -1,0 +1,106 @@
+// Training kernels (draft training, f32): the attention's masked softmax and its backward, and
+// the weighted cross-entropy over the LM head's logits with its backward. Each replaces a chain
+// of candle ops that read and write the whole [rows, columns] matrix several times, through
+// broadcasting kernels (session 46's ncu: ~80% of a training step's GPU time). One block per
+// row; a row (at most a few thousand columns) stays in L1/L2 between the passes.
+#include "reduce.cuh"
+#include <math.h>
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Max over the block (blockDim.x a multiple of 32). Every thread gets the max.
+__device__ __forceinline__ float block_max(float v, float* scratch /* [32] */) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? scratch[lane] : -INFINITY;
+  return warp_max(t);
+}
+
+// y[r, :] = softmax(x[r, :] + mask[r % n, :]) for rows r of L columns (the attention's scores
+// [groups, n, L] with an additive mask [n, L] shared by the groups).
+extern "C" __global__ void masked_softmax_f32(const float* __restrict__ x,
+                                              const float* __restrict__ mask,
+                                              float* __restrict__ y, int L, int n) {
+  __shared__ float scratch[32];
+  const long r = blockIdx.x;
+  const float* xr = x + r * L;
+  const float* mr = mask + (r % n) * (long)L;
+  float* yr = y + r * L;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, xr[j] + mr[j]);
+  m = block_max(m, scratch);
+  float s = 0.f;
+  for (int j = threadIdx.x; j < L; j += blockDim.x) s += expf(xr[j] + mr[j] - m);
+  const float inv = 1.f / block_sum(s, scratch);
+  for (int j = threadIdx.x; j < L; j += blockDim.x) yr[j] = expf(xr[j] + mr[j] - m) * inv;
+}
+
+// dx = y * (dy - sum(y * dy)) per row: the softmax's backward.
+extern "C" __global__ void softmax_bwd_f32(const float* __restrict__ y,
+                                           const float* __restrict__ dy,
+                                           float* __restrict__ dx, int L) {
+  __shared__ float scratch[32];
+  const long r = blockIdx.x;
+  const float *yr = y + r * L, *gr = dy + r * L;
+  float* dr = dx + r * L;
+  float s = 0.f;
+  for (int j = threadIdx.x; j < L; j += blockDim.x) s += yr[j] * gr[j];
+  const float dot = block_sum(s, scratch);
+  for (int j = threadIdx.x; j < L; j += blockDim.x) dr[j] = yr[j] * (gr[j] - dot);
+}
+
+// out[r] = w[r] * (logsumexp(x[r, :]) - x[r, label[r]]): the weighted negative log-likelihood
+// of each row's label (0 where w[r] is 0, without reading the row).
+extern "C" __global__ void xent_fwd_f32(const float* __restrict__ x,
+                                        const unsigned int* __restrict__ label,
+                                        const float* __restrict__ w,
+                                        float* __restrict__ out, int V) {
+  __shared__ float scratch[32];
+  const long r = blockIdx.x;
+  const float wr = w[r];
+  if (wr == 0.f) {
+    if (threadIdx.x == 0) out[r] = 0.f;
+    return;
+  }
+  const float* xr = x + r * V;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, xr[j]);
+  m = block_max(m, scratch);
+  float s = 0.f;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(xr[j] - m);
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) out[r] = wr * (m + logf(s) - xr[label[r]]);
+}
+
+// dx[r, j] = g[r] * (softmax(x[r, :])_j - [j == label[r]]), g = the output's gradient times w
+// (rows with g = 0 get 0).
+extern "C" __global__ void xent_bwd_f32(const float* __restrict__ x,
+                                        const unsigned int* __restrict__ label,
+                                        const float* __restrict__ g,
+                                        float* __restrict__ dx, int V) {
+  __shared__ float scratch[32];
+  const long r = blockIdx.x;
+  const float gr = g[r];
+  float* dr = dx + r * V;
+  if (gr == 0.f) {
+    for (int j = threadIdx.x; j < V; j += blockDim.x) dr[j] = 0.f;
+    return;
+  }
+  const float* xr = x + r * V;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, xr[j]);
+  m = block_max(m, scratch);
+  float s = 0.f;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(xr[j] - m);
+  const float inv = 1.f / block_sum(s, scratch);
+  const unsigned int lab = label[r];
+  for (int j = threadIdx.x; j < V; j += blockDim.x)
+    dr[j] = gr * (expf(xr[j] - m) * inv - (j == (int)lab ? 1.f : 0.f));
+}

@@ -1,0 +1,393 @@
+//! Fused operations with a backward, for training (f32): the attention's masked softmax and the
+//! weighted cross-entropy of the LM head's logits. Each replaces a chain of candle ops (max,
+//! subtract, exp, sum, divide, and their backwards: an equality mask for the max, broadcast
+//! products) that each read and write the whole `[rows, columns]` matrix; on an H100 those
+//! chains were ~80% of a draft training step's GPU time (session 46's ncu, docs/perf.md). One
+//! pass computes the result, one the gradient. CPU: row loops (what the tests compare with the
+//! candle chain); CUDA: `kernels/train.cu`. Callers use them for f32 tensors (training) and keep
+//! the candle chain for other dtypes ([`applies`]).
+
+use crate::Result;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+
+/// Whether the fused training ops take these tensors (f32, on the CPU or a CUDA device).
+pub fn applies(x: &Tensor) -> bool {
+    x.dtype() == DType::F32 && (x.device().is_cpu() || x.device().is_cuda())
+}
+
+/// `softmax(x + mask)` over the last dim, differentiable in `x`. `x [.., n, L]` (any leading
+/// dims, contiguous after this call), `mask [n, L]` additive (0 / -inf), not differentiated:
+/// row `r` of `x` (flattened to `[R, L]`) takes mask row `r % n`. Without a mask, plain softmax.
+pub fn masked_softmax(x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    let l = x.dim(candle_core::D::Minus1)?;
+    let x = x.contiguous()?;
+    let mask = match mask {
+        // a mask with leading dims of 1 ([1, 1, n, L]) is the same mask
+        Some(m) if m.rank() > 2 && m.dims()[..m.rank() - 2].iter().all(|&d| d == 1) => {
+            let (n, ml) = (m.dim(m.rank() - 2)?, m.dim(m.rank() - 1)?);
+            m.reshape((n, ml))?.to_dtype(DType::F32)?.contiguous()?
+        }
+        Some(m) => m.to_dtype(DType::F32)?.contiguous()?,
+        None => Tensor::zeros((1, l), DType::F32, x.device())?,
+    };
+    let (n, ml) = match mask.dims() {
+        &[n, ml] => (n, ml),
+        d => {
+            return Err(crate::Error::input(format!(
+                "masked softmax: mask {d:?} for scores {:?} (want [n, L])",
+                x.dims()
+            )))
+        }
+    };
+    let rows = x.elem_count() / l.max(1);
+    if ml != l || n == 0 || rows % n != 0 {
+        return Err(crate::Error::input(format!(
+            "masked softmax: mask {:?} does not fit scores {:?}",
+            mask.dims(),
+            x.dims()
+        )));
+    }
+    Ok(x.apply_op2(&mask, MaskedSoftmax)?)
+}
+
+/// Per row `w[r] * (logsumexp(logits[r]) - logits[r, labels[r]])`, `[m]`, differentiable in
+/// `logits [m, V]` (f32); `labels [m]` u32, `w [m]` f32 (rows of weight 0 contribute 0).
+pub fn weighted_xent(logits: &Tensor, labels: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (m, _) = logits.dims2()?;
+    if labels.dims1()? != m || w.dims1()? != m || labels.dtype() != DType::U32 {
+        return Err(crate::Error::input(format!(
+            "weighted cross-entropy: logits {:?}, labels {:?} {:?}, weights {:?}",
+            logits.dims(),
+            labels.dims(),
+            labels.dtype(),
+            w.dims()
+        )));
+    }
+    Ok(logits
+        .contiguous()?
+        .apply_op3(&labels.contiguous()?, &w.to_dtype(DType::F32)?.contiguous()?, Xent)?)
+}
+
+fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let Some((o, e)) = l.contiguous_offsets() else {
+        candle_core::bail!("dflash training op: {what} must be contiguous");
+    };
+    Ok(&s.as_slice::<f32>()?[o..e])
+}
+
+fn u32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [u32]> {
+    let Some((o, e)) = l.contiguous_offsets() else {
+        candle_core::bail!("dflash training op: {what} must be contiguous");
+    };
+    Ok(&s.as_slice::<u32>()?[o..e])
+}
+
+/// Row `r`'s softmax of `x + m` into `y`.
+fn softmax_row(x: &[f32], m: &[f32], y: &mut [f32]) {
+    let max = x
+        .iter()
+        .zip(m)
+        .map(|(a, b)| a + b)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0f32;
+    for ((o, a), b) in y.iter_mut().zip(x).zip(m) {
+        *o = (a + b - max).exp();
+        s += *o;
+    }
+    let inv = 1.0 / s;
+    y.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// (max, sum of exp(x - max)) of a row.
+fn lse_parts(x: &[f32]) -> (f32, f32) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    (max, x.iter().map(|v| (v - max).exp()).sum())
+}
+
+struct MaskedSoftmax;
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "dflash-masked-softmax"
+    }
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ms: &CpuStorage,
+        ml: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, m) = (f32s(xs, xl, "scores")?, f32s(ms, ml, "mask")?);
+        let (n, l) = ml.shape().dims2()?;
+        let mut y = vec![0f32; x.len()];
+        for (r, (xr, yr)) in x.chunks(l).zip(y.chunks_mut(l)).enumerate() {
+            softmax_row(xr, &m[(r % n) * l..(r % n + 1) * l], yr);
+        }
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ms: &candle_core::CudaStorage,
+        ml: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (n, l) = ml.shape().dims2()?;
+        let y = super::cuda::masked_softmax_f32(xs, xl, ms, ml, n, l)?;
+        Ok((y, xl.shape().clone()))
+    }
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _mask: &Tensor,
+        y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = y.apply_op2_no_bwd(&dy.contiguous()?, &SoftmaxBwd)?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// `y * (dy - sum(y * dy))` per row (no backward of its own).
+struct SoftmaxBwd;
+
+impl CustomOp2 for SoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "dflash-softmax-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        ys: &CpuStorage,
+        yl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (y, g) = (f32s(ys, yl, "softmax")?, f32s(gs, gl, "gradient")?);
+        let l = yl.shape().dims().last().copied().unwrap_or(1).max(1);
+        let mut dx = vec![0f32; y.len()];
+        for ((yr, gr), dr) in y.chunks(l).zip(g.chunks(l)).zip(dx.chunks_mut(l)) {
+            let dot: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
+            for ((d, a), b) in dr.iter_mut().zip(yr).zip(gr) {
+                *d = a * (b - dot);
+            }
+        }
+        Ok((CpuStorage::F32(dx), yl.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ys: &candle_core::CudaStorage,
+        yl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let l = yl.shape().dims().last().copied().unwrap_or(1).max(1);
+        let dx = super::cuda::softmax_bwd_f32(ys, yl, gs, gl, l)?;
+        Ok((dx, yl.shape().clone()))
+    }
+}
+
+struct Xent;
+
+impl CustomOp3 for Xent {
+    fn name(&self) -> &'static str {
+        "dflash-weighted-xent"
+    }
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ls: &CpuStorage,
+        ll: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, lab, w) = (
+            f32s(xs, xl, "logits")?,
+            u32s(ls, ll, "labels")?,
+            f32s(ws, wl, "weights")?,
+        );
+        let (m, v) = xl.shape().dims2()?;
+        let mut out = vec![0f32; m];
+        for r in 0..m {
+            if w[r] == 0.0 {
+                continue;
+            }
+            let xr = &x[r * v..(r + 1) * v];
+            let (max, s) = lse_parts(xr);
+            out[r] = w[r] * (max + s.ln() - xr[lab[r] as usize]);
+        }
+        Ok((CpuStorage::F32(out), Shape::from(m)))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ls: &candle_core::CudaStorage,
+        ll: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (m, v) = xl.shape().dims2()?;
+        let out = super::cuda::xent_fwd_f32(xs, xl, ls, ll, ws, wl, m, v)?;
+        Ok((out, Shape::from(m)))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        labels: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = (grad * w)?.contiguous()?;
+        let dx = x.apply_op3_no_bwd(labels, &g, &XentBwd)?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+/// `g[r] * (softmax(x[r]) - onehot(labels[r]))` (no backward of its own).
+struct XentBwd;
+
+impl CustomOp3 for XentBwd {
+    fn name(&self) -> &'static str {
+        "dflash-weighted-xent-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ls: &CpuStorage,
+        ll: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, lab, g) = (
+            f32s(xs, xl, "logits")?,
+            u32s(ls, ll, "labels")?,
+            f32s(gs, gl, "gradient")?,
+        );
+        let (m, v) = xl.shape().dims2()?;
+        let mut dx = vec![0f32; m * v];
+        for r in 0..m {
+            if g[r] == 0.0 {
+                continue;
+            }
+            let xr = &x[r * v..(r + 1) * v];
+            let (max, s) = lse_parts(xr);
+            let inv = 1.0 / s;
+            for (j, d) in dx[r * v..(r + 1) * v].iter_mut().enumerate() {
+                let p = (xr[j] - max).exp() * inv;
+                *d = g[r] * (p - f32::from(j == lab[r] as usize));
+            }
+        }
+        Ok((CpuStorage::F32(dx), xl.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ls: &candle_core::CudaStorage,
+        ll: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (m, v) = xl.shape().dims2()?;
+        let dx = super::cuda::xent_bwd_f32(xs, xl, ls, ll, gs, gl, m, v)?;
+        Ok((dx, xl.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn rand(shape: &[usize], seed: u64) -> Tensor {
+        let mut rng = crate::rng::Rng::new(seed);
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| (rng.uniform() as f32 - 0.5) * 6.0).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// The fused masked softmax and its gradient equal candle's chain (broadcast add, softmax)
+    /// on a block-sparse mask shared by several head groups.
+    #[test]
+    fn masked_softmax_matches_the_candle_chain() {
+        let (g, n, l) = (3, 5, 9);
+        let x = Var::from_tensor(&rand(&[g, n, l], 1)).unwrap();
+        let mask: Vec<f32> = (0..n * l)
+            .map(|i| match (i / l + i % l) % 3 == 0 && i % l != i / l {
+                true => f32::NEG_INFINITY,
+                false => 0.0,
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (n, l), &Device::Cpu).unwrap();
+        // a weighting of the outputs, so the gradient is not the trivial zero of sum(softmax)
+        let c = rand(&[g, n, l], 2);
+        let fused = masked_softmax(x.as_tensor(), Some(&mask)).unwrap();
+        let chain =
+            candle_nn::ops::softmax(&x.as_tensor().broadcast_add(&mask).unwrap(), D::Minus1)
+                .unwrap();
+        assert!(max_diff(&fused, &chain) < 1e-6);
+        let gf = (&fused * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        let gc = (&chain * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        let (a, b) = (gf.get(&x).unwrap(), gc.get(&x).unwrap());
+        assert!(max_diff(a, b) < 1e-5, "gradient off by {}", max_diff(a, b));
+        assert!(max_diff(b, &b.zeros_like().unwrap()) > 1e-3);
+        // no mask: plain softmax
+        let plain = masked_softmax(x.as_tensor(), None).unwrap();
+        let want = candle_nn::ops::softmax(x.as_tensor(), D::Minus1).unwrap();
+        assert!(max_diff(&plain, &want) < 1e-6);
+        // a mask of another width is refused
+        let bad = Tensor::zeros((n, l + 1), DType::F32, &Device::Cpu).unwrap();
+        assert!(masked_softmax(x.as_tensor(), Some(&bad)).is_err());
+    }
+
+    /// The fused weighted cross-entropy and its gradient equal log_softmax + gather + weights.
+    #[test]
+    fn weighted_xent_matches_the_candle_chain() {
+        let (m, v) = (7, 33);
+        let x = Var::from_tensor(&rand(&[m, v], 3)).unwrap();
+        let labels: Vec<u32> = (0..m as u32).map(|r| (r * 5 + 2) % v as u32).collect();
+        let w: Vec<f32> = (0..m).map(|r| if r == 4 { 0.0 } else { 1.0 / (1 + r) as f32 }).collect();
+        let lab = Tensor::from_vec(labels.clone(), m, &Device::Cpu).unwrap();
+        let wt = Tensor::from_vec(w, m, &Device::Cpu).unwrap();
+        let fused = weighted_xent(x.as_tensor(), &lab, &wt).unwrap();
+        let lp = candle_nn::ops::log_softmax(x.as_tensor(), D::Minus1).unwrap();
+        let picked = lp
+            .gather(&lab.reshape((m, 1)).unwrap(), 1)
+            .unwrap()
+            .squeeze(1)
+            .unwrap();
+        let chain = (picked * &wt).unwrap().neg().unwrap();
+        assert!(max_diff(&fused, &chain) < 1e-5);
+        let gf = fused.sum_all().unwrap().backward().unwrap();
+        let gc = chain.sum_all().unwrap().backward().unwrap();
+        let (a, b) = (gf.get(&x).unwrap(), gc.get(&x).unwrap());
+        assert!(max_diff(a, b) < 1e-6, "gradient off by {}", max_diff(a, b));
+        // the zero-weight row has no gradient; the others do
+        let row4 = a.get(4).unwrap();
+        assert_eq!(max_diff(&row4, &row4.zeros_like().unwrap()), 0.0);
+        assert!(max_diff(b, &b.zeros_like().unwrap()) > 1e-3);
+        // labels of another length are refused
+        let short = Tensor::from_vec(vec![0u32; m - 1], m - 1, &Device::Cpu).unwrap();
+        assert!(weighted_xent(x.as_tensor(), &short, &wt).is_err());
+    }
+}
