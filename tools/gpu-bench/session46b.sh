@@ -2,7 +2,7 @@
 # Session 46, after the fused training ops (kernels/train.cu): their CUDA test against the CPU
 # paths (the fused_cuda test binary carried as .device/fused_cuda.xz), then where a training
 # step's time goes now (session45.sh's section medians, wall times; RUNS) and ncu over steps 6
-# and 7 at the demo's shape. Needs stage.sh's dflash and GGUF and data in /root/work/t0.
+# and 7 at the demo's shape (NCU=0: not). Needs stage.sh's dflash and GGUF and data in /root/work/t0.
 set -uo pipefail
 . "$(dirname "$0")/demo-env.sh"
 W=/root/work
@@ -13,6 +13,7 @@ if [ -f .device/fused_cuda.xz ]; then
 fi
 export SEQS=${SEQS:-$W/t0/sequences.jsonl}
 RUNS=${RUNS:-128:16 512:64 1024:64} OUT=$W/logs PROFILE=1 bash tools/gpu-bench/session45.sh
+[ "${NCU:-1}" = 0 ] && exit 0
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "== ncu: training steps 6 and 7, batch 128 blocks, 16 a sequence"
 DFLASH_PROFILE=ncu-train timeout 200 "$NCU" --profile-from-start off --clock-control none \

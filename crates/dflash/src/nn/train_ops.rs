@@ -89,19 +89,21 @@ fn softmax_row(x: &[f32], m: &[f32], y: &mut [f32]) {
         .zip(m)
         .map(|(a, b)| a + b)
         .fold(f32::NEG_INFINITY, f32::max);
-    let mut s = 0f32;
+    let mut s = 0f64;
     for ((o, a), b) in y.iter_mut().zip(x).zip(m) {
         *o = (a + b - max).exp();
-        s += *o;
+        s += *o as f64;
     }
-    let inv = 1.0 / s;
+    let inv = (1.0 / s) as f32;
     y.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// (max, sum of exp(x - max)) of a row.
+/// (max, sum of exp(x - max)) of a row (summed in f64: a 49,152-wide row summed in f32 one
+/// term after another drifts by ~1e-5 relative, more than the GPU's tree sum).
 fn lse_parts(x: &[f32]) -> (f32, f32) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    (max, x.iter().map(|v| (v - max).exp()).sum())
+    let s: f64 = x.iter().map(|v| (v - max).exp() as f64).sum();
+    (max, s as f32)
 }
 
 struct MaskedSoftmax;
@@ -167,7 +169,7 @@ impl CustomOp2 for SoftmaxBwd {
         let l = yl.shape().dims().last().copied().unwrap_or(1).max(1);
         let mut dx = vec![0f32; y.len()];
         for ((yr, gr), dr) in y.chunks(l).zip(g.chunks(l)).zip(dx.chunks_mut(l)) {
-            let dot: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
+            let dot = yr.iter().zip(gr).map(|(a, b)| (a * b) as f64).sum::<f64>() as f32;
             for ((d, a), b) in dr.iter_mut().zip(yr).zip(gr) {
                 *d = a * (b - dot);
             }
