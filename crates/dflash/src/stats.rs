@@ -248,6 +248,9 @@ impl SectionTimer {
                 }
             }
         }
+        if self.acc.is_empty() {
+            return; // nothing marked (a forward that took no timed section): no empty line
+        }
         let total: f64 = self.acc.iter().map(|(_, t)| t).sum();
         let parts: Vec<String> = self
             .acc
