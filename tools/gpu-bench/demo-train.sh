@@ -9,8 +9,9 @@
 #   PHASE=train bash tools/gpu-bench/demo-train.sh   # first chunk (resumable)
 #   PHASE=more  bash tools/gpu-bench/demo-train.sh   # further chunks (--resume)
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
-# Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (the 9,669
-# ShareGPT first turns), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
+# Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (prompt
+# files, space-separated; default the 9,669 ShareGPT first turns; data/train/humaneval-rest.jsonl.gz and
+# mtbench-rest.jsonl.gz add the HumanEval / MT-Bench prompts past the 40 held for evaluation, each 16 times), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
 # 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, 32 sequences a batch); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
 set -uo pipefail
@@ -32,9 +33,10 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
     for run in $runs $(seq -f 't1-%g' "$from" $((from + ${T1_PASSES:-1} - 1))); do
       T0=$SECONDS
       case $run in t0) t=0 seed=0 ;; *) t=1 seed=$((${run#t1-} * 100000)) ;; esac
-      "$BIN" train "${common[@]}" --prompts "${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz}" \
+      # shellcheck disable=SC2086
+      "$BIN" train "${common[@]}" --prompts ${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz} \
         --max-prompts 100000 --data self --temperature $t --seed $seed \
-        --exclude-prompts data/eval/HumanEval.jsonl.gz data/eval/mt_bench_question.jsonl.gz \
+        --exclude-prompts data/eval/humaneval-held.jsonl.gz data/eval/mtbench-held.jsonl.gz \
         --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "${GEN_SECS:-200}" \
         --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
       echo "$run: $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
@@ -60,7 +62,9 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
       "${extra[@]}" --out "$W/draft" > "$R/$PHASE.log" 2>&1 || { echo "!! $PHASE"; tail -5 "$R/$PHASE.log"; }
     grep -E "^step|resumed|started from|chunk-time|saved|fit --example|held-out" "$R/$PHASE.log" | tail -12 ;;
   eval)
-    # held-out tau and speedup per block (HumanEval + MT-Bench first turns, never trained on)
+    # held-out tau and speedup per block (HumanEval + MT-Bench first turns, never trained on:
+    # the gen phase excludes the first 40 of each, data/eval/*-held.jsonl.gz)
+    [ "${LIMIT:-10}" -le 40 ] || { echo "!! LIMIT ${LIMIT} > 40: past the held prompts (tools/train/eval_split.py)"; exit 1; }
     # (the eval's logs stay on the machine: $OUT returns at most 8 files of 16 MiB each)
     GGUF=$GGUF BIN=$BIN OUT="$W/eval" LIMIT=${LIMIT:-10} BENCH=1 DRAFTS="$W/draft" \
       ROWS="${ROWS:-t0-b16 t1-b16 t0-adaptive t0-b8}" bash tools/eval-demo/gpu.sh 2>&1 | tail -20

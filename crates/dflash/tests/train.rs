@@ -804,3 +804,30 @@ fn init_from_a_saved_draft_continues_it() {
         "{e}"
     );
 }
+
+/// The evaluation split (tools/train/eval_split.py): the held files are the first 40 records of
+/// the HumanEval and MT-Bench sets (what `bench --limit N <= 40` reads), and no training record
+/// of the `-rest` files asks what a held record asks (the trainer's exclusion key: the first
+/// user turn), while each set's rest is the remainder, 16 times.
+#[test]
+fn eval_split_keeps_held_prompts_out_of_training_files() {
+    use dflash::train::data::read_records;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let text = |r: &dflash::train::data::Record| r.prompt.text.clone().expect("a text prompt");
+    for (full, held, rest) in [
+        ("HumanEval.jsonl.gz", "humaneval-held.jsonl.gz", "humaneval-rest.jsonl.gz"),
+        ("mt_bench_question.jsonl.gz", "mtbench-held.jsonl.gz", "mtbench-rest.jsonl.gz"),
+    ] {
+        let all = read_records(&root.join("data/eval").join(full), usize::MAX).unwrap();
+        let held = read_records(&root.join("data/eval").join(held), usize::MAX).unwrap();
+        let rest = read_records(&root.join("data/train").join(rest), usize::MAX).unwrap();
+        assert_eq!(held.len(), 40, "{full}");
+        let first: Vec<String> = all[..40].iter().map(text).collect();
+        assert_eq!(held.iter().map(text).collect::<Vec<_>>(), first, "{full}");
+        let held: std::collections::HashSet<String> = first.into_iter().collect();
+        assert_eq!(rest.len(), (all.len() - 40) * 16, "{full}");
+        assert!(rest.iter().all(|r| !held.contains(&text(r))), "{full}: a held prompt in the rest");
+        let distinct: std::collections::HashSet<String> = rest.iter().map(text).collect();
+        assert_eq!(distinct.len(), all.len() - 40, "{full}");
+    }
+}
