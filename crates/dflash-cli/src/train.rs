@@ -152,7 +152,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Start from the weights of a draft `dflash train` saved in DIR (config.json +
-    /// model.safetensors, e.g. an earlier device session's returned draft; same draft flags),
+    /// model.safetensors, e.g. an earlier device session's returned draft, bf16, f32 or
+    /// MLX-quantized (dequantized, as models/ keeps drafts); same draft flags),
     /// with a fresh optimizer and schedule: training over several sessions whose optimizer
     /// state (--resume) stays behind on the machine.
     #[arg(long, conflicts_with = "resume")]

@@ -712,7 +712,8 @@ fn resumed_training_equals_uninterrupted() {
 /// A draft saved by one run starts another (`dflash train --init-from`, training over several
 /// device sessions): the new trainer holds exactly the saved weights (f32; bf16 as rounded),
 /// its first steps lower the loss from where the first run ended rather than from scratch,
-/// and a checkpoint of another draft shape or a quantized one is refused in one line.
+/// a quantized copy (as models/ keeps drafts) starts from its dequantized weights, and a
+/// checkpoint of another draft shape is refused in one line.
 #[test]
 fn init_from_a_saved_draft_continues_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -790,19 +791,44 @@ fn init_from_a_saved_draft_continues_it() {
     .unwrap();
     let e = other.init_from(&saved).unwrap_err().to_string();
     assert!(e.contains("--draft-layers") && !e.contains('\n'), "{e}");
-    // a quantized copy is refused, naming the file
+    // an MLX-quantized copy (quantize_draft, as models/ keeps drafts) starts from its weights
+    // dequantized: exactly what the writer's dequantization gives, float tensors as saved
     let q = dir.path().join("q");
     std::fs::create_dir_all(&q).unwrap();
+    let layout = dflash::source::mlx_write::Layout::new(8, 32);
+    let float = load(&saved);
+    let (mlx, deq, n) = dflash::source::mlx_write::quantize_checkpoint(&float, &layout).unwrap();
+    assert!(n > 0, "nothing quantized: the fixture's widths are not multiples of 32");
+    candle_core::safetensors::save(&mlx, q.join("model.safetensors")).unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).unwrap()).unwrap();
-    cfg["quantization"] = serde_json::json!({"group_size": 64, "bits": 8});
+    cfg[layout.key] = layout.config_entry();
     std::fs::write(q.join("config.json"), cfg.to_string()).unwrap();
-    let mut again = Trainer::new(target, &p.target_config, opts).unwrap();
-    let e = again.init_from(&q).unwrap_err().to_string();
-    assert!(
-        e.contains("quantized") && e.contains("config.json") && !e.contains('\n'),
-        "{e}"
-    );
+    let mut again = Trainer::new(target, &p.target_config, opts.clone()).unwrap();
+    again.init_from(&q).unwrap();
+    let check = dir.path().join("check-q");
+    again.save(&check, candle_core::DType::F32).unwrap();
+    let got = load(&check);
+    for (name, w) in &float {
+        let want = deq.get(name).unwrap_or(w);
+        let (a, b) = (
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            got[name].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert!(a == b, "{name} differs after init_from a quantized draft");
+    }
+    // ... and one of another shape is still refused in one line
+    let mut other = Trainer::new(
+        target,
+        &p.target_config,
+        TrainOptions {
+            draft_layers: 2,
+            ..opts
+        },
+    )
+    .unwrap();
+    let e = other.init_from(&q).unwrap_err().to_string();
+    assert!(e.contains("--draft-layers") && !e.contains('\n'), "{e}");
 }
 
 /// The evaluation split (tools/train/eval_split.py): the held files are the first 40 records of

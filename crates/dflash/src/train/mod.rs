@@ -791,14 +791,12 @@ impl Trainer {
         let text = std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?;
         let mut cfg: Value = serde_json::from_str(&text)
             .map_err(|e| Error::input(format!("{}: {e}", f.display())))?;
-        if cfg.get("quantization").is_some() {
-            return Err(Error::input(format!(
-                "{}: a quantized draft; start from the float checkpoint `dflash train` saved",
-                f.display()
-            )));
-        }
+        // an MLX-quantized draft (`quantize_draft`, as models/ holds them) starts from its
+        // dequantized weights: lossy at its bits, the same draft otherwise
+        let quantized = cfg.get("quantization").is_some();
         // saved at another dtype than this run trains in: the same draft
         if let Some(o) = cfg.as_object_mut() {
+            o.remove("quantization");
             o.insert("torch_dtype".into(), self.config["torch_dtype"].clone());
         }
         if cfg != self.config {
@@ -806,6 +804,20 @@ impl Trainer {
                 "{}: the draft's config differs from this run's: train with the flags it was trained with {DRAFT_FLAGS}",
                 f.display()
             )));
+        }
+        if quantized {
+            let src = crate::source::ModelSource::from_dir(&dir.display().to_string(), dir)?;
+            let w = src.weights(DType::F32, &Device::Cpu, false)?;
+            for (n, v) in &self.vars {
+                v.set(&w.get(n, v.shape())?.to_dtype(v.dtype())?.to_device(&self.device)?)?;
+            }
+            if let Some(n) = w.unused().first() {
+                return Err(Error::weights(
+                    src.weight_files[0].display().to_string(),
+                    format!("tensor {n} is not a parameter of this draft"),
+                ));
+            }
+            return Ok(());
         }
         let st = dir.join("model.safetensors");
         let mut saved = candle_core::safetensors::load(&st, &Device::Cpu)
