@@ -3160,39 +3160,91 @@ fn training_ops_match_the_cpu() {
     // max |a - b| relative to max |b| (sums over 49,152 terms differ in order: tree vs loop)
     let max_diff = |a: &Tensor, b: &Tensor| -> f32 {
         let a = a.to_device(&cpu).unwrap();
-        let m = |t: Tensor| t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        let m = |t: Tensor| {
+            t.abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
         m((a - b).unwrap()) / m(b.clone()).max(1e-12)
     };
     for (g, n, l) in [(9, 48, 2093), (3, 5, 7), (2, 33, 1025)] {
         let x = Tensor::randn(0f32, 2f32, (g, n, l), &cpu).unwrap();
         let m: Vec<f32> = (0..n * l)
-            .map(|i| if (i % l) > (i / l) * l / n + 3 && (i % l) % 5 != 0 { f32::NEG_INFINITY } else { 0.0 })
+            .map(|i| {
+                if (i % l) > (i / l) * l / n + 3 && (i % l) % 5 != 0 {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let mask = Tensor::from_vec(m, (n, l), &cpu).unwrap();
         let c = Tensor::randn(0f32, 1f32, (g, n, l), &cpu).unwrap();
         let run = |d: &Device| {
             let x = Var::from_tensor(&x.to_device(d).unwrap()).unwrap();
             let y = masked_softmax(x.as_tensor(), Some(&mask.to_device(d).unwrap())).unwrap();
-            let gr = (&y * &c.to_device(d).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            let gr = (&y * &c.to_device(d).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
             (y, gr.get(&x).unwrap().clone())
         };
         let ((yc, gc), (yg, gg)) = (run(&cpu), run(&dev));
-        assert!(max_diff(&yg, &yc) < 1e-5, "softmax {g}x{n}x{l}: {}", max_diff(&yg, &yc));
-        assert!(max_diff(&gg, &gc) < 1e-4, "softmax grad {g}x{n}x{l}: {}", max_diff(&gg, &gc));
+        assert!(
+            max_diff(&yg, &yc) < 1e-5,
+            "softmax {g}x{n}x{l}: {}",
+            max_diff(&yg, &yc)
+        );
+        assert!(
+            max_diff(&gg, &gc) < 1e-4,
+            "softmax grad {g}x{n}x{l}: {}",
+            max_diff(&gg, &gc)
+        );
     }
     for (m, v) in [(240, 49152), (7, 33), (3, 1000)] {
         let x = Tensor::randn(0f32, 3f32, (m, v), &cpu).unwrap();
         let lab: Vec<u32> = (0..m).map(|r| ((r * 7919) % v) as u32).collect();
-        let w: Vec<f32> = (0..m).map(|r| if r % 4 == 3 { 0.0 } else { 1.0 / (1 + r % 16) as f32 }).collect();
-        let (lab, w) = (Tensor::from_vec(lab, m, &cpu).unwrap(), Tensor::from_vec(w, m, &cpu).unwrap());
+        let w: Vec<f32> = (0..m)
+            .map(|r| {
+                if r % 4 == 3 {
+                    0.0
+                } else {
+                    1.0 / (1 + r % 16) as f32
+                }
+            })
+            .collect();
+        let (lab, w) = (
+            Tensor::from_vec(lab, m, &cpu).unwrap(),
+            Tensor::from_vec(w, m, &cpu).unwrap(),
+        );
         let run = |d: &Device| {
             let x = Var::from_tensor(&x.to_device(d).unwrap()).unwrap();
-            let y = weighted_xent(x.as_tensor(), &lab.to_device(d).unwrap(), &w.to_device(d).unwrap()).unwrap();
+            let y = weighted_xent(
+                x.as_tensor(),
+                &lab.to_device(d).unwrap(),
+                &w.to_device(d).unwrap(),
+            )
+            .unwrap();
             let gr = y.sum_all().unwrap().backward().unwrap();
             (y, gr.get(&x).unwrap().clone())
         };
         let ((yc, gc), (yg, gg)) = (run(&cpu), run(&dev));
-        assert!(max_diff(&yg, &yc) < 1e-5, "xent {m}x{v}: {}", max_diff(&yg, &yc));
-        assert!(max_diff(&gg, &gc) < 1e-4, "xent grad {m}x{v}: {}", max_diff(&gg, &gc));
+        assert!(
+            max_diff(&yg, &yc) < 1e-5,
+            "xent {m}x{v}: {}",
+            max_diff(&yg, &yc)
+        );
+        assert!(
+            max_diff(&gg, &gc) < 1e-4,
+            "xent grad {m}x{v}: {}",
+            max_diff(&gg, &gc)
+        );
     }
 }

@@ -798,7 +798,10 @@ fn init_from_a_saved_draft_continues_it() {
     let layout = dflash::source::mlx_write::Layout::new(8, 32);
     let float = load(&saved);
     let (mlx, deq, n) = dflash::source::mlx_write::quantize_checkpoint(&float, &layout).unwrap();
-    assert!(n > 0, "nothing quantized: the fixture's widths are not multiples of 32");
+    assert!(
+        n > 0,
+        "nothing quantized: the fixture's widths are not multiples of 32"
+    );
     candle_core::safetensors::save(&mlx, q.join("model.safetensors")).unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).unwrap()).unwrap();
@@ -841,8 +844,16 @@ fn eval_split_keeps_held_prompts_out_of_training_files() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let text = |r: &dflash::train::data::Record| r.prompt.text.clone().expect("a text prompt");
     for (full, held, rest) in [
-        ("HumanEval.jsonl.gz", "humaneval-held.jsonl.gz", "humaneval-rest.jsonl.gz"),
-        ("mt_bench_question.jsonl.gz", "mtbench-held.jsonl.gz", "mtbench-rest.jsonl.gz"),
+        (
+            "HumanEval.jsonl.gz",
+            "humaneval-held.jsonl.gz",
+            "humaneval-rest.jsonl.gz",
+        ),
+        (
+            "mt_bench_question.jsonl.gz",
+            "mtbench-held.jsonl.gz",
+            "mtbench-rest.jsonl.gz",
+        ),
     ] {
         let all = read_records(&root.join("data/eval").join(full), usize::MAX).unwrap();
         let held = read_records(&root.join("data/eval").join(held), usize::MAX).unwrap();
@@ -852,7 +863,10 @@ fn eval_split_keeps_held_prompts_out_of_training_files() {
         assert_eq!(held.iter().map(text).collect::<Vec<_>>(), first, "{full}");
         let held: std::collections::HashSet<String> = first.into_iter().collect();
         assert_eq!(rest.len(), (all.len() - 40) * 16, "{full}");
-        assert!(rest.iter().all(|r| !held.contains(&text(r))), "{full}: a held prompt in the rest");
+        assert!(
+            rest.iter().all(|r| !held.contains(&text(r))),
+            "{full}: a held prompt in the rest"
+        );
         let distinct: std::collections::HashSet<String> = rest.iter().map(text).collect();
         assert_eq!(distinct.len(), all.len() - 40, "{full}");
     }

@@ -17,8 +17,8 @@ use crate::archs::TargetModel;
 use crate::config::draft::DraftConfig;
 use crate::config::LayerType;
 use crate::nn::{
-    sdpa, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, Masks, RmsNorm, Rope,
-    RopeTables, Site, Visibility,
+    sdpa_blocks, Activation, Attention, AttentionSpec, GatedMlp, KvCache, Linear, Masks, RmsNorm,
+    Rope, RopeTables, Site, Visibility,
 };
 use crate::source::Weights;
 use crate::{Error, Result};
@@ -1080,19 +1080,24 @@ impl DraftModel {
             let (x, dk) = layer.pre_attn(x, q)?;
             let a = &layer.attn;
             let (qb, kb, vb) = a.queries_keys_values(&x, &self.rope, &t_blk)?;
-            let (k, v) = match &ctx {
-                Some((c, t_ctx)) => {
-                    let (kc, vc) = a.keys_values(c, &self.rope, t_ctx)?;
-                    (Tensor::cat(&[&kc, &kb], 1)?, Tensor::cat(&[&vc, &vb], 1)?)
-                }
-                None => (kb, vb),
+            let kv_ctx = match &ctx {
+                Some((c, t_ctx)) => Some(a.keys_values(c, &self.rope, t_ctx)?),
+                None => None,
             };
             let mask = &masks
                 .iter()
                 .find(|(v, _)| *v == layer.vis)
                 .expect("a mask per visibility")
                 .1;
-            let o = sdpa(&qb, &k, &v, Some(mask), a.spec.scale)?;
+            let o = sdpa_blocks(
+                &qb,
+                kv_ctx.as_ref().map(|(k, v)| (k, v)),
+                &kb,
+                &vb,
+                q,
+                mask,
+                a.spec.scale,
+            )?;
             let attn = layer.post_attn(a.o_proj.forward(&o)?, dk, q)?;
             let (h1, xm) = layer.post_attn_norm.add_forward(&h, &attn)?;
             h = (&h1 + layer.mlp(&xm, q)?)?;
@@ -1127,74 +1132,86 @@ pub fn layer_visibility(cfg: &DraftConfig, kind: LayerType) -> Visibility {
 /// Row and column positions of a packed draft forward ([`DraftModel::forward_segments_rows`]),
 /// from which each layer's additive mask is built on the device: O(rows + columns) from the
 /// host instead of the `[rows, columns]` matrix (at the trainer's packing on a GPU, 2,048 rows
-/// by ~4,500 columns: ~80 ms a step of host loops and copies).
+/// by ~4,500 columns: ~80 ms a step of host loops and copies). The columns are the joint
+/// context's, then a row's own block's `q` keys ([`sdpa_blocks`]).
 struct SegmentIndex {
     /// Per row `[n, 1]`: its position, the joint context columns its segment's context
-    /// takes before its anchor (`lo..hi`), its block.
+    /// takes before its anchor (`lo..hi`), its offset in its block.
     row_pos: Tensor,
     row_lo: Tensor,
     row_hi: Tensor,
-    row_block: Tensor,
-    /// Per column `[1, s + n]`: its position, its joint index, its block (-1 for context).
-    col_pos: Tensor,
-    col_idx: Tensor,
-    col_block: Tensor,
+    row_off: Tensor,
+    /// Per context column `[1, s]`: its position and index (None without context).
+    ctx: Option<(Tensor, Tensor)>,
+    /// `[1, q]`: 0 .. q, the block's key offsets.
+    own: Tensor,
 }
 
 impl SegmentIndex {
     /// `blocks`: each block's (anchor, offset of its segment's context in the joint context);
     /// `ctx_pos`: every joint context row's position; `q`: block size.
     fn new(blocks: &[(usize, usize)], ctx_pos: &[usize], q: usize, dev: &Device) -> Result<Self> {
-        let s = ctx_pos.len();
-        let n = blocks.len() * q;
-        let (mut row_pos, mut row_lo, mut row_hi, mut row_block) =
+        let (s, n) = (ctx_pos.len(), blocks.len() * q);
+        let (mut row_pos, mut row_lo, mut row_hi, mut row_off) =
             (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-        let (mut col_pos, mut col_block) = (vec![0f32; s + n], vec![-1f32; s + n]);
-        for (c, &p) in ctx_pos.iter().enumerate() {
-            col_pos[c] = p as f32;
-        }
         for (b, &(a, off)) in blocks.iter().enumerate() {
             for i in 0..q {
                 let r = b * q + i;
                 row_pos[r] = (a + i) as f32;
                 row_lo[r] = off as f32;
                 row_hi[r] = (off + a) as f32;
-                row_block[r] = b as f32;
-                col_pos[s + r] = (a + i) as f32;
-                col_block[s + r] = b as f32;
+                row_off[r] = i as f32;
             }
         }
-        let col_idx: Vec<f32> = (0..s + n).map(|c| c as f32).collect();
         let rows = |v: Vec<f32>| Tensor::from_vec(v, (n, 1), dev);
-        let cols = |v: Vec<f32>| Tensor::from_vec(v, (1, s + n), dev);
+        let ctx = match s {
+            0 => None,
+            _ => Some((
+                Tensor::from_vec(ctx_pos.iter().map(|&p| p as f32).collect(), (1, s), dev)?,
+                Tensor::from_vec((0..s).map(|c| c as f32).collect(), (1, s), dev)?,
+            )),
+        };
         Ok(Self {
             row_pos: rows(row_pos)?,
             row_lo: rows(row_lo)?,
             row_hi: rows(row_hi)?,
-            row_block: rows(row_block)?,
-            col_pos: cols(col_pos)?,
-            col_idx: cols(col_idx)?,
-            col_block: cols(col_block)?,
+            row_off: rows(row_off)?,
+            ctx,
+            own: Tensor::from_vec((0..q).map(|j| j as f32).collect(), (1, q), dev)?,
         })
     }
 
-    /// The additive mask `[n, s + n]` (0 visible, -inf hidden) for a layer of `vis`: a row sees
-    /// its segment's context before its anchor and its own block, where `vis` lets it
-    /// ([`Visibility::sees`]).
+    /// The additive mask `[n, s + q]` (0 visible, -inf hidden) for a layer of `vis`: a row sees
+    /// its segment's context before its anchor and its own block's keys, where `vis` lets it
+    /// ([`Visibility::sees`]: causal, window).
     fn mask(&self, vis: Visibility, dtype: DType) -> Result<Tensor> {
         let f = |t: Tensor| t.to_dtype(DType::F32);
-        let in_ctx = (f(self.col_idx.broadcast_ge(&self.row_lo)?)?
-            * f(self.col_idx.broadcast_lt(&self.row_hi)?)?)?;
-        let own_block = f(self.col_block.broadcast_eq(&self.row_block)?)?;
-        let mut seen = in_ctx.maximum(&own_block)?;
-        if vis.causal {
-            seen = (seen * f(self.col_pos.broadcast_le(&self.row_pos)?)?)?;
-        }
-        if let Some(w) = vis.window {
-            let w = w as f64;
-            seen = (seen * f((&self.col_pos + w)?.broadcast_gt(&self.row_pos)?)?)?;
-            seen = (seen * f(self.col_pos.broadcast_lt(&(&self.row_pos + w)?)?)?)?;
-        }
+        // `col` and `row` as positions (or, for the block's keys, offsets in the block)
+        let visible = |mut seen: Tensor, col: &Tensor, row: &Tensor| -> Result<Tensor> {
+            if vis.causal {
+                seen = (seen * f(col.broadcast_le(row)?)?)?;
+            }
+            if let Some(w) = vis.window {
+                let w = w as f64;
+                seen = (seen * f((col + w)?.broadcast_gt(row)?)?)?;
+                seen = (seen * f(col.broadcast_lt(&(row + w)?)?)?)?;
+            }
+            Ok(seen)
+        };
+        let all = Tensor::ones(
+            (self.row_off.dim(0)?, self.own.dim(1)?),
+            DType::F32,
+            self.own.device(),
+        )?;
+        let own = visible(all, &self.own, &self.row_off)?;
+        let seen = match &self.ctx {
+            Some((col_pos, col_idx)) => {
+                let in_ctx = (f(col_idx.broadcast_ge(&self.row_lo)?)?
+                    * f(col_idx.broadcast_lt(&self.row_hi)?)?)?;
+                Tensor::cat(&[&visible(in_ctx, col_pos, &self.row_pos)?, &own], 1)?
+            }
+            None => own,
+        };
         let zero = seen.zeros_like()?;
         let hidden = Tensor::full(f32::NEG_INFINITY, seen.shape(), seen.device())?;
         Ok(seen.ne(0f32)?.where_cond(&zero, &hidden)?.to_dtype(dtype)?)

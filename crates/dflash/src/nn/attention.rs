@@ -1194,6 +1194,77 @@ pub fn sdpa_with_sinks(
     heads_out(probs.matmul(v)?, heads, n, vd)
 }
 
+/// Attention of `nb` blocks of `block` rows each over a shared context and their own block:
+/// `q [heads, n, d]` (n = nb * block), context `kc/vc [kv_heads, s, d]` (views allowed; s may
+/// be 0: `None`), the blocks' own keys and values `kb/vb [kv_heads, n, d]`; row r of block b
+/// sees context columns and the keys of block b only, as `mask [n, s + block]` says (0 / -inf:
+/// context columns first, then the block's `block` keys in order). Scores are `[.., s + block]`
+/// wide, not `[.., s + n]` as with all blocks' keys side by side (of which a row sees `block`):
+/// draft training's packed forward, where n is thousands of rows. Returns `[n, heads * vd]`.
+#[allow(clippy::too_many_arguments)]
+pub fn sdpa_blocks(
+    q: &Tensor,
+    ctx: Option<(&Tensor, &Tensor)>,
+    kb: &Tensor,
+    vb: &Tensor,
+    block: usize,
+    mask: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (heads, n, d) = q.dims3()?;
+    let kvh = kb.dim(0)?;
+    let (rep, nb, vd) = (heads / kvh, n / block, vb.dim(2)?);
+    if n % block != 0 || kb.dims() != [kvh, n, d] || vb.dims()[..2] != [kvh, n] {
+        return Err(crate::Error::input(format!(
+            "block attention: q {:?}, block keys {:?}, values {:?}, block {block}",
+            q.dims(),
+            kb.dims(),
+            vb.dims()
+        )));
+    }
+    let q = (q * scale)?.reshape((kvh, rep * n, d))?;
+    // [kvh, rep, nb, x, y] <-> [kvh * nb, rep * x, y]: a block's rows of every head of a group
+    let to_blocks = |t: &Tensor, x: usize, y: usize| -> Result<Tensor> {
+        Ok(t.reshape((kvh, rep, nb, x, y))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((kvh * nb, rep * x, y))?)
+    };
+    let from_blocks = |t: &Tensor, x: usize, y: usize| -> Result<Tensor> {
+        Ok(t.reshape((kvh, nb, rep, x, y))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((kvh, rep * n, y))?)
+    };
+    let own = to_blocks(&q, block, d)?.matmul(&kb.reshape((kvh * nb, block, d))?.t()?)?; // [kvh * nb, rep * block, block]
+    let own = from_blocks(&own, block, block)?; // [kvh, rep * n, block]
+    let s = ctx.map_or(Ok(0), |(k, _)| k.dim(1))?;
+    let scores = match ctx {
+        Some((kc, _)) => Tensor::cat(&[&q.matmul(&kc.t()?)?, &own], 2)?,
+        None => own,
+    };
+    let probs = if scores.track_op() && super::train_ops::applies(&scores) {
+        super::train_ops::masked_softmax(&scores.reshape((kvh * rep, n, s + block))?, Some(mask))?
+            .reshape((kvh, rep * n, s + block))?
+    } else {
+        let m = scores
+            .reshape((kvh, rep, n, s + block))?
+            .broadcast_add(mask)?
+            .reshape((kvh, rep * n, s + block))?;
+        match m.track_op() {
+            true => candle_nn::ops::softmax(&m, candle_core::D::Minus1)?,
+            false => candle_nn::ops::softmax_last_dim(&m)?,
+        }
+    };
+    let p_own = to_blocks(&probs.narrow(2, s, block)?.contiguous()?, block, block)?;
+    let o_own = p_own.matmul(&vb.reshape((kvh * nb, block, vd))?)?; // [kvh * nb, rep * block, vd]
+    let mut o = from_blocks(&o_own, block, vd)?;
+    if let Some((_, vc)) = ctx {
+        o = (o + probs.narrow(2, 0, s)?.contiguous()?.matmul(vc)?)?;
+    }
+    heads_out(o, heads, n, vd)
+}
+
 /// `[kvh, rep * n, vd]` attention outputs (heads of a group adjacent) as `[n, heads * vd]`.
 fn heads_out(o: Tensor, heads: usize, n: usize, vd: usize) -> Result<Tensor> {
     Ok(o.reshape((heads, n, vd))?

@@ -35,8 +35,8 @@ pub mod train_ops;
 
 pub use affine::AffineWeight;
 pub use attention::{
-    attend, attention_mask, sdpa, sdpa_with_sinks, Attention, AttentionSpec, Masks, Props, Site,
-    Visibility,
+    attend, attention_mask, sdpa, sdpa_blocks, sdpa_with_sinks, Attention, AttentionSpec, Masks,
+    Props, Site, Visibility,
 };
 pub use dyn_conv::dyn_conv;
 pub use embedding::Embedding;

@@ -63,9 +63,11 @@ pub fn weighted_xent(logits: &Tensor, labels: &Tensor, w: &Tensor) -> Result<Ten
             w.dims()
         )));
     }
-    Ok(logits
-        .contiguous()?
-        .apply_op3(&labels.contiguous()?, &w.to_dtype(DType::F32)?.contiguous()?, Xent)?)
+    Ok(logits.contiguous()?.apply_op3(
+        &labels.contiguous()?,
+        &w.to_dtype(DType::F32)?.contiguous()?,
+        Xent,
+    )?)
 }
 
 fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
@@ -348,8 +350,18 @@ mod tests {
             candle_nn::ops::softmax(&x.as_tensor().broadcast_add(&mask).unwrap(), D::Minus1)
                 .unwrap();
         assert!(max_diff(&fused, &chain) < 1e-6);
-        let gf = (&fused * &c).unwrap().sum_all().unwrap().backward().unwrap();
-        let gc = (&chain * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        let gf = (&fused * &c)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gc = (&chain * &c)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
         let (a, b) = (gf.get(&x).unwrap(), gc.get(&x).unwrap());
         assert!(max_diff(a, b) < 1e-5, "gradient off by {}", max_diff(a, b));
         assert!(max_diff(b, &b.zeros_like().unwrap()) > 1e-3);
@@ -368,7 +380,9 @@ mod tests {
         let (m, v) = (7, 33);
         let x = Var::from_tensor(&rand(&[m, v], 3)).unwrap();
         let labels: Vec<u32> = (0..m as u32).map(|r| (r * 5 + 2) % v as u32).collect();
-        let w: Vec<f32> = (0..m).map(|r| if r == 4 { 0.0 } else { 1.0 / (1 + r) as f32 }).collect();
+        let w: Vec<f32> = (0..m)
+            .map(|r| if r == 4 { 0.0 } else { 1.0 / (1 + r) as f32 })
+            .collect();
         let lab = Tensor::from_vec(labels.clone(), m, &Device::Cpu).unwrap();
         let wt = Tensor::from_vec(w, m, &Device::Cpu).unwrap();
         let fused = weighted_xent(x.as_tensor(), &lab, &wt).unwrap();

@@ -809,7 +809,11 @@ impl Trainer {
             let src = crate::source::ModelSource::from_dir(&dir.display().to_string(), dir)?;
             let w = src.weights(DType::F32, &Device::Cpu, false)?;
             for (n, v) in &self.vars {
-                v.set(&w.get(n, v.shape())?.to_dtype(v.dtype())?.to_device(&self.device)?)?;
+                v.set(
+                    &w.get(n, v.shape())?
+                        .to_dtype(v.dtype())?
+                        .to_device(&self.device)?,
+                )?;
             }
             if let Some(n) = w.unused().first() {
                 return Err(Error::weights(
