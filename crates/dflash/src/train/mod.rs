@@ -318,18 +318,21 @@ pub struct StepStats {
 pub const PACK_SCORES: usize = 1 << 28;
 
 /// Consecutive runs of `parts` (each a sequence's (block rows, context rows)) that share one
-/// forward: a run grows while `heads x rows x (context + rows)` of the whole run stays within
-/// `limit`; every part is in exactly one run, a part alone even when it passes the limit.
+/// forward: a run grows while `heads x rows x (context + block)` of the whole run (a layer's
+/// scores: every row over the joint context and its own block's `block` keys, `sdpa_blocks`)
+/// stays within `limit`; every part is in exactly one run, a part alone even when it passes
+/// the limit.
 pub fn pack_runs(
     parts: &[(usize, usize)],
     heads: usize,
+    block: usize,
     limit: usize,
 ) -> Vec<std::ops::Range<usize>> {
     let mut runs = vec![];
     let (mut start, mut n, mut s) = (0, 0, 0);
     for (i, &(rows, ctx)) in parts.iter().enumerate() {
         let (n1, s1) = (n + rows, s + ctx);
-        if i > start && heads.saturating_mul(n1).saturating_mul(s1 + n1) > limit {
+        if i > start && heads.saturating_mul(n1).saturating_mul(s1 + block) > limit {
             runs.push(start..i);
             (start, n, s) = (i, rows, ctx);
         } else {
@@ -652,7 +655,7 @@ impl Trainer {
             .iter()
             .map(|(_, a)| (a.len() * q, a.iter().copied().max().unwrap_or(0)))
             .collect();
-        pack_runs(&parts, self.draft.num_heads(), limit)
+        pack_runs(&parts, self.draft.num_heads(), q, limit)
     }
 
     /// One optimizer step on `batch_blocks` blocks drawn from random examples of `pool`.
@@ -1318,13 +1321,15 @@ mod tests {
     #[test]
     fn pack_runs_split_at_the_score_limit() {
         let parts = [(32, 100), (32, 60), (32, 200), (16, 10)];
-        assert_eq!(pack_runs(&parts, 2, 0), vec![0..1, 1..2, 2..3, 3..4]);
-        assert_eq!(pack_runs(&parts, 2, usize::MAX), vec![0..4]);
-        // 2 x 64 x (160 + 64) = 28,672 fits 30,000; adding the third: 2 x 96 x (360 + 96) =
-        // 87,552 does not; the third and fourth: 2 x 48 x (210 + 48) = 24,768 fit
-        assert_eq!(pack_runs(&parts, 2, 30_000), vec![0..2, 2..4]);
+        assert_eq!(pack_runs(&parts, 2, 16, 0), vec![0..1, 1..2, 2..3, 3..4]);
+        assert_eq!(pack_runs(&parts, 2, 16, usize::MAX), vec![0..4]);
+        // 2 x 64 x (160 + 16) = 22,528 fits 25,000; adding the third: 2 x 96 x (360 + 16) =
+        // 72,192 does not; the third and fourth: 2 x 48 x (210 + 16) = 21,696 fit
+        assert_eq!(pack_runs(&parts, 2, 16, 25_000), vec![0..2, 2..4]);
+        // the block's keys count: at 22,000 the first two (22,528) no longer fit
+        assert_eq!(pack_runs(&parts, 2, 16, 22_000), vec![0..1, 1..2, 2..4]);
         // a part over the limit alone still runs
-        assert_eq!(pack_runs(&parts[2..3], 2, 1), vec![0..1]);
-        assert!(pack_runs(&[], 2, 10).is_empty());
+        assert_eq!(pack_runs(&parts[2..3], 2, 16, 1), vec![0..1]);
+        assert!(pack_runs(&[], 2, 16, 10).is_empty());
     }
 }
