@@ -56,6 +56,16 @@ extern "C" __global__ void softmax_bwd_f32(const float* __restrict__ y,
   for (int j = threadIdx.x; j < L; j += blockDim.x) dr[j] = yr[j] * (gr[j] - dot);
 }
 
+// (max, sum of exp(x - max)) of a row of V, every thread of the block getting both.
+__device__ __forceinline__ float2 row_lse(const float* xr, int V, float* scratch) {
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, xr[j]);
+  m = block_max(m, scratch);
+  float s = 0.f;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(xr[j] - m);
+  return make_float2(m, block_sum(s, scratch));
+}
+
 // out[r] = w[r] * (logsumexp(x[r, :]) - x[r, label[r]]): the weighted negative log-likelihood
 // of each row's label (0 where w[r] is 0, without reading the row).
 extern "C" __global__ void xent_fwd_f32(const float* __restrict__ x,
@@ -70,13 +80,8 @@ extern "C" __global__ void xent_fwd_f32(const float* __restrict__ x,
     return;
   }
   const float* xr = x + r * V;
-  float m = -INFINITY;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, xr[j]);
-  m = block_max(m, scratch);
-  float s = 0.f;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(xr[j] - m);
-  s = block_sum(s, scratch);
-  if (threadIdx.x == 0) out[r] = wr * (m + logf(s) - xr[label[r]]);
+  const float2 ms = row_lse(xr, V, scratch);
+  if (threadIdx.x == 0) out[r] = wr * (ms.x + logf(ms.y) - xr[label[r]]);
 }
 
 // dx[r, j] = g[r] * (softmax(x[r, :])_j - [j == label[r]]), g = the output's gradient times w
@@ -94,13 +99,9 @@ extern "C" __global__ void xent_bwd_f32(const float* __restrict__ x,
     return;
   }
   const float* xr = x + r * V;
-  float m = -INFINITY;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, xr[j]);
-  m = block_max(m, scratch);
-  float s = 0.f;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(xr[j] - m);
-  const float inv = 1.f / block_sum(s, scratch);
+  const float2 ms = row_lse(xr, V, scratch);
+  const float inv = 1.f / ms.y;
   const unsigned int lab = label[r];
   for (int j = threadIdx.x; j < V; j += blockDim.x)
-    dr[j] = gr * (expf(xr[j] - m) * inv - (j == (int)lab ? 1.f : 0.f));
+    dr[j] = gr * (expf(xr[j] - ms.x) * inv - (j == (int)lab ? 1.f : 0.f));
 }
