@@ -105,3 +105,42 @@ extern "C" __global__ void xent_bwd_f32(const float* __restrict__ x,
   for (int j = threadIdx.x; j < V; j += blockDim.x)
     dr[j] = gr * (expf(xr[j] - ms.x) * inv - (j == (int)lab ? 1.f : 0.f));
 }
+
+// y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w: RMSNorm of rows of h.
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ y, int h, float eps) {
+  __shared__ float scratch[32];
+  const long r = blockIdx.x;
+  const float* xr = x + r * h;
+  float s = 0.f;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) s += xr[j] * xr[j];
+  const float inv = rsqrtf(block_sum(s, scratch) / h + eps);
+  for (int j = threadIdx.x; j < h; j += blockDim.x) y[r * h + j] = xr[j] * inv * w[j];
+}
+
+// The RMSNorm's backward per row, with g = dy * w and inv = rsqrt(mean(x^2) + eps):
+// out[0][r, :] = dx = inv * (g - x * inv^2 * mean(g * x)), and out[1][r, :] = dy * x * inv,
+// whose sum over the rows is the weight's gradient. out is [2, rows, h].
+extern "C" __global__ void rms_norm_bwd_f32(const float* __restrict__ x,
+                                            const float* __restrict__ w,
+                                            const float* __restrict__ dy,
+                                            float* __restrict__ out, int h, int rows,
+                                            float eps) {
+  __shared__ float scratch[32];
+  const long r = blockIdx.x;
+  const float *xr = x + r * h, *gr = dy + r * h;
+  float s = 0.f, d = 0.f;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    s += xr[j] * xr[j];
+    d += gr[j] * w[j] * xr[j];
+  }
+  const float ms = block_sum(s, scratch) / h;
+  const float dot = block_sum(d, scratch) / h;
+  const float inv = rsqrtf(ms + eps);
+  float* dx = out + r * h;
+  float* dw = out + ((long)rows + r) * h;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    dx[j] = inv * (gr[j] * w[j] - xr[j] * inv * inv * dot);
+    dw[j] = gr[j] * xr[j] * inv;
+  }
+}

@@ -3148,13 +3148,13 @@ fn sites_over<'a>(
 }
 
 /// The training ops' CUDA kernels (`kernels/train.cu`) against their CPU paths (which the unit
-/// tests hold to candle's chains): the masked softmax and the weighted cross-entropy, values and
-/// gradients, at a draft training step's widths (a packed context of ~2k columns, the 49,152
+/// tests hold to candle's chains): the masked softmax, the weighted cross-entropy and the RMSNorm,
+/// values and gradients, at a draft training step's widths (a packed context of ~2k columns, the 49,152
 /// vocabulary of the demo model) and at odd widths.
 #[test]
 fn training_ops_match_the_cpu() {
     use candle_core::Var;
-    use dflash::nn::train_ops::{masked_softmax, weighted_xent};
+    use dflash::nn::train_ops::{masked_softmax, rms_norm, weighted_xent};
     let Some(dev) = gpu() else { return };
     let cpu = Device::Cpu;
     // max |a - b| relative to max |b| (sums over 49,152 terms differ in order: tree vs loop)
@@ -3245,6 +3245,41 @@ fn training_ops_match_the_cpu() {
             max_diff(&gg, &gc) < 1e-4,
             "xent grad {m}x{v}: {}",
             max_diff(&gg, &gc)
+        );
+    }
+    for (n, h) in [(8192, 576), (7, 64), (3, 1000)] {
+        let x = Tensor::randn(0f32, 2f32, (n, h), &cpu).unwrap();
+        let w = (Tensor::randn(0f32, 0.2f32, h, &cpu).unwrap() + 1.0).unwrap();
+        let c = Tensor::randn(0f32, 1f32, (n, h), &cpu).unwrap();
+        let run = |d: &Device| {
+            let (x, w) = (
+                Var::from_tensor(&x.to_device(d).unwrap()).unwrap(),
+                Var::from_tensor(&w.to_device(d).unwrap()).unwrap(),
+            );
+            let y = rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
+            let gr = (&y * &c.to_device(d).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (y, gr.get(&x).unwrap().clone(), gr.get(&w).unwrap().clone())
+        };
+        let ((yc, xc, wc), (yg, xg, wg)) = (run(&cpu), run(&dev));
+        assert!(
+            max_diff(&yg, &yc) < 1e-5,
+            "rms norm {n}x{h}: {}",
+            max_diff(&yg, &yc)
+        );
+        assert!(
+            max_diff(&xg, &xc) < 1e-4,
+            "rms norm input grad {n}x{h}: {}",
+            max_diff(&xg, &xc)
+        );
+        assert!(
+            max_diff(&wg, &wc) < 1e-4,
+            "rms norm weight grad {n}x{h}: {}",
+            max_diff(&wg, &wc)
         );
     }
 }

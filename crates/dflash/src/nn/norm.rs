@@ -57,6 +57,11 @@ impl RmsNorm {
     /// training), the composite form runs: candle's fused kernel has no backward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.track_op() || self.weight.track_op() {
+            // training: one pass forward and one backward for f32 (the chain's backward goes
+            // through broadcasting kernels)
+            if super::train_ops::applies(x) && self.weight.dtype() == x.dtype() {
+                return super::train_ops::rms_norm(x, &self.weight, self.eps);
+            }
             return Ok(candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps)?);
         }
         if crate::switches::fused_part(crate::switches::Part::Norm) {

@@ -150,3 +150,82 @@ pub fn xent_bwd_f32(
     unsafe { b.launch(row_cfg(m)) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
 }
+
+/// RMSNorm of rows of `h = w.len()`: `x * rsqrt(mean(x^2) + eps) * w`.
+pub fn rms_norm_f32(
+    xs: &CudaStorage,
+    xl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+    eps: f32,
+) -> candle_core::Result<CudaStorage> {
+    let h = wl.shape().elem_count();
+    if h == 0 || xl.shape().elem_count() % h != 0 {
+        candle_core::bail!(
+            "dflash-rms-norm: {:?} by weight {:?}",
+            xl.shape(),
+            wl.shape()
+        );
+    }
+    let dev = xs.device();
+    let (x, w) = (
+        view_of::<f32>(xs, xl, "input")?,
+        view_of::<f32>(ws, wl, "weight")?,
+    );
+    let rows = rows_of(xl, h);
+    // SAFETY: the kernel writes every element.
+    let y = unsafe { dev.alloc::<f32>(rows * h)? };
+    let func = dev.get_or_load_custom_func("rms_norm_f32", "dflash_train", TRAIN_PTX)?;
+    let h_i = h as i32;
+    let mut b = func.builder();
+    b.arg(&x);
+    b.arg(&w);
+    b.arg(&y);
+    b.arg(&h_i);
+    b.arg(&eps);
+    // SAFETY: argument types match the kernel; shapes checked above.
+    unsafe { b.launch(row_cfg(rows)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+}
+
+/// The RMSNorm's backward: `[2, rows, h]`, the input's gradient, then the per-row terms
+/// `dy * x * rsqrt(mean(x^2) + eps)` of the weight's.
+pub fn rms_norm_bwd_f32(
+    xs: &CudaStorage,
+    xl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+    gs: &CudaStorage,
+    gl: &Layout,
+    eps: f32,
+) -> candle_core::Result<CudaStorage> {
+    let h = wl.shape().elem_count();
+    if h == 0 || xl.shape().elem_count() % h != 0 || xl.shape() != gl.shape() {
+        candle_core::bail!(
+            "dflash-rms-norm-bwd: {:?}, gradient {:?}, weight {:?}",
+            xl.shape(),
+            gl.shape(),
+            wl.shape()
+        );
+    }
+    let dev = xs.device();
+    let x = view_of::<f32>(xs, xl, "input")?;
+    let w = view_of::<f32>(ws, wl, "weight")?;
+    let g = view_of::<f32>(gs, gl, "gradient")?;
+    let rows = rows_of(xl, h);
+    // SAFETY: the kernel writes every element.
+    let out = unsafe { dev.alloc::<f32>(2 * rows * h)? };
+    let func = dev.get_or_load_custom_func("rms_norm_bwd_f32", "dflash_train", TRAIN_PTX)?;
+    let (h_i, rows_i) = (h as i32, rows as i32);
+    let mut b = func.builder();
+    b.arg(&x);
+    b.arg(&w);
+    b.arg(&g);
+    b.arg(&out);
+    b.arg(&h_i);
+    b.arg(&rows_i);
+    b.arg(&eps);
+    // SAFETY: argument types match the kernel; shapes checked above.
+    unsafe { b.launch(row_cfg(rows)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
