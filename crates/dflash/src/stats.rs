@@ -141,6 +141,26 @@ pub fn profiler_range(_: crate::switches::Profile) -> Option<()> {
     None
 }
 
+/// Under `DFLASH_PROFILE=<what>`: counts a call in `counter` and, when it is one of `steps`
+/// (0-based: past the warm-up, in the steady state), keeps the profiler's collection on until
+/// the returned guard drops ([`profiler_range`]). The batch engine's steps (`ncu-batch`) and
+/// the trainer's (`ncu-train`).
+pub fn profiled_steps(
+    what: crate::switches::Profile,
+    counter: &std::sync::atomic::AtomicUsize,
+    steps: std::ops::Range<usize>,
+) -> Option<Box<dyn std::any::Any>> {
+    if crate::switches::get().profile != what {
+        return None;
+    }
+    let k = counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    steps
+        .contains(&k)
+        .then(|| profiler_range(what))
+        .flatten()
+        .map(|g| Box::new(g) as Box<dyn std::any::Any>)
+}
+
 /// Where a forward pass spends its time, for `DFLASH_PROFILE` runs only; `finish` prints one
 /// line to stderr. Off (no syncs, no clock reads) unless the variable is set.
 /// - `DFLASH_PROFILE=1`: each `mark` synchronizes the device and charges the wall time since

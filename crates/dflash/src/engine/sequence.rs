@@ -566,19 +566,11 @@ impl<'e> Batch<'e> {
     /// Under `DFLASH_PROFILE=ncu-batch`: the profiler's collection around this step when it is
     /// the 11th or 12th step of 8 or more sequences in the process (see `stats::profiler_range`).
     fn profiled_step(&self) -> Option<Box<dyn std::any::Any>> {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static BIG_STEPS: AtomicUsize = AtomicUsize::new(0);
-        if crate::switches::get().profile != crate::switches::Profile::NcuBatch
-            || self.seqs.len() < 8
-        {
+        static BIG_STEPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        if self.seqs.len() < 8 {
             return None;
         }
-        let k = BIG_STEPS.fetch_add(1, Ordering::Relaxed);
-        (10..12)
-            .contains(&k)
-            .then(|| crate::stats::profiler_range(crate::switches::Profile::NcuBatch))
-            .flatten()
-            .map(|g| Box::new(g) as Box<dyn std::any::Any>)
+        crate::stats::profiled_steps(crate::switches::Profile::NcuBatch, &BIG_STEPS, 10..12)
     }
 
     /// One cycle for every sequence; returns the ones that ended (and leave the batch), with

@@ -1157,12 +1157,6 @@ pub fn sdpa_with_sinks(
     // [heads, n, d] -> [kv_heads, rep * n, d]: heads of a group are adjacent.
     let q = (q * scale)?.reshape((kvh, rep * n, d))?;
     let scores = q.matmul(&k.t()?)?; // [kvh, rep*n, L]
-    if sinks.is_none() && scores.track_op() && super::train_ops::applies(&scores) {
-        // Training: the mask add and softmax in one op with a one-pass backward (the chain
-        // below and its backward were most of a draft training step on a GPU).
-        let probs = super::train_ops::masked_softmax(&scores.reshape((kvh * rep, n, l))?, mask)?;
-        return heads_out(probs.reshape((kvh, rep * n, l))?.matmul(v)?, heads, n, vd);
-    }
     let scores = match mask {
         Some(m) => scores
             .reshape((kvh, rep, n, l))?

@@ -22,11 +22,6 @@ pub fn masked_softmax(x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
     let l = x.dim(candle_core::D::Minus1)?;
     let x = x.contiguous()?;
     let mask = match mask {
-        // a mask with leading dims of 1 ([1, 1, n, L]) is the same mask
-        Some(m) if m.rank() > 2 && m.dims()[..m.rank() - 2].iter().all(|&d| d == 1) => {
-            let (n, ml) = (m.dim(m.rank() - 2)?, m.dim(m.rank() - 1)?);
-            m.reshape((n, ml))?.to_dtype(DType::F32)?.contiguous()?
-        }
         Some(m) => m.to_dtype(DType::F32)?.contiguous()?,
         None => Tensor::zeros((1, l), DType::F32, x.device())?,
     };
@@ -85,18 +80,16 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
         .apply_op2(&w.contiguous()?, RmsNormOp { eps })?)
 }
 
-fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+/// The elements of a contiguous CPU operand.
+fn elems<'a, T: candle_core::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a [T]> {
     let Some((o, e)) = l.contiguous_offsets() else {
         candle_core::bail!("dflash training op: {what} must be contiguous");
     };
-    Ok(&s.as_slice::<f32>()?[o..e])
-}
-
-fn u32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [u32]> {
-    let Some((o, e)) = l.contiguous_offsets() else {
-        candle_core::bail!("dflash training op: {what} must be contiguous");
-    };
-    Ok(&s.as_slice::<u32>()?[o..e])
+    Ok(&s.as_slice::<T>()?[o..e])
 }
 
 /// Row `r`'s softmax of `x + m` into `y`.
@@ -136,7 +129,10 @@ impl CustomOp2 for MaskedSoftmax {
         ms: &CpuStorage,
         ml: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, m) = (f32s(xs, xl, "scores")?, f32s(ms, ml, "mask")?);
+        let (x, m) = (
+            elems::<f32>(xs, xl, "scores")?,
+            elems::<f32>(ms, ml, "mask")?,
+        );
         let (n, l) = ml.shape().dims2()?;
         let mut y = vec![0f32; x.len()];
         for (r, (xr, yr)) in x.chunks(l).zip(y.chunks_mut(l)).enumerate() {
@@ -182,7 +178,10 @@ impl CustomOp2 for SoftmaxBwd {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (y, g) = (f32s(ys, yl, "softmax")?, f32s(gs, gl, "gradient")?);
+        let (y, g) = (
+            elems::<f32>(ys, yl, "softmax")?,
+            elems::<f32>(gs, gl, "gradient")?,
+        );
         let l = yl.shape().dims().last().copied().unwrap_or(1).max(1);
         let mut dx = vec![0f32; y.len()];
         for ((yr, gr), dr) in y.chunks(l).zip(g.chunks(l)).zip(dx.chunks_mut(l)) {
@@ -223,9 +222,9 @@ impl CustomOp3 for Xent {
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (x, lab, w) = (
-            f32s(xs, xl, "logits")?,
-            u32s(ls, ll, "labels")?,
-            f32s(ws, wl, "weights")?,
+            elems::<f32>(xs, xl, "logits")?,
+            elems::<u32>(ls, ll, "labels")?,
+            elems::<f32>(ws, wl, "weights")?,
         );
         let (m, v) = xl.shape().dims2()?;
         let mut out = vec![0f32; m];
@@ -284,9 +283,9 @@ impl CustomOp3 for XentBwd {
         gl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (x, lab, g) = (
-            f32s(xs, xl, "logits")?,
-            u32s(ls, ll, "labels")?,
-            f32s(gs, gl, "gradient")?,
+            elems::<f32>(xs, xl, "logits")?,
+            elems::<u32>(ls, ll, "labels")?,
+            elems::<f32>(gs, gl, "gradient")?,
         );
         let (m, v) = xl.shape().dims2()?;
         let mut dx = vec![0f32; m * v];
@@ -341,7 +340,10 @@ impl CustomOp2 for RmsNormOp {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, w) = (f32s(xs, xl, "input")?, f32s(ws, wl, "weight")?);
+        let (x, w) = (
+            elems::<f32>(xs, xl, "input")?,
+            elems::<f32>(ws, wl, "weight")?,
+        );
         let h = w.len().max(1);
         let mut y = vec![0f32; x.len()];
         for (xr, yr) in x.chunks(h).zip(y.chunks_mut(h)) {
@@ -398,9 +400,9 @@ impl CustomOp3 for RmsNormBwd {
         gl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (x, w, g) = (
-            f32s(xs, xl, "input")?,
-            f32s(ws, wl, "weight")?,
-            f32s(gs, gl, "gradient")?,
+            elems::<f32>(xs, xl, "input")?,
+            elems::<f32>(ws, wl, "weight")?,
+            elems::<f32>(gs, gl, "gradient")?,
         );
         let h = w.len().max(1);
         let rows = x.len() / h;

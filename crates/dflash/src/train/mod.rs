@@ -665,7 +665,9 @@ impl Trainer {
         // DFLASH_PROFILE: where a step's time goes (target passes made while drawing, the
         // draft forward with the loss, the backward, clipping and the optimizer)
         let mut timer = crate::stats::SectionTimer::start("train step", &self.device);
-        let _ncu = profiled_step();
+        // DFLASH_PROFILE=ncu-train: the 6th and 7th steps of the process under the profiler
+        static STEPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let _ncu = crate::stats::profiled_steps(crate::switches::Profile::NcuTrain, &STEPS, 5..7);
         let mut drawn = Vec::new();
         while left > 0 {
             let ex = pool.draw(target, &mut self.rng)?;
@@ -1294,22 +1296,6 @@ impl ExamplePool {
         }
         Ok(ex)
     }
-}
-
-/// Under `DFLASH_PROFILE=ncu-train`: the profiler's collection around the 6th and 7th
-/// training steps of the process (past the allocator's warm-up; see `stats::profiler_range`).
-fn profiled_step() -> Option<Box<dyn std::any::Any>> {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static STEPS: AtomicUsize = AtomicUsize::new(0);
-    if crate::switches::get().profile != crate::switches::Profile::NcuTrain {
-        return None;
-    }
-    let k = STEPS.fetch_add(1, Ordering::Relaxed);
-    (5..7)
-        .contains(&k)
-        .then(|| crate::stats::profiler_range(crate::switches::Profile::NcuTrain))
-        .flatten()
-        .map(|g| Box::new(g) as Box<dyn std::any::Any>)
 }
 
 #[cfg(test)]
