@@ -21,7 +21,7 @@ mkdir -p "$W" "$R"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 common=(--target "$GGUF" --device "${DEVICE:-cuda}" --max-seq 768)
 draft=(--draft-layers "${LAYERS:-4}" --block-size 16 --steps "${STEPS:-30000}" --batch-blocks "${BATCH:-128}"
-  --blocks-per-seq "${BPS:-16}" --lr "${LR:-6e-4}" --warmup 300 --save-every 2000 --seed 0 --example-budget-gb "${BUDGET_GB:-12}")
+  --blocks-per-seq "${BPS:-16}" --lr "${LR:-6e-4}" --warmup 300 --save-every 500 --seed 0 --example-budget-gb "${BUDGET_GB:-12}")
 seqs=("$W"/t*/sequences.jsonl)
 case ${PHASE:?PHASE=gen|pack|train|more|eval} in
   gen)

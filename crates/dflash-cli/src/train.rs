@@ -457,6 +457,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let start = trainer.steps_done();
     let mut step = start;
+    // the step of the newest checkpoint in OUT (for an out-of-memory error to name)
+    let mut saved_at = a.resume.is_some().then_some(start);
+    // device memory free as the driver reports it, logged with the loss on CUDA (a run that
+    // grows toward an out-of-memory error shows it falling)
+    let device = target.info().device.clone();
+    let free_gb = || {
+        device
+            .is_cuda()
+            .then(|| dflash::memory::available(&device))
+            .flatten()
+            .map(|m| m.bytes as f64 / 1e9)
+    };
     let mut chunk_end = None;
     while step < trainer.opts.steps {
         if a.chunk_time
@@ -465,7 +477,27 @@ pub fn run(a: TrainArgs) -> Result<()> {
             chunk_end = Some(step);
             break;
         }
-        let s = trainer.step(target, &mut pool)?;
+        let s = trainer.step(target, &mut pool).map_err(|e| {
+            if !e.is_out_of_memory() {
+                return anyhow::Error::from(e);
+            }
+            let (resident, bytes) = pool.resident();
+            anyhow::anyhow!(
+                "training step {}: the device ran out of memory ({resident} sequences' taps, {:.1} GB, held by --example-budget-gb {}; {} blocks a step): lower either; {}",
+                step + 1,
+                bytes as f64 / 1e9,
+                a.example_budget_gb,
+                a.batch_blocks,
+                match saved_at {
+                    Some(k) if keep_state => format!(
+                        "the checkpoint of step {k} resumes with --resume {}",
+                        a.out.display()
+                    ),
+                    Some(k) => format!("the draft of step {k} is in {}", a.out.display()),
+                    None => "no checkpoint was saved yet (--save-every)".to_string(),
+                }
+            )
+        })?;
         step += 1;
         if let (Some(limit), 20) = (a.time_limit, step - start) {
             let per = t0.elapsed().as_secs_f64() / 20.0;
@@ -491,8 +523,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         tok_window += s.tokens;
         if (step + 1) % a.log_every.max(1) == 0 || step + 1 == steps {
             let dt = t_window.elapsed().as_secs_f64();
+            let free = free_gb();
             let line = format!(
-                "step {:>5}/{} loss {:.4} acc1 {:.3} lr {:.2e} |g| {:.3} {:.0} tok/s {:.0}s",
+                "step {:>5}/{} loss {:.4} acc1 {:.3} lr {:.2e} |g| {:.3} {:.0} tok/s {:.0}s{}",
                 step + 1,
                 steps,
                 s.loss,
@@ -500,14 +533,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 s.lr,
                 s.grad_norm,
                 tok_window as f64 / dt.max(1e-9),
-                t0.elapsed().as_secs_f64()
+                t0.elapsed().as_secs_f64(),
+                free.map(|g| format!(" free {g:.1} GB")).unwrap_or_default()
             );
             eprintln!("{line}");
-            log.push_str(
-                &serde_json::json!({"step": step + 1, "loss": s.loss, "acc1": s.acc1, "lr": s.lr,
-                "grad_norm": s.grad_norm, "elapsed_s": t0.elapsed().as_secs_f64()})
-                .to_string(),
-            );
+            let mut entry = serde_json::json!({"step": step + 1, "loss": s.loss, "acc1": s.acc1,
+                "lr": s.lr, "grad_norm": s.grad_norm, "elapsed_s": t0.elapsed().as_secs_f64()});
+            if let Some(g) = free {
+                entry["device_free_gb"] = serde_json::json!(g);
+            }
+            log.push_str(&entry.to_string());
             log.push('\n');
             tok_window = 0;
             t_window = Instant::now();
@@ -518,6 +553,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if keep_state {
                 trainer.save_state(&a.out, &pool)?;
             }
+            saved_at = Some(step + 1);
         }
     }
     std::fs::write(&log_path, &log).with_context(|| format!("writing {}", log_path.display()))?;

@@ -95,4 +95,17 @@ impl Error {
             source,
         }
     }
+
+    /// An allocation failed (CUDA_ERROR_OUT_OF_MEMORY, Metal, host, or an I/O error of that
+    /// kind): candle reports these only as text inside its error.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::Candle(c) => {
+                let l = c.to_string().to_ascii_lowercase();
+                l.contains("out of memory") || l.contains("out_of_memory")
+            }
+            Error::Io { source, .. } => source.kind() == std::io::ErrorKind::OutOfMemory,
+            _ => false,
+        }
+    }
 }

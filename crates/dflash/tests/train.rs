@@ -650,7 +650,8 @@ fn one_layer_opts(t: &TinyTarget, steps: usize) -> TrainOptions {
 
 /// A run stopped with a resumable checkpoint and resumed (`Trainer::save_state` /
 /// `Trainer::resume`, as `dflash train --chunk-time` / `--resume` do) ends with exactly the
-/// weights of the same run uninterrupted; a checkpoint of another draft shape is refused with
+/// weights of the same run uninterrupted, on the checkpoint's schedule whatever the resumed
+/// call's flags say; a checkpoint of another draft shape is refused with
 /// a one-line error naming the flags.
 #[test]
 fn resumed_training_equals_uninterrupted() {
@@ -681,9 +682,21 @@ fn resumed_training_equals_uninterrupted() {
     let ckpt = dir.path().join("ckpt");
     first.save_state(&ckpt, &pool).unwrap();
     drop(first);
-    let mut rest = Trainer::new(target, &p.target_config, opts.clone()).unwrap();
+    // the resumed call's own schedule flags differ (as `--steps`' default does after the
+    // first call's `--time-limit` shortened the schedule): the checkpoint's schedule holds
+    let mut rest = Trainer::new(
+        target,
+        &p.target_config,
+        TrainOptions {
+            steps: 30_000,
+            warmup: 300,
+            ..opts.clone()
+        },
+    )
+    .unwrap();
     let position = rest.resume(&ckpt).unwrap();
     assert_eq!(rest.steps_done(), 10);
+    assert_eq!((rest.opts.steps, rest.opts.warmup), (24, 4));
     run(&mut rest, 14, position);
     let got = weights(&rest, "resumed");
     assert_eq!(want.len(), got.len());

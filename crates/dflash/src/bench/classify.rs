@@ -160,18 +160,14 @@ pub fn classify(e: &Error, role: &str) -> Failure {
             )
         }
         Error::Candle(c) => {
-            // candle reports allocation failures (CUDA_ERROR_OUT_OF_MEMORY, Metal, host) only
-            // as text inside its error.
-            let s = c.to_string();
-            let l = s.to_ascii_lowercase();
-            if l.contains("out of memory") || l.contains("out_of_memory") {
+            if e.is_out_of_memory() {
                 Failure::new(
                     Status::OutOfMemory,
                     format!("{role}: out of memory"),
                     detail,
                 )
             } else {
-                Failure::new(Status::Error, format!("{role}: tensor op: {s}"), detail)
+                Failure::new(Status::Error, format!("{role}: tensor op: {c}"), detail)
             }
         }
         // The loader's memory check (crate::memory) refused the model.

@@ -852,10 +852,11 @@ impl Trainer {
         Ok(())
     }
 
-    /// Continue from [`Trainer::save_state`]'s files in `dir`: parameters, moments, step and
-    /// sampler state. The draft's config must be the one this trainer was built with (same
-    /// flags); the schedule is this run's (`opts.steps`, `opts.warmup`), continued at the
-    /// saved step. Returns the example pool's position to continue from
+    /// Continue from [`Trainer::save_state`]'s files in `dir`: parameters, moments, step,
+    /// schedule and sampler state. The draft's config must be the one this trainer was built
+    /// with (same flags); the schedule (`opts.steps`, `opts.warmup`) is the checkpoint's, so a
+    /// run whose first call fitted it to a time limit keeps that fit (and its learning rate)
+    /// in every later call. Returns the example pool's position to continue from
     /// ([`ExamplePool::start_at`]).
     pub fn resume(&mut self, dir: &Path) -> Result<usize> {
         let f = dir.join("resume.json");
@@ -882,9 +883,13 @@ impl Trainer {
             .as_str()
             .and_then(|r| r.parse().ok())
             .ok_or_else(|| bad("no rng"))?;
+        let steps = st["steps"].as_u64().ok_or_else(|| bad("no steps"))? as usize;
+        let warmup = st["warmup"].as_u64().ok_or_else(|| bad("no warmup"))? as usize;
         self.opt.load(&dir.join("resume.safetensors"))?;
         self.opt.t = t;
         self.step = step;
+        self.opts.steps = steps;
+        self.opts.warmup = warmup;
         self.rng = Rng::from_state(rng);
         Ok(st["pool_position"].as_u64().unwrap_or(0) as usize)
     }
