@@ -9,7 +9,7 @@
 #   PHASE=train bash tools/gpu-bench/demo-train.sh   # first chunk (resumable)
 #   PHASE=more  bash tools/gpu-bench/demo-train.sh   # further chunks (--resume)
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
-# Env: GEN_SECS (per pass, 200), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (prompt
+# Env: GEN_SECS (per pass, 200), GEN_SECS_T0 (the greedy pass's, GEN_SECS), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (prompt
 # files, space-separated; default the 9,669 ShareGPT first turns; data/train/humaneval-rest.jsonl.gz and
 # mtbench-rest.jsonl.gz add the HumanEval / MT-Bench prompts past the 40 held for evaluation, each 16 times), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
 # 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, 32 sequences a batch); BIN, GGUF, WORK, DEVICE
@@ -32,12 +32,12 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
     [ "${GREEDY:-1}" = 0 ] && runs="" || runs=t0
     for run in $runs $(seq -f 't1-%g' "$from" $((from + ${T1_PASSES:-1} - 1))); do
       T0=$SECONDS
-      case $run in t0) t=0 seed=0 ;; *) t=1 seed=$((${run#t1-} * 100000)) ;; esac
+      case $run in t0) t=0 seed=0 secs=${GEN_SECS_T0:-${GEN_SECS:-200}} ;; *) t=1 seed=$((${run#t1-} * 100000)) secs=${GEN_SECS:-200} ;; esac
       # shellcheck disable=SC2086
       "$BIN" train "${common[@]}" --prompts ${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz} \
         --max-prompts 100000 --data self --temperature $t --seed $seed \
         --exclude-prompts data/eval/humaneval-held.jsonl.gz data/eval/mtbench-held.jsonl.gz \
-        --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "${GEN_SECS:-200}" \
+        --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "$secs" \
         --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
       echo "$run: $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
     done ;;

@@ -105,6 +105,15 @@ fn batched_target_passes_equal_alone() {
         let batched = train::make_examples_batch(&*target, &taps, &all, labels).unwrap();
         assert_eq!(batched.len(), seqs.len());
         for (s, b) in all.iter().zip(&batched) {
+            // each example owns exactly its rows, not a view into the batch's tensor (which
+            // would stay allocated as long as any one example of the batch is held)
+            let (storage, layout) = b.taps.storage_and_layout();
+            let held = match &*storage {
+                candle_core::Storage::Cpu(c) => c.as_slice::<f32>().unwrap().len(),
+                _ => unreachable!("the test target runs on the CPU"),
+            };
+            assert_eq!((layout.start_offset(), held), (0, b.taps.elem_count()));
+            drop(storage);
             let alone = &train::make_examples_batch(&*target, &taps, &[s], labels).unwrap()[0];
             assert_eq!(b.ids, s.ids);
             assert_eq!(b.response_start, s.response_start);

@@ -295,7 +295,11 @@ fn example_from(
     };
     Ok(Example {
         ids,
-        taps: t,
+        // its own allocation: the forward's taps are views into the batch's one tensor, so an
+        // example kept past its batch-mates (the pool's streamed window) would keep the whole
+        // batch's rows alive while the pool's budget counted its own rows (session 47: the
+        // device filled over ~2,000 steps and ran out of memory)
+        taps: t.force_contiguous()?,
         labels,
         response_start,
     })
