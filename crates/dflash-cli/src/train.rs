@@ -139,16 +139,17 @@ pub struct TrainArgs {
     pub data_time_limit: Option<f64>,
     /// Training time budget in seconds, counted from when the data is ready (so the target
     /// passes that fill the example pool count): after 20 steps the step count is cut to what
-    /// fits (the cosine schedule follows the new count).
+    /// fits (the cosine schedule follows the new count; the cut is saved with a resumable
+    /// checkpoint, and a --resume'd call's own limit can only cut it further).
     #[arg(long)]
     pub time_limit: Option<f64>,
     /// Stop after this many seconds (counted as --time-limit is) with a resumable checkpoint
-    /// (the schedule stays --steps; continue with --resume OUT). Unlike --time-limit, which
-    /// shortens the schedule to fit.
+    /// (the schedule stays; continue with --resume OUT). Unlike --time-limit, which shortens
+    /// the schedule to fit.
     #[arg(long)]
     pub chunk_time: Option<f64>,
     /// Continue a run from the resumable checkpoint in DIR (its parameters, optimizer moments,
-    /// step and sampler state); the other flags must be the ones it was trained with.
+    /// step, schedule and sampler state); the draft's flags must be the ones it was trained with.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Start from the weights of a draft `dflash train` saved in DIR (config.json +
