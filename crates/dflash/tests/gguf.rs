@@ -231,12 +231,15 @@ fn check_against_llama_cpp(path: &Path, fixture: &str, chat: bool) {
             fx.cases[i].ids.len().max(32),
             &stops,
         );
+        // a near tie: within 0.1 (0.25 until session 47; the largest gaps at a divergence
+        // are now 0.085 on SmolLM2, whose Q4_1 activations follow llama.cpp's x86 rule, and
+        // 0.084 on Gemma; issue 27 asks 0.05)
         total += compare(
             &format!("prompt {i} (stored quant)"),
             &ours,
             &logits,
             &case.ids,
-            0.25,
+            0.1,
         );
         // The default load (Q4_1 through dflash's own int8 product where the CPU has VNNI,
         // else requantized to Q8_0): the same choices except at near ties. The measured logit
