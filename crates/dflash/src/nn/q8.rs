@@ -1353,26 +1353,22 @@ mod tests {
         // both rules on every path, whichever this matrix takes
         for rule in [Rule::Portable, Rule::X86] {
             let xr = quantize_rows(&xv, cols, rule);
-            let mut xs = QRows {
-                q: vec![0; xv.len()],
-                d: vec![0.0; xr.d.len()],
-                s: vec![0.0; xr.d.len()],
-                sum: vec![0; xr.d.len()],
+            // buffers filled with `v`: a path that skips a value leaves it showing
+            let filled = |v: i8| QRows {
+                q: vec![v; xv.len()],
+                d: vec![v as f32; xr.d.len()],
+                s: vec![v as f32; xr.d.len()],
+                sum: vec![v as i32; xr.d.len()],
                 h0: vec![],
             };
+            let mut xs = filled(0);
             match rule {
                 Rule::Portable => quantize_blocks_scalar::<false>(&xv, xs.blocks()),
                 Rule::X86 => quantize_blocks_scalar::<true>(&xv, xs.blocks()),
             }
             assert!(xs.q == xr.q && xs.d == xr.d && xs.s == xr.s && xs.sum == xr.sum);
             for simd in simd_levels() {
-                let mut xl = QRows {
-                    q: vec![1; xv.len()],
-                    d: vec![1.0; xr.d.len()],
-                    s: vec![1.0; xr.d.len()],
-                    sum: vec![1; xr.d.len()],
-                    h0: vec![],
-                };
+                let mut xl = filled(1);
                 quantize_blocks_with(simd, rule, &xv, xl.blocks());
                 let same = xl.q == xs.q && xl.d == xs.d && xl.s == xs.s && xl.sum == xs.sum;
                 assert!(
