@@ -35,6 +35,9 @@ if [ "${TRAIN:-0}" = 1 ]; then
 fi
 
 if [ "${BENCH:-0}" = 1 ]; then
+  # the table is this run's rows only: an earlier run's rows in OUT (other ROWS, an older
+  # draft) would be summarized beside them (session 47's second eval showed stale ones)
+  rm -rf "$OUT"/*-t0-* "$OUT"/*-t1-*
   for d in ${DRAFTS:-models/smollm2-135m-dflash}; do
     tag=$(basename "$d")
     for ds in humaneval mtbench; do
