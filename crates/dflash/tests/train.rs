@@ -718,17 +718,7 @@ fn resumed_training_equals_uninterrupted() {
     }
     assert!(changed > 0);
 
-    let mut other = Trainer::new(
-        target,
-        &p.target_config,
-        TrainOptions {
-            draft_layers: 2,
-            ..opts
-        },
-    )
-    .unwrap();
-    let e = other.resume(&ckpt).unwrap_err().to_string();
-    assert!(e.contains("--draft-layers") && !e.contains('\n'), "{e}");
+    refuses_another_shape(target, &p, opts, |tr| tr.resume(&ckpt).map(drop));
 }
 
 /// A draft saved by one run starts another (`dflash train --init-from`, training over several
@@ -843,6 +833,17 @@ fn init_from_a_saved_draft_continues_it() {
         assert!(a == b, "{name} differs after init_from a quantized draft");
     }
     // ... and one of another shape is still refused in one line
+    refuses_another_shape(target, &p, opts, |tr| tr.init_from(&q));
+}
+
+/// A trainer of another draft shape (2 layers, not `opts`' 1) refuses what `load` reads, in
+/// one line naming the flag.
+fn refuses_another_shape(
+    target: &dyn TargetModel,
+    p: &Pipeline,
+    opts: TrainOptions,
+    load: impl FnOnce(&mut Trainer) -> dflash::Result<()>,
+) {
     let mut other = Trainer::new(
         target,
         &p.target_config,
@@ -852,7 +853,7 @@ fn init_from_a_saved_draft_continues_it() {
         },
     )
     .unwrap();
-    let e = other.init_from(&q).unwrap_err().to_string();
+    let e = load(&mut other).unwrap_err().to_string();
     assert!(e.contains("--draft-layers") && !e.contains('\n'), "{e}");
 }
 

@@ -445,6 +445,7 @@ impl CustomOp3 for RmsNormBwd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::max_abs_diff as max_diff;
     use candle_core::{Device, Var, D};
 
     fn rand(shape: &[usize], seed: u64) -> Tensor {
@@ -452,19 +453,6 @@ mod tests {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| (rng.uniform() as f32 - 0.5) * 6.0).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
     }
 
     /// The fused masked softmax and its gradient equal candle's chain (broadcast add, softmax)
