@@ -9,7 +9,7 @@
 #   PHASE=train bash tools/gpu-bench/demo-train.sh   # first chunk (resumable)
 #   PHASE=more  bash tools/gpu-bench/demo-train.sh   # further chunks (--resume)
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
-# Env: GEN_SECS (per pass, 200), GEN_SECS_T0 (the greedy pass's, GEN_SECS), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (prompt
+# Env: GEN_SECS (per pass, 200), SYNTH / SYNTH_STEERS / SYNTH_T / SYNTH_SEED / GEN_SECS_SYNTH (user turns the model writes itself, below), GEN_SECS_T0 (the greedy pass's, GEN_SECS), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (prompt
 # files, space-separated; default the 9,669 ShareGPT first turns; data/train/humaneval-rest.jsonl.gz and
 # mtbench-rest.jsonl.gz add the HumanEval / MT-Bench prompts past the 40 held for evaluation, each 16 times), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
 # 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, 32 sequences a batch); BIN, GGUF, WORK, DEVICE
@@ -40,7 +40,21 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
         --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "$secs" \
         --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
       echo "$run: $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
-    done ;;
+    done
+    # SYNTH=N: N more user turns sampled from the model itself (`--synth-prompts`; steered by
+    # SYNTH_STEERS, '|'-separated; a leading '|' adds an unsteered one), answered at SYNTH_T (0) within
+    # GEN_SECS_SYNTH (GEN_SECS); the run is ts-SYNTH_SEED (0: turn i seeded 2^32 + i)
+    if [ "${SYNTH:-0}" -gt 0 ]; then
+      T0=$SECONDS; run=ts-${SYNTH_SEED:-0}; steer=()
+      IFS='|' read -r -a steers <<< "${SYNTH_STEERS:-}"
+      for s in "${steers[@]}"; do steer+=(--synth-steer "$s"); done
+      "$BIN" train "${common[@]}" --synth-prompts "$SYNTH" "${steer[@]}" --data self \
+        --temperature "${SYNTH_T:-0}" --seed "${SYNTH_SEED:-0}" \
+        --exclude-prompts data/eval/humaneval-held.jsonl.gz data/eval/mtbench-held.jsonl.gz \
+        --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "${GEN_SECS_SYNTH:-${GEN_SECS:-200}}" \
+        --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
+      echo "$run: $(grep -o '[0-9]* user turns sampled[^:]*' "$R/gen-$run.log"); $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
+    fi ;;
   pack)
     # every generated pass's sequences, gzipped, back in 15 MB parts (<= 8 files, 64 MiB a
     # call come back): keep them here in .device/data/ and stage them into a later session

@@ -18,8 +18,28 @@ pub struct TrainArgs {
     pub target: Option<String>,
     /// Prompt files (.jsonl, .jsonl.gz, .json array; HumanEval `prompt`, MT-Bench `turns`,
     /// ShareGPT `conversations`) or dataset names (sharegpt, humaneval, mtbench).
-    #[arg(long, num_args = 1.., required_unless_present = "sequences")]
+    #[arg(long, num_args = 1.., required_unless_present_any = ["sequences", "synth_prompts"])]
     pub prompts: Vec<String>,
+    /// `self`: also sample this many user turns from the target itself (the chat template up
+    /// to the user's text is the prompt: what the model expects users to ask), after the
+    /// --prompts records, and answer them like those: prompts in any number, from the model's
+    /// own distribution. Unfinished and repeated turns are dropped.
+    #[arg(long, default_value_t = 0)]
+    pub synth_prompts: usize,
+    /// Text the sampled user turns start with, cycled over them (repeat the flag for several),
+    /// e.g. "Write a Python function" for code questions.
+    #[arg(long)]
+    pub synth_steer: Vec<String>,
+    /// Longest sampled user turn, tokens (the demo model ends ~75% of its turns within 128).
+    #[arg(long, default_value_t = 128)]
+    pub synth_max_new: usize,
+    /// Temperature of the sampled user turns.
+    #[arg(long, default_value_t = 0.8)]
+    pub synth_temperature: f32,
+    /// Seed of the sampled user turns (turn i: this + i); default --seed + 2^32, apart from
+    /// the answers' seeds.
+    #[arg(long)]
+    pub synth_seed: Option<u64>,
     /// Prompt files or dataset names never to train on: records whose first user turn equals
     /// one of theirs are dropped before generation (the `--eval-prompts` are always
     /// excluded too). Counted in OUT/manifest.json.
@@ -251,6 +271,46 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 let f = data::resolve_file(spec)?;
                 records.extend(data::read_records(&f, a.max_prompts)?);
             }
+            let mut synth_notes = vec![];
+            if a.synth_prompts > 0 {
+                if mode != DataMode::SelfGenerated {
+                    bail!(
+                        "--synth-prompts makes prompts without reference answers: use --data self"
+                    );
+                }
+                let b = bar(a.synth_prompts, "sampling user turns");
+                let (turns, notes) = train::synth_prompts(
+                    &p,
+                    &train::SynthOptions {
+                        count: a.synth_prompts,
+                        steers: a.synth_steer.clone(),
+                        max_new: a.synth_max_new,
+                        temperature: a.synth_temperature,
+                        seed: a.synth_seed.unwrap_or(a.seed.wrapping_add(1 << 32)),
+                        gen_batch: a.gen_batch,
+                    },
+                    &mut |i, _| {
+                        b.set_position(i as u64);
+                        true
+                    },
+                )?;
+                b.finish();
+                for n in &notes {
+                    eprintln!("{n}");
+                }
+                // the turns as a prompt file: to read, and to answer again (--prompts)
+                let f = a.out.join("synth_prompts.jsonl");
+                let lines: String = turns
+                    .iter()
+                    .map(|r| {
+                        serde_json::json!({"id": r.prompt.id, "prompt": r.prompt.text}).to_string()
+                            + "\n"
+                    })
+                    .collect();
+                std::fs::write(&f, lines).with_context(|| format!("writing {}", f.display()))?;
+                records.extend(turns);
+                synth_notes = notes;
+            }
             // the evaluation prompts are never trained on (same turn to answer, or same ids)
             let key = |r: &data::Record| match (&r.prompt.text, &r.prompt.prompt_ids) {
                 (Some(t), _) => Some(t.trim().to_string()),
@@ -298,6 +358,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             for n in &notes {
                 eprintln!("{n}");
             }
+            let notes: Vec<String> = synth_notes.into_iter().chain(notes).collect();
             let f = a.out.join("sequences.jsonl");
             data::write_sequences(&f, &seqs)?;
             let tokens: usize = seqs.iter().map(|s| s.ids.len()).sum();
@@ -314,6 +375,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 "target": p.model_name,
                 "data": a.data,
                 "prompt_files": a.prompts,
+                "synth_prompts": (a.synth_prompts > 0).then(|| serde_json::json!({
+                    "asked": a.synth_prompts, "steers": a.synth_steer, "max_new": a.synth_max_new,
+                    "temperature": a.synth_temperature,
+                    "seed": a.synth_seed.unwrap_or(a.seed.wrapping_add(1 << 32)),
+                })),
                 "records_read": before,
                 "excluded_prompts": {"files": a.exclude_prompts.iter().chain(&a.eval_prompts).collect::<Vec<_>>(), "records": excluded},
                 "temperature": a.temperature,

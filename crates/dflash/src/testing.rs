@@ -721,6 +721,17 @@ pub fn bpe_tokenizer(
     merges: &[&str],
     specials: &[(u32, &str)],
 ) -> crate::tokenizer::Tokenizer {
+    let json = bpe_tokenizer_json(vocab, merges, specials);
+    crate::tokenizer::Tokenizer::from_bytes(json.to_string().as_bytes(), "byte_level.json")
+        .expect("the test tokenizer parses")
+}
+
+/// The `tokenizer.json` of [`bpe_tokenizer`] (to write beside a tiny checkpoint).
+pub fn bpe_tokenizer_json(
+    vocab: serde_json::Map<String, Value>,
+    merges: &[&str],
+    specials: &[(u32, &str)],
+) -> Value {
     let added: Vec<Value> = specials
         .iter()
         .map(|(id, content)| {
@@ -728,7 +739,7 @@ pub fn bpe_tokenizer(
                    "rstrip": false, "normalized": false, "special": true})
         })
         .collect();
-    let json = json!({
+    json!({
         "version": "1.0", "truncation": null, "padding": null,
         "added_tokens": added,
         "normalizer": null,
@@ -738,15 +749,20 @@ pub fn bpe_tokenizer(
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
                   "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
                   "vocab": vocab, "merges": merges}
-    });
-    crate::tokenizer::Tokenizer::from_bytes(json.to_string().as_bytes(), "byte_level.json")
-        .expect("the test tokenizer parses")
+    })
 }
 
 /// A byte-level tokenizer for tests: token b < 255 is byte b, token 255 `<eos>` (special;
 /// byte 0xFF never occurs in UTF-8 text), tokens 256.. the given multi-byte words; no merges
 /// (what structured output reads is the vocabulary). Vocabulary size 256 + `words.len()`.
 pub fn byte_tokenizer(words: &[&str]) -> crate::tokenizer::Tokenizer {
+    let json = byte_tokenizer_json(words);
+    crate::tokenizer::Tokenizer::from_bytes(json.to_string().as_bytes(), "byte_level.json")
+        .expect("the test tokenizer parses")
+}
+
+/// The `tokenizer.json` of [`byte_tokenizer`].
+pub fn byte_tokenizer_json(words: &[&str]) -> Value {
     let ch = byte_chars();
     let mut vocab = serde_json::Map::new();
     for b in 0..255u8 {
@@ -757,5 +773,5 @@ pub fn byte_tokenizer(words: &[&str]) -> crate::tokenizer::Tokenizer {
         let s: String = w.bytes().map(|b| ch[b as usize]).collect();
         vocab.insert(s, (256 + i as u32).into());
     }
-    bpe_tokenizer(vocab, &[], &[(255, "<eos>")])
+    bpe_tokenizer_json(vocab, &[], &[(255, "<eos>")])
 }

@@ -894,3 +894,90 @@ fn eval_split_keeps_held_prompts_out_of_training_files() {
         assert_eq!(distinct.len(), all.len() - 40, "{full}");
     }
 }
+
+/// `synth_prompts` samples user turns from the target at its chat template's user slot: a
+/// scripted bigram target (after `>` or `:` it writes `Hi?` and ends the turn) through the real
+/// loader, byte-level tokenizer and template. Each steer starts its turns; repeated and
+/// unfinished turns are dropped and counted; a model without a template is a clear error.
+#[test]
+fn synth_prompts_sample_user_turns_at_the_template() {
+    use dflash::testing::{byte_tokenizer_json, write_json, write_scripted};
+    let dir = tempfile::tempdir().unwrap();
+    let td = dir.path().join("t");
+    let mut t = TinyTarget::qwen3(5);
+    t.vocab = 256;
+    let [gt, colon, h, i, q, eos] = [b'>', b':', b'H', b'i', b'?', 255u8].map(u32::from);
+    let script = [
+        (gt, h, 30.0),
+        (colon, h, 30.0),
+        (h, i, 30.0),
+        (i, q, 30.0),
+        (q, eos, 30.0),
+    ];
+    write_scripted(&t, &td, &script).unwrap();
+    write_json(&td.join("tokenizer.json"), &byte_tokenizer_json(&[])).unwrap();
+    let template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<eos>{% endfor %}\
+                    {% if add_generation_prompt %}<|assistant|>{% endif %}";
+    write_json(
+        &td.join("tokenizer_config.json"),
+        &serde_json::json!({"chat_template": template, "eos_token": "<eos>"}),
+    )
+    .unwrap();
+    let p = plain_pipeline(&td);
+    let synth = |steers: &[&str], max_new| {
+        let o = train::SynthOptions {
+            count: 4,
+            steers: steers.iter().map(|s| s.to_string()).collect(),
+            max_new,
+            temperature: 0.0,
+            seed: 0,
+            gen_batch: 2,
+        };
+        let mut calls = vec![];
+        let r = train::synth_prompts(&p, &o, &mut |done, n| {
+            calls.push((done, n));
+            true
+        });
+        (r, calls)
+    };
+    let (r, calls) = synth(&["", "Q:"], 8);
+    let (records, notes) = r.unwrap();
+    let turns: Vec<(&str, &str)> = records
+        .iter()
+        .map(|r| (r.prompt.id.as_str(), r.prompt.text.as_deref().unwrap()))
+        .collect();
+    assert_eq!(turns, [("synth-0", "Hi?"), ("synth-1", "Q:Hi?")]);
+    assert!(
+        notes[0].contains("2 user turns")
+            && notes[0].contains("0 unfinished")
+            && notes[0].contains("2 empty or repeated"),
+        "{notes:?}"
+    );
+    // one group of QUEUE_GROUP x gen_batch (8 >= 4 turns), then the final report
+    assert_eq!(calls, [(0, 4), (4, 4)]);
+    // the turn does not end within 2 tokens: every one is unfinished
+    let (r, _) = synth(&[], 2);
+    let (records, notes) = r.unwrap();
+    assert!(records.is_empty(), "{records:?}");
+    assert!(
+        notes[0].contains("4 unfinished after 2 tokens"),
+        "{notes:?}"
+    );
+    // no tokenizer, no template: a one-line error naming the flag
+    let plain = dir.path().join("plain");
+    TinyTarget::qwen3(5).write(&plain).unwrap();
+    let o = train::SynthOptions {
+        count: 1,
+        steers: vec![],
+        max_new: 4,
+        temperature: 1.0,
+        seed: 0,
+        gen_batch: 1,
+    };
+    let e = train::synth_prompts(&plain_pipeline(&plain), &o, &mut |_, _| true).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("--synth-prompts needs the model's tokenizer"),
+        "{e}"
+    );
+}

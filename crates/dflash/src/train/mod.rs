@@ -1003,7 +1003,6 @@ pub fn build_sequences(
     o: &SequenceOptions,
     progress: &mut dyn FnMut(usize, usize) -> bool,
 ) -> Result<(Vec<data::Sequence>, Vec<String>)> {
-    use crate::engine::{Flow, GenerateRequest};
     let (mut out, mut no_ref, mut too_long, mut empty) = (Vec::new(), 0, 0, 0);
     let mut stopped = None;
     let mut push = |prompt: Vec<u32>, response: Vec<u32>| {
@@ -1062,25 +1061,9 @@ pub fn build_sequences(
                 }
             }
             DataMode::SelfGenerated => {
-                let reqs: Vec<GenerateRequest> = prompts
-                    .iter()
-                    .map(|(j, prompt)| {
-                        let room = o.max_seq - prompt.len();
-                        let mut req = GenerateRequest::new(prompt.clone(), o.max_new.min(room));
-                        req.stop_ids = p.stop_ids.clone();
-                        req.block_size = Some(1);
-                        req.adaptive = false;
-                        req.sampling.temperature = o.temperature;
-                        req.sampling.seed = o.seed.wrapping_add(*j as u64);
-                        req
-                    })
-                    .collect();
-                let outs = if reqs.len() == 1 {
-                    vec![p.engine.generate(&reqs[0], &mut |_| Flow::Continue)]
-                } else {
-                    p.engine
-                        .generate_queue(&reqs, in_flight, &mut |_, _| Flow::Continue)
-                };
+                let outs = generate_plain(p, &prompts, o.temperature, o.seed, in_flight, |len| {
+                    o.max_new.min(o.max_seq - len)
+                });
                 for ((_, prompt), r) in prompts.into_iter().zip(outs) {
                     push(prompt, r?.output_ids);
                 }
@@ -1104,6 +1087,157 @@ pub fn build_sequences(
     if empty > 0 {
         notes.push(format!("{empty} empty responses skipped"));
     }
+    Ok((out, notes))
+}
+
+/// Plain decoding of `prompts` (record index, ids) with the pipeline's engine, at most
+/// `in_flight` at once (one target pass a step for all of them), record `j` sampled with seed
+/// `seed + j` and given `max_new(prompt length)` tokens; each output is what it would be alone.
+fn generate_plain(
+    p: &crate::pipeline::Pipeline,
+    prompts: &[(usize, Vec<u32>)],
+    temperature: f32,
+    seed: u64,
+    in_flight: usize,
+    max_new: impl Fn(usize) -> usize,
+) -> Vec<Result<crate::engine::GenerateOutput>> {
+    use crate::engine::{Flow, GenerateRequest};
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .map(|(j, prompt)| {
+            let mut req = GenerateRequest::new(prompt.clone(), max_new(prompt.len()));
+            req.stop_ids = p.stop_ids.clone();
+            req.block_size = Some(1);
+            req.adaptive = false;
+            req.sampling.temperature = temperature;
+            req.sampling.seed = seed.wrapping_add(*j as u64);
+            req
+        })
+        .collect();
+    if reqs.len() == 1 {
+        vec![p.engine.generate(&reqs[0], &mut |_| Flow::Continue)]
+    } else {
+        p.engine
+            .generate_queue(&reqs, in_flight.max(1), &mut |_, _| Flow::Continue)
+    }
+}
+
+/// What [`synth_prompts`] makes.
+#[derive(Debug, Clone)]
+pub struct SynthOptions {
+    /// User turns to sample (fewer come back: unfinished and repeated ones are dropped).
+    pub count: usize,
+    /// Text each user turn starts with, cycled over the turns (`"Write a Python function"`
+    /// steers the model toward code questions); empty: none.
+    pub steers: Vec<String>,
+    /// Longest user turn, tokens (a turn that has not ended by then is dropped).
+    pub max_new: usize,
+    pub temperature: f32,
+    /// Turn `i` is sampled with seed `seed + i`.
+    pub seed: u64,
+    /// Turns sampled together (as [`SequenceOptions::gen_batch`]).
+    pub gen_batch: usize,
+}
+
+/// User turns written by the target itself, for `--data self` when the prompt files are too
+/// few or too far from where the draft will serve (the Magpie recipe: the chat template
+/// rendered up to where the user's text goes is the prompt, so the model samples what a
+/// user would ask, and ends the turn with its end-of-turn token). Each returned record's
+/// prompt text is the steer plus the sampled turn; the answers are then made as for any
+/// prompt file. `progress(done, count)` is called before each group of
+/// [`QUEUE_GROUP`] x `gen_batch` turns and returns false to stop early (a time budget).
+/// Needs a chat template that places the user's text verbatim.
+pub fn synth_prompts(
+    p: &crate::pipeline::Pipeline,
+    o: &SynthOptions,
+    progress: &mut dyn FnMut(usize, usize) -> bool,
+) -> Result<(Vec<data::Record>, Vec<String>)> {
+    const MARK: &str = "DFLASH_SYNTH_USER_TEXT";
+    let (Some(tok), Some(template)) = (p.tokenizer.as_ref(), p.template.as_ref()) else {
+        return Err(Error::input(format!(
+            "--synth-prompts needs the model's tokenizer and chat template; {} has {}",
+            p.model_name,
+            if p.tokenizer.is_none() {
+                "no tokenizer"
+            } else {
+                "no chat template"
+            }
+        )));
+    };
+    let text = template.render(
+        &[crate::chat::ChatMessage::user(MARK)],
+        false,
+        Some(false),
+        &Default::default(),
+    )?;
+    let Some(at) = text.find(MARK) else {
+        return Err(Error::input(format!(
+            "--synth-prompts: the chat template of {} does not place the user's text verbatim",
+            p.model_name
+        )));
+    };
+    let head = &text[..at];
+    let steers: Vec<&str> = match o.steers.is_empty() {
+        true => vec![""],
+        false => o.steers.iter().map(|s| s.as_str()).collect(),
+    };
+    let heads = steers
+        .iter()
+        .map(|s| tok.encode(&format!("{head}{s}"), false))
+        .collect::<Result<Vec<_>>>()?;
+    let group = QUEUE_GROUP * o.gen_batch.max(1);
+    let (mut out, mut seen) = (Vec::new(), std::collections::HashSet::new());
+    let (mut unfinished, mut repeated, mut stopped) = (0, 0, None);
+    let mut i = 0;
+    while i < o.count {
+        if !progress(i, o.count) {
+            stopped = Some(i);
+            break;
+        }
+        let end = (i + group).min(o.count);
+        let prompts: Vec<(usize, Vec<u32>)> = (i..end)
+            .map(|j| (j, heads[j % heads.len()].clone()))
+            .collect();
+        let outs = generate_plain(p, &prompts, o.temperature, o.seed, o.gen_batch, |_| {
+            o.max_new
+        });
+        for ((j, _), r) in prompts.into_iter().zip(outs) {
+            let r = r?;
+            if r.stats.finish_reason != "stop" {
+                unfinished += 1;
+                continue;
+            }
+            let turn = format!(
+                "{}{}",
+                steers[j % steers.len()],
+                tok.decode(&r.output_ids, true)?
+            );
+            let turn = turn.trim();
+            if turn.is_empty() || !seen.insert(turn.to_string()) {
+                repeated += 1;
+                continue;
+            }
+            out.push(data::Record {
+                prompt: crate::bench::prompts::Prompt {
+                    id: format!("synth-{j}"),
+                    text: Some(turn.to_string()),
+                    prompt_ids: None,
+                    earlier: vec![],
+                },
+                reference: None,
+            });
+        }
+        i = end;
+    }
+    progress(i.min(o.count), o.count);
+    let notes = vec![format!(
+        "{} user turns sampled from the target ({} of {} asked{}): {unfinished} unfinished after {} tokens and {repeated} empty or repeated dropped",
+        out.len(),
+        i,
+        o.count,
+        if stopped.is_some() { ", stopped by the time budget" } else { "" },
+        o.max_new
+    )];
     Ok((out, notes))
 }
 
