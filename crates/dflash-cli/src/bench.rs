@@ -260,7 +260,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .dtype
         .clone()
         .unwrap_or_else(|| if device == "cpu" { "f32" } else { "bf16" }.into());
-    let machine = Machine::describe(&device, &dtype);
+    let machine = describe_machine(&device, &dtype);
     let total: usize = specs
         .iter()
         .map(|s| opts.generations_per_row(prompts.len(), s.draft.is_some()))
@@ -352,7 +352,20 @@ fn load_pair(a: &BenchArgs, max_context: Option<usize>) -> Result<Pipeline> {
 /// The machine line of a report on a loaded pipeline (its device and dtype as loaded).
 fn loaded_machine(a: &BenchArgs, p: &Pipeline) -> Machine {
     let device = a.load.device.clone().unwrap_or_else(|| "cpu".into());
-    Machine::describe(&device, &format!("{:?}", p.dtype).to_lowercase())
+    describe_machine(&device, &format!("{:?}", p.dtype).to_lowercase())
+}
+
+/// [`Machine::describe`], saying on stderr when the binary is older than the checkout's
+/// sources (the report's commit is the checkout's).
+fn describe_machine(device: &str, dtype: &str) -> Machine {
+    let m = Machine::describe(device, dtype);
+    if let Some(f) = &m.stale_binary {
+        eprintln!(
+            "note: {f} is newer than this dflash binary: these numbers are of an older build than commit {}; rebuild first (cargo build --release)",
+            m.git_commit.as_deref().unwrap_or("unknown")
+        );
+    }
+    m
 }
 
 fn run_micro_cmd(a: &BenchArgs) -> Result<()> {

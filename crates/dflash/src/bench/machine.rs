@@ -19,8 +19,14 @@ pub struct Machine {
     /// Weight quantization of float safetensors models (`none`); GGUF and MLX-quantized rows
     /// record theirs in the row's `quantization`.
     pub quantization: String,
-    /// `git rev-parse HEAD` of the working directory (plus `-dirty`), when available.
+    /// `git rev-parse HEAD` of the working directory (plus `-dirty`), when available: the
+    /// checkout's commit, not necessarily the binary's.
     pub git_commit: Option<String>,
+    /// When this binary lies inside that checkout (its `target/`) and one of the checkout's
+    /// source files (`crates/*/src`, `kernels/`, `Cargo.lock`) is newer than it: that file. The
+    /// numbers are then of an older build than `git_commit` says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale_binary: Option<String>,
     /// dflash and its main dependencies, `name -> version`.
     pub versions: BTreeMap<String, String>,
     /// The switches that change what runs (`DFLASH_*` kernel switches such as
@@ -62,6 +68,7 @@ impl Machine {
                 c
             }
         });
+        let stale_binary = stale_binary();
         let mut versions = BTreeMap::new();
         versions.insert("dflash".into(), env!("CARGO_PKG_VERSION").into());
         for kv in env!("DFLASH_DEP_VERSIONS").split(',') {
@@ -78,6 +85,7 @@ impl Machine {
             dtype: dtype.into(),
             quantization: "none (float safetensors); GGUF and MLX-quantized: per row".into(),
             git_commit,
+            stale_binary,
             versions,
             env: switches(std::env::vars()),
             switches: crate::switches::describe()
@@ -105,11 +113,15 @@ impl Machine {
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
         format!(
-            "{hw}; {}; dtype {}, quantization {}; commit {}; {}{}{}",
+            "{hw}; {}; dtype {}, quantization {}; commit {}{}; {}{}{}",
             self.os,
             self.dtype,
             self.quantization,
             self.git_commit.as_deref().unwrap_or("unknown"),
+            match &self.stale_binary {
+                Some(f) => format!(" (STALE BINARY: {f} is newer)"),
+                None => String::new(),
+            },
             v.join(", "),
             if env.is_empty() {
                 String::new()
@@ -123,6 +135,60 @@ impl Machine {
             }
         )
     }
+}
+
+/// [`Machine::stale_binary`] for this process: None when the binary is not inside the
+/// working directory's git checkout (then nothing says which sources built it) or no source
+/// file there is newer than it.
+fn stale_binary() -> Option<String> {
+    let exe = std::env::current_exe().ok()?.canonicalize().ok()?;
+    let root = command_line("git", &["rev-parse", "--show-toplevel"])?;
+    let root = std::path::Path::new(&root).canonicalize().ok()?;
+    if !exe.starts_with(&root) {
+        return None;
+    }
+    let built = std::fs::metadata(&exe).ok()?.modified().ok()?;
+    let newer = newest_newer_than(&root, built)?;
+    Some(
+        newer
+            .strip_prefix(&root)
+            .unwrap_or(&newer)
+            .display()
+            .to_string(),
+    )
+}
+
+/// The newest of `root`'s source files (`crates/*/src/**`, `kernels/**`, `Cargo.lock`)
+/// modified after `t`, if any.
+pub fn newest_newer_than(
+    root: &std::path::Path,
+    t: std::time::SystemTime,
+) -> Option<std::path::PathBuf> {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            match e.file_type() {
+                Ok(ft) if ft.is_dir() => walk(&e.path(), out),
+                Ok(ft) if ft.is_file() => out.push(e.path()),
+                _ => {}
+            }
+        }
+    }
+    let mut files = vec![root.join("Cargo.lock")];
+    walk(&root.join("kernels"), &mut files);
+    if let Ok(rd) = std::fs::read_dir(root.join("crates")) {
+        for c in rd.flatten() {
+            walk(&c.path().join("src"), &mut files);
+        }
+    }
+    files
+        .into_iter()
+        .filter_map(|f| Some((std::fs::metadata(&f).ok()?.modified().ok()?, f)))
+        .filter(|(m, _)| *m > t)
+        .max_by_key(|(m, _)| *m)
+        .map(|(_, f)| f)
 }
 
 /// The environment variables that change which kernels run or how many threads they use.
@@ -163,6 +229,33 @@ mod tests {
                 "RAYON_NUM_THREADS"
             ]
         );
+    }
+
+    /// Source files newer than a build are found (the newest of them); docs and files outside
+    /// the source folders are not sources.
+    #[test]
+    fn newer_sources_than_the_build_are_found() {
+        use std::time::{Duration, SystemTime};
+        let dir = tempfile::tempdir().unwrap();
+        let r = dir.path();
+        let build = SystemTime::now() - Duration::from_secs(3600);
+        let file = |rel: &str, age_s: u64| {
+            let p = r.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, "x").unwrap();
+            let f = std::fs::File::options().write(true).open(&p).unwrap();
+            f.set_modified(SystemTime::now() - Duration::from_secs(age_s))
+                .unwrap();
+        };
+        file("crates/a/src/lib.rs", 7200);
+        file("kernels/k.cu", 7000);
+        file("Cargo.lock", 7200);
+        file("docs/perf.md", 10);
+        file("crates/a/tests/t.rs", 10);
+        assert_eq!(newest_newer_than(r, build), None);
+        file("crates/a/src/deep/m.rs", 600);
+        file("kernels/k.cu", 60);
+        assert_eq!(newest_newer_than(r, build), Some(r.join("kernels/k.cu")));
     }
 }
 
