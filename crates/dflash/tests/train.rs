@@ -370,12 +370,8 @@ fn grouped_self_generation_equals_one_at_a_time() {
         assert!(lens.iter().all(|&n| (1..=24).contains(&n)), "{lens:?}");
         lens.dedup();
         assert!(lens.len() > 1, "every response the same length: {lens:?}");
-        // (gen_batch in flight, admitted as others finish, over groups of 4 x gen_batch)
-        assert_eq!(
-            gen(temperature, 2),
-            alone,
-            "T = {temperature}, 2 in flight, 2 groups"
-        );
+        // (gen_batch in flight, the next admitted as one finishes)
+        assert_eq!(gen(temperature, 2), alone, "T = {temperature}, 2 in flight");
         assert_eq!(gen(temperature, 4), alone, "T = {temperature}, 4 in flight");
         assert_eq!(
             gen(temperature, 16),
@@ -384,6 +380,45 @@ fn grouped_self_generation_equals_one_at_a_time() {
         );
     }
     assert_ne!(gen(0.0, 4), gen(1.0, 4), "sampling changed nothing");
+    // a budget that closes admission after 6 records: the 6 admitted answers come back whole
+    // (the ones in flight finish), the rest are not started, and the note says where it stopped
+    let alone = gen(1.0, 1);
+    let mut asked = vec![];
+    let (seqs, notes) = train::build_sequences(
+        &p,
+        &recs,
+        &SequenceOptions {
+            max_seq: 40,
+            max_new: 24,
+            temperature: 1.0,
+            seed: 5,
+            chat_template: false,
+            gen_batch: 4,
+            ..Default::default()
+        },
+        &mut |i, n| {
+            asked.push((i, n));
+            i < 6
+        },
+    )
+    .unwrap();
+    let got: Vec<_> = seqs
+        .into_iter()
+        .map(|s| (s.ids, s.response_start))
+        .collect();
+    assert_eq!(
+        got,
+        alone[..6],
+        "budgeted answers differ from unbudgeted ones"
+    );
+    assert_eq!(notes, ["stopped after 6 of 10 records (time budget)"]);
+    assert_eq!(
+        asked,
+        (0..=6)
+            .map(|i| (i, 10))
+            .chain([(6, 10)])
+            .collect::<Vec<_>>()
+    );
 }
 
 /// (tau, outputs) of greedy DFlash with the draft saved in `dd`, through the normal loader.
@@ -953,8 +988,8 @@ fn synth_prompts_sample_user_turns_at_the_template() {
             && notes[0].contains("2 empty or repeated"),
         "{notes:?}"
     );
-    // one group of QUEUE_GROUP x gen_batch (8 >= 4 turns), then the final report
-    assert_eq!(calls, [(0, 4), (4, 4)]);
+    // before each turn is admitted, then the final report
+    assert_eq!(calls, [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]);
     // the turn does not end within 2 tokens: every one is unfinished
     let (r, _) = synth(&[], 2);
     let (records, notes) = r.unwrap();

@@ -240,13 +240,33 @@ impl Engine {
         in_flight: usize,
         on_tokens: &mut dyn FnMut(usize, &[u32]) -> Flow,
     ) -> Vec<Result<GenerateOutput>> {
+        self.generate_queue_gated(reqs, in_flight, on_tokens, &mut |_| true)
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::input("request was never run"))))
+            .collect()
+    }
+
+    /// [`Engine::generate_queue`] asking `admit(i)` before admitting request `i`: after the
+    /// first false none is admitted (those running finish), and the requests never admitted
+    /// come back as None. A time budget over a long queue stops it without cutting answers.
+    pub fn generate_queue_gated(
+        &self,
+        reqs: &[GenerateRequest],
+        in_flight: usize,
+        on_tokens: &mut dyn FnMut(usize, &[u32]) -> Flow,
+        admit: &mut dyn FnMut(usize) -> bool,
+    ) -> Vec<Option<Result<GenerateOutput>>> {
         let cb = std::cell::RefCell::new(on_tokens);
         let mut results: Vec<Option<Result<GenerateOutput>>> =
             (0..reqs.len()).map(|_| None).collect();
         let mut batch = Batch::new(self);
-        let mut next = 0;
+        let (mut next, mut open) = (0, true);
         loop {
-            while batch.len() < in_flight.max(1) && next < reqs.len() {
+            while open && batch.len() < in_flight.max(1) && next < reqs.len() {
+                if !admit(next) {
+                    open = false;
+                    break;
+                }
                 let (i, cb) = (next, &cb);
                 next += 1;
                 let f: Box<dyn FnMut(&[u32]) -> Flow + '_> =
@@ -264,9 +284,6 @@ impl Engine {
             }
         }
         results
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(Error::input("request was never run"))))
-            .collect()
     }
 
     /// Append committed ids, honouring stop tokens (cut after the first) and max tokens.
