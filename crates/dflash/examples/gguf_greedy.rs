@@ -1,5 +1,7 @@
 //! Greedy decoding of a prompt with a GGUF target, printing ids and text (used to compare
-//! with llama.cpp). `gguf_greedy FILE.gguf "prompt" [N] [--chat] [--keep-quant]`.
+//! with llama.cpp). `gguf_greedy FILE.gguf "prompt" [N] [--chat] [--keep-quant]`; with
+//! `LAYER_SUMS=1` each layer's output over the prompt instead (sum, each row's first and last values), to
+//! set beside `llama-eval-callback`'s `l_out-N` lines.
 
 use dflash::archs::{load_target, LoadOptions, Logits};
 use dflash::chat::ChatMessage;
@@ -40,6 +42,28 @@ fn main() -> dflash::Result<()> {
     let mut ids = tok.encode(&text, !chat)?;
     eprintln!("prompt ids {:?}", ids);
     let stops = g.stop_token_ids()?;
+    if std::env::var_os("LAYER_SUMS").is_some() {
+        // each layer's output over the prompt (llama-eval-callback's `l_out-N`: its sum and
+        // row 0's first values), for a layer-by-layer comparison with llama.cpp
+        let layers = m.info().num_layers;
+        let all: Vec<usize> = (0..layers).collect();
+        let mut c = m.new_cache(ids.len() + 1)?;
+        let fw = m.forward(&ids, 0, &mut c, &all, Logits::Last)?;
+        let taps = fw.taps.expect("taps");
+        let h = taps.dim(1)? / layers;
+        for l in 0..layers {
+            let t = taps
+                .narrow(1, l * h, h)?
+                .to_dtype(candle_core::DType::F32)?;
+            let sum: f32 = t.sum_all()?.to_scalar()?;
+            println!("l_out-{l} sum {sum:.6}");
+            for r in 0..t.dim(0)? {
+                let v: Vec<f32> = t.get(r)?.to_vec1()?;
+                println!("  row {r}: {:.4?} ... {:.4?}", &v[..3], &v[h - 3..]);
+            }
+        }
+        return Ok(());
+    }
     let mut c = m.new_cache(ids.len() + n + 1)?;
     let mut out = Vec::new();
     let t1 = Instant::now();
