@@ -337,22 +337,19 @@ fn grouped_self_generation_equals_one_at_a_time() {
     t.write(&td).unwrap();
     let p = plain_pipeline(&td);
     let recs = prompts(77, 10, t.vocab);
+    let opts = |temperature: f32, gen_batch: usize| SequenceOptions {
+        max_seq: 40,
+        max_new: 24,
+        temperature,
+        seed: 5,
+        chat_template: false,
+        gen_batch,
+        ..Default::default()
+    };
     let gen = |temperature: f32, gen_batch: usize| {
-        let (seqs, notes) = train::build_sequences(
-            &p,
-            &recs,
-            &SequenceOptions {
-                max_seq: 40,
-                max_new: 24,
-                temperature,
-                seed: 5,
-                chat_template: false,
-                gen_batch,
-                ..Default::default()
-            },
-            &mut |_, _| true,
-        )
-        .unwrap();
+        let (seqs, notes) =
+            train::build_sequences(&p, &recs, &opts(temperature, gen_batch), &mut |_, _| true)
+                .unwrap();
         assert!(notes.is_empty(), "{notes:?}");
         seqs.into_iter()
             .map(|s| (s.ids, s.response_start))
@@ -384,23 +381,10 @@ fn grouped_self_generation_equals_one_at_a_time() {
     // (the ones in flight finish), the rest are not started, and the note says where it stopped
     let alone = gen(1.0, 1);
     let mut asked = vec![];
-    let (seqs, notes) = train::build_sequences(
-        &p,
-        &recs,
-        &SequenceOptions {
-            max_seq: 40,
-            max_new: 24,
-            temperature: 1.0,
-            seed: 5,
-            chat_template: false,
-            gen_batch: 4,
-            ..Default::default()
-        },
-        &mut |i, n| {
-            asked.push((i, n));
-            i < 6
-        },
-    )
+    let (seqs, notes) = train::build_sequences(&p, &recs, &opts(1.0, 4), &mut |i, n| {
+        asked.push((i, n));
+        i < 6
+    })
     .unwrap();
     let got: Vec<_> = seqs
         .into_iter()
