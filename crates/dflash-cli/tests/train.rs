@@ -253,3 +253,67 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
         "{err}"
     );
 }
+
+/// `dflash train --synth-prompts` with no prompt file: the target writes the user turns
+/// (a scripted bigram target through its real byte-level tokenizer and template: after `>` it
+/// writes `Hi?` and ends the turn), the turns land in OUT/synth_prompts.jsonl, are answered
+/// like a prompt file's, and the manifest says how they were made; without --prompts,
+/// --sequences or --synth-prompts the command refuses, naming --prompts.
+#[test]
+fn synth_prompts_are_written_and_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let td = dir.path().join("t");
+    dflash::testing::write_turn_target(&td, b">", "Hi?").unwrap();
+    let out = dir.path().join("out");
+    let (rc, _, err) = dflash(&[
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--synth-prompts",
+        "3",
+        "--synth-temperature",
+        "0",
+        "--data-only",
+        "--max-new",
+        "8",
+        "--gen-batch",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(
+        err.contains("1 user turns sampled from the target (3 of 3 asked)"),
+        "{err}"
+    );
+    let turns = std::fs::read_to_string(out.join("synth_prompts.jsonl")).unwrap();
+    assert_eq!(turns, "{\"id\":\"synth-0\",\"prompt\":\"Hi?\"}\n");
+    // the turn answered at the template: the assistant slot ends with `>`, so `Hi?` again
+    let seqs = std::fs::read_to_string(out.join("sequences.jsonl")).unwrap();
+    let s: Value = serde_json::from_str(seqs.lines().next().unwrap()).unwrap();
+    let ids: Vec<u64> = s["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let start = s["response_start"].as_u64().unwrap() as usize;
+    assert_eq!(ids[start..], [72, 105, 63, 255], "{ids:?}");
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["synth_prompts"]["asked"], 3);
+    assert_eq!(manifest["sequences"], 1);
+    // nothing to make sequences from
+    let (rc, _, err) = dflash(&[
+        "train",
+        "--target",
+        td.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_ne!(rc, 0);
+    assert!(
+        err.contains("required arguments were not provided") && err.contains("--prompts"),
+        "{err}"
+    );
+}

@@ -699,6 +699,31 @@ pub fn write_gguf_with(
     Ok(path)
 }
 
+/// A tiny chat model in `dir` that answers every turn with `turn`: a scripted bigram target
+/// ([`write_scripted`]) over a byte-level tokenizer (token b < 255 is byte b, 255 `<eos>`,
+/// the end of turn) with the template `<|role|>content<eos>...` (`<|assistant|>` for the
+/// generation prompt). After any byte of `after` (e.g. the template's `>`, or a steer's last
+/// byte) it writes `turn`'s bytes, then `<eos>`; `turn`'s bytes must be distinct and not in
+/// `after`. For tests of what a model writes at its chat template (`train::synth_prompts`).
+pub fn write_turn_target(dir: &Path, after: &[u8], turn: &str) -> Result<TinyTarget> {
+    let mut t = TinyTarget::qwen3(5);
+    t.vocab = 256;
+    let b: Vec<u32> = turn.bytes().map(u32::from).collect();
+    let mut script: Vec<(u32, u32, f32)> =
+        after.iter().map(|&a| (u32::from(a), b[0], 30.0)).collect();
+    script.extend(b.windows(2).map(|w| (w[0], w[1], 30.0)));
+    script.push((*b.last().expect("a turn"), 255, 30.0));
+    write_scripted(&t, dir, &script)?;
+    write_json(&dir.join("tokenizer.json"), &byte_tokenizer_json(&[]))?;
+    let template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<eos>{% endfor %}\
+                    {% if add_generation_prompt %}<|assistant|>{% endif %}";
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &json!({"chat_template": template, "eos_token": "<eos>"}),
+    )?;
+    Ok(t)
+}
+
 /// GPT-2's byte-to-character table (the byte-level pre-tokenizer's alphabet): printable
 /// Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order.
 pub fn byte_chars() -> [char; 256] {

@@ -920,28 +920,9 @@ fn eval_split_keeps_held_prompts_out_of_training_files() {
 /// unfinished turns are dropped and counted; a model without a template is a clear error.
 #[test]
 fn synth_prompts_sample_user_turns_at_the_template() {
-    use dflash::testing::{byte_tokenizer_json, write_json, write_scripted};
     let dir = tempfile::tempdir().unwrap();
     let td = dir.path().join("t");
-    let mut t = TinyTarget::qwen3(5);
-    t.vocab = 256;
-    let [gt, colon, h, i, q, eos] = [b'>', b':', b'H', b'i', b'?', 255u8].map(u32::from);
-    let script = [
-        (gt, h, 30.0),
-        (colon, h, 30.0),
-        (h, i, 30.0),
-        (i, q, 30.0),
-        (q, eos, 30.0),
-    ];
-    write_scripted(&t, &td, &script).unwrap();
-    write_json(&td.join("tokenizer.json"), &byte_tokenizer_json(&[])).unwrap();
-    let template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<eos>{% endfor %}\
-                    {% if add_generation_prompt %}<|assistant|>{% endif %}";
-    write_json(
-        &td.join("tokenizer_config.json"),
-        &serde_json::json!({"chat_template": template, "eos_token": "<eos>"}),
-    )
-    .unwrap();
+    dflash::testing::write_turn_target(&td, b">:", "Hi?").unwrap();
     let p = plain_pipeline(&td);
     let synth = |steers: &[&str], max_new| {
         let o = train::SynthOptions {
