@@ -272,6 +272,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 records.extend(data::read_records(&f, a.max_prompts)?);
             }
             let mut synth_notes = vec![];
+            // turn i of --synth-prompts is sampled with seed synth_seed + i
+            let synth_seed = a.synth_seed.unwrap_or(a.seed.wrapping_add(1 << 32));
             if a.synth_prompts > 0 {
                 if mode != DataMode::SelfGenerated {
                     bail!(
@@ -286,7 +288,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                         steers: a.synth_steer.clone(),
                         max_new: a.synth_max_new,
                         temperature: a.synth_temperature,
-                        seed: a.synth_seed.unwrap_or(a.seed.wrapping_add(1 << 32)),
+                        seed: synth_seed,
                         gen_batch: a.gen_batch,
                     },
                     &mut |i, _| {
@@ -378,7 +380,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 "synth_prompts": (a.synth_prompts > 0).then(|| serde_json::json!({
                     "asked": a.synth_prompts, "steers": a.synth_steer, "max_new": a.synth_max_new,
                     "temperature": a.synth_temperature,
-                    "seed": a.synth_seed.unwrap_or(a.seed.wrapping_add(1 << 32)),
+                    "seed": synth_seed,
                 })),
                 "records_read": before,
                 "excluded_prompts": {"files": a.exclude_prompts.iter().chain(&a.eval_prompts).collect::<Vec<_>>(), "records": excluded},

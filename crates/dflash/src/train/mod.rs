@@ -1000,7 +1000,6 @@ pub fn build_sequences(
     progress: &mut dyn FnMut(usize, usize) -> bool,
 ) -> Result<(Vec<data::Sequence>, Vec<String>)> {
     let (mut out, mut no_ref, mut too_long, mut empty) = (Vec::new(), 0, 0, 0);
-    let mut stopped = None;
     let mut push = |prompt: Vec<u32>, response: Vec<u32>| {
         if response.is_empty() {
             empty += 1;
@@ -1031,7 +1030,6 @@ pub fn build_sequences(
         DataMode::Relabel => {
             while i < n {
                 if !progress(i, n) {
-                    stopped = Some(i);
                     break;
                 }
                 let r = &records[i];
@@ -1075,7 +1073,6 @@ pub fn build_sequences(
                 match r {
                     Some(r) => push(prompt.clone(), r?.output_ids),
                     None => {
-                        stopped = Some(*j);
                         i = *j;
                         break;
                     }
@@ -1083,9 +1080,9 @@ pub fn build_sequences(
             }
         }
     }
-    progress(i.min(records.len()), records.len());
+    progress(i, n);
     let mut notes = vec![];
-    if let Some(i) = stopped {
+    if i < n {
         notes.push(format!(
             "stopped after {i} of {} records (time budget)",
             records.len()
@@ -1198,7 +1195,7 @@ pub fn synth_prompts(
         .map(|s| tok.encode(&format!("{head}{s}"), false))
         .collect::<Result<Vec<_>>>()?;
     let (mut out, mut seen) = (Vec::new(), std::collections::HashSet::new());
-    let (mut unfinished, mut repeated, mut stopped) = (0, 0, None);
+    let (mut unfinished, mut repeated) = (0, 0);
     let prompts: Vec<(usize, Vec<u32>)> = (0..o.count)
         .map(|j| (j, heads[j % heads.len()].clone()))
         .collect();
@@ -1214,7 +1211,7 @@ pub fn synth_prompts(
     let mut i = o.count;
     for (j, r) in outs.into_iter().enumerate() {
         let Some(r) = r else {
-            (stopped, i) = (Some(j), j);
+            i = j;
             break;
         };
         let r = r?;
@@ -1242,13 +1239,13 @@ pub fn synth_prompts(
             reference: None,
         });
     }
-    progress(i.min(o.count), o.count);
+    progress(i, o.count);
     let notes = vec![format!(
         "{} user turns sampled from the target ({} of {} asked{}): {unfinished} unfinished after {} tokens and {repeated} empty or repeated dropped",
         out.len(),
         i,
         o.count,
-        if stopped.is_some() { ", stopped by the time budget" } else { "" },
+        if i < o.count { ", stopped by the time budget" } else { "" },
         o.max_new
     )];
     Ok((out, notes))
