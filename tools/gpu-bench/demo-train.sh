@@ -9,7 +9,7 @@
 #   PHASE=train bash tools/gpu-bench/demo-train.sh   # first chunk (resumable)
 #   PHASE=more  bash tools/gpu-bench/demo-train.sh   # further chunks (--resume)
 #   PHASE=eval  bash tools/gpu-bench/demo-train.sh   # held-out tau / speedup per block, draft to $OUT
-# Env: GEN_SECS (per pass, 200), SYNTH / SYNTH_STEERS / SYNTH_T / SYNTH_SEED / GEN_SECS_SYNTH (user turns the model writes itself, below), GEN_SECS_T0 (the greedy pass's, GEN_SECS), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64), MAX_NEW (256), PROMPTS (prompt
+# Env: GEN_SECS (per pass, 200), SYNTH / SYNTH_STEERS / SYNTH_T / SYNTH_SEED / GEN_SECS_SYNTH (user turns the model writes itself, below), GEN_SECS_T0 (the greedy pass's, GEN_SECS), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64, a process), GEN_PROCS (processes a pass, 1), MAX_NEW (256), PROMPTS (prompt
 # files, space-separated; default the 9,669 ShareGPT first turns; data/train/humaneval-rest.jsonl.gz and
 # mtbench-rest.jsonl.gz add the HumanEval / MT-Bench prompts past the 40 held for evaluation, each 16 times), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
 # 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, 32 sequences a batch); BIN, GGUF, WORK, DEVICE
@@ -27,33 +27,52 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
   gen)
     # greedy once (GREEDY=0: not), then T1_PASSES sampled passes numbered from T1_FROM (1;
     # record i of pass k seeded k * 100000 + i, so passes staged from an earlier session are
-    # not made again by starting past them)
-    from=${T1_FROM:-1}
+    # not made again by starting past them). GEN_PROCS=N (1) runs each pass as N processes
+    # on the one GPU (`--gen-shard K/N`: records K mod N, whole-run seeds; a batch step of the
+    # 135M target is host-bound), into RUN-sK
+    from=${T1_FROM:-1}; procs=${GEN_PROCS:-1}
     [ "${GREEDY:-1}" = 0 ] && runs="" || runs=t0
     for run in $runs $(seq -f 't1-%g' "$from" $((from + ${T1_PASSES:-1} - 1))); do
       T0=$SECONDS
       case $run in t0) t=0 seed=0 secs=${GEN_SECS_T0:-${GEN_SECS:-200}} ;; *) t=1 seed=$((${run#t1-} * 100000)) secs=${GEN_SECS:-200} ;; esac
-      # shellcheck disable=SC2086
-      "$BIN" train "${common[@]}" --prompts ${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz} \
-        --max-prompts 100000 --data self --temperature $t --seed $seed \
-        --exclude-prompts data/eval/humaneval-held.jsonl.gz data/eval/mtbench-held.jsonl.gz \
-        --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "$secs" \
-        --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
-      echo "$run: $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
+      for k in $(seq 0 $((procs - 1))); do
+        out=$run; [ "$procs" -gt 1 ] && out=$run-s$k
+        # shellcheck disable=SC2086
+        "$BIN" train "${common[@]}" --prompts ${PROMPTS:-data/train/sharegpt-prompts-9k.jsonl.gz} \
+          --max-prompts 100000 --data self --temperature $t --seed $seed --gen-shard "$k/$procs" \
+          --exclude-prompts data/eval/humaneval-held.jsonl.gz data/eval/mtbench-held.jsonl.gz \
+          --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "$secs" \
+          --data-only --out "$W/$out" > "$R/gen-$out.log" 2>&1 || { echo "!! gen $out"; tail -3 "$R/gen-$out.log"; } &
+      done
+      wait
+      for f in "$R"/gen-"$run".log "$R"/gen-"$run"-s*.log; do
+        [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$f")"
+      done
+      echo "$run: $((SECONDS - T0)) s"
     done
     # SYNTH=N: N more user turns sampled from the model itself (`--synth-prompts`; steered by
     # SYNTH_STEERS, '|'-separated; a leading '|' adds an unsteered one), answered at SYNTH_T (0) within
-    # GEN_SECS_SYNTH (GEN_SECS); the run is ts-SYNTH_SEED (0: turn i seeded 2^32 + i)
+    # GEN_SECS_SYNTH (GEN_SECS); the run is ts-SYNTH_SEED (0: turn i seeded 2^32 + i); with
+    # GEN_PROCS=N, N processes of SYNTH / N turns each, process K's turns and answers seeded
+    # apart (K * 10^7 added), into ts-SYNTH_SEED-sK
     if [ "${SYNTH:-0}" -gt 0 ]; then
-      T0=$SECONDS; run=ts-${SYNTH_SEED:-0}; steer=()
+      T0=$SECONDS; steer=()
       IFS='|' read -r -a steers <<< "${SYNTH_STEERS:-}"
       for s in "${steers[@]}"; do steer+=(--synth-steer "$s"); done
-      "$BIN" train "${common[@]}" --synth-prompts "$SYNTH" "${steer[@]}" --data self \
-        --temperature "${SYNTH_T:-0}" --seed "${SYNTH_SEED:-0}" \
-        --exclude-prompts data/eval/humaneval-held.jsonl.gz data/eval/mtbench-held.jsonl.gz \
-        --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "${GEN_SECS_SYNTH:-${GEN_SECS:-200}}" \
-        --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; }
-      echo "$run: $(grep -o '[0-9]* user turns sampled[^:]*' "$R/gen-$run.log"); $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$R/gen-$run.log") in $((SECONDS - T0)) s"
+      for k in $(seq 0 $((procs - 1))); do
+        run=ts-${SYNTH_SEED:-0}; [ "$procs" -gt 1 ] && run=$run-s$k
+        base=$((${SYNTH_SEED:-0} + k * 10000000))
+        "$BIN" train "${common[@]}" --synth-prompts $((SYNTH / procs)) "${steer[@]}" --data self \
+          --temperature "${SYNTH_T:-0}" --seed "$base" --synth-seed $((base + 4294967296)) \
+          --exclude-prompts data/eval/humaneval-held.jsonl.gz data/eval/mtbench-held.jsonl.gz \
+          --gen-batch "${GEN_BATCH:-64}" --max-new "${MAX_NEW:-256}" --data-time-limit "${GEN_SECS_SYNTH:-${GEN_SECS:-200}}" \
+          --data-only --out "$W/$run" > "$R/gen-$run.log" 2>&1 || { echo "!! gen $run"; tail -3 "$R/gen-$run.log"; } &
+      done
+      wait
+      for f in "$R"/gen-ts-*.log; do
+        echo "$(basename "$f" .log): $(grep -o '[0-9]* user turns sampled[^:]*' "$f"); $(grep -o '[0-9]* sequences ([0-9]* tokens[^)]*)' "$f")"
+      done
+      echo "synth: $((SECONDS - T0)) s"
     fi ;;
   pack)
     # every generated pass's sequences, gzipped, back in 15 MB parts (<= 8 files, 64 MiB a

@@ -44,6 +44,15 @@ SHAPES = {
                    tie_word_embeddings=False),
         draft_layers=5, taps=[1, 8, 15, 22, 29], block=16, mask=248000,
     ),
+    # SmolLM2-135M's widths (the demo target, llama with qwen3's q/k norms added) for a
+    # target-only timing of the self-generation's batch step (issue 26): --target-only.
+    "smollm2-135m": dict(
+        target=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True),
+        draft_layers=4, taps=[1, 10, 19, 28], block=16, mask=0,
+    ),
     "tiny-hybrid": dict(
         arch="qwen3_5",
         target=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -70,7 +79,7 @@ EMBED_DIM0 = 1000.0  # >> the ~N(0, 13) that 36 random layers add to a residual 
 NORM_C = 1.0
 
 
-def build(shape: str, device: str, dtype_name: str):
+def build(shape: str, device: str, dtype_name: str, target_only: bool = False):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -106,6 +115,8 @@ def build(shape: str, device: str, dtype_name: str):
         hn0 = target(ids).logits[0, :, TOKEN_A].float().median().item()
         head[TOKEN_B, 0] = 1.0 - P_GAP / hn0
     print(f"target built in {time.time() - t0:.1f}s (hn_0 ~ {hn0:.1f})", flush=True)
+    if target_only:
+        return target, None
 
     from dflash.model import DFlashDraftModel
 
@@ -138,7 +149,7 @@ def set_draft_mode(draft, mode: str):
 def save(target, draft, out: str, modes):
     t0 = time.time()
     target.save_pretrained(os.path.join(out, "target"), max_shard_size="4GB")
-    for m in modes:
+    for m in modes if draft is not None else []:
         set_draft_mode(draft, m)
         draft.save_pretrained(os.path.join(out, f"draft-{m}"))
     print(f"saved in {time.time() - t0:.1f}s", flush=True)
@@ -150,8 +161,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--target-only", action="store_true", help="no drafts (no dflash package needed)")
     a = ap.parse_args()
-    target, draft = build(a.shape, a.device, a.dtype)
+    target, draft = build(a.shape, a.device, a.dtype, a.target_only)
     save(target, draft, a.out, ["agree", "zero"])
     json.dump({"shape": a.shape, **SHAPES[a.shape], "token_a": TOKEN_A},
               open(os.path.join(a.out, "shape.json"), "w"), indent=1)

@@ -131,6 +131,11 @@ pub struct TrainArgs {
     /// same as alone).
     #[arg(long, default_value_t = 16)]
     pub gen_batch: usize,
+    /// `K/N`: answer only the prompts whose index (after --exclude-prompts) is K modulo N,
+    /// each with the seed it has in the whole run: N processes, K = 0..N-1, make the whole
+    /// run's sequences between them (a host-bound generation step runs N at once on one GPU).
+    #[arg(long, value_parser = parse_shard)]
+    pub gen_shard: Option<(usize, usize)>,
     /// Longest training sequence (prompt + response), tokens.
     #[arg(long, default_value_t = 1024)]
     pub max_seq: usize,
@@ -199,6 +204,17 @@ pub struct TrainArgs {
     /// Tokens generated per evaluation prompt.
     #[arg(long, default_value_t = 128)]
     pub eval_max_tokens: usize,
+}
+
+/// `--gen-shard K/N`: 0 <= K < N.
+fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
+    let bad = || format!("{s}: expected K/N with 0 <= K < N (e.g. 0/4)");
+    let (k, n) = s.split_once('/').ok_or_else(bad)?;
+    let (k, n) = (k.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
+    if k >= n {
+        return Err(bad());
+    }
+    Ok((k, n))
 }
 
 fn bar(n: usize, what: &str) -> ProgressBar {
@@ -349,6 +365,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                     seed: a.seed,
                     chat_template: !a.no_chat_template,
                     gen_batch: a.gen_batch,
+                    shard: a.gen_shard.unwrap_or((0, 1)),
                 },
                 &mut |i, _| {
                     b.set_position(i as u64);
@@ -389,6 +406,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 "max_new": a.max_new,
                 "max_seq": a.max_seq,
                 "gen_batch": a.gen_batch,
+                "gen_shard": a.gen_shard.map(|(k, n)| format!("{k}/{n}")),
                 "chat_template": !a.no_chat_template,
                 "sequences": seqs.len(),
                 "tokens": tokens,
@@ -698,4 +716,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
             .with_context(|| format!("writing {}", f.display()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_shard;
+
+    #[test]
+    fn gen_shard_takes_k_of_n_and_names_a_bad_one() {
+        assert_eq!(parse_shard("0/4"), Ok((0, 4)));
+        assert_eq!(parse_shard(" 3 / 4"), Ok((3, 4)));
+        for bad in ["4/4", "1", "a/2", "1/0", "-1/2"] {
+            let e = parse_shard(bad).unwrap_err();
+            assert!(e.starts_with(bad) && e.contains("K/N"), "{bad}: {e}");
+        }
+    }
 }

@@ -377,6 +377,27 @@ fn grouped_self_generation_equals_one_at_a_time() {
         );
     }
     assert_ne!(gen(0.0, 4), gen(1.0, 4), "sampling changed nothing");
+    // three shards (the records 0 mod 3, 1 mod 3, 2 mod 3, each with its whole-run seed)
+    // interleaved are the whole run, sampled (T = 1: the seeds matter)
+    let shard = |k: usize, n: usize| {
+        let o = SequenceOptions {
+            shard: (k, n),
+            ..opts(1.0, 4)
+        };
+        train::build_sequences(&p, &recs, &o, &mut |_, _| true).map(|(seqs, _)| {
+            seqs.into_iter()
+                .map(|s| (s.ids, s.response_start))
+                .collect::<Vec<_>>()
+        })
+    };
+    let parts: Vec<_> = (0..3).map(|k| shard(k, 3).unwrap()).collect();
+    let mut merged = vec![];
+    for i in 0..recs.len() {
+        merged.push(parts[i % 3][i / 3].clone());
+    }
+    assert_eq!(merged, gen(1.0, 4), "three shards interleaved != the whole run");
+    let err = shard(3, 3).unwrap_err().to_string();
+    assert!(err.contains("--gen-shard"), "{err}");
     // a budget that closes admission after 6 records: the 6 admitted answers come back whole
     // (the ones in flight finish), the rest are not started, and the note says where it stopped
     let alone = gen(1.0, 1);
@@ -459,6 +480,7 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
             seed: 0,
             chat_template: false,
             gen_batch: 8,
+            shard: (0, 1),
         },
         &mut |_, _| true,
     )

@@ -970,6 +970,10 @@ pub struct SequenceOptions {
     /// short answers do not leave the batch idle behind a long one); each is what it would be
     /// alone (its own seeded sampler). 1 = one at a time.
     pub gen_batch: usize,
+    /// `(k, n)`: only the records whose index is k modulo n (the k-th of n processes sharing
+    /// the work; record i keeps seed `seed + i`, so the shards' sequences together are the
+    /// unsharded run's). `(0, 1)`: all.
+    pub shard: (usize, usize),
 }
 
 impl Default for SequenceOptions {
@@ -982,6 +986,7 @@ impl Default for SequenceOptions {
             seed: 0,
             chat_template: true,
             gen_batch: 1,
+            shard: (0, 1),
         }
     }
 }
@@ -999,6 +1004,13 @@ pub fn build_sequences(
     o: &SequenceOptions,
     progress: &mut dyn FnMut(usize, usize) -> bool,
 ) -> Result<(Vec<data::Sequence>, Vec<String>)> {
+    let (k, shards) = o.shard;
+    if shards == 0 || k >= shards {
+        return Err(Error::input(format!(
+            "shard {k} of {shards}: want 0 <= k < n (--gen-shard K/N)"
+        )));
+    }
+    let mine = |i: usize| i % shards == k;
     let (mut out, mut no_ref, mut too_long, mut empty) = (Vec::new(), 0, 0, 0);
     let mut push = |prompt: Vec<u32>, response: Vec<u32>| {
         if response.is_empty() {
@@ -1034,6 +1046,9 @@ pub fn build_sequences(
                 }
                 let r = &records[i];
                 i += 1;
+                if !mine(i - 1) {
+                    continue;
+                }
                 let Some(prompt) = prompt_of(r)? else {
                     continue;
                 };
@@ -1054,7 +1069,7 @@ pub fn build_sequences(
             // answer finishes, so the batch stays full until the budget or the records end
             // (groups drained between them cost ~20% more steps on the demo's answers)
             let mut prompts = Vec::new();
-            for (j, r) in records.iter().enumerate() {
+            for (j, r) in records.iter().enumerate().filter(|(j, _)| mine(*j)) {
                 if let Some(prompt) = prompt_of(r)? {
                     prompts.push((j, prompt));
                 }
