@@ -100,7 +100,47 @@ pub fn open_device(ordinal: usize) -> candle_core::Result<candle_core::Device> {
         // so no cross-stream synchronization is needed (the events' only purpose).
         unsafe { dev.as_cuda_device()?.disable_event_tracking() };
     }
+    if crate::switches::get().cuda_pool_keep {
+        // (a device without stream-ordered pools runs as before: said, not fatal)
+        if let Err(e) = keep_pool(&dev) {
+            tracing::warn!("{e}");
+        }
+    }
     Ok(dev)
+}
+
+/// cudarc allocates from the device's default memory pool (stream-ordered), whose release
+/// threshold is 0: at every stream / event / context synchronization the pool hands all its
+/// free memory back, so the next forward's buffers are mapped again. A batch step reads its
+/// choices (a synchronization) and then allocates its activations anew, so every step paid
+/// for fresh mappings. An unlimited threshold keeps freed memory in the pool for reuse (what
+/// PyTorch's caching allocator does); memory in use by dflash's process then stays at its
+/// high-water mark. `DFLASH_CUDA_POOL_KEEP=0`: CUDA's default.
+fn keep_pool(dev: &candle_core::Device) -> candle_core::Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let cuda = dev.as_cuda_device()?;
+    let ordinal = cuda.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: a valid device handle and out-pointer; the attribute takes a u64 by pointer.
+    let r = unsafe {
+        let r = sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            r
+        } else {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut std::ffi::c_void,
+            )
+        }
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!(
+            "CUDA memory pool release threshold not set ({r:?}): freed device memory is handed back at every synchronization (DFLASH_CUDA_POOL_KEEP=0 silences this)"
+        );
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 49 (issues 26, 23): the memory pool's release threshold. session49a.sh found a
+# c = 256 plain batch step of the SmolLM2-135M-width target at 8-12 ms by CUDA events while
+# its kernels sum to 2.4 ms (ncu). The default pool hands freed memory back at every
+# synchronization (each step reads its choices), so each step's buffers are mapped again.
+# `bench --concurrency 1,64,256` plain with DFLASH_CUDA_POOL_KEEP=0 (CUDA's default) and 1
+# (the new default), alternating, two rounds; then the c = 256 step sections with the pool
+# kept. Also unpacks dflash for the GGUF staging calls (stage.sh).
+#   run(command="bash tools/gpu-bench/session49b.sh", carry=[".device/dflash.xz", ".device/gguf/MANIFEST"])
+set -uo pipefail
+T0=$SECONDS
+here=$(cd "$(dirname "$0")" && pwd)
+bash "$here/stage.sh" > /dev/null 2>&1
+. "$here/env.sh" dflash
+begin_session s49b
+M=/root/smol-shape
+[ -d $M/target ] || timeout 200 $PY "$here/models.py" --shape smollm2-135m --target-only --out $M > $R/models.log 2>&1 \
+  || { echo "models failed"; tail -5 $R/models.log; }
+echo "### model in $((SECONDS - T0)) s"
+conc=(bench --model $M/target --device cuda --dtype bf16 --concurrency-modes plain --concurrency-prompt-len 150
+  --concurrency-rounds 1 --max-tokens 64 --concurrency 1,64,256)
+for round in 1 2; do
+  for keep in 0 1; do
+    DFLASH_CUDA_POOL_KEEP=$keep timeout 100 /tmp/stash/dflash "${conc[@]}" > $R/t$round-k$keep.md 2> $R/t$round-k$keep.err || { echo "rc $?"; tail -3 $R/t$round-k$keep.err; }
+    echo "### round $round, DFLASH_CUDA_POOL_KEEP=$keep"
+    grep -E '^\| plain' $R/t$round-k$keep.md | cut -c1-120
+  done
+done
+DFLASH_PROFILE=gpu timeout 100 /tmp/stash/dflash "${conc[@]}" > $R/prof.md 2> $R/prof.err
+grep "profile batch step" $R/prof.err | sed 's/.*verify forward \([0-9.]*\).*/\1/' | grep -v profile | tail -63 \
+  | sort -n | awk '{a[NR]=$1; s+=$1} END {print "### pool kept, c = 256 verify forward (GPU events): mean", s/NR, "p50", a[int(NR/2)], "max", a[NR]}'
+grep -h "cuda_pool_keep" $R/t1-k1.md | head -2 | cut -c1-300
+echo "### done in $((SECONDS - T0)) s"
