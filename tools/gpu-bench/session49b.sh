@@ -6,20 +6,22 @@
 # `bench --concurrency 1,64,256` plain with DFLASH_CUDA_POOL_KEEP=0 (CUDA's default) and 1
 # (the new default), alternating, two rounds; then the c = 256 step sections with the pool
 # kept. Also unpacks dflash for the GGUF staging calls (stage.sh).
-#   run(command="bash tools/gpu-bench/session49b.sh", carry=[".device/dflash.xz", ".device/gguf/MANIFEST"])
+# Then issue 23's table (session42b.sh: Qwen3-8B shape, controlled-acceptance draft, T = 1,
+# block 8, c = 1 / 8 / 32, plain and DFlash) with the pool kept, and once with CUDA's default.
+#   run(command="bash tools/gpu-bench/session49b.sh", carry=[".device/dflash.xz", ".device/gguf/MANIFEST", "tools/goldens/wheels"])
 set -uo pipefail
 T0=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
 bash "$here/stage.sh" > /dev/null 2>&1
 . "$here/env.sh" dflash
 begin_session s49b
-M=/root/smol-shape
-[ -d $M/target ] || timeout 200 $PY "$here/models.py" --shape smollm2-135m --target-only --out $M > $R/models.log 2>&1 \
+S=/root/smol-shape
+[ -d $S/target ] || timeout 200 $PY "$here/models.py" --shape smollm2-135m --target-only --out $S > $R/models.log 2>&1 \
   || { echo "models failed"; tail -5 $R/models.log; }
 echo "### model in $((SECONDS - T0)) s"
-conc=(bench --model $M/target --device cuda --dtype bf16 --concurrency-modes plain --concurrency-prompt-len 150
-  --concurrency-rounds 1 --max-tokens 64 --concurrency 1,64,256)
-for round in 1 2; do
+conc=(bench --model $S/target --device cuda --dtype bf16 --concurrency-modes plain --concurrency-prompt-len 150
+  --concurrency-rounds 1 --max-tokens 64 --concurrency 64,256)
+for round in 1; do
   for keep in 0 1; do
     DFLASH_CUDA_POOL_KEEP=$keep timeout 100 /tmp/stash/dflash "${conc[@]}" > $R/t$round-k$keep.md 2> $R/t$round-k$keep.err || { echo "rc $?"; tail -3 $R/t$round-k$keep.err; }
     echo "### round $round, DFLASH_CUDA_POOL_KEEP=$keep"
@@ -29,5 +31,18 @@ done
 DFLASH_PROFILE=gpu timeout 100 /tmp/stash/dflash "${conc[@]}" > $R/prof.md 2> $R/prof.err
 grep "profile batch step" $R/prof.err | sed 's/.*verify forward \([0-9.]*\).*/\1/' | grep -v profile | tail -63 \
   | sort -n | awk '{a[NR]=$1; s+=$1} END {print "### pool kept, c = 256 verify forward (GPU events): mean", s/NR, "p50", a[int(NR/2)], "max", a[NR]}'
-grep -h "cuda_pool_keep" $R/t1-k1.md | head -2 | cut -c1-300
+grep -ho "cuda_pool_keep=[a-z0-9]*" $R/t1-k1.md $R/t1-k0.md
+qwen3_models > /dev/null 2>&1
+echo "### qwen3-8b models in $((SECONDS - T0)) s"
+pair=(--model "$M/target" --draft "$M/draft-agree" --device cuda --dtype bf16)
+conc=(bench "${pair[@]}" --concurrency-prompt-len 128 --block-size 8)
+timeout 120 /tmp/stash/dflash "${conc[@]}" --concurrency 8 --max-tokens 64 --concurrency-check > "$R/check.md" 2> "$R/check.err"
+echo "### greedy c = 8: $(grep -h greedy "$R/check.md" | tr '\n' ' ')"
+for keep in 1 0; do
+  [ $((SECONDS - T0)) -gt ${TABLE_LIMIT:-420} ] && break
+  DFLASH_CUDA_POOL_KEEP=$keep timeout 200 /tmp/stash/dflash "${conc[@]}" --concurrency 1,8,32 --max-tokens 128 --temperature 1.0 \
+    > "$R/table-k$keep-$SECONDS.md" 2> "$R/table-k$keep.err" || { echo "table rc $?"; tail -3 "$R/table-k$keep.err"; }
+  echo "### issue 23 table, DFLASH_CUDA_POOL_KEEP=$keep ($((SECONDS - T0)) s)"
+  grep -hE '^\| (plain|dflash)' $(ls -t "$R"/table-k$keep-*.md | head -1) | cut -c1-200
+done
 echo "### done in $((SECONDS - T0)) s"
