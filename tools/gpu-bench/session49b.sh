@@ -4,7 +4,7 @@
 # its kernels sum to 2.4 ms (ncu). The default pool hands freed memory back at every
 # synchronization (each step reads its choices), so each step's buffers are mapped again.
 # `bench --concurrency 1,64,256` plain with DFLASH_CUDA_POOL_KEEP=0 (CUDA's default) and 1
-# (the new default), alternating, two rounds; then the c = 256 step sections with the pool
+# (the pool kept, opt-in until measured), one round each; then the c = 256 step sections with the pool
 # kept. Also unpacks dflash for the GGUF staging calls (stage.sh).
 # Then issue 23's table (session42b.sh: Qwen3-8B shape, controlled-acceptance draft, T = 1,
 # block 8, c = 1 / 8 / 32, plain and DFlash) with the pool kept, and once with CUDA's default.

@@ -15,7 +15,7 @@
 //! | `DFLASH_TRY` | none | kernels built but not yet proven on a GPU, by name (or `all`); none at present, see [`Trial`] |
 //! | `DFLASH_ATTN_MMA` | auto | attention of head dim 64 / 128 on the tensor cores: `auto` for launches of more rows than the batch-invariant products take (a batch's step), `1` for every launch, `0` never (the CUDA-core kernels), see [`AttnMma`] |
 //! | `DFLASH_CUDA_GRAPHS` | on | decode / verify forwards (1-16 rows) of models whose layers all replay (attention + dense or MoE feed-forward) run as CUDA graphs (`archs::graphs`); `0` runs them eagerly |
-//! | `DFLASH_CUDA_POOL_KEEP` | on | the device's memory pool keeps freed memory for the next allocation (release threshold: unlimited); `0`: CUDA's default (every free byte goes back to the system at each synchronization, so the next step's allocations map it again) |
+//! | `DFLASH_CUDA_POOL_KEEP` | off | `1`: the device's memory pool keeps freed memory for the next allocation (release threshold: unlimited) instead of CUDA's default (every free byte goes back at each synchronization, so the next step's allocations map it again); a trial until measured (tools/gpu-bench/session49b.sh) |
 //! | `DFLASH_CUDA_EVENTS` | off | `1` keeps cudarc's per-buffer event tracking (two CUDA events made and destroyed with every device buffer; dflash runs one stream, so they are never waited on) |
 //! | `DFLASH_PROFILE` | off | `1`: per-section times after a device sync; `gpu`: from CUDA events; `ncu`: `bench --micro` brackets its timed verify forwards with cuProfilerStart/Stop (for `ncu --profile-from-start off`); `ncu-draft`: its timed draft proposals; `ncu-batch`: the 11th and 12th batch steps of 8+ sequences; `ncu-train`: the 6th and 7th training steps |
 
@@ -199,7 +199,7 @@ pub struct Switches {
     pub profile: Profile,
     /// cudarc's event tracking on every device buffer (`DFLASH_CUDA_EVENTS=1`).
     pub cuda_events: bool,
-    /// The CUDA memory pool keeps what is freed (`DFLASH_CUDA_POOL_KEEP`, on).
+    /// The CUDA memory pool keeps what is freed (`DFLASH_CUDA_POOL_KEEP=1`).
     pub cuda_pool_keep: bool,
     /// Bits of [`Trial`] named by `DFLASH_TRY`.
     trials: u8,
@@ -238,7 +238,7 @@ impl Switches {
             draft_q8: !off("DFLASH_DRAFT_Q8"),
             q8_scalar: on("DFLASH_Q8_SCALAR"),
             cuda_events: on("DFLASH_CUDA_EVENTS"),
-            cuda_pool_keep: !off("DFLASH_CUDA_POOL_KEEP"),
+            cuda_pool_keep: on("DFLASH_CUDA_POOL_KEEP"),
             cuda_graphs: !off("DFLASH_CUDA_GRAPHS"),
             trials: get("DFLASH_TRY")
                 .map(|v| {
@@ -421,7 +421,7 @@ mod tests {
     #[test]
     fn defaults_and_opt_outs() {
         let d = parse(&[]);
-        assert!(d.fused && d.q8 && d.q4 && !d.q8_scalar && !d.cuda_events && d.cuda_pool_keep);
+        assert!(d.fused && d.q8 && d.q4 && !d.q8_scalar && !d.cuda_events && !d.cuda_pool_keep);
         assert_eq!(d.batch_invariant_env, None);
         assert_eq!((d.gemv_rows, d.profile), (1, Profile::Off));
         let s = parse(&[
@@ -433,9 +433,9 @@ mod tests {
             ("DFLASH_Q8_SCALAR", "1"),
             ("DFLASH_PROFILE", "gpu"),
             ("DFLASH_CUDA_EVENTS", "1"),
-            ("DFLASH_CUDA_POOL_KEEP", "0"),
+            ("DFLASH_CUDA_POOL_KEEP", "1"),
         ]);
-        assert!(!s.fused && !s.q8 && !s.q4 && s.q8_scalar && s.cuda_events && !s.cuda_pool_keep);
+        assert!(!s.fused && !s.q8 && !s.q4 && s.q8_scalar && s.cuda_events && s.cuda_pool_keep);
         assert_eq!(s.batch_invariant_env, Some(false));
         assert_eq!((s.gemv_rows, s.profile), (GEMV_MAX_ROWS, Profile::Gpu));
         assert_eq!(

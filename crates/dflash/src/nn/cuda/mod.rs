@@ -115,7 +115,7 @@ pub fn open_device(ordinal: usize) -> candle_core::Result<candle_core::Device> {
 /// choices (a synchronization) and then allocates its activations anew, so every step paid
 /// for fresh mappings. An unlimited threshold keeps freed memory in the pool for reuse (what
 /// PyTorch's caching allocator does); memory in use by dflash's process then stays at its
-/// high-water mark. `DFLASH_CUDA_POOL_KEEP=0`: CUDA's default.
+/// high-water mark. Opt-in (`DFLASH_CUDA_POOL_KEEP=1`) until a GPU run measures it.
 fn keep_pool(dev: &candle_core::Device) -> candle_core::Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let cuda = dev.as_cuda_device()?;
@@ -137,7 +137,7 @@ fn keep_pool(dev: &candle_core::Device) -> candle_core::Result<()> {
     };
     if r != sys::CUresult::CUDA_SUCCESS {
         candle_core::bail!(
-            "CUDA memory pool release threshold not set ({r:?}): freed device memory is handed back at every synchronization (DFLASH_CUDA_POOL_KEEP=0 silences this)"
+            "CUDA memory pool release threshold not set ({r:?}): freed device memory is handed back at every synchronization (unset DFLASH_CUDA_POOL_KEEP to silence this)"
         );
     }
     Ok(())
