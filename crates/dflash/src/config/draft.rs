@@ -22,7 +22,8 @@ pub enum DraftFormat {
 pub struct DraftConfig {
     pub file: String,
     pub format: DraftFormat,
-    /// Vocabulary of the draft's own LM head (speculators); None = the target's.
+    /// Vocabulary of the draft's own LM head (speculators; a z-lab draft narrowed by
+    /// `draft::narrow`); None = the target's.
     pub draft_vocab_size: Option<usize>,
     /// `speculators_config.verifier.name_or_path`: the target it was trained for.
     pub verifier: Option<String>,
@@ -214,7 +215,10 @@ impl DraftConfig {
         Ok(DraftConfig {
             file: file.to_string(),
             format: DraftFormat::ZLab,
-            draft_vocab_size: None,
+            draft_vocab_size: f
+                .opt_usize("draft_vocab_size")?
+                .map(|n| f.bounded("draft_vocab_size", n, super::limits::MAX_VOCAB))
+                .transpose()?,
             verifier: None,
             layers,
             block_size,

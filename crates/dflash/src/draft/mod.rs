@@ -12,6 +12,7 @@
 
 pub mod dflash2;
 pub mod graphs;
+pub mod narrow;
 
 use crate::archs::TargetModel;
 use crate::config::draft::DraftConfig;
