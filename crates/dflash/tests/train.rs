@@ -873,6 +873,27 @@ fn init_from_a_saved_draft_continues_it() {
         );
         assert!(a == b, "{name} differs after init_from a quantized draft");
     }
+    // ... and so does a narrowed copy of it (draft::narrow, as models/ keeps the demo
+    // draft): its head of its own and d2t are left out, the body is the same
+    let nq = dir.path().join("nq");
+    let tsrc = dflash::source::ModelSource::from_dir("t", &dir.path().join("t")).unwrap();
+    let vocab = p.target_config.vocab_size;
+    let counts = dflash::draft::narrow::response_counts(&seqs, vocab).0;
+    let ids = dflash::draft::narrow::most_frequent(&counts, 4);
+    dflash::draft::narrow::narrow_checkpoint(&q, &tsrc, &ids, &nq).unwrap();
+    let mut narrowed = Trainer::new(target, &p.target_config, opts.clone()).unwrap();
+    narrowed.init_from(&nq).unwrap();
+    let check = dir.path().join("check-nq");
+    narrowed.save(&check, candle_core::DType::F32).unwrap();
+    let from_narrowed = load(&check);
+    assert_eq!(from_narrowed.len(), got.len());
+    for (name, w) in &got {
+        let (a, b) = (
+            w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            from_narrowed[name].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert!(a == b, "{name} differs after init_from a narrowed draft");
+    }
     // ... and one of another shape is still refused in one line
     refuses_another_shape(target, &p, opts, |tr| tr.init_from(&q));
 }

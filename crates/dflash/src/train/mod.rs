@@ -803,9 +803,17 @@ impl Trainer {
         // an MLX-quantized draft (`quantize_draft`, as models/ holds them) starts from its
         // dequantized weights: lossy at its bits, the same draft otherwise
         let quantized = cfg.get("quantization").is_some();
+        // a narrowed draft (`draft::narrow`, as models/ holds them): its own head over the
+        // frequent tokens is made from the target's after training, not trained; the body
+        // starts from it, and the head is left out (narrow the trained draft again)
+        let narrowed = cfg.get("draft_vocab_size").is_some();
+        let head_of_its_own = |n: &str| {
+            narrowed && (n == "d2t" || n.starts_with("lm_head.") || n == "t2d")
+        };
         // saved at another dtype than this run trains in: the same draft
         if let Some(o) = cfg.as_object_mut() {
             o.remove("quantization");
+            o.remove("draft_vocab_size");
             o.insert("torch_dtype".into(), self.config["torch_dtype"].clone());
         }
         if cfg != self.config {
@@ -824,7 +832,7 @@ impl Trainer {
                         .to_device(&self.device)?,
                 )?;
             }
-            if let Some(n) = w.unused().first() {
+            if let Some(n) = w.unused().into_iter().find(|n| !head_of_its_own(n)) {
                 return Err(Error::weights(
                     src.weight_files[0].display().to_string(),
                     format!("tensor {n} is not a parameter of this draft"),
@@ -847,7 +855,7 @@ impl Trainer {
             }
             v.set(&t.to_dtype(v.dtype())?.to_device(&self.device)?)?;
         }
-        if let Some(n) = saved.keys().next() {
+        if let Some(n) = saved.keys().find(|n| !head_of_its_own(n)) {
             return Err(Error::weights(
                 st.display().to_string(),
                 format!("tensor {n} is not a parameter of this draft"),
