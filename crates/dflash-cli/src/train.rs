@@ -210,7 +210,10 @@ pub struct TrainArgs {
 fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
     let bad = || format!("{s}: expected K/N with 0 <= K < N (e.g. 0/4)");
     let (k, n) = s.split_once('/').ok_or_else(bad)?;
-    let (k, n) = (k.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
+    let (k, n) = (
+        k.trim().parse().map_err(|_| bad())?,
+        n.trim().parse().map_err(|_| bad())?,
+    );
     if k >= n {
         return Err(bad());
     }

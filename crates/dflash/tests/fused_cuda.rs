@@ -3224,3 +3224,20 @@ fn training_ops_match_the_cpu() {
         });
     }
 }
+
+/// A narrowed draft (`draft::narrow`: a head of its own over a few target tokens, MLX or float,
+/// as the demo draft has since session 49) on CUDA: greedy DFlash == plain, no proposal from
+/// outside the head accepted, proposals from inside it accepted (common::check_narrowed_draft).
+#[test]
+fn narrowed_draft_on_cuda_is_lossless() {
+    let Some(dev) = gpu() else { return };
+    let opts = dflash::archs::LoadOptions {
+        dtype: DType::BF16,
+        device: dev,
+        ..Default::default()
+    };
+    let (frequent, never) = common::check_narrowed_draft(&opts);
+    eprintln!(
+        "narrowed draft on CUDA: tau {frequent:.2} (the most said tokens), {never:.2} (never said)"
+    );
+}

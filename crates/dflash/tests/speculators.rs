@@ -179,78 +179,8 @@ fn ids_of(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 
 /// A z-lab draft narrowed to a few target tokens (`draft::narrow`, the frequency-ranked
 /// vocabulary of examples/narrow_draft): it proposes only those tokens, and decoding stays
-/// lossless. Narrowed to the tokens the target says most, it still gets proposals accepted;
-/// narrowed to tokens the target never says, none is, and the output is still the target's.
+/// lossless (common::check_narrowed_draft; on CUDA in tests/fused_cuda.rs).
 #[test]
 fn narrowed_draft_proposes_only_its_tokens_and_stays_lossless() {
-    use dflash::draft::narrow;
-    use dflash::train::data::Sequence;
-    let dir = tempfile::tempdir().unwrap();
-    let mut t = TinyTarget::qwen3(71);
-    t.tied = false;
-    t.dominant = vec![(3, 4.0), (7, 3.0)];
-    let td = dir.path().join("t");
-    t.write(&td).unwrap();
-    let d = TinyDraft::for_target(&t, 1, vec![1, t.layers - 1], 8, 72);
-    d.write(&dir.path().join("zlab"), t.vocab).unwrap();
-    let lo = LoadOptions::default();
-    let tsrc = ModelSource::from_dir("t", &td).unwrap();
-    let (tcfg, target) = dflash::archs::load_target(&tsrc, &lo).unwrap();
-    let plain = Engine::new(target, None);
-    // what the target says, greedy, after a few prompts
-    let mut seqs = vec![];
-    for seed in 0..6u64 {
-        let prompt = ids_of(300 + seed, 6, t.vocab);
-        let out = plain
-            .generate(&GenerateRequest::new(prompt.clone(), 24), &mut |_| Flow::Continue)
-            .unwrap()
-            .output_ids;
-        seqs.push(Sequence {
-            response_start: prompt.len(),
-            ids: [prompt, out].concat(),
-        });
-    }
-    let (counts, n) = narrow::response_counts(&seqs, t.vocab);
-    assert_eq!(n, 6 * 24);
-    let frequent = narrow::most_frequent(&counts, 8);
-    let never: Vec<u32> = (0..t.vocab as u32)
-        .filter(|&i| counts[i as usize] == 0)
-        .take(8)
-        .collect();
-    assert_eq!(never.len(), 8, "the target says fewer than {} tokens", t.vocab - 8);
-    let tau_of = |name: &str, ids: &[u32]| {
-        let out = dir.path().join(name);
-        narrow::narrow_checkpoint(&dir.path().join("zlab"), &tsrc, ids, &out).unwrap();
-        let cfg = DraftConfig::from_file(&out.join("config.json")).unwrap();
-        assert_eq!(cfg.draft_vocab_size, Some(8));
-        let (_, target) = dflash::archs::load_target(&tsrc, &lo).unwrap();
-        let draft = load_draft(&ModelSource::from_dir(name, &out).unwrap(), &tcfg, "t", &lo).unwrap();
-        let engine = Engine::new(target, Some(draft));
-        assert_greedy_dflash_equals_plain(&engine, t.vocab, &[4, 8], name);
-        let mut accepted = 0.0;
-        for s in &seqs {
-            let mut r = GenerateRequest::new(s.ids[..s.response_start].to_vec(), 24);
-            r.block_size = Some(8);
-            r.adaptive = false;
-            let o = engine.generate(&r, &mut |_| Flow::Continue).unwrap();
-            assert_eq!(o.output_ids, s.ids[s.response_start..], "{name}: not the target's output");
-            accepted += o.stats.tau;
-        }
-        accepted / seqs.len() as f64
-    };
-    let tau_frequent = tau_of("frequent", &frequent);
-    let tau_never = tau_of("never", &never);
-    eprintln!("tau: narrowed to the 8 most said tokens {tau_frequent:.2}, to 8 never said {tau_never:.2}");
-    assert_eq!(tau_never, 1.0, "a proposal outside what the target says was accepted");
-    assert!(tau_frequent > 1.2, "narrowed to what the target says, tau {tau_frequent:.2}");
-    // narrowing a narrowed draft, or to the whole vocabulary, is refused by name
-    let e = narrow::narrow_checkpoint(&dir.path().join("frequent"), &tsrc, &frequent, &dir.path().join("x"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("head (or vocabulary map) of its own"), "{e}");
-    let all: Vec<u32> = (0..t.vocab as u32).collect();
-    let e = narrow::narrow_checkpoint(&dir.path().join("zlab"), &tsrc, &all, &dir.path().join("y"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("want 0 < K"), "{e}");
+    check_narrowed_draft(&LoadOptions::default());
 }

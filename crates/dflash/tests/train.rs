@@ -395,7 +395,11 @@ fn grouped_self_generation_equals_one_at_a_time() {
     for i in 0..recs.len() {
         merged.push(parts[i % 3][i / 3].clone());
     }
-    assert_eq!(merged, gen(1.0, 4), "three shards interleaved != the whole run");
+    assert_eq!(
+        merged,
+        gen(1.0, 4),
+        "three shards interleaved != the whole run"
+    );
     let err = shard(3, 3).unwrap_err().to_string();
     assert!(err.contains("--gen-shard"), "{err}");
     // a budget that closes admission after 6 records: the 6 admitted answers come back whole
@@ -890,7 +894,11 @@ fn init_from_a_saved_draft_continues_it() {
     for (name, w) in &got {
         let (a, b) = (
             w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            from_narrowed[name].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            from_narrowed[name]
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
         );
         assert!(a == b, "{name} differs after init_from a narrowed draft");
     }

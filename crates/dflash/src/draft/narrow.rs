@@ -44,7 +44,12 @@ pub fn most_frequent(counts: &[u64], k: usize) -> Vec<u32> {
 /// over `ids` (ascending target ids) taken from `target`'s head (its embedding when tied),
 /// quantized like the draft's linears when they are, `d2t`, and `draft_vocab_size` in the
 /// config. Other files of the draft directory (train_log.jsonl, eval.json) are copied.
-pub fn narrow_checkpoint(draft: &Path, target: &ModelSource, ids: &[u32], out: &Path) -> Result<()> {
+pub fn narrow_checkpoint(
+    draft: &Path,
+    target: &ModelSource,
+    ids: &[u32],
+    out: &Path,
+) -> Result<()> {
     let cfg = target.target_config()?;
     let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
     let k = ids.len();
@@ -95,7 +100,9 @@ pub fn narrow_checkpoint(draft: &Path, target: &ModelSource, ids: &[u32], out: &
             tensors.extend(mlx);
         }
         None => {
-            let dtype = tensors.get("norm.weight").map_or(DType::BF16, |t| t.dtype());
+            let dtype = tensors
+                .get("norm.weight")
+                .map_or(DType::BF16, |t| t.dtype());
             tensors.insert("lm_head.weight".into(), rows.to_dtype(dtype)?);
         }
     }
@@ -145,6 +152,10 @@ mod tests {
             },
         ];
         let (c, n) = response_counts(&seqs, 8);
-        assert_eq!((c, n), (vec![0, 1, 3, 0, 0, 0, 0, 0], 4), "prompts and ids past the vocabulary are not counted");
+        assert_eq!(
+            (c, n),
+            (vec![0, 1, 3, 0, 0, 0, 0, 0], 4),
+            "prompts and ids past the vocabulary are not counted"
+        );
     }
 }

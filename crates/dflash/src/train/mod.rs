@@ -807,9 +807,8 @@ impl Trainer {
         // frequent tokens is made from the target's after training, not trained; the body
         // starts from it, and the head is left out (narrow the trained draft again)
         let narrowed = cfg.get("draft_vocab_size").is_some();
-        let head_of_its_own = |n: &str| {
-            narrowed && (n == "d2t" || n.starts_with("lm_head.") || n == "t2d")
-        };
+        let head_of_its_own =
+            |n: &str| narrowed && (n == "d2t" || n.starts_with("lm_head.") || n == "t2d");
         // saved at another dtype than this run trains in: the same draft
         if let Some(o) = cfg.as_object_mut() {
             o.remove("quantization");
