@@ -87,6 +87,13 @@ qwen3_models() {
   mkdir -p "$M"
   ensure_models "$M" || { echo "models failed"; tail -5 "$M.log"; return 1; }
 }
+# A random target at SmolLM2-135M's widths (models.py --shape smollm2-135m --target-only; the
+# demo target's batch-step timings, issue 26) in $S, made once per machine by smol_model.
+S=/root/smol-shape
+smol_model() {
+  [ -d $S/target ] || timeout 200 $PY "$here/models.py" --shape smollm2-135m --target-only --out $S > $S.log 2>&1 \
+    || { echo "smol model failed"; tail -5 $S.log; return 1; }
+}
 # (for examples/concurrency, which sessions 20-41 carried as .device/concurrency.xz; removed since:
 # `dflash bench --concurrency` is the table now, see session41a.sh)
 CONC_ARGS="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"

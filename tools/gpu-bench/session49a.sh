@@ -12,11 +12,9 @@ T0=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/env.sh" dflash
 begin_session s49a
-M=/root/smol-shape
-[ -d $M/target ] || timeout 200 $PY "$here/models.py" --shape smollm2-135m --target-only --out $M > $R/models.log 2>&1 \
-  || { echo "models failed"; tail -5 $R/models.log; }
+smol_model
 echo "### model in $((SECONDS - T0)) s"
-conc=(bench --model $M/target --device cuda --dtype bf16 --concurrency-modes plain --concurrency-prompt-len 150
+conc=(bench --model $S/target --device cuda --dtype bf16 --concurrency-modes plain --concurrency-prompt-len 150
   --concurrency-rounds 1 --max-tokens 64)
 timeout 120 /tmp/stash/dflash "${conc[@]}" --concurrency 1,64,256 > $R/table.md 2> $R/table.err || { echo "table rc $?"; tail -3 $R/table.err; }
 grep -E '^\| (plain|level|mode)' $R/table.md | cut -c1-220

@@ -15,9 +15,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 bash "$here/stage.sh" > /dev/null 2>&1
 . "$here/env.sh" dflash
 begin_session s49b
-S=/root/smol-shape
-[ -d $S/target ] || timeout 200 $PY "$here/models.py" --shape smollm2-135m --target-only --out $S > $R/models.log 2>&1 \
-  || { echo "models failed"; tail -5 $R/models.log; }
+smol_model
 echo "### model in $((SECONDS - T0)) s"
 conc=(bench --model $S/target --device cuda --dtype bf16 --concurrency-modes plain --concurrency-prompt-len 150
   --concurrency-rounds 1 --max-tokens 64 --concurrency 64,256)
