@@ -272,6 +272,12 @@ impl Pipeline {
             Some(d) => Some(load_draft(d, &target_config, &opts.model, &lo)?),
             None => None,
         };
+        if let Some(k) = draft.as_ref().and_then(|d| d.draft_vocab()) {
+            notices.push(format!(
+                "draft proposes from {k} of the target's {} tokens (a head of its own; the output is still the target's)",
+                target_config.vocab_size
+            ));
+        }
         let assets = src.chat_assets(&target_config)?;
         notices.extend(assets.notices);
         let (tokenizer, template, mut stop_ids) =

@@ -277,6 +277,10 @@ pub struct RowResult {
     /// of one target read apart in one table.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft_arch: Option<String>,
+    /// Tokens the draft can propose when its head is narrower than the target's vocabulary
+    /// (`draft::narrow`); absent: all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_vocab: Option<usize>,
     pub status: Status,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<Failure>,
@@ -326,6 +330,7 @@ impl RowResult {
             model: spec.model.clone(),
             draft: spec.draft.clone(),
             draft_arch: None,
+            draft_vocab: None,
             status: Status::Ok,
             failure: None,
             block_size: None,
@@ -492,6 +497,7 @@ pub fn bench_pair(
         load_s: Some(t0.elapsed().as_secs_f64()),
         quantization: p.engine.target.info().quantization.clone(),
         draft_arch: p.engine.draft.as_ref().map(|d| d.arch_name().to_string()),
+        draft_vocab: p.engine.draft.as_ref().and_then(|d| d.draft_vocab()),
         ..row
     };
     match encode_prompts(&p, prompts, opts) {

@@ -352,6 +352,12 @@ impl DraftModel {
         Ok(model)
     }
 
+    /// The tokens the draft can propose when its own head is narrower than the target's
+    /// vocabulary (`d2t`: a speculators draft, or one narrowed by [`narrow`]); None: all.
+    pub fn draft_vocab(&self) -> Option<usize> {
+        self.d2t.as_ref().map(Vec::len)
+    }
+
     /// "DFlash2" for a draft with convolutions and a selector, else "DFlash".
     pub fn arch_name(&self) -> &'static str {
         if self.selector.is_some() {

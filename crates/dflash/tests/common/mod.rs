@@ -424,6 +424,11 @@ pub fn check_narrowed_draft(lo: &dflash::archs::LoadOptions) -> (f64, f64) {
         let (_, target) = dflash::archs::load_target(&tsrc, lo).unwrap();
         let draft =
             load_draft(&ModelSource::from_dir(name, &out).unwrap(), &tcfg, "t", lo).unwrap();
+        assert_eq!(
+            draft.draft_vocab(),
+            Some(8),
+            "{name}: the narrow head's tokens"
+        );
         let engine = Engine::new(target, Some(draft));
         assert_greedy_dflash_equals_plain(&engine, t.vocab, &[4, 8], name);
         let mut accepted = 0.0;
