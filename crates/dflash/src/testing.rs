@@ -573,11 +573,7 @@ impl TinyDraft {
         let mut tensors = candle_core::safetensors::load(&st, &Device::Cpu)?;
         let dv = map.len();
         tensors.insert("lm_head.weight".into(), head_rows.clone());
-        let d2t: Vec<i64> = map
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| t as i64 - i as i64)
-            .collect();
+        let d2t = crate::draft::narrow::d2t_offsets(map);
         tensors.insert("d2t".into(), Tensor::from_vec(d2t, dv, &Device::Cpu)?);
         let mut t2d = vec![0u8; target_vocab];
         map.iter().for_each(|&t| t2d[t as usize] = 1);

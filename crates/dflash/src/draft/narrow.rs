@@ -39,6 +39,14 @@ pub fn most_frequent(counts: &[u64], k: usize) -> Vec<u32> {
     ids
 }
 
+/// The `d2t` tensor of a head over target ids `ids`: draft index i is target id `i + d2t[i]`.
+pub fn d2t_offsets(ids: &[u32]) -> Vec<i64> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, &t)| t as i64 - i as i64)
+        .collect()
+}
+
 /// Write `out`: the draft checkpoint in `draft` (config.json + model.safetensors, a z-lab
 /// DFlash draft, float or MLX-quantized by `examples/quantize_draft`) with a head of its own
 /// over `ids` (ascending target ids) taken from `target`'s head (its embedding when tied),
@@ -106,12 +114,10 @@ pub fn narrow_checkpoint(
             tensors.insert("lm_head.weight".into(), rows.to_dtype(dtype)?);
         }
     }
-    let d2t: Vec<i64> = ids
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| t as i64 - i as i64)
-        .collect();
-    tensors.insert("d2t".into(), Tensor::from_vec(d2t, k, &Device::Cpu)?);
+    tensors.insert(
+        "d2t".into(),
+        Tensor::from_vec(d2t_offsets(ids), k, &Device::Cpu)?,
+    );
     dcfg["draft_vocab_size"] = k.into();
     std::fs::create_dir_all(out).map_err(|e| Error::input(format!("{}: {e}", out.display())))?;
     candle_core::safetensors::save(&tensors, out.join("model.safetensors"))?;
