@@ -91,7 +91,9 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
     # TIME_LIMIT: fit the schedule (cosine decay included) to this many seconds of steps, for
     # a session that has one training call; CHUNK then only guards the call's length
     [ -n "${TIME_LIMIT:-}" ] && extra+=(--time-limit "$TIME_LIMIT")
-    "$BIN" train "${common[@]}" --sequences "${seqs[@]}" "${draft[@]}" --chunk-time "${CHUNK:-480}" \
+    # DRAFT_VOCAB (4096; 0: none): also OUT/narrow-K, the trained draft with its own head over
+    # the K most frequent response tokens (as models/ ships the demo draft, session 49)
+    "$BIN" train "${common[@]}" --sequences "${seqs[@]}" "${draft[@]}" --chunk-time "${CHUNK:-480}" --draft-vocab "${DRAFT_VOCAB:-4096}" \
       "${extra[@]}" --out "$W/draft" > "$R/$PHASE.log" 2>&1 || { echo "!! $PHASE"; tail -5 "$R/$PHASE.log"; }
     grep -E "^step|resumed|started from|chunk-time|saved|fit --example|held-out" "$R/$PHASE.log" | tail -12 ;;
   eval)
@@ -99,7 +101,8 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
     # the gen phase excludes the first 40 of each, data/eval/*-held.jsonl.gz)
     [ "${LIMIT:-10}" -le 40 ] || { echo "!! LIMIT ${LIMIT} > 40: past the held prompts (tools/train/eval_split.py)"; exit 1; }
     # (the eval's logs stay on the machine: $OUT returns at most 8 files of 16 MiB each)
-    GGUF=$GGUF BIN=$BIN OUT="$W/eval" LIMIT=${LIMIT:-10} BENCH=1 DRAFTS="$W/draft" \
+    # (the narrowed copy beside the trained draft when the train phase made one)
+    GGUF=$GGUF BIN=$BIN OUT="$W/eval" LIMIT=${LIMIT:-10} BENCH=1 DRAFTS="$W/draft $(ls -d "$W"/draft/narrow-* 2>/dev/null | head -1)" \
       ROWS="${ROWS:-t0-b16 t1-b16 t0-adaptive t0-b8}" bash tools/eval-demo/gpu.sh 2>&1 | tail -20
     # the draft in 15 MB parts (a 4-layer bf16 draft is 31.6 MB); join with `cat part-* >`
     cp "$W/draft/config.json" "$W/draft/train_log.jsonl" "$R/" 2>/dev/null

@@ -131,6 +131,11 @@ pub struct TrainArgs {
     /// same as alone).
     #[arg(long, default_value_t = 16)]
     pub gen_batch: usize,
+    /// Also write OUT/narrow-K: the trained draft with a head of its own over the K target
+    /// tokens most frequent in the training responses (`dflash::draft::narrow`; it proposes
+    /// only those, and its head costs K / vocab of the full one). 0: not.
+    #[arg(long, default_value_t = 0)]
+    pub draft_vocab: usize,
     /// `K/N`: answer only the prompts whose index (after --exclude-prompts) is K modulo N,
     /// each with the seed it has in the whole run: N processes, K = 0..N-1, make the whole
     /// run's sequences between them (a host-bound generation step runs N at once on one GPU).
@@ -248,6 +253,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eprintln!("{n}");
     }
     let vocab = p.target_config.vocab_size;
+    if a.draft_vocab >= vocab {
+        bail!(
+            "--draft-vocab {}: want fewer than the target's {vocab} tokens (0: no narrowed copy)",
+            a.draft_vocab
+        );
+    }
     let mask_token_id = match a.mask_token.as_str() {
         "auto" => {
             let spare = [
@@ -500,6 +511,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     // share of a device call too (tens of thousands of sequences: minutes).
     let ready = Instant::now();
     // Hold out ~5% of sequences (at least 1 when there are 20+) for a loss check.
+    // --draft-vocab: token counts over every sequence's response (before the held-out split)
+    let narrow_counts =
+        (a.draft_vocab > 0).then(|| dflash::draft::narrow::response_counts(&seqs, vocab));
     let n_hold = if seqs.len() >= 20 { seqs.len() / 20 } else { 0 };
     let mut seqs = seqs;
     let train_seqs = seqs.split_off(n_hold);
@@ -673,6 +687,21 @@ pub fn run(a: TrainArgs) -> Result<()> {
         pool.len()
     );
     drop(trainer);
+    if let Some((counts, n)) = narrow_counts {
+        let src = dflash::source::ModelSource::resolve(&model)?;
+        let ids = dflash::draft::narrow::most_frequent(&counts, a.draft_vocab);
+        let covered: u64 = ids.iter().map(|&t| counts[t as usize]).sum();
+        let dir = a.out.join(format!("narrow-{}", a.draft_vocab));
+        dflash::draft::narrow::narrow_checkpoint(&a.out, &src, &ids, &dir)
+            .with_context(|| format!("--draft-vocab {}", a.draft_vocab))?;
+        eprintln!(
+            "--draft-vocab {}: {} (its head over the {} tokens most frequent in the responses, {:.1}% of {n})",
+            a.draft_vocab,
+            dir.display(),
+            a.draft_vocab,
+            100.0 * covered as f64 / n.max(1) as f64
+        );
+    }
 
     // 4. Held-out tau with the saved checkpoint through the normal loader.
     if !a.eval_prompts.is_empty() {

@@ -74,9 +74,18 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
         "2",
         "--eval-max-tokens",
         "8",
+        "--draft-vocab",
+        "16",
     ]);
     assert_eq!(rc, 0, "{err}");
     assert!(err.contains("eval ") && err.contains("tau"), "{err}");
+    // the narrowed copy (--draft-vocab): its own head over 16 tokens, the body the same
+    let narrowed = out.join("narrow-16");
+    let ncfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(narrowed.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(ncfg["draft_vocab_size"], 16, "{ncfg}");
+    assert!(err.contains("--draft-vocab 16:"), "{err}");
     let cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["architectures"][0], "DFlashDraftModel");
@@ -131,6 +140,20 @@ fn train_saves_a_draft_that_generate_loads_losslessly() {
     let with = gen(Some(out.to_str().unwrap()));
     assert_eq!(with["stats"]["mode"], "dflash");
     assert_eq!(with["output_ids"], gen(None)["output_ids"]);
+    let with_narrow = gen(Some(narrowed.to_str().unwrap()));
+    assert_eq!(with_narrow["stats"]["mode"], "dflash");
+    assert_eq!(with_narrow["output_ids"], with["output_ids"]);
+    // a narrowed copy as wide as the vocabulary is refused before any work
+    let (rc, _, err) = train(&[
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        dir.path().join("wide").to_str().unwrap(),
+        "--draft-vocab",
+        "128",
+    ]);
+    assert_ne!(rc, 0);
+    assert!(err.contains("--draft-vocab 128: want fewer"), "{err}");
 
     // Reuse the sequences; bad taps are a one-line error.
     let (rc, _, err) = train(&[
