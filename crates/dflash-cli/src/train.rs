@@ -689,17 +689,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
     drop(trainer);
     if let Some((counts, n)) = narrow_counts {
         let src = dflash::source::ModelSource::resolve(&model)?;
-        let ids = dflash::draft::narrow::most_frequent(&counts, a.draft_vocab);
-        let covered: u64 = ids.iter().map(|&t| counts[t as usize]).sum();
         let dir = a.out.join(format!("narrow-{}", a.draft_vocab));
-        dflash::draft::narrow::narrow_checkpoint(&a.out, &src, &ids, &dir)
-            .with_context(|| format!("--draft-vocab {}", a.draft_vocab))?;
+        let share =
+            dflash::draft::narrow::narrow_to_frequent(&a.out, &src, &counts, a.draft_vocab, &dir)
+                .with_context(|| format!("--draft-vocab {}", a.draft_vocab))?;
         eprintln!(
             "--draft-vocab {}: {} (its head over the {} tokens most frequent in the responses, {:.1}% of {n})",
             a.draft_vocab,
             dir.display(),
             a.draft_vocab,
-            100.0 * covered as f64 / n.max(1) as f64
+            100.0 * share
         );
     }
 

@@ -27,12 +27,11 @@ fn main() -> dflash::Result<()> {
         all.extend(dflash::train::data::read_sequences(&PathBuf::from(f))?);
     }
     let (counts, tokens) = narrow::response_counts(&all, vocab);
-    let ids = narrow::most_frequent(&counts, k);
-    let covered: u64 = ids.iter().map(|&t| counts[t as usize]).sum();
-    narrow::narrow_checkpoint(&PathBuf::from(draft), &src, &ids, &PathBuf::from(out))?;
+    let share =
+        narrow::narrow_to_frequent(&PathBuf::from(draft), &src, &counts, k, &PathBuf::from(out))?;
     println!(
         "{out}: the {k} most frequent of {vocab} tokens cover {:.2}% of {tokens} response tokens in {} sequences",
-        100.0 * covered as f64 / tokens.max(1) as f64,
+        100.0 * share,
         all.len()
     );
     Ok(())

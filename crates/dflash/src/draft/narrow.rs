@@ -39,6 +39,21 @@ pub fn most_frequent(counts: &[u64], k: usize) -> Vec<u32> {
     ids
 }
 
+/// [`narrow_checkpoint`] over the `k` ids most frequent in `counts` (of
+/// [`response_counts`]); returns the share of the counted tokens they cover.
+pub fn narrow_to_frequent(
+    draft: &Path,
+    target: &ModelSource,
+    counts: &[u64],
+    k: usize,
+    out: &Path,
+) -> Result<f64> {
+    let ids = most_frequent(counts, k);
+    narrow_checkpoint(draft, target, &ids, out)?;
+    let covered: u64 = ids.iter().map(|&t| counts[t as usize]).sum();
+    Ok(covered as f64 / counts.iter().sum::<u64>().max(1) as f64)
+}
+
 /// The `d2t` tensor of a head over target ids `ids`: draft index i is target id `i + d2t[i]`.
 pub fn d2t_offsets(ids: &[u32]) -> Vec<i64> {
     ids.iter()

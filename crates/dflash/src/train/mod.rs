@@ -1051,9 +1051,9 @@ pub fn build_sequences(
                 if !progress(i, n) {
                     break;
                 }
-                let r = &records[i];
+                let (j, r) = (i, &records[i]);
                 i += 1;
-                if !mine(i - 1) {
+                if !mine(j) {
                     continue;
                 }
                 let Some(prompt) = prompt_of(r)? else {
