@@ -8,13 +8,18 @@
 # kept. Also unpacks dflash for the GGUF staging calls (stage.sh).
 # Then issue 23's table (session42b.sh: Qwen3-8B shape, controlled-acceptance draft, T = 1,
 # block 8, c = 1 / 8 / 32, plain and DFlash) with the pool kept, and once with CUDA's default.
-#   run(command="bash tools/gpu-bench/session49b.sh", carry=[".device/dflash.xz", ".device/gguf/MANIFEST", "tools/goldens/wheels"])
+#   run(command="bash tools/gpu-bench/session49b.sh", carry=[".device/dflash.xz", ".device/fused_cuda.xz", ".device/gguf/MANIFEST", "tools/goldens/wheels"])
 set -uo pipefail
 T0=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
 bash "$here/stage.sh" > /dev/null 2>&1
-. "$here/env.sh" dflash
+. "$here/env.sh" dflash fused_cuda
 begin_session s49b
+echo "### the narrowed (demo-style) draft on CUDA (repo at $root)"
+# the test binary finds its fixtures at the build machine's path
+[ -d /work/main/crates ] || { mkdir -p /work && ln -sfn "$root" /work/main; }
+timeout 120 /tmp/stash/fused_cuda --test-threads=1 --nocapture narrowed_draft > $R/narrowed.txt 2>&1 || echo "!! fused_cuda narrowed rc $?"
+grep -hE "narrowed draft on CUDA|test result|panicked" $R/narrowed.txt | cut -c1-200
 smol_model
 echo "### model in $((SECONDS - T0)) s"
 conc=(bench --model $S/target --device cuda --dtype bf16 --concurrency-modes plain --concurrency-prompt-len 150
@@ -36,7 +41,7 @@ pair=(--model "$M/target" --draft "$M/draft-agree" --device cuda --dtype bf16)
 conc=(bench "${pair[@]}" --concurrency-prompt-len 128 --block-size 8)
 timeout 120 /tmp/stash/dflash "${conc[@]}" --concurrency 8 --max-tokens 64 --concurrency-check > "$R/check.md" 2> "$R/check.err"
 echo "### greedy c = 8: $(grep -h greedy "$R/check.md" | tr '\n' ' ')"
-for keep in 1 0; do
+for keep in ${TABLE_KEEPS:-1 0}; do
   [ $((SECONDS - T0)) -gt ${TABLE_LIMIT:-420} ] && break
   DFLASH_CUDA_POOL_KEEP=$keep timeout 200 /tmp/stash/dflash "${conc[@]}" --concurrency 1,8,32 --max-tokens 128 --temperature 1.0 \
     > "$R/table-k$keep-$SECONDS.md" 2> "$R/table-k$keep.err" || { echo "table rc $?"; tail -3 "$R/table-k$keep.err"; }
