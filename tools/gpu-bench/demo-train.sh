@@ -12,16 +12,21 @@
 # Env: GEN_SECS (per pass, 200), SYNTH / SYNTH_STEERS / SYNTH_T / SYNTH_SEED / GEN_SECS_SYNTH (user turns the model writes itself, below), GEN_SECS_T0 (the greedy pass's, GEN_SECS), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64, a process), GEN_PROCS (processes a pass, 1), MAX_NEW (256), PROMPTS (prompt
 # files, space-separated; default the 9,669 ShareGPT first turns; data/train/humaneval-rest.jsonl.gz and
 # mtbench-rest.jsonl.gz add the HumanEval / MT-Bench prompts past the 40 held for evaluation, each 16 times), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
-# 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held, 12: their target passes run before the first step, 32 sequences a batch); BIN, GGUF, WORK, DEVICE
+# 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held; default the GPU's memory less 45 GB, which a 512 : 64 step and the target need: 35 on an H100, ~95 on an H200, 12 without nvidia-smi; 46 ran out of memory on an H100 in session 50; their target passes run before the first step, 32 sequences a batch); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
 set -uo pipefail
 . "$(dirname "$0")/demo-env.sh"
 W=${WORK:-/root/work}
 mkdir -p "$W" "$R"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
+# the taps the trainer holds: the GPU's memory less what a 512-block step and the target take
+if [ -z "${BUDGET_GB:-}" ]; then
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  BUDGET_GB=12; [ -n "$mib" ] && BUDGET_GB=$(( mib / 1024 - 45 )) && [ "$BUDGET_GB" -lt 2 ] && BUDGET_GB=2
+fi
 common=(--target "$GGUF" --device "${DEVICE:-cuda}" --max-seq 768)
 draft=(--draft-layers "${LAYERS:-4}" --block-size 16 --steps "${STEPS:-30000}" --batch-blocks "${BATCH:-128}"
-  --blocks-per-seq "${BPS:-16}" --lr "${LR:-6e-4}" --warmup 300 --save-every 500 --seed 0 --example-budget-gb "${BUDGET_GB:-12}")
+  --blocks-per-seq "${BPS:-16}" --lr "${LR:-6e-4}" --warmup 300 --save-every 500 --seed 0 --example-budget-gb "$BUDGET_GB")
 seqs=("$W"/t*/sequences.jsonl)
 case ${PHASE:?PHASE=gen|pack|train|more|eval} in
   gen)

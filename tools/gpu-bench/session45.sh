@@ -3,7 +3,8 @@
 # times after device syncs), at the demo's batch and at larger ones. After stage.sh and
 # stage_data.sh (the staged sequences in /root/work/t-staged). Env: PROFILE (1: wall times after
 # syncs; gpu: CUDA events, the kernels' own time), STEPS (30 a run), RUNS
-# ("BATCH_BLOCKS:BLOCKS_PER_SEQ[:exact] ...", exact: --exact-f32, no TF32), BUDGET_GB (taps held, 2: a short fill); SEQS, DEVICE.
+# ("BATCH_BLOCKS:BLOCKS_PER_SEQ[:exact] ...", exact: --exact-f32, no TF32), BUDGET_GB (taps held, 2: a short fill); SEQS, DEVICE;
+# TRAIN_EXTRA (more `dflash train` flags, e.g. --pack-scores N) with TAG (appended to the log names).
 set -uo pipefail
 . "$(dirname "$0")/demo-env.sh"
 seqs=${SEQS:-/root/work/t-staged/sequences.jsonl}
@@ -15,10 +16,10 @@ for run in ${RUNS:-128:16 128:16:exact 512:16 512:64 1024:64}; do
   DFLASH_PROFILE=${PROFILE:-1} timeout 150 "$BIN" train --target "$GGUF" --device "${DEVICE:-cuda}" --max-seq 768 --sequences "$seqs" \
     --draft-layers 4 --block-size 16 --steps "${STEPS:-30}" --batch-blocks "$bb" --blocks-per-seq "$bps" \
     --lr 6e-4 --warmup 10 --save-every 0 --seed 0 --example-budget-gb "${BUDGET_GB:-2}" \
-    "${extra[@]}" --out "/root/work/prof-$bb-$bps$exact" > "$R/prof-$bb-$bps$exact-${PROFILE:-1}.log" 2>&1 ||
-    echo "!! $run: $(tail -2 "$R/prof-$bb-$bps$exact-${PROFILE:-1}.log")"
-  echo "== batch $bb blocks, $bps a sequence${exact:+, exact f32}, profile ${PROFILE:-1} ($((SECONDS - T0)) s in all)"
-  python3 - "$R/prof-$bb-$bps$exact-${PROFILE:-1}.log" <<'PY'
+    "${extra[@]}" ${TRAIN_EXTRA:-} --out "/root/work/prof-$bb-$bps$exact" > "$R/prof-$bb-$bps$exact${TAG:-}-${PROFILE:-1}.log" 2>&1 ||
+    echo "!! $run: $(tail -2 "$R/prof-$bb-$bps$exact${TAG:-}-${PROFILE:-1}.log")"
+  echo "== batch $bb blocks, $bps a sequence${exact:+, exact f32}${TRAIN_EXTRA:+, $TRAIN_EXTRA}, profile ${PROFILE:-1} ($((SECONDS - T0)) s in all)"
+  python3 - "$R/prof-$bb-$bps$exact${TAG:-}-${PROFILE:-1}.log" <<'PY'
 import re, statistics, sys
 secs = {}
 for line in open(sys.argv[1]):
@@ -35,5 +36,5 @@ for what, rows in secs.items():
     keys = list(rows[0])
     print(f"  {what} ({len(rows)} calls, medians ms): " + ", ".join(f"{k} {statistics.median(r.get(k, 0) for r in rows):.1f}" for k in keys))
 PY
-  grep -E "^step .*/" "$R/prof-$bb-$bps$exact-${PROFILE:-1}.log" | tail -1
+  grep -E "^step .*/" "$R/prof-$bb-$bps$exact${TAG:-}-${PROFILE:-1}.log" | tail -1
 done

@@ -12,7 +12,8 @@ if [ -f .device/fused_cuda.xz ]; then
   /root/stash/fused_cuda training_ops 2>&1 | grep -E "^test |test result|panicked|assert" | head -8
 fi
 export SEQS=${SEQS:-$W/t0/sequences.jsonl}
-RUNS=${RUNS:-128:16 512:64 1024:64} OUT=$W/logs PROFILE=1 bash tools/gpu-bench/session45.sh
+# NCU_ONLY=1: the ncu part alone
+[ "${NCU_ONLY:-0}" = 1 ] || RUNS=${RUNS:-128:16 512:64 1024:64} OUT=$W/logs PROFILE=1 bash tools/gpu-bench/session45.sh
 [ "${NCU:-1}" = 0 ] && exit 0
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 IFS=: read -r nb nbps <<< "${NCU_SHAPE:-128:16}"

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 26, one call and no staging: where a draft training step's time goes at the demo's
+# training shape (4-layer draft, 512 blocks a step, 64 a sequence) on a random target of
+# SmolLM2-135M's widths (models.py --shape smollm2-135m) and random sequences of the demo
+# data's lengths (session 50's 44,960: 346 ids on average, the response from about a third).
+# Section medians with syncs (PROFILE=1) at PACKS (`--pack-scores`: the packed forward puts
+# a step's 8 sequences in one forward whose scores cover every row over the joint context of
+# all 8, ~207 M a layer at 9 heads; one sequence a forward, ~27 M, 7.7x fewer but 8x the
+# launches; 2^24 / 2^26: about 2 / 4 sequences a forward), by CUDA events (gpu) at the
+# default, then ncu over steps 6-7 at the default (session46b.sh). Session 50's runs:
+# 0.167-0.179 s a step (~42k block tokens/s), ~20x what the step's arithmetic needs.
+#   run(command="bash tools/gpu-bench/session51a.sh", carry=[".device/dflash.xz", "tools/goldens/wheels"])
+set -uo pipefail
+T0=$SECONDS
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/env.sh" dflash
+begin_session s51a
+smol_model || exit 1
+echo "### model in $((SECONDS - T0)) s"
+seqs=/root/rand-seqs.jsonl
+$PY - "$seqs" <<'PY'
+import json, random, sys
+rng = random.Random(0)
+with open(sys.argv[1], "w") as f:
+    for _ in range(4000):
+        n = max(64, min(768, int(rng.gauss(346, 150))))
+        ids = [rng.randrange(49152) for _ in range(n)]
+        f.write(json.dumps({"ids": ids, "response_start": n // 3}) + "\n")
+PY
+export GGUF=$S/target BIN=/tmp/stash/dflash SEQS=$seqs RUNS=${RUNS:-512:64}
+ncu_out=${OUT:-/tmp}; export OUT=/tmp/s51-logs; mkdir -p $OUT
+for pack in ${PACKS:-default 1 16777216 67108864 default}; do
+  [ $((SECONDS - T0)) -gt 400 ] && { echo "pack $pack: skipped (time)"; continue; }
+  extra=""; [ "$pack" = default ] || extra="--pack-scores $pack"
+  TRAIN_EXTRA=$extra TAG=-p$pack bash "$here/session45.sh"
+done
+PROFILE=gpu bash "$here/session45.sh"
+OUT=$ncu_out NCU_ONLY=1 NCU_SHAPE=${NCU_SHAPE:-512:64} bash "$here/session46b.sh"
+echo "### done in $((SECONDS - T0)) s"
