@@ -12,7 +12,7 @@
 # Env: GEN_SECS (per pass, 200), SYNTH / SYNTH_STEERS / SYNTH_T / SYNTH_SEED / GEN_SECS_SYNTH (user turns the model writes itself, below), GEN_SECS_T0 (the greedy pass's, GEN_SECS), T1_PASSES (sampled passes, 1), T1_FROM (first pass's number, 1), GREEDY (1), GEN_BATCH (64, a process), GEN_PROCS (processes a pass, 1), MAX_NEW (256), PROMPTS (prompt
 # files, space-separated; default the 9,669 ShareGPT first turns; data/train/humaneval-rest.jsonl.gz and
 # mtbench-rest.jsonl.gz add the HumanEval / MT-Bench prompts past the 40 held for evaluation, each 16 times), LAYERS (4), STEPS (schedule, 30000), CHUNK (training seconds a call,
-# 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held; default the GPU's memory less 45 GB, which a 512 : 64 step and the target need: 35 on an H100, ~95 on an H200, 12 without nvidia-smi; 46 ran out of memory on an H100 in session 50; their target passes run before the first step, 32 sequences a batch); BIN, GGUF, WORK, DEVICE
+# 480), TIME_LIMIT (fit the schedule to it), ROWS / REPEAT / LIMIT (eval rows, repeats, prompts a set), INIT (a draft to train on from), BATCH (blocks a step, 128), BPS (blocks a sequence, 16), LR (6e-4), BUDGET_GB (taps held; default the GPU's memory less 45 GB, which a 512 : 64 step and the target need: 35 on an H100, ~95 on an H200, 12 without nvidia-smi; 46 ran out of memory on an H100 in session 50; their target passes run before the first step, 32 sequences a batch), TRAIN_EXTRA (more `dflash train` flags for the train phases); BIN, GGUF, WORK, DEVICE
 # to run it elsewhere (e.g. a smoke run on the CPU).
 set -uo pipefail
 . "$(dirname "$0")/demo-env.sh"
@@ -98,8 +98,10 @@ case ${PHASE:?PHASE=gen|pack|train|more|eval} in
     [ -n "${TIME_LIMIT:-}" ] && extra+=(--time-limit "$TIME_LIMIT")
     # DRAFT_VOCAB (4096; 0: none): also OUT/narrow-K, the trained draft with its own head over
     # the K most frequent response tokens (as models/ ships the demo draft, session 49)
+    # TRAIN_EXTRA: more flags (e.g. --pack-scores N, as session51a.sh's A/B finds best)
+    # shellcheck disable=SC2086
     "$BIN" train "${common[@]}" --sequences "${seqs[@]}" "${draft[@]}" --chunk-time "${CHUNK:-480}" --draft-vocab "${DRAFT_VOCAB:-4096}" \
-      "${extra[@]}" --out "$W/draft" > "$R/$PHASE.log" 2>&1 || { echo "!! $PHASE"; tail -5 "$R/$PHASE.log"; }
+      "${extra[@]}" ${TRAIN_EXTRA:-} --out "$W/draft" > "$R/$PHASE.log" 2>&1 || { echo "!! $PHASE"; tail -5 "$R/$PHASE.log"; }
     grep -E "^step|resumed|started from|chunk-time|saved|fit --example|held-out" "$R/$PHASE.log" | tail -12 ;;
   eval)
     # held-out tau and speedup per block (HumanEval + MT-Bench first turns, never trained on:
