@@ -581,13 +581,34 @@ pub fn run(a: TrainArgs) -> Result<()> {
             chunk_end = Some(step);
             break;
         }
-        let s = trainer.step(target, &mut pool).map_err(|e| {
+        let s = match trainer.step(target, &mut pool) {
+            Err(e) if e.is_out_of_memory() => {
+                // The taps held leave the step too little memory: hold a quarter fewer (those
+                // that leave stream through instead) and try the step again, until one
+                // example is left. (An error in the optimizer's update, after the backward,
+                // may leave part of the parameters updated once more.)
+                let (resident, bytes) = pool.resident();
+                if let Some(left) = pool.shrink(bytes / 4 * 3) {
+                    let (now, now_bytes) = pool.resident();
+                    eprintln!(
+                        "training step {}: the device ran out of memory with {resident} sequences' taps held ({:.1} GB); holding {now} ({:.1} GB, {left} fewer: they stream through) and trying the step again",
+                        step + 1,
+                        bytes as f64 / 1e9,
+                        now_bytes as f64 / 1e9
+                    );
+                    continue;
+                }
+                Err(e)
+            }
+            r => r,
+        }
+        .map_err(|e| {
             if !e.is_out_of_memory() {
                 return anyhow::Error::from(e);
             }
             let (resident, bytes) = pool.resident();
             anyhow::anyhow!(
-                "training step {}: the device ran out of memory ({resident} sequences' taps, {:.1} GB, held by --example-budget-gb {}; {} blocks a step): lower either; {}",
+                "training step {}: the device ran out of memory ({resident} sequences' taps, {:.1} GB, held by --example-budget-gb {}; {} blocks a step): lower --batch-blocks; {}",
                 step + 1,
                 bytes as f64 / 1e9,
                 a.example_budget_gb,

@@ -1032,3 +1032,59 @@ fn synth_prompts_sample_user_turns_at_the_template() {
         "{e}"
     );
 }
+
+/// A pool told to hold fewer taps (`ExamplePool::shrink`, as `dflash train` does when a step
+/// runs out of device memory) lets the examples loaded last go and then runs exactly as a pool
+/// filled to that budget from the start: the same examples held after every step, the same
+/// losses. One example always stays.
+#[test]
+fn a_shrunk_pool_runs_as_one_filled_to_its_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, p, seqs) = learnable_sequences(dir.path(), 3);
+    let target = &*p.engine.target;
+    let trainer = || Trainer::new(target, &p.target_config, one_layer_opts(&t, 20)).unwrap();
+    let ids = |pool: &train::ExamplePool| -> Vec<Vec<u32>> {
+        pool.resident_ids().iter().map(|s| s.to_vec()).collect()
+    };
+    // every sequence resident, then half the bytes
+    let (mut ta, mut tb) = (trainer(), trainer());
+    let mut a = resident_pool(&seqs, &ta);
+    a.fill(target, &mut |_, _| {}).unwrap();
+    let n = a.len();
+    let (all, bytes) = a.resident();
+    assert_eq!(all, n);
+    let before = ids(&a);
+    let left = a.shrink(bytes / 2).unwrap();
+    let (now, now_bytes) = a.resident();
+    assert!(
+        left >= 1 && now + left == n,
+        "{left} left, {now} of {n} kept"
+    );
+    assert!(now_bytes <= bytes / 2, "{now_bytes} of {bytes} bytes held");
+    assert_eq!(ids(&a), before[..now], "the first loaded stay");
+    // the same pool filled to what the shrunk one holds
+    let mut b = train::ExamplePool::new(
+        seqs.to_vec(),
+        &tb.taps.clone(),
+        DataMode::SelfGenerated.labels(),
+        now_bytes,
+        1,
+        5,
+    )
+    .unwrap();
+    b.fill(target, &mut |_, _| {}).unwrap();
+    assert_eq!(ids(&b), ids(&a));
+    for step in 0..8 {
+        let (la, lb) = (
+            ta.step(target, &mut a).unwrap().loss,
+            tb.step(target, &mut b).unwrap().loss,
+        );
+        assert_eq!(ids(&a), ids(&b), "step {step}: the examples held");
+        assert!((la - lb).abs() < 1e-5, "step {step}: loss {la} vs {lb}");
+    }
+    // down to one example, then no more
+    while a.shrink(0).is_some() {}
+    assert_eq!(a.resident().0, 1);
+    assert!(a.shrink(0).is_none());
+    ta.step(target, &mut a).unwrap();
+}

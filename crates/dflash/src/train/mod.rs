@@ -1452,6 +1452,43 @@ impl ExamplePool {
         Ok(())
     }
 
+    /// The token ids of the examples on the device now (window order; for checks and logs).
+    pub fn resident_ids(&self) -> Vec<&[u32]> {
+        self.window
+            .iter()
+            .map(|(ex, _)| ex.ids.as_slice())
+            .collect()
+    }
+
+    /// Hold at most `budget` bytes of taps from now on (a step ran out of device memory with
+    /// the window the budget allowed): the examples loaded last leave the window (one stays,
+    /// however large) and so do the passes made ahead, and the load order goes back to the
+    /// first of them, so they are the next loaded and no sequence is held twice. Returns how
+    /// many examples left, or None when the window holds one example only.
+    pub fn shrink(&mut self, budget: u64) -> Option<usize> {
+        if self.window.len() < 2 {
+            return None;
+        }
+        let all = self.all_resident();
+        // the passes made ahead go back into the load order
+        self.next -= self.ready.len();
+        self.ready.clear();
+        let mut left = 0;
+        while self.window.len() > 1 && self.bytes > budget {
+            let (ex, _) = self.window.pop().expect("more than one example");
+            self.bytes -= Self::example_bytes(&ex);
+            left += 1;
+        }
+        // a window that held every sequence holds them in load order (nothing was replaced),
+        // so the examples that left are the last `left` loaded: load them next. (A streaming
+        // window's order is the draws'; those that left come again in the next cycle.)
+        if all {
+            self.next -= left;
+        }
+        self.budget = budget;
+        Some(left)
+    }
+
     /// One example drawn uniformly from the window with `rng`; it is replaced by the next
     /// sequence once drawn `reuse` times (unless every sequence is resident).
     fn draw(&mut self, target: &dyn TargetModel, rng: &mut Rng) -> Result<Example> {
