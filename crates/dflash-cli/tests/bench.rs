@@ -467,6 +467,15 @@ fn bench_micro_reports_the_weights_as_loaded() {
     let v = read(&out.join("micro.json"));
     assert!(v["weight_bytes"].as_u64().unwrap() > 0, "{v}");
     assert!(v["quantization"].is_null(), "{v}");
+    // the draft's proposal at its block size first (what the gpu-bench scripts read), then at
+    // each smaller --micro-q of 2 or more
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| draft forward Q="))
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(!rows[0].starts_with("| draft forward Q=2 |"), "{stdout}");
+    assert!(rows[1].starts_with("| draft forward Q=2 |"), "{stdout}");
 }
 
 /// `bench --concurrency`: one row per (mode, level) in the table and the JSON (every level

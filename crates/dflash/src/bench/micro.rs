@@ -113,8 +113,16 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
             .unwrap_or(1)
             .max(draft.map_or(1, |d| d.block_size()));
     let n = o.iters.max(1);
-    // The draft loop runs twice on CUDA (wall, then host-ahead), one context row per call.
-    let cap = o.context + 2 * (WARMUP + n) + 2 * qmax + 2;
+    // The draft's proposal is timed at its block size and at each smaller --micro-q of 2 or
+    // more (the blocks the adaptive policy runs); at the block size twice on CUDA (wall, then
+    // host-ahead). One context row per call.
+    let draft_qs: Vec<usize> = draft.map_or(vec![], |d| {
+        let b = d.block_size();
+        std::iter::once(b)
+            .chain(o.qs.iter().copied().filter(|&q| q >= 2 && q < b))
+            .collect()
+    });
+    let cap = o.context + (draft_qs.len() + 1) * (WARMUP + n) + 2 * qmax + 2;
     if cap > p.engine.max_context {
         return Err(Error::input(format!(
             "--micro: context {} + iterations needs {cap} positions, the model has {}",
@@ -229,22 +237,25 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
         block.resize(q, d.mask_token_id());
         d.forward(target, ctx_taps, &block, ctx, &mut dc)?;
         let row = ctx_taps.narrow(0, ctx - 1, 1)?;
-        let mut us = Vec::new();
-        for i in 0..WARMUP + n {
-            let start = dc.len() + 1;
-            block[0] = ids(1)[0];
-            let _collect = (i >= WARMUP)
-                .then(|| crate::stats::profiler_range(crate::switches::Profile::NcuDraft))
-                .flatten();
-            let t = Instant::now();
-            // The whole proposal: the argmax, or a DFlash2 draft's selector walk.
-            let _props: Vec<u32> = d.propose(target, &row, &block, start, &mut dc, None)?;
-            let dt = t.elapsed().as_secs_f64() * 1e6;
-            if i >= WARMUP {
-                us.push(dt);
+        for &dq in &draft_qs {
+            let mut us = Vec::new();
+            let mut block = block[..dq].to_vec();
+            for i in 0..WARMUP + n {
+                let start = dc.len() + 1;
+                block[0] = ids(1)[0];
+                let _collect = (i >= WARMUP && dq == q)
+                    .then(|| crate::stats::profiler_range(crate::switches::Profile::NcuDraft))
+                    .flatten();
+                let t = Instant::now();
+                // The whole proposal: the argmax, or a DFlash2 draft's selector walk.
+                let _props: Vec<u32> = d.propose(target, &row, &block, start, &mut dc, None)?;
+                let dt = t.elapsed().as_secs_f64() * 1e6;
+                if i >= WARMUP {
+                    us.push(dt);
+                }
             }
+            out.push(summarize(format!("draft forward Q={dq}"), Some(dq), us));
         }
-        out.push(summarize(format!("draft forward Q={q}"), Some(q), us));
         // (The selector's walk reads its scores on the host: no host-ahead timing for DFlash2.)
         #[cfg(feature = "cuda")]
         if dev.is_cuda() && d.selector().is_none() {
