@@ -94,6 +94,13 @@ smol_model() {
   [ -d $S/target ] || timeout 200 $PY "$here/models.py" --shape smollm2-135m --target-only --out $S > $S.log 2>&1 \
     || { echo "smol model failed"; tail -5 $S.log; return 1; }
 }
+# smol_session NAME: begin_session NAME with smol_model's target (exits when it fails; says
+# when it is there, in seconds since the caller's T0)
+smol_session() {
+  begin_session "$1"
+  smol_model || exit 1
+  echo "### model in $((SECONDS - T0)) s"
+}
 # (for examples/concurrency, which sessions 20-41 carried as .device/concurrency.xz; removed since:
 # `dflash bench --concurrency` is the table now, see session41a.sh)
 CONC_ARGS="--model $M/target --draft $M/draft-agree --device cuda --dtype bf16 --prompt-len 128 --temperature 1.0 --max-tokens 128"

@@ -14,9 +14,7 @@ set -uo pipefail
 T0=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/env.sh" dflash
-begin_session s51a
-smol_model || exit 1
-echo "### model in $((SECONDS - T0)) s"
+smol_session s51a
 seqs=/root/rand-seqs.jsonl
 $PY - "$seqs" <<'PY'
 import json, random, sys

@@ -9,9 +9,7 @@ set -uo pipefail
 T0=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/env.sh" dflash
-begin_session s51b
-smol_model || exit 1
-echo "### model in $((SECONDS - T0)) s"
+smol_session s51b
 conc=(bench --model $S/target --device cuda --dtype bf16 --concurrency-modes plain --concurrency-prompt-len 150
   --concurrency-rounds 1 --max-tokens 64 --concurrency 64,256)
 # a warm-up run first (the first process on a fresh machine was the slow one in session 50)
