@@ -1461,10 +1461,12 @@ impl ExamplePool {
     }
 
     /// Hold at most `budget` bytes of taps from now on (a step ran out of device memory with
-    /// the window the budget allowed): the examples loaded last leave the window (one stays,
-    /// however large) and so do the passes made ahead, and the load order goes back to the
-    /// first of them, so they are the next loaded and no sequence is held twice. Returns how
-    /// many examples left, or None when the window holds one example only.
+    /// the window the budget allowed): the examples at the window's end leave it (one stays,
+    /// however large), and so do the passes made ahead, which go back into the load order.
+    /// When the window held every sequence, those that left are the last loaded and the load
+    /// order goes back to the first of them: they are the next loaded, and the pool then runs
+    /// as one filled to `budget` from the start. Returns how many examples left, or None when
+    /// the window holds one example only.
     pub fn shrink(&mut self, budget: u64) -> Option<usize> {
         if self.window.len() < 2 {
             return None;
