@@ -177,7 +177,7 @@ impl TinyTarget {
             .and_then(|x| x.as_array())
             .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
             .unwrap_or_default();
-        (!only.contains(&(l as u64)) && (l + 1) % step == 0).then_some((e, mi))
+        (!only.contains(&(l as u64)) && (l + 1).is_multiple_of(step)).then_some((e, mi))
     }
 
     /// Write `config.json` + `model.safetensors` into `dir`.

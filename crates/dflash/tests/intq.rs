@@ -228,7 +228,7 @@ fn malformed_int_checkpoints_name_the_tensor_or_field() {
     let e = load_error(
         gptq,
         |t| {
-            let v: Vec<i32> = (0..64).map(|k| ((k + 1) % 64 / 32) as i32).collect();
+            let v: Vec<i32> = (0..64).map(|k| ((k + 1) % 64 / 32)).collect();
             t.insert(
                 format!("{Q}.g_idx"),
                 Tensor::from_vec(v, 64, &Device::Cpu).unwrap(),

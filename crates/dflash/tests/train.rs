@@ -39,7 +39,7 @@ fn inference_logits(
         .map(|&a| {
             let mut cache = d.new_cache(a + q).unwrap();
             let mut block = vec![ids[a]];
-            block.extend(std::iter::repeat(d.mask_token_id()).take(q - 1));
+            block.extend(std::iter::repeat_n(d.mask_token_id(), q - 1));
             // Context in two chunks, as the engine feeds it (prefill, then accepted rows).
             let cut = a / 2;
             if cut > 0 {
@@ -189,7 +189,7 @@ fn training_forward_equals_inference_forward() {
         let mut block_ids = vec![];
         for &a in &anchors {
             block_ids.push(ids[a]);
-            block_ids.extend(std::iter::repeat(draft.mask_token_id()).take(q - 1));
+            block_ids.extend(std::iter::repeat_n(draft.mask_token_id(), q - 1));
         }
         let train = draft
             .forward_blocks(&*target, &taps, &anchors, &block_ids, None)
@@ -217,7 +217,7 @@ fn training_forward_equals_inference_forward() {
                 .iter()
                 .flat_map(|&a| {
                     std::iter::once(sids[a])
-                        .chain(std::iter::repeat(draft.mask_token_id()).take(q - 1))
+                        .chain(std::iter::repeat_n(draft.mask_token_id(), q - 1))
                 })
                 .collect()
         };
@@ -591,7 +591,7 @@ fn train_and_check(dflash2: Option<dflash::config::draft::Dflash2Config>) {
     let mut block_ids = vec![];
     for &a in &anchors {
         block_ids.push(e.ids[a]);
-        block_ids.extend(std::iter::repeat(loaded.mask_token_id()).take(q - 1));
+        block_ids.extend(std::iter::repeat_n(loaded.mask_token_id(), q - 1));
     }
     let train_logits = tr
         .draft()

@@ -152,11 +152,11 @@ impl DecoderLayer {
         Ok(match &self.mixer {
             Mixer::Attention { attn, rope, vis } => {
                 let kv = kv_slot(cache, self.slot, self.family)?;
-                attn.forward(&x, &f.site(*rope, *vis)?, kv)?
+                attn.forward(x, &f.site(*rope, *vis)?, kv)?
             }
             Mixer::Latent { attn, rope } => match cache.layers.get_mut(self.slot) {
                 Some(LayerCache::Latent(lc)) => {
-                    attn.forward(&x, f.rope(*rope), f.tables(*rope)?, &f.masks, lc)?
+                    attn.forward(x, f.rope(*rope), f.tables(*rope)?, &f.masks, lc)?
                 }
                 _ => return Err(wrong_cache(self.family, self.slot, "latent")),
             },

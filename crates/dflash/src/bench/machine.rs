@@ -203,6 +203,16 @@ fn switches(vars: impl Iterator<Item = (String, String)>) -> BTreeMap<String, St
     .collect()
 }
 
+/// Trimmed stdout of a successful command.
+fn command_line(cmd: &str, args: &[&str]) -> Option<String> {
+    let o = Command::new(cmd).args(args).output().ok()?;
+    if !o.status.success() {
+        return None;
+    }
+    let s = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    (!s.is_empty()).then_some(s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,14 +267,4 @@ mod tests {
         file("kernels/k.cu", 60);
         assert_eq!(newest_newer_than(r, build), Some(r.join("kernels/k.cu")));
     }
-}
-
-/// Trimmed stdout of a successful command.
-fn command_line(cmd: &str, args: &[&str]) -> Option<String> {
-    let o = Command::new(cmd).args(args).output().ok()?;
-    if !o.status.success() {
-        return None;
-    }
-    let s = String::from_utf8_lossy(&o.stdout).trim().to_string();
-    (!s.is_empty()).then_some(s)
 }

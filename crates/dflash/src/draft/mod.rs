@@ -1030,7 +1030,7 @@ impl DraftModel {
         block_ids: &[u32],
     ) -> Result<Tensor> {
         let nb: usize = segs.iter().map(|s| s.anchors.len()).sum();
-        if nb == 0 || block_ids.len() % nb != 0 {
+        if nb == 0 || !block_ids.len().is_multiple_of(nb) {
             return Err(Error::input(format!(
                 "draft training: {} block ids for {nb} anchors",
                 block_ids.len()

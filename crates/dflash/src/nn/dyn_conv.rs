@@ -120,7 +120,7 @@ fn check(
         || hb != h
         || g * group != h
         || block == 0
-        || n % block != 0
+        || !n.is_multiple_of(block)
         || dynk.dims2()? != (n, k * g)
     {
         return Err(crate::Error::input(format!(

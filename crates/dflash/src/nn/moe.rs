@@ -122,7 +122,7 @@ impl MoeConfig {
             s => GatedMlp::params(hidden, s, false) + h,
         };
         let experts = e * GatedMlp::params(hidden, self.intermediate_size, false);
-        let affine = hidden % 128 == 0 && self.intermediate_size % 128 == 0;
+        let affine = hidden.is_multiple_of(128) && self.intermediate_size.is_multiple_of(128);
         super::Params {
             plain: e * h + shared,
             experts,

@@ -32,7 +32,7 @@ pub fn keeps_affine(device: &Device, dtype: DType) -> bool {
 /// kernels take (hidden and expert width multiples of 32). Elsewhere they are dequantized
 /// exactly at load.
 pub fn keeps_mxfp4(device: &Device, dtype: DType, hidden: usize, inter: usize) -> bool {
-    keeps_affine(device, dtype) && hidden % 32 == 0 && inter % 32 == 0
+    keeps_affine(device, dtype) && hidden.is_multiple_of(32) && inter.is_multiple_of(32)
 }
 
 /// The quantized type a CPU matmul weight of type `dt` is converted to at load, or None to

@@ -551,7 +551,7 @@ pub fn gguf_qk_row_source(rows: usize, heads: usize) -> Vec<usize> {
 pub fn unpermute_qk(t: &QTensor, heads: usize) -> Result<QTensor> {
     let dims = t.shape().dims().to_vec();
     let rows = dims[0];
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         return Err(Error::input(format!(
             "cannot un-permute {rows} rows into {heads} heads of even size"
         )));

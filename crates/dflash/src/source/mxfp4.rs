@@ -70,7 +70,7 @@ impl Packed {
     pub fn load(w: &Weights, name: &str, lead: &[usize], cols: usize) -> Result<Self> {
         let bname = format!("{name}_blocks");
         let sname = format!("{name}_scales");
-        if cols % 32 != 0 || lead.is_empty() {
+        if !cols.is_multiple_of(32) || lead.is_empty() {
             return Err(Error::weights(
                 &bname,
                 format!("MXFP4 rows of {cols} values are not a multiple of 32"),

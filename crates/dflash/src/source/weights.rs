@@ -1143,7 +1143,7 @@ pub fn slice_qtensor(q: &QTensor, dim: usize, at: usize, len: usize) -> Result<Q
             (len, cols),
         )
     } else {
-        if at % bs != 0 || len % bs != 0 {
+        if !at.is_multiple_of(bs) || !len.is_multiple_of(bs) {
             return Err(Error::input(format!(
                 "columns {at}..{} do not fall on its {dt:?} blocks of {bs} (choose a tensor-parallel size that splits the width into whole blocks)",
                 at + len

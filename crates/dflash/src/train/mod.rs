@@ -545,7 +545,7 @@ impl Trainer {
             let n = ex.ids.len();
             for &a in anchors.iter() {
                 block_ids.push(ex.ids[a]);
-                block_ids.extend(std::iter::repeat(mask).take(q - 1));
+                block_ids.extend(std::iter::repeat_n(mask, q - 1));
                 for k in 1..q {
                     if a + k < n {
                         labels.push(ex.labels[a + k]);
