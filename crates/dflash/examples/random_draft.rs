@@ -22,7 +22,11 @@ fn main() -> dflash::Result<()> {
     // heads of 64 dims, GQA 3:1 (SmolLM2's attention shape)
     d.head_dim = 64;
     d.heads = (hidden / 64).max(1);
-    d.kv_heads = if d.heads.is_multiple_of(3) { d.heads / 3 } else { 1 };
+    d.kv_heads = if d.heads.is_multiple_of(3) {
+        d.heads / 3
+    } else {
+        1
+    };
     d.intermediate = hidden * 2;
     d.write(&dir, vocab)?;
     println!("{}", dir.display());

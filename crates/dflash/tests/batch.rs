@@ -429,9 +429,11 @@ fn a_sequence_taken_out_mid_prefill_leaves_the_others() {
         .write(&dir.path().join("d"), t.vocab)
         .unwrap();
     let e = engine(dir.path(), true);
-    let reqs = [GenerateRequest::new(ids(5, 6, t.vocab), 10),
+    let reqs = [
+        GenerateRequest::new(ids(5, 6, t.vocab), 10),
         GenerateRequest::new(ids(6, 3 * PREFILL_CHUNK + 7, t.vocab), 10),
-        GenerateRequest::new(ids(7, 9, t.vocab), 10)];
+        GenerateRequest::new(ids(7, 9, t.vocab), 10),
+    ];
     let solo = alone(&e, &[reqs[0].clone(), reqs[2].clone()]);
     let mut batch = Batch::new(&e);
     for (i, r) in reqs.iter().enumerate() {
