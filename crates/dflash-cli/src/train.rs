@@ -582,7 +582,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             break;
         }
         let s = match trainer.step(target, &mut pool) {
-            Err(e) if e.is_out_of_memory() => {
+            Ok(s) => s,
+            Err(e) if !e.is_out_of_memory() => return Err(e.into()),
+            Err(_) => {
                 // The taps held leave the step too little memory: hold a quarter fewer (those
                 // that leave stream through instead) and try the step again, until one
                 // example is left. (An error in the optimizer's update, after the backward,
@@ -598,31 +600,23 @@ pub fn run(a: TrainArgs) -> Result<()> {
                     );
                     continue;
                 }
-                Err(e)
+                bail!(
+                    "training step {}: the device ran out of memory ({resident} sequences' taps, {:.1} GB, held by --example-budget-gb {}; {} blocks a step): lower --batch-blocks; {}",
+                    step + 1,
+                    bytes as f64 / 1e9,
+                    a.example_budget_gb,
+                    a.batch_blocks,
+                    match saved_at {
+                        Some(k) if keep_state => format!(
+                            "the checkpoint of step {k} resumes with --resume {}",
+                            a.out.display()
+                        ),
+                        Some(k) => format!("the draft of step {k} is in {}", a.out.display()),
+                        None => "no checkpoint was saved yet (--save-every)".to_string(),
+                    }
+                )
             }
-            r => r,
-        }
-        .map_err(|e| {
-            if !e.is_out_of_memory() {
-                return anyhow::Error::from(e);
-            }
-            let (resident, bytes) = pool.resident();
-            anyhow::anyhow!(
-                "training step {}: the device ran out of memory ({resident} sequences' taps, {:.1} GB, held by --example-budget-gb {}; {} blocks a step): lower --batch-blocks; {}",
-                step + 1,
-                bytes as f64 / 1e9,
-                a.example_budget_gb,
-                a.batch_blocks,
-                match saved_at {
-                    Some(k) if keep_state => format!(
-                        "the checkpoint of step {k} resumes with --resume {}",
-                        a.out.display()
-                    ),
-                    Some(k) => format!("the draft of step {k} is in {}", a.out.display()),
-                    None => "no checkpoint was saved yet (--save-every)".to_string(),
-                }
-            )
-        })?;
+        };
         step += 1;
         if let (Some(limit), 20) = (a.time_limit, step - start) {
             let per = t0.elapsed().as_secs_f64() / 20.0;

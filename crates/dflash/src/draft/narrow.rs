@@ -96,10 +96,7 @@ pub fn narrow_checkpoint(
         ));
     }
     let cfg_path = draft.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path)
-        .map_err(|e| Error::input(format!("{}: {e}", cfg_path.display())))?;
-    let mut dcfg: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::input(format!("{}: {e}", cfg_path.display())))?;
+    let mut dcfg = crate::config::read_json(&cfg_path)?;
     let w = target.weights(DType::F32, &Device::Cpu, false)?;
     let name = if w.contains("lm_head.weight") {
         "lm_head.weight"
@@ -134,18 +131,13 @@ pub fn narrow_checkpoint(
         Tensor::from_vec(d2t_offsets(ids), k, &Device::Cpu)?,
     );
     dcfg["draft_vocab_size"] = k.into();
-    std::fs::create_dir_all(out).map_err(|e| Error::input(format!("{}: {e}", out.display())))?;
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     candle_core::safetensors::save(&tensors, out.join("model.safetensors"))?;
-    std::fs::write(
-        out.join("config.json"),
-        serde_json::to_string_pretty(&dcfg).map_err(|e| Error::input(e.to_string()))? + "\n",
-    )
-    .map_err(|e| Error::input(format!("{}: {e}", out.display())))?;
+    crate::testing::write_json(&out.join("config.json"), &dcfg)?;
     for f in ["train_log.jsonl", "eval.json"] {
         let from = draft.join(f);
         if from.exists() && from != out.join(f) {
-            std::fs::copy(&from, out.join(f))
-                .map_err(|e| Error::input(format!("{}: {e}", from.display())))?;
+            std::fs::copy(&from, out.join(f)).map_err(|e| Error::io(&from, e))?;
         }
     }
     Ok(())
