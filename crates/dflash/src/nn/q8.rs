@@ -334,7 +334,10 @@ impl QMatrix {
     /// How this matrix's activations are quantized: Q4_0 / Q4_1 by llama.cpp's x86 rule
     /// ([`Rule::X86`]: against the llama.cpp fixture, SmolLM2's Q4_1 largest divergence gap
     /// 0.245 -> 0.085), the others by ggml's portable one (Gemma-3-270M's Q5_0 / Q8_0 / Q6_K:
-    /// largest gap 0.084 with it, 0.254 with the x86 rule; docs/perf.md, session 47).
+    /// largest gap 0.084 with it, 0.254 with the x86 rule; docs/perf.md, session 47). That is
+    /// the fixture's near-ties, not llama.cpp's arithmetic: b11434 on x86 quantizes Q5_0 /
+    /// Q8_0 activations by the x86 rule too (with it and llama.cpp's 8-lane summation order
+    /// our products give its bits, session 51), and Q6_K's to Q8_K (256 a block).
     fn rule(&self) -> Rule {
         match self.kind {
             Kind::Q4 { .. } => Rule::X86,
