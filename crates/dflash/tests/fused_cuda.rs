@@ -3191,6 +3191,60 @@ fn training_ops_match_the_cpu() {
             vec![y, gr.get(&x).unwrap().clone()]
         });
     }
+    // draft training's block attention (one op with its own backward): the packed shape's
+    // kind (3 KV heads of 3, blocks of 16, a joint context) and a small one without context
+    for (kvh, rep, nb, s) in [(3, 3, 24, 301), (1, 2, 3, 0)] {
+        let (block, hd) = (16, 64);
+        let n = nb * block;
+        let t = |shape: &[usize]| randn(shape, 1.0);
+        let (q, kc, vc, kb, vb) = (
+            t(&[kvh * rep, n, hd]),
+            t(&[kvh, s, hd]),
+            t(&[kvh, s, hd]),
+            t(&[kvh, n, hd]),
+            t(&[kvh, n, hd]),
+        );
+        let c = t(&[n, kvh * rep * hd]);
+        let m: Vec<f32> = (0..n * (s + block))
+            .map(|i| {
+                let (r, col) = (i / (s + block), i % (s + block));
+                let seen = match col < s {
+                    true => col < (r * 37) % (s + 1),
+                    false => col - s <= r % block,
+                };
+                if seen {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(m, (n, s + block), &cpu).unwrap();
+        check(
+            format!("block attention {kvh}x{rep}x{nb}, context {s}"),
+            &|d| {
+                let vars: Vec<Var> = [&q, &kc, &vc, &kb, &vb].iter().map(|x| var(x, d)).collect();
+                let ctx = (s > 0).then(|| (vars[1].as_tensor(), vars[2].as_tensor()));
+                let y = dflash::nn::sdpa_blocks(
+                    vars[0].as_tensor(),
+                    ctx,
+                    vars[3].as_tensor(),
+                    vars[4].as_tensor(),
+                    block,
+                    &mask.to_device(d).unwrap(),
+                    0.125,
+                )
+                .unwrap();
+                let gr = (&y * c.to_device(d).unwrap()).unwrap().sum_all().unwrap();
+                let gr = gr.backward().unwrap();
+                let mut out = vec![y];
+                for v in vars.iter().filter(|v| v.elem_count() > 0) {
+                    out.push(gr.get(v.as_tensor()).unwrap().clone());
+                }
+                out
+            },
+        );
+    }
     for (m, v) in [(240, 49152), (7, 33), (3, 1000)] {
         let x = randn(&[m, v], 3.0);
         let lab: Vec<u32> = (0..m).map(|r| ((r * 7919) % v) as u32).collect();

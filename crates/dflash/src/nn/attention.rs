@@ -1195,6 +1195,10 @@ pub fn sdpa_with_sinks(
 /// context columns first, then the block's `block` keys in order). Scores are `[.., s + block]`
 /// wide, not `[.., s + n]` as with all blocks' keys side by side (of which a row sees `block`):
 /// draft training's packed forward, where n is thousands of rows. Returns `[n, heads * vd]`.
+/// In training (tracked f32 inputs) the attention is one op with its own backward
+/// ([`super::train_ops::block_attention`]): the `[.., s + block]` scores never enter the
+/// autograd graph, where each of their ~8 nodes a layer cost a zero-filled gradient, an add
+/// and copies (~80 ms of a 512-block step on an H100, session 51).
 #[allow(clippy::too_many_arguments)]
 pub fn sdpa_blocks(
     q: &Tensor,
@@ -1204,6 +1208,22 @@ pub fn sdpa_blocks(
     block: usize,
     mask: &Tensor,
     scale: f64,
+) -> Result<Tensor> {
+    sdpa_blocks_with(q, ctx, kb, vb, block, mask, scale, true)
+}
+
+/// [`sdpa_blocks`]; `fused_backward` false keeps tracked inputs on the composite ops (the
+/// reference the fused op's gradients are tested against).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sdpa_blocks_with(
+    q: &Tensor,
+    ctx: Option<(&Tensor, &Tensor)>,
+    kb: &Tensor,
+    vb: &Tensor,
+    block: usize,
+    mask: &Tensor,
+    scale: f64,
+    fused_backward: bool,
 ) -> Result<Tensor> {
     let (heads, n, d) = q.dims3()?;
     let kvh = kb.dim(0)?;
@@ -1216,20 +1236,15 @@ pub fn sdpa_blocks(
             vb.dims()
         )));
     }
+    let lay = BlockLayout { kvh, rep, nb };
+    if fused_backward && q.track_op() && super::train_ops::applies(q) {
+        // training: one op with its own backward (the scores never enter the autograd graph)
+        let o = super::train_ops::block_attention(q, ctx, kb, vb, lay, mask, scale)?;
+        return heads_out(o, heads, n, vd);
+    }
     let q = (q * scale)?.reshape((kvh, rep * n, d))?;
-    // [kvh, rep, nb, x, y] <-> [kvh * nb, rep * x, y]: a block's rows of every head of a group
-    let to_blocks = |t: &Tensor, x: usize, y: usize| -> Result<Tensor> {
-        Ok(t.reshape((kvh, rep, nb, x, y))?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((kvh * nb, rep * x, y))?)
-    };
-    let from_blocks = |t: &Tensor, x: usize, y: usize| -> Result<Tensor> {
-        Ok(t.reshape((kvh, nb, rep, x, y))?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((kvh, rep * n, y))?)
-    };
+    let to_blocks = |t: &Tensor, x: usize, y: usize| lay.to_blocks(t, x, y);
+    let from_blocks = |t: &Tensor, x: usize, y: usize| lay.from_blocks(t, x, y);
     let own = to_blocks(&q, block, d)?.matmul(&kb.reshape((kvh * nb, block, d))?.t()?)?; // [kvh * nb, rep * block, block]
     let own = from_blocks(&own, block, block)?; // [kvh, rep * n, block]
     let s = ctx.map_or(Ok(0), |(k, _)| k.dim(1))?;
@@ -1257,6 +1272,36 @@ pub fn sdpa_blocks(
         o = (o + probs.narrow(2, 0, s)?.contiguous()?.matmul(vc)?)?;
     }
     heads_out(o, heads, n, vd)
+}
+
+/// How [`sdpa_blocks`] groups its rows: `kv_heads` groups of `rep` query heads (adjacent), `nb`
+/// blocks of rows. `[kvh, rep * n, y]` (n = nb * block rows, head-major within a group) <->
+/// `[kvh * nb, rep * block, y]` (a block's rows of every head of its group together).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockLayout {
+    pub kvh: usize,
+    pub rep: usize,
+    pub nb: usize,
+}
+
+impl BlockLayout {
+    /// `[kvh, rep * nb * x, y]` -> `[kvh * nb, rep * x, y]`.
+    pub fn to_blocks(&self, t: &Tensor, x: usize, y: usize) -> Result<Tensor> {
+        let (kvh, rep, nb) = (self.kvh, self.rep, self.nb);
+        Ok(t.reshape((kvh, rep, nb, x, y))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((kvh * nb, rep * x, y))?)
+    }
+
+    /// `[kvh * nb, rep * x, y]` -> `[kvh, rep * nb * x, y]`.
+    pub fn from_blocks(&self, t: &Tensor, x: usize, y: usize) -> Result<Tensor> {
+        let (kvh, rep, nb) = (self.kvh, self.rep, self.nb);
+        Ok(t.reshape((kvh, nb, rep, x, y))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((kvh, rep * nb * x, y))?)
+    }
 }
 
 /// `[kvh, rep * n, vd]` attention outputs (heads of a group adjacent) as `[n, heads * vd]`.

@@ -80,6 +80,198 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
         .apply_op2(&w.contiguous()?, RmsNormOp { eps })?)
 }
 
+/// [`super::sdpa_blocks`] for training, differentiable in `q`, the context's `kc / vc` and the
+/// blocks' `kb / vb` through one op: the forward runs detached (scores `[kvh, rep * n, s +
+/// block]` from one product against the context keys padded with `block` zero rows, the blocks'
+/// own scores written into those columns in place, the fused masked softmax, one product
+/// against the values padded alike plus the blocks' own), and the backward is written out
+/// (dP = G V^T with the blocks' part set in place, dS by the fused softmax backward, dQ = dS K,
+/// dK = dS^T Q, dV = P^T G), so the scores, probabilities and their gradients are each made
+/// once, outside the autograd graph. Returns `[kvh, rep * n, vd]` (heads of a group adjacent).
+pub(crate) fn block_attention(
+    q: &Tensor,
+    ctx: Option<(&Tensor, &Tensor)>,
+    kb: &Tensor,
+    vb: &Tensor,
+    lay: super::attention::BlockLayout,
+    mask: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (heads, n, d) = q.dims3()?;
+    let (kvh, rep, nb) = (lay.kvh, lay.rep, lay.nb);
+    let (block, vd, dev) = (n / nb, vb.dim(2)?, q.device());
+    let s = ctx.map_or(Ok(0), |(k, _)| k.dim(1))?;
+    let qs = (q.detach() * scale)?
+        .reshape((kvh, rep * n, d))?
+        .contiguous()?;
+    let kbb = kb.detach().reshape((kvh * nb, block, d))?;
+    let vbb = vb.detach().reshape((kvh * nb, block, vd))?;
+    let pad = |t: Option<&Tensor>, w: usize| -> Result<Tensor> {
+        let z = Tensor::zeros((kvh, block, w), DType::F32, dev)?;
+        Ok(match t {
+            Some(t) => Tensor::cat(&[&t.detach().to_dtype(DType::F32)?, &z], 1)?,
+            None => z,
+        })
+    };
+    let (kpad, vpad) = (pad(ctx.map(|c| c.0), d)?, pad(ctx.map(|c| c.1), vd)?);
+    let scores = qs.matmul(&kpad.t()?)?;
+    let own = lay.from_blocks(
+        &lay.to_blocks(&qs, block, d)?.matmul(&kbb.t()?)?,
+        block,
+        block,
+    )?;
+    scores.slice_set(&own, 2, s)?;
+    let p = masked_softmax(&scores.reshape((kvh * rep, n, s + block))?, Some(mask))?.reshape((
+        kvh,
+        rep * n,
+        s + block,
+    ))?;
+    let pb = lay.to_blocks(&p.narrow(2, s, block)?.contiguous()?, block, block)?;
+    let out = (p.matmul(&vpad)? + lay.from_blocks(&pb.matmul(&vbb)?, block, vd)?)?;
+    let (k_all, v_all) = match ctx {
+        Some((kc, vc)) => (Tensor::cat(&[kc, kb], 1)?, Tensor::cat(&[vc, vb], 1)?),
+        None => (kb.clone(), vb.clone()),
+    };
+    let op = BlockAttention {
+        lay,
+        dims: (heads, n, d, vd, s, block),
+        scale,
+        qs,
+        kpad,
+        vpad,
+        kbb,
+        vbb,
+        p,
+        pb,
+        out: out.contiguous()?,
+    };
+    Ok(q.apply_op3_arc(&k_all, &v_all, std::sync::Arc::new(Box::new(op)))?)
+}
+
+/// The saved state of one [`block_attention`] (detached tensors; `out` is what the forward
+/// hands the graph).
+struct BlockAttention {
+    lay: super::attention::BlockLayout,
+    /// heads, n, d, vd, s, block
+    dims: (usize, usize, usize, usize, usize, usize),
+    scale: f64,
+    /// the scaled queries `[kvh, rep * n, d]`
+    qs: Tensor,
+    /// the context's keys / values and `block` zero rows, `[kvh, s + block, d | vd]`
+    kpad: Tensor,
+    vpad: Tensor,
+    /// the blocks' keys / values `[kvh * nb, block, d | vd]`
+    kbb: Tensor,
+    vbb: Tensor,
+    /// probabilities `[kvh, rep * n, s + block]`, and their blocks' columns in block layout
+    p: Tensor,
+    pb: Tensor,
+    out: Tensor,
+}
+
+impl BlockAttention {
+    /// A copy of the forward's result in `storage`'s backend.
+    fn result<S>(
+        &self,
+        pick: impl Fn(&candle_core::Storage) -> Option<&S>,
+    ) -> candle_core::Result<(S, Shape)>
+    where
+        S: candle_core::backend::BackendStorage,
+    {
+        let (st, l) = self.out.storage_and_layout();
+        match pick(&st) {
+            Some(st) if l.is_contiguous() && l.start_offset() == 0 => {
+                Ok((st.try_clone(l)?, l.shape().clone()))
+            }
+            _ => candle_core::bail!("block attention: the result is not where its inputs are"),
+        }
+    }
+}
+
+impl CustomOp3 for BlockAttention {
+    fn name(&self) -> &'static str {
+        "dflash-block-attention"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.result(|s| match s {
+            candle_core::Storage::Cpu(c) => Some(c),
+            _ => None,
+        })
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.result(|s| match s {
+            candle_core::Storage::Cuda(c) => Some(c),
+            _ => None,
+        })
+    }
+    fn bwd(
+        &self,
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lay = self.lay;
+        let (heads, n, d, vd, s, block) = self.dims;
+        let kvh = lay.kvh;
+        let g = grad.to_dtype(DType::F32)?.contiguous()?;
+        let gb = lay
+            .to_blocks(&g, block, vd)
+            .map_err(candle_core::Error::wrap)?;
+        // dP: the context's columns (the padded values make the blocks' columns 0), then the
+        // blocks' own written over those
+        let dp = g.matmul(&self.vpad.t()?)?;
+        let dp_own = lay
+            .from_blocks(&gb.matmul(&self.vbb.t()?)?, block, block)
+            .map_err(candle_core::Error::wrap)?;
+        dp.slice_set(&dp_own, 2, s)?;
+        let ds = self.p.apply_op2_no_bwd(&dp, &SoftmaxBwd)?;
+        drop(dp);
+        let dsb = lay
+            .to_blocks(&ds.narrow(2, s, block)?.contiguous()?, block, block)
+            .map_err(candle_core::Error::wrap)?;
+        let dq_own = lay
+            .from_blocks(&dsb.matmul(&self.kbb)?, block, d)
+            .map_err(candle_core::Error::wrap)?;
+        let dq = ((ds.matmul(&self.kpad)? + dq_own)? * self.scale)?.reshape((heads, n, d))?;
+        let qb = lay
+            .to_blocks(&self.qs, block, d)
+            .map_err(candle_core::Error::wrap)?;
+        let dkb = dsb.t()?.matmul(&qb)?.reshape((kvh, n, d))?;
+        let dvb = self.pb.t()?.matmul(&gb)?.reshape((kvh, n, vd))?;
+        let (dk, dv) = match s {
+            0 => (dkb, dvb),
+            _ => {
+                let dkc = ds.t()?.matmul(&self.qs)?.narrow(1, 0, s)?;
+                let dvc = self.p.t()?.matmul(&g)?.narrow(1, 0, s)?;
+                (
+                    Tensor::cat(&[&dkc, &dkb], 1)?,
+                    Tensor::cat(&[&dvc, &dvb], 1)?,
+                )
+            }
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
 /// The elements of a contiguous CPU operand.
 fn elems<'a, T: candle_core::WithDType>(
     s: &'a CpuStorage,
@@ -453,6 +645,74 @@ mod tests {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| (rng.uniform() as f32 - 0.5) * 6.0).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The training block attention's result and gradients (queries, context keys / values
+    /// given as a strided view, the blocks' keys / values) equal candle's autograd through the
+    /// composite ops (products, cat, the fused masked softmax, narrows), with a context and
+    /// without one.
+    #[test]
+    fn block_attention_matches_the_composite_gradients() {
+        use crate::nn::attention::sdpa_blocks_with;
+        let (heads, kvh, block, nb, d, vd) = (6, 2, 4, 3, 8, 5);
+        let n = block * nb;
+        for (s, seed) in [(7usize, 10u64), (0, 20)] {
+            let q = Var::from_tensor(&rand(&[heads, n, d], seed)).unwrap();
+            let kc = Var::from_tensor(&rand(&[s, kvh, d], seed + 1)).unwrap();
+            let vc = Var::from_tensor(&rand(&[s, kvh, vd], seed + 2)).unwrap();
+            let kb = Var::from_tensor(&rand(&[kvh, n, d], seed + 3)).unwrap();
+            let vb = Var::from_tensor(&rand(&[kvh, n, vd], seed + 4)).unwrap();
+            // row r sees the context up to (r * 5) % (s + 1) and its block's keys up to r % block
+            let mask: Vec<f32> = (0..n * (s + block))
+                .map(|i| {
+                    let (r, c) = (i / (s + block), i % (s + block));
+                    let seen = match c < s {
+                        true => c < (r * 5) % (s + 1),
+                        false => c - s <= r % block,
+                    };
+                    if seen {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (n, s + block), &Device::Cpu).unwrap();
+            let w = rand(&[n, heads * vd], seed + 5);
+            let run = |fused: bool| {
+                let (kt, vt) = (
+                    kc.as_tensor().transpose(0, 1).unwrap(),
+                    vc.as_tensor().transpose(0, 1).unwrap(),
+                );
+                let ctx = (s > 0).then_some((&kt, &vt));
+                let o = sdpa_blocks_with(q.as_tensor(), ctx, &kb, &vb, block, &mask, 0.35, fused)
+                    .unwrap();
+                let g = (&o * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let grads: Vec<Tensor> = [&q, &kc, &vc, &kb, &vb]
+                    .iter()
+                    .filter(|v| v.elem_count() > 0)
+                    .map(|v| g.get(v.as_tensor()).unwrap().clone())
+                    .collect();
+                (o, grads)
+            };
+            let ((of, gf), (oc, gc)) = (run(true), run(false));
+            assert!(
+                max_diff(&of, &oc) < 1e-5,
+                "s {s}: result off by {}",
+                max_diff(&of, &oc)
+            );
+            assert_eq!(gf.len(), gc.len());
+            for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
+                assert_eq!(a.dims(), b.dims());
+                let scale = max_diff(b, &b.zeros_like().unwrap());
+                assert!(scale > 1e-3, "s {s}: gradient {i} is zero");
+                assert!(
+                    max_diff(a, b) < 1e-4 * scale.max(1.0),
+                    "s {s}: gradient {i} off by {} (scale {scale})",
+                    max_diff(a, b)
+                );
+            }
+        }
     }
 
     /// The fused masked softmax and its gradient equal candle's chain (broadcast add, softmax)

@@ -571,14 +571,21 @@ impl Trainer {
         let m = labels.len();
         let wsum: f64 = weights.iter().map(|&w| w as f64).sum();
         let count = weights.iter().filter(|&&w| w > 0.0).count();
-        // Row-1 accuracy (cheap: argmax over the rows already computed).
-        let pred = logits.detach().argmax(D::Minus1)?.to_vec1::<u32>()?;
+        // Row-1 accuracy: the argmax of each block's first row only (over every row it was
+        // ~2.7 ms of a 512-block step's ~170 on an H100, session 51's ncu).
+        let first: Vec<u32> = (0..nb).map(|b| (b * (q - 1)) as u32).collect();
+        let first = Tensor::from_vec(first, nb, &self.device)?;
+        let pred = logits
+            .detach()
+            .index_select(&first, 0)?
+            .argmax(D::Minus1)?
+            .to_vec1::<u32>()?;
         let (mut hit, mut tot) = (0, 0);
-        for b in 0..nb {
+        for (b, &p) in pred.iter().enumerate() {
             let r = b * (q - 1);
             if weights[r] > 0.0 {
                 tot += 1;
-                hit += usize::from(pred[r] == labels[r]);
+                hit += usize::from(p == labels[r]);
             }
         }
         let vocab = logits.dim(1)?;
