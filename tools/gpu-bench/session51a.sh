@@ -10,10 +10,21 @@
 # default, then ncu over steps 6-7 at the default (session46b.sh). Session 50's runs:
 # 0.167-0.179 s a step (~42k block tokens/s), ~20x what the step's arithmetic needs.
 #   run(command="bash tools/gpu-bench/session51a.sh", carry=[".device/dflash.xz", "tools/goldens/wheels"])
+# Session 51 ran it with PACKS="default 1" OOM_BEFORE=0 (docs/perf.md); session 52 with
+# FUSED=training_ops_match_the_cpu first (carry .device/fused_cuda.xz too).
 set -uo pipefail
 T0=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/env.sh" dflash
+# FUSED=<filter>: tests/fused_cuda.rs (carry .device/fused_cuda.xz) on that filter first, e.g.
+# FUSED=training_ops_match_the_cpu (session 51's block attention op against the CPU)
+if [ -n "${FUSED:-}" ]; then
+  xz -dc "$here/../../.device/fused_cuda.xz" > /tmp/stash/fused_cuda && chmod +x /tmp/stash/fused_cuda
+  timeout 150 /tmp/stash/fused_cuda --test-threads=1 --nocapture $FUSED > /tmp/fused.txt 2>&1
+  echo "### fused_cuda $FUSED: rc $?"
+  grep -E "^test |test result" /tmp/fused.txt | head -8
+  grep -A8 panicked /tmp/fused.txt | head -16
+fi
 smol_session s51a
 seqs=/root/rand-seqs.jsonl
 $PY - "$seqs" <<'PY'
