@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Split a GGUF into parts small enough for one device call each (the call carries at most
-# 64 MiB with the ~42 MB tree), for the GPU machine, which has no network (issue 26):
+# 64 MiB with the tree, ~48 MB since session 51's 21.9 MB draft: 15 MB parts), for the GPU machine, which has no network (issue 26):
 #   tools/train/stage_gguf.sh ~/.cache/dflash/models/SmolLM2-135M-Instruct.Q4_1.gguf [PART_MB]
 # writes .device/gguf/part-00 .. and .device/gguf/MANIFEST (name, parts, sha256). Then one call
 # per part, back to back (a machine stays warm 30 s):
@@ -9,7 +9,7 @@
 # together would pass 64 MiB with the tree. stage.sh reports when the file is whole.
 set -euo pipefail
 src=${1:?GGUF}
-mb=${2:-20}
+mb=${2:-15}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=$root/.device/gguf
 rm -rf "$out" && mkdir -p "$out"
