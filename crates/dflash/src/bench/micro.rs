@@ -291,6 +291,14 @@ pub fn run_micro(p: &Pipeline, o: &MicroOptions) -> Result<Vec<MicroResult>> {
         None,
         us,
     ));
+    // plain temperature (no filters): what a T > 0 verify row costs on the host
+    let mut plain = Sampler::new(SamplingParams {
+        temperature: 1.0,
+        seed: o.seed,
+        ..Default::default()
+    });
+    let us = time_per_call(&mut || sink ^= plain.sample(&row));
+    out.push(summarize(format!("sampling T=1 (vocab {vocab})"), None, us));
     let mut sampler = Sampler::new(SamplingParams {
         temperature: 0.7,
         top_p: 0.9,
