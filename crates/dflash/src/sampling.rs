@@ -434,6 +434,18 @@ impl Sampler {
         let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         let total: f32 = cand.iter().map(|c| c.1).sum();
         if p.top_p < 1.0 {
+            // Candidates of weight >= tau come first in the order, before every other: when
+            // they hold the nucleus's mass (with the margin below), the nucleus is among them
+            // and the rest are dropped in one pass (the largest weight is 1, exp(0)).
+            let mut tau = 1e-4f32;
+            while tau > 0.0 && cand.len() > 64 {
+                let mass: f32 = cand.iter().filter(|c| c.1 >= tau).map(|c| c.1).sum();
+                if mass >= p.top_p * total * 1.001 {
+                    cand.retain(|c| c.1 >= tau);
+                    break;
+                }
+                tau = if tau > 1e-20 { tau * 1e-4 } else { 0.0 };
+            }
             // The nucleus is usually a few tokens out of a large vocabulary: select and sort
             // a growing head (O(V) each) instead of sorting all V entries.
             let mut k = 64.min(cand.len());
