@@ -663,8 +663,8 @@ pub(crate) mod glu {
 pub(crate) mod argmax {
     use crate::nn::q8::Simd;
 
-    /// See the module doc.
-    pub(crate) fn argmax(simd: Simd, row: &[f32]) -> u32 {
+    /// The row's largest value, NaNs skipped (-inf when none is larger).
+    pub(crate) fn max(simd: Simd, row: &[f32]) -> f32 {
         let (m, i) = match simd {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the level is one the CPU has (q8::simd_level / simd_levels).
@@ -674,7 +674,12 @@ pub(crate) mod argmax {
             Simd::Avx2 => unsafe { x86::max_avx2(row) },
             _ => (f32::NEG_INFINITY, 0),
         };
-        let m = row[i..].iter().fold(m, |m, &v| if v > m { v } else { m });
+        row[i..].iter().fold(m, |m, &v| if v > m { v } else { m })
+    }
+
+    /// See the module doc.
+    pub(crate) fn argmax(simd: Simd, row: &[f32]) -> u32 {
+        let m = max(simd, row);
         if m <= f32::NEG_INFINITY {
             return 0;
         }
@@ -774,7 +779,7 @@ pub(crate) mod argmax {
 
     #[cfg(test)]
     mod tests {
-        use super::argmax;
+        use super::{argmax, max};
         use crate::nn::q8::{simd_levels, Simd};
 
         /// `sampling::argmax`'s rule, one value at a time (the reference).
@@ -826,8 +831,10 @@ pub(crate) mod argmax {
             }
             for row in &rows {
                 let want = reference(row);
+                let top = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 for simd in simd_levels().into_iter().chain([Simd::Scalar]) {
                     assert_eq!(argmax(simd, row), want, "{simd:?}, {} values", row.len());
+                    assert_eq!(max(simd, row), top, "{simd:?}, {} values", row.len());
                 }
             }
         }
