@@ -115,8 +115,8 @@ pub(crate) fn block_attention(
     };
     let (kpad, vpad) = (pad(ctx.map(|c| c.0), d)?, pad(ctx.map(|c| c.1), vd)?);
     let scores = qs.matmul(&kpad.t()?)?;
-    let own = lay.from_blocks(
-        &lay.to_blocks(&qs, block, d)?.matmul(&kbb.t()?)?,
+    let own = lay.row_major(
+        &lay.block_major(&qs, block, d)?.matmul(&kbb.t()?)?,
         block,
         block,
     )?;
@@ -126,8 +126,8 @@ pub(crate) fn block_attention(
         rep * n,
         s + block,
     ))?;
-    let pb = lay.to_blocks(&p.narrow(2, s, block)?.contiguous()?, block, block)?;
-    let out = (p.matmul(&vpad)? + lay.from_blocks(&pb.matmul(&vbb)?, block, vd)?)?;
+    let pb = lay.block_major(&p.narrow(2, s, block)?.contiguous()?, block, block)?;
+    let out = (p.matmul(&vpad)? + lay.row_major(&pb.matmul(&vbb)?, block, vd)?)?;
     let (k_all, v_all) = match ctx {
         Some((kc, vc)) => (Tensor::cat(&[kc, kb], 1)?, Tensor::cat(&[vc, vb], 1)?),
         None => (kb.clone(), vb.clone()),
@@ -234,26 +234,26 @@ impl CustomOp3 for BlockAttention {
         let kvh = lay.kvh;
         let g = grad.to_dtype(DType::F32)?.contiguous()?;
         let gb = lay
-            .to_blocks(&g, block, vd)
+            .block_major(&g, block, vd)
             .map_err(candle_core::Error::wrap)?;
         // dP: the context's columns (the padded values make the blocks' columns 0), then the
         // blocks' own written over those
         let dp = g.matmul(&self.vpad.t()?)?;
         let dp_own = lay
-            .from_blocks(&gb.matmul(&self.vbb.t()?)?, block, block)
+            .row_major(&gb.matmul(&self.vbb.t()?)?, block, block)
             .map_err(candle_core::Error::wrap)?;
         dp.slice_set(&dp_own, 2, s)?;
         let ds = self.p.apply_op2_no_bwd(&dp, &SoftmaxBwd)?;
         drop(dp);
         let dsb = lay
-            .to_blocks(&ds.narrow(2, s, block)?.contiguous()?, block, block)
+            .block_major(&ds.narrow(2, s, block)?.contiguous()?, block, block)
             .map_err(candle_core::Error::wrap)?;
         let dq_own = lay
-            .from_blocks(&dsb.matmul(&self.kbb)?, block, d)
+            .row_major(&dsb.matmul(&self.kbb)?, block, d)
             .map_err(candle_core::Error::wrap)?;
         let dq = ((ds.matmul(&self.kpad)? + dq_own)? * self.scale)?.reshape((heads, n, d))?;
         let qb = lay
-            .to_blocks(&self.qs, block, d)
+            .block_major(&self.qs, block, d)
             .map_err(candle_core::Error::wrap)?;
         let dkb = dsb.t()?.matmul(&qb)?.reshape((kvh, n, d))?;
         let dvb = self.pb.t()?.matmul(&gb)?.reshape((kvh, n, vd))?;
