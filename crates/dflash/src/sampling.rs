@@ -414,9 +414,9 @@ impl Sampler {
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
         let p = &self.params;
         let t = p.temperature.max(1e-6);
-        let maxl = crate::nn::cpu_ops::argmax::max(crate::nn::q8::simd_level(), logits);
-        let mut w = vec![0f32; logits.len()];
         let simd = crate::nn::q8::simd_level();
+        let maxl = crate::nn::cpu_ops::argmax::max(simd, logits);
+        let mut w = vec![0f32; logits.len()];
         crate::nn::cpu_ops::glu::exp_weights(simd, logits, maxl, t, &mut w);
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
@@ -525,10 +525,10 @@ impl Sampler {
             // exp once (vectorized, `cpu_ops::glu::exp_weights`), kept for the scan (libm's exps
             // were most of a 49,152-token row's ~235 us on this CPU).
             let t = p.temperature.max(1e-6);
-            let maxl = crate::nn::cpu_ops::argmax::max(crate::nn::q8::simd_level(), logits);
+            let simd = crate::nn::q8::simd_level();
+            let maxl = crate::nn::cpu_ops::argmax::max(simd, logits);
             let mut w = std::mem::take(&mut self.weights);
             w.resize(logits.len(), 0.0);
-            let simd = crate::nn::q8::simd_level();
             crate::nn::cpu_ops::glu::exp_weights(simd, logits, maxl, t, &mut w);
             let total: f64 = w.iter().map(|&x| x as f64).sum();
             let target = self.rng.uniform() * total;

@@ -1243,10 +1243,10 @@ pub(crate) fn sdpa_blocks_with(
         return heads_out(o, heads, n, vd);
     }
     let q = (q * scale)?.reshape((kvh, rep * n, d))?;
-    let block_major = |t: &Tensor, x: usize, y: usize| lay.block_major(t, x, y);
-    let row_major = |t: &Tensor, x: usize, y: usize| lay.row_major(t, x, y);
-    let own = block_major(&q, block, d)?.matmul(&kb.reshape((kvh * nb, block, d))?.t()?)?; // [kvh * nb, rep * block, block]
-    let own = row_major(&own, block, block)?; // [kvh, rep * n, block]
+    let own = lay
+        .block_major(&q, block, d)?
+        .matmul(&kb.reshape((kvh * nb, block, d))?.t()?)?; // [kvh * nb, rep * block, block]
+    let own = lay.row_major(&own, block, block)?; // [kvh, rep * n, block]
     let s = ctx.map_or(Ok(0), |(k, _)| k.dim(1))?;
     let scores = match ctx {
         Some((kc, _)) => Tensor::cat(&[&q.matmul(&kc.t()?)?, &own], 2)?,
@@ -1265,9 +1265,9 @@ pub(crate) fn sdpa_blocks_with(
             false => candle_nn::ops::softmax_last_dim(&m)?,
         }
     };
-    let p_own = block_major(&probs.narrow(2, s, block)?.contiguous()?, block, block)?;
+    let p_own = lay.block_major(&probs.narrow(2, s, block)?.contiguous()?, block, block)?;
     let o_own = p_own.matmul(&vb.reshape((kvh * nb, block, vd))?)?; // [kvh * nb, rep * block, vd]
-    let mut o = row_major(&o_own, block, vd)?;
+    let mut o = lay.row_major(&o_own, block, vd)?;
     if let Some((_, vc)) = ctx {
         o = (o + probs.narrow(2, 0, s)?.contiguous()?.matmul(vc)?)?;
     }
